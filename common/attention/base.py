@@ -1,0 +1,43 @@
+"""The seam between the model and the paged KV cache."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from common.forward_batch import ForwardBatch
+from common.memory.kv_pool import KVPool
+
+
+class AttentionBackend(ABC):
+    """Writes the new tokens' K/V into the pool and attends over each request's pages."""
+
+    def __init__(self, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float):
+        self.kv_pool = kv_pool
+        self.num_q_heads = num_q_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+    @abstractmethod
+    def init_forward(self, batch: ForwardBatch) -> None:
+        """Prepare per-batch metadata once, before the first layer runs."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq, D]."""
+
+
+def make_attention_backend(name: str, device: str, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float) -> AttentionBackend:
+    if name == "auto":
+        name = "flashinfer" if device == "cuda" else "torch"
+    if name == "torch":
+        from common.attention.torch_backend import TorchAttention
+
+        return TorchAttention(kv_pool, num_q_heads, head_dim, scaling)
+    if name == "flashinfer":
+        if device != "cuda":
+            raise ValueError("attention_backend 'flashinfer' needs --device cuda")
+        from common.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling)
+    raise ValueError(f"unknown attention_backend {name!r}; choose torch or flashinfer")

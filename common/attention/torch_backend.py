@@ -1,0 +1,49 @@
+"""Reference attention on any device: gather each request's KV slots, then SDPA."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.attention.base import AttentionBackend
+from common.forward_batch import ForwardBatch, ForwardMode
+
+
+class TorchAttention(AttentionBackend):
+    def init_forward(self, batch: ForwardBatch) -> None:
+        seq_lens = batch.seq_lens.tolist()
+        rows = batch.req_pool_indices
+        if batch.mode == ForwardMode.DECODE:
+            max_len = max(seq_lens)
+            table = batch.req_to_token[rows, :max_len].long()
+            valid = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens.to(table.device)[:, None]
+            self._kv_index = torch.where(valid, table, 0)  # slot 0 is the padding page
+            self._decode_mask = valid[:, None, None, :]  # [B, 1, 1, S]
+            return
+        self._extend = []
+        start = 0
+        for i, (seq_len, ext) in enumerate(zip(seq_lens, batch.extend_lens.tolist())):
+            kv_index = batch.req_to_token[rows[i], :seq_len].long()
+            q_pos = torch.arange(seq_len - ext, seq_len, device=kv_index.device)
+            mask = torch.arange(seq_len, device=kv_index.device)[None, :] <= q_pos[:, None]
+            self._extend.append((start, ext, kv_index, mask))
+            start += ext
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        pool = self.kv_pool
+        pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_k(layer_id), pool.get_v(layer_id)
+        if batch.mode == ForwardMode.DECODE:
+            keys = k_buf[self._kv_index].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+            vals = v_buf[self._kv_index].transpose(1, 2).to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, vals, attn_mask=self._decode_mask, scale=self.scaling, enable_gqa=True
+            )
+            return out[:, :, 0, :]
+        out = torch.empty_like(q)
+        for start, ext, kv_index, mask in self._extend:
+            keys = k_buf[kv_index].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+            vals = v_buf[kv_index].transpose(0, 1).to(q.dtype)
+            qi = q[start : start + ext].transpose(0, 1)  # [Hq, E, D]
+            oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            out[start : start + ext] = oi.transpose(0, 1)
+        return out

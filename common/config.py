@@ -1,0 +1,84 @@
+"""One config object per server process, validated once at start-up.
+
+Every field is a CLI flag (`--page-size`) and an environment variable (`TANDEM_PAGE_SIZE`).
+Derived values are properties, never copies.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DisaggMode = Literal["null", "prefill", "decode"]
+
+
+class ServerConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid", frozen=True)
+
+    model: str = Field("builtin", description="HF safetensors dir, GGUF file, or 'builtin'")
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1, le=65535)
+    disagg_mode: DisaggMode = "null"
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    seed: int = 0
+
+    # memory
+    page_size: int = Field(16, ge=1, le=256)
+    max_running_requests: int = Field(32, ge=1)
+    max_total_tokens: int = Field(65536, ge=64, description="KV cache capacity in tokens")
+    context_length: int | None = Field(None, ge=16, description="default: the model's")
+    chunked_prefill_size: int = Field(512, description="tokens per prefill chunk; <=0 disables")
+    max_prefill_tokens: int = Field(4096, ge=16, description="token budget of one prefill batch")
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    disable_radix_cache: bool = False
+    max_queued_requests: int = Field(1024, ge=1)
+
+    # PD disaggregation
+    transfer_backend: Literal["mooncake", "nixl", "loopback"] = "mooncake"
+    bootstrap_port: int = Field(8998, ge=1, le=65535)
+    bootstrap_url: str | None = Field(None, description="standalone bootstrap server for prefill to register with")
+    bootstrap_timeout_s: float = Field(300.0, gt=0)
+    kv_wait_timeout_s: float = Field(300.0, gt=0)
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    heartbeat_max_misses: int = Field(2, ge=1)
+    cluster_secret: str | None = None
+
+    # serving
+    api_key: str | None = None
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    log_requests: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServerConfig":
+        if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:
+            raise ValueError(
+                f"chunked_prefill_size ({self.chunked_prefill_size}) must be a multiple of page_size ({self.page_size})"
+            )
+        if self.transfer_backend == "loopback" and self.disagg_mode != "null":
+            raise ValueError("transfer_backend 'loopback' is for unit tests only; use mooncake or nixl")
+        return self
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.chunked_prefill_size > 0
+
+    def summary(self) -> str:
+        items = self.model_dump(exclude={"api_key", "cluster_secret"})
+        items["api_key"] = "set" if self.api_key else None
+        items["cluster_secret"] = "set" if self.cluster_secret else None
+        width = max(len(k) for k in items)
+        return "\n".join(f"  {k:<{width}} = {v}" for k, v in items.items())

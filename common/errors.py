@@ -1,0 +1,63 @@
+"""Errors are values with a cause; the HTTP edge turns each into one JSON error response.
+
+Body shape (OpenAI-compatible): {"error": {"message": str, "type": str, "code": int, "param": str | None}}
+"""
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """An error that ends one request. `status` is the HTTP status the client sees."""
+
+    status: int = 500
+    type: str = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if status is not None:
+            self.status = status
+
+    def to_dict(self) -> dict:
+        return error_body(self.message, self.type, self.status, self.param)
+
+
+class InvalidRequest(TandemError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(TandemError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(TandemError):
+    status = 404
+    type = "not_found_error"
+
+
+class Overloaded(TandemError):
+    status = 503
+    type = "overloaded_error"
+
+
+class RequestAborted(TandemError):
+    status = 499
+    type = "aborted"
+
+
+class KVTransferError(TandemError):
+    """The KV cache of one request could not be moved between prefill and decode."""
+
+    status = 502
+    type = "kv_transfer_error"
+
+    def __init__(self, room: int, reason: str):
+        super().__init__(f"KV transfer for room {room} failed: {reason}")
+        self.room = room
+        self.reason = reason
+
+
+def error_body(message: str, type: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "code": code, "param": param}}

@@ -1,0 +1,33 @@
+"""What one model forward needs to know about the batch: small, tensor-only, built by the runner."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: new tokens of each request on top of its cached prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64, all requests' new tokens concatenated
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot of every new token
+    req_pool_indices: torch.Tensor  # [B] int64, row of each request in req_to_token
+    seq_lens: torch.Tensor  # [B] int64 on CPU, tokens with KV after this forward
+    extend_lens: torch.Tensor  # [B] int64 on CPU, new tokens per request (1 in decode)
+    logits_indices: torch.Tensor  # [L] int64, rows of the hidden states that need logits
+    req_to_token: torch.Tensor  # the whole ReqToTokenPool table
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def prefix_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.extend_lens

@@ -1,0 +1,160 @@
+"""The FastAPI app of every engine server (monolithic, prefill, decode): SGLang and OpenAI endpoints."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common import openai_api
+from common.engine import Engine
+from common.errors import InvalidRequest, TandemError, Unauthorized, error_body
+from common.protocol import GenerateRequest, parse_body
+from common.serving import Choice, GenInput, check_input, collect, new_rid, raise_if_failed, stream_choices, tokenize_text
+
+log = logging.getLogger("tandem.http")
+OPEN_PATHS = {"/health", "/metrics"}
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="Tandem", version="0.1.0")
+    app.state.engine = engine
+    _install_middleware(app, engine)
+
+    @app.exception_handler(TandemError)
+    async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = parse_body(await request.body(), GenerateRequest)
+        gen = generate_input(engine, body)
+        if body.stream:
+            return sse(generate_stream(engine, gen, body))
+        choices = await collect(engine, gen)
+        results = [generate_result(gen, c, body) for c in choices]
+        return JSONResponse(results[0] if len(results) == 1 else results)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        gen = GenInput(new_rid("health-"), [engine.tokenizer.eos_token_id or 0], _one_token())
+        await collect(engine, gen)
+        return Response(status_code=200)
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        counts = (await engine.call(engine.kv.check_integrity)).to_dict()  # raises on a leak
+        return {
+            "config": engine.config.model_dump(exclude={"api_key", "cluster_secret"}),
+            "model_path": str(engine.model_dir),
+            "context_length": engine.context_len,
+            "kv_pages": counts,
+            "num_running_reqs": len(engine.scheduler.running),
+            "num_waiting_reqs": len(engine.scheduler.waiting),
+            "num_retractions": engine.scheduler.num_retractions,
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    openai_api.add_routes(app, engine)
+    return app
+
+
+def _one_token():
+    from common.sampling_params import SamplingParams
+
+    return SamplingParams(max_new_tokens=1, temperature=0)
+
+
+def _install_middleware(app: FastAPI, engine: Engine) -> None:
+    cfg = engine.config
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        start = time.monotonic()
+        path = request.url.path
+        try:
+            if cfg.api_key and path not in OPEN_PATHS:
+                _check_api_key(request.headers.get("authorization", ""), cfg.api_key)
+            length = int(request.headers.get("content-length") or 0)
+            if length > cfg.max_request_bytes:
+                raise TandemError(f"request body of {length} bytes exceeds the limit of {cfg.max_request_bytes}", param="body", status=413)
+            response = await call_next(request)
+        except TandemError as e:
+            response = JSONResponse(e.to_dict(), status_code=e.status)
+        if path not in OPEN_PATHS:
+            engine.metrics.requests.labels(path, str(response.status_code)).inc()
+            if response.status_code >= 400:
+                log.info("%s %s -> %d (%.1f ms)", request.method, path, response.status_code, 1000 * (time.monotonic() - start))
+        return response
+
+
+def _check_api_key(header: str, key: str) -> None:
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'", param="authorization")
+
+
+def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
+    if (body.text is None) == (body.input_ids is None):
+        raise InvalidRequest("give exactly one of text or input_ids", param="text")
+    ids = body.input_ids if body.input_ids is not None else tokenize_text(engine, body.text, "text")
+    gen = GenInput(
+        rid=body.rid or new_rid(), prompt_ids=ids, params=body.sampling_params,
+        return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+        logprob_start_len=body.logprob_start_len if body.return_logprob else -1, bootstrap=body.bootstrap,
+    )
+    check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
+    return gen
+
+
+def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": gen.rid if gen.params.n == 1 else f"{gen.rid}-{c.index}",
+        "finish_reason": c.finish.to_dict() if c.finish else None,
+        "prompt_tokens": len(gen.prompt_ids),
+        "completion_tokens": len(c.output_ids),
+        "cached_tokens": c.meta.get("cached_tokens", 0),
+    }
+    if body.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
+        if body.top_logprobs_num:
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top or []] for top in c.top_logprobs]
+        if gen.logprob_start_len >= 0:
+            lps = c.meta.get("input_token_logprobs") or [None] * len(gen.prompt_ids)
+            start = gen.logprob_start_len
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[start:], gen.prompt_ids[start:])]
+    return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
+
+
+async def generate_stream(engine: Engine, gen: GenInput, body: GenerateRequest) -> AsyncIterator[bytes]:
+    choices = [Choice(i) for i in range(gen.params.n)]
+    try:
+        async for i, ev in stream_choices(engine, gen):
+            choices[i].add(ev)
+            raise_if_failed(ev.finish)
+            yield sse_event(generate_result(gen, choices[i], body) | {"index": i})
+    except TandemError as e:
+        yield sse_event(e.to_dict())
+    yield b"data: [DONE]\n\n"
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse(stream: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+__all__ = ["create_app", "error_body", "sse", "sse_event"]

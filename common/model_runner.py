@@ -1,0 +1,110 @@
+"""Turns a scheduled batch into one model forward and one sampling call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.attention.base import AttentionBackend
+from common.forward_batch import ForwardBatch, ForwardMode
+from common.model.llama import LlamaForCausalLM
+from common.request import Req
+from common.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class BatchPlan:
+    """What the scheduler decided to run: per request, how many new tokens and where their KV goes."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    out_cache_locs: list[torch.Tensor]
+    sample: list[bool]  # False for a prefill chunk that is not the request's last
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+@dataclass
+class BatchResult:
+    token_ids: list[int | None]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    input_logprobs: list[list[float] | None]  # per request: logprobs of the prompt tokens this chunk predicted
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, req_to_token: torch.Tensor, device: str):
+        self.model = model
+        self.attn = attn
+        self.req_to_token = req_to_token
+        self.device = device
+        self.sampler = Sampler()
+
+    def run(self, plan: BatchPlan) -> BatchResult:
+        batch, logit_spans = self._build(plan)
+        self.attn.init_forward(batch)
+        logits = self.model(batch, self.attn)
+        last_rows = torch.tensor([end - 1 for _, end in logit_spans], device=logits.device)
+        sample_idx = [i for i, s in enumerate(plan.sample) if s]
+        result = BatchResult([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
+        if sample_idx:
+            rows = [self._sampling_row(plan.reqs[i]) for i in sample_idx]
+            out = self.sampler.sample(logits[last_rows[sample_idx]], rows)
+            for j, i in enumerate(sample_idx):
+                result.token_ids[i], result.logprobs[i], result.top_logprobs[i] = out.token_ids[j], out.logprobs[j], out.top_logprobs[j]
+        for i, req in enumerate(plan.reqs):
+            start, end = logit_spans[i]
+            if end - start > 1 or (req.logprob_start_len >= 0 and plan.mode == ForwardMode.EXTEND):
+                result.input_logprobs[i] = self._input_logprobs(req, plan.extend_lens[i], logits[start:end])
+        return result
+
+    def _build(self, plan: BatchPlan) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+        ids, positions, logits_idx, spans = [], [], [], []
+        token_start = 0
+        for req, ext in zip(plan.reqs, plan.extend_lens):
+            prefix = req.kv_len - ext
+            ids.extend(req.fill_ids[prefix : req.kv_len])
+            positions.extend(range(prefix, req.kv_len))
+            want_all = plan.mode == ForwardMode.EXTEND and req.logprob_start_len >= 0
+            first = token_start if want_all else token_start + ext - 1
+            spans.append((len(logits_idx), len(logits_idx) + token_start + ext - first))
+            logits_idx.extend(range(first, token_start + ext))
+            token_start += ext
+        dev = self.device
+        batch = ForwardBatch(
+            mode=plan.mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.cat(plan.out_cache_locs).to(dev),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in plan.reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor([r.kv_len for r in plan.reqs], dtype=torch.int64),
+            extend_lens=torch.tensor(plan.extend_lens, dtype=torch.int64),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            req_to_token=self.req_to_token,
+        )
+        return batch, spans
+
+    @staticmethod
+    def _input_logprobs(req: Req, ext: int, logits: torch.Tensor) -> list[float]:
+        """Row j predicts the token after position kv_len - ext + j; keep those inside the prompt."""
+        first_pos = req.kv_len - ext
+        targets = [p + 1 for p in range(first_pos, req.kv_len) if p + 1 < len(req.prompt_ids)]
+        if not targets:
+            return []
+        logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        ids = torch.tensor([req.prompt_ids[t] for t in targets], device=logp.device)
+        return logp.gather(1, ids[:, None])[:, 0].tolist()
+
+    @staticmethod
+    def _sampling_row(req: Req) -> SamplingRow:
+        return SamplingRow(
+            params=req.params,
+            prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids,
+            generator=req.generator,
+            top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+            return_logprob=req.return_logprob,
+        )

@@ -1,0 +1,148 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)."""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from common.engine import Engine
+from common.errors import InvalidRequest, NotFound, TandemError
+from common.protocol import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
+from common.serving import Choice, GenInput, check_input, collect, created, new_rid, raise_if_failed, stream_choices, tokenize_text, usage
+
+FINISH = {"stop": "stop", "length": "length"}
+
+
+def add_routes(app: FastAPI, engine: Engine) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": engine.context_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionRequest)
+        _check_model(engine, body)
+        ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine, body.prompt, "prompt")
+        gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs)
+        return await _respond(engine, gen, body, "text_completion", _completion_choice)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        _check_model(engine, body)
+        ids = _apply_chat_template(engine, body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        gen = _gen_input(engine, body, ids, max_tokens, "messages", "max_tokens", top)
+        return await _respond(engine, gen, body, "chat.completion", _chat_choice)
+
+
+def _check_model(engine: Engine, body: OpenAIBase) -> None:
+    if body.model not in (None, "", engine.model_name, "default"):
+        raise NotFound(f"model {body.model!r} does not exist; this server serves {engine.model_name!r}", param="model")
+
+
+def _apply_chat_template(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+    try:
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja errors from the model's own template
+        raise InvalidRequest(f"messages: the chat template rejected them: {e}", param="messages") from None
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int | None, param: str, max_param: str, top: int | None) -> GenInput:
+    if max_tokens is None:
+        max_tokens = max(engine.context_len - len(ids), 0)
+    gen = GenInput(
+        rid=new_rid(), prompt_ids=ids, params=body.sampling_params(max_tokens),
+        return_logprob=top is not None, top_logprobs_num=top or 0, bootstrap=body.bootstrap,
+    )
+    check_input(engine, gen, param, max_param)
+    return gen
+
+
+async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice) -> Response:
+    rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + gen.rid
+    if body.stream:
+        from common.http_server import sse
+
+        return sse(_stream(engine, gen, body, kind, rid))
+    choices = await collect(engine, gen)
+    return JSONResponse({
+        "id": rid, "object": kind, "created": created(), "model": engine.model_name,
+        "choices": [make_choice(engine, c, gen) for c in choices],
+        "usage": usage(choices, len(gen.prompt_ids)),
+    })
+
+
+def _completion_choice(engine: Engine, c: Choice, gen: GenInput) -> dict[str, Any]:
+    return {"index": c.index, "text": c.text, "logprobs": _completion_logprobs(engine, c) if gen.return_logprob else None,
+            "finish_reason": FINISH.get(c.finish.type) if c.finish else None}
+
+
+def _chat_choice(engine: Engine, c: Choice, gen: GenInput) -> dict[str, Any]:
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": _chat_logprobs(engine, c)} if gen.return_logprob else None,
+            "finish_reason": FINISH.get(c.finish.type) if c.finish else None}
+
+
+def _token_str(engine: Engine, token: int) -> str:
+    return engine.tokenizer.convert_tokens_to_string([engine.tokenizer.convert_ids_to_tokens(token)])
+
+
+def _completion_logprobs(engine: Engine, c: Choice) -> dict[str, Any]:
+    tokens = [_token_str(engine, t) for t in c.output_ids]
+    return {
+        "tokens": tokens,
+        "token_logprobs": c.logprobs,
+        "top_logprobs": [{_token_str(engine, t): lp for t, lp in top or []} for top in c.top_logprobs],
+        "text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))],
+    }
+
+
+def _chat_logprobs(engine: Engine, c: Choice) -> list[dict[str, Any]]:
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        s = _token_str(engine, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return [entry(t, lp) | {"top_logprobs": [entry(tt, tlp) for tt, tlp in top or []]}
+            for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)]
+
+
+async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str) -> AsyncIterator[bytes]:
+    chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
+    base = {"id": rid, "object": chunk_kind, "created": created(), "model": engine.model_name}
+    choices = [Choice(i) for i in range(gen.params.n)]
+    is_chat = kind == "chat.completion"
+    if is_chat:
+        for c in choices:
+            yield _sse(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+    try:
+        async for i, ev in stream_choices(engine, gen):
+            c = choices[i]
+            c.add(ev)
+            raise_if_failed(ev.finish)
+            if not ev.text and ev.finish is None and not gen.return_logprob:
+                continue
+            finish = FINISH.get(ev.finish.type) if ev.finish else None
+            part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs)
+            if is_chat:
+                lp = {"content": _chat_logprobs(engine, part)} if gen.return_logprob else None
+                choice = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "logprobs": lp, "finish_reason": finish}
+            else:
+                lp = _completion_logprobs(engine, part) if gen.return_logprob else None
+                choice = {"index": i, "text": ev.text, "logprobs": lp, "finish_reason": finish}
+            yield _sse(base | {"choices": [choice]})
+        if body.stream_options and body.stream_options.include_usage:
+            yield _sse(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})
+    except TandemError as e:
+        yield _sse(e.to_dict())
+    yield b"data: [DONE]\n\n"
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

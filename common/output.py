@@ -1,0 +1,93 @@
+"""Per-token bookkeeping on the scheduler thread: detokenize, check stop conditions, emit events."""
+from __future__ import annotations
+
+import time
+
+from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from common.metrics import EngineMetrics
+from common.request import FinishReason, OutputEvent, Req
+from common.sampler import make_generator
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], context_len: int, device: str, metrics: EngineMetrics | None = None):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.device = device
+        self.metrics = metrics
+
+    def prepare(self, req: Req) -> None:
+        p = req.params
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens)
+        req.stop_matcher = StopStringMatcher(p.stop or [], include_stop=p.no_stop_trim) if p.stop else None
+        req.generator = make_generator(p.seed, self.device)
+        if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
+            req.input_logprobs = [None] * len(req.prompt_ids)
+
+    def add_input_logprobs(self, req: Req, extend_len: int, values: list[float]) -> None:
+        first = req.kv_len - extend_len + 1
+        req.input_logprobs[first : first + len(values)] = values
+
+    def commit_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> FinishReason | None:
+        """Append one sampled token, emit what the client may see now, and say whether `req` is done."""
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if self.metrics:
+                self.metrics.ttft.observe(now - req.arrival_time)
+        elif self.metrics and req.last_token_time is not None:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.output_top_logprobs.append(top)
+        finish = self._token_finish(req, token)
+        text = ""
+        if not (finish and finish.matched == token):  # a stop token is not rendered
+            text, finish = self._render(req, [token], finish)
+        if finish is not None:
+            text += req.detokenizer.flush() if finish.type == "length" else ""
+            if req.stop_matcher is not None and finish.type == "length":
+                text += req.stop_matcher.flush()
+        self._emit(req, OutputEvent(req.rid, [token], text, [logprob], [top]))
+        return finish
+
+    def _token_finish(self, req: Req, token: int) -> FinishReason | None:
+        p = req.params
+        n_out = len(req.output_ids)
+        if n_out >= p.min_new_tokens:
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return FinishReason("stop", matched=token)
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason("stop", matched=token)
+        if n_out >= p.max_new_tokens or req.seq_len >= self.context_len:
+            return FinishReason("length")
+        return None
+
+    def _render(self, req: Req, tokens: list[int], finish: FinishReason | None) -> tuple[str, FinishReason | None]:
+        delta = req.detokenizer.add(tokens)
+        if req.stop_matcher is None:
+            return delta, finish
+        text, matched = req.stop_matcher.feed(delta)
+        if matched:
+            return text, FinishReason("stop", matched=matched if isinstance(matched, str) else req.stop_matcher.matched)
+        return text, finish
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish = reason
+        meta = {
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.prefix_hit_len,
+        }
+        if req.input_logprobs:
+            meta["input_token_logprobs"] = req.input_logprobs
+        if self.metrics:
+            self.metrics.finished.labels(reason.type).inc()
+        self._emit(req, OutputEvent(req.rid, [], "", finish=reason, meta=meta))
+
+    @staticmethod
+    def _emit(req: Req, event: OutputEvent) -> None:
+        if req.sink is not None:
+            req.sink(event)

@@ -1,0 +1,124 @@
+"""Request bodies of the client HTTP API (SGLang /generate and OpenAI), validated with pydantic.
+
+Unknown top-level fields are ignored (OpenAI clients send many); wrong types and out-of-range values
+are 400 errors that name the field. Sampling parameters themselves are strict.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
+
+
+class PDFields(BaseModel):
+    """Injected by the router (SGLang's PD convention); absent in monolithic use."""
+
+    model_config = ConfigDict(extra="ignore")
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
+
+    @property
+    def bootstrap(self) -> dict[str, Any] | None:
+        if self.bootstrap_room is None:
+            return None
+        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port, "bootstrap_room": self.bootstrap_room}
+
+
+class GenerateRequest(PDFields):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    logprob_start_len: int = Field(-1, ge=-1)
+    rid: str | None = Field(None, max_length=256)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIBase(PDFields):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(OpenAIBase):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
+                raise ValueError("only text content parts are supported")
+            return "".join(p["text"] for p in v)
+        return v
+
+
+class ChatCompletionRequest(OpenAIBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """Bytes of an HTTP body -> validated model, or InvalidRequest naming the problem."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start})", param="body") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object", param="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "body"
+        raise InvalidRequest(f"{field}: {err['msg']}", param=field) from None

@@ -1,0 +1,93 @@
+"""The one object that carries a request through the scheduler, the pools and the output stream."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from common.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued for prefill (also after retraction)
+    BOOTSTRAPPING = "bootstrapping"  # PD: waiting for the peer before any compute or transfer
+    TRANSFERRING = "transferring"  # PD: KV is moving between prefill and decode
+    RUNNING = "running"  # prefilled; in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    message: str | None = None
+    status: int | None = None  # HTTP status for aborts caused by a fault
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class OutputEvent:
+    """New output of one request since its last event; `finish` is set on the last one."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    finish: FinishReason | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
+    sink: Callable[[OutputEvent], None] | None = None
+    bootstrap: dict[str, Any] | None = None  # PD: bootstrap_host / bootstrap_port / bootstrap_room
+
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+    # memory: tokens [0, cached_len) sit in locked radix-tree pages, [cached_len, kv_len) in pages this
+    # request owns; req_to_token[req_pool_idx, :kv_len] holds their KV slots.
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: Any = None
+    prefix_hit_len: int = 0  # cached tokens reused at the first prefill, reported to the client
+    retractions: int = 0
+
+    # runtime helpers, owned by the scheduler
+    detokenizer: Any = None
+    stop_matcher: Any = None
+    generator: Any = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs before it can sample the next one."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)

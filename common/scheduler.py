@@ -1,0 +1,232 @@
+"""Continuous batching: one `step()` = pick a batch, run it, commit its results.
+
+Prefill has priority (as in SGLang): a step runs new/chunked prompts when any wait and fit, else one
+decode token for every running request. Roles (PD prefill / decode) extend this class through the
+hooks at the bottom; the monolithic server uses it as is.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from collections import deque
+from typing import Callable
+
+from common.config import ServerConfig
+from common.forward_batch import ForwardMode
+from common.memory.manager import KVCacheManager
+from common.model_runner import BatchPlan, BatchResult, ModelRunner
+from common.output import OutputProcessor
+from common.request import FinishReason, Req, ReqStatus
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: ServerConfig, runner: ModelRunner | None, kv: KVCacheManager, output: OutputProcessor):
+        self.config = config
+        self.runner = runner
+        self.kv = kv
+        self.output = output
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.num_retractions = 0
+
+    # -- called from other threads -------------------------------------------------------------
+    def submit(self, req: Req) -> None:
+        self.inbox.put(("add", req))
+
+    def abort(self, rid: str, reason: str = "aborted by client", status: int = 499) -> None:
+        self.inbox.put(("abort", (rid, reason, status)))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the scheduler thread between two steps."""
+        self.inbox.put(("call", fn))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling round. Returns False when there was nothing to do."""
+        self.drain_inbox()
+        self.poll_role_queues()
+        plan = self.schedule_prefill() or self.schedule_decode()
+        if plan is None:
+            return False
+        result = self.runner.run(plan)
+        self.process_result(plan, result)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked) or self.role_has_work()
+
+    def drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.add_request(arg)
+            elif kind == "abort":
+                self.abort_now(*arg)
+            else:
+                arg()
+
+    def add_request(self, req: Req) -> None:
+        self.output.prepare(req)
+        self.waiting.append(req)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def schedule_prefill(self) -> BatchPlan | None:
+        budget = self.config.max_prefill_tokens
+        plan = BatchPlan(ForwardMode.EXTEND, [], [], [], [])
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            used = self._add_chunk(plan, req, budget)
+            if used == 0:
+                self.chunked = req  # wait for memory; admit nobody ahead of it
+                return None
+            budget -= used
+        while self.waiting and budget > 0 and self.chunked is None and self._has_room_for_another(plan):
+            req = self.waiting[0]
+            if req.req_pool_idx is None:
+                if not self.kv.can_admit():
+                    break
+                self._admit(req)
+            used = self._add_chunk(plan, req, budget)
+            if used == 0:
+                self.kv.release(req, cache=False)
+                break
+            self.waiting.popleft()
+            budget -= used
+        return plan if plan.reqs else None
+
+    def _admit(self, req: Req) -> None:
+        limit = len(req.fill_ids) - 1  # at least one token must run to produce logits
+        if req.logprob_start_len >= 0:
+            limit = min(limit, req.logprob_start_len)
+        self.kv.admit(req, 0 if self.config.disable_radix_cache else limit)
+        if not req.output_ids:
+            req.prefix_hit_len = req.cached_len
+
+    def _has_room_for_another(self, plan: BatchPlan) -> bool:
+        return len(self.running) + len(plan.reqs) + self.num_held_elsewhere() < self.config.max_running_requests
+
+    def _chunk_len(self, req: Req, budget: int) -> int:
+        """Tokens of the next chunk: all that remain, or a page-aligned piece within the budget."""
+        remaining = len(req.fill_ids) - req.kv_len
+        limit = budget
+        if self.config.chunked_prefill_enabled:
+            limit = min(limit, self.config.chunked_prefill_size)
+        if remaining <= limit:
+            return remaining
+        return limit - (req.kv_len + limit) % self.config.page_size
+
+    def _add_chunk(self, plan: BatchPlan, req: Req, budget: int) -> int:
+        """Add the next chunk of `req` to the plan if memory allows; returns its length or 0."""
+        n = self._chunk_len(req, budget)
+        is_last = n == len(req.fill_ids) - req.kv_len
+        reserve = min(req.params.max_new_tokens, 16) if is_last else 0  # room for the first decode steps
+        alone = not self.running and not plan.reqs
+        if n <= 0 or not (self.kv.can_extend(req, n + reserve) or (alone and self.kv.can_extend(req, n))):
+            return 0
+        plan.reqs.append(req)
+        plan.extend_lens.append(n)
+        plan.out_cache_locs.append(self.kv.extend(req, n))
+        plan.sample.append(is_last)
+        if not is_last:
+            self.chunked = req
+        return n
+
+    # -- decode --------------------------------------------------------------------------------
+    def schedule_decode(self) -> BatchPlan | None:
+        if not self.running:
+            return None
+        while len(self.running) > 1 and not self._decode_fits():
+            self.retract(self.running[-1])
+        if not self._decode_fits():
+            self.finish(self.running[0], FinishReason("abort", message="KV cache exhausted", status=503))
+            return None
+        reqs = list(self.running)
+        locs = [self.kv.extend(r, 1) for r in reqs]
+        return BatchPlan(ForwardMode.DECODE, reqs, [1] * len(reqs), locs, [True] * len(reqs))
+
+    def _decode_fits(self) -> bool:
+        page = self.config.page_size
+        need = sum(1 for r in self.running if r.kv_len % page == 0)
+        counts = self.kv.page_counts()
+        return need <= counts.available
+
+    def retract(self, req: Req) -> None:
+        """Give back a running request's KV (kept in the prefix cache) and queue it again."""
+        self.running.remove(req)
+        self.kv.release(req, cache=not self.config.disable_radix_cache)
+        req.status = ReqStatus.WAITING
+        req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        log.info("retracted %s (%d output tokens) to free KV pages", req.rid, len(req.output_ids))
+
+    # -- results -------------------------------------------------------------------------------
+    def process_result(self, plan: BatchPlan, result: BatchResult) -> None:
+        for i, req in enumerate(plan.reqs):
+            if result.input_logprobs[i] is not None:
+                self.output.add_input_logprobs(req, plan.extend_lens[i], result.input_logprobs[i])
+            if req.finished:  # aborted while the batch ran
+                continue
+            if plan.mode == ForwardMode.EXTEND:
+                self.on_prefill_chunk(req, plan.extend_lens[i], last=plan.sample[i])
+            if not plan.sample[i]:
+                continue
+            if plan.mode == ForwardMode.EXTEND and not self.on_prefill_done(req, result, i):
+                continue
+            finish = self.output.commit_token(req, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            if finish is not None:
+                self.finish(req, finish)
+            elif req.status != ReqStatus.RUNNING:
+                req.status = ReqStatus.RUNNING
+                self.running.append(req)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req, cache=not self.config.disable_radix_cache)
+        req.status = ReqStatus.FINISHED
+        self.output.finish(req, reason)
+
+    def abort_now(self, rid: str, reason: str, status: int) -> None:
+        req = self.find(rid)
+        if req is None or req.finished:
+            return
+        self.finish(req, FinishReason("abort", message=reason, status=status))
+
+    def find(self, rid: str) -> Req | None:
+        for req in [*self.waiting, *self.running, self.chunked, *self.role_requests()]:
+            if req is not None and req.rid == rid:
+                return req
+        return None
+
+    # -- role hooks (PD) -----------------------------------------------------------------------
+    def poll_role_queues(self) -> None:
+        """Move requests between the role's own queues and the scheduler's."""
+
+    def role_has_work(self) -> bool:
+        return False
+
+    def role_requests(self) -> list[Req]:
+        return []
+
+    def num_held_elsewhere(self) -> int:
+        """Requests holding a row outside `running` (e.g. waiting for a KV transfer)."""
+        return 0
+
+    def on_prefill_chunk(self, req: Req, extend_len: int, last: bool) -> None:
+        """The KV of `extend_len` more tokens of `req` is now in the pool."""
+
+    def on_prefill_done(self, req: Req, result: BatchResult, index: int) -> bool:
+        """The whole prompt is in the pool and a token was sampled. False: the role takes the request."""
+        return True

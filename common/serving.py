@@ -1,0 +1,151 @@
+"""From a validated API request to engine requests and back: tokenize, check limits, fan out `n`,
+merge the event streams, and accumulate one result per choice."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from common.engine import Engine
+from common.errors import InvalidRequest, TandemError
+from common.request import FinishReason, OutputEvent, Req
+from common.sampling_params import SamplingParams
+
+
+@dataclass
+class GenInput:
+    """Everything the engine needs for one API request (all `n` choices)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    bootstrap: dict[str, Any] | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[Any] = field(default_factory=list)
+    finish: FinishReason | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, ev: OutputEvent) -> None:
+        self.text += ev.text
+        self.output_ids += ev.token_ids
+        self.logprobs += ev.logprobs
+        self.top_logprobs += ev.top_logprobs
+        if ev.finish is not None:
+            self.finish, self.meta = ev.finish, ev.meta
+
+
+def new_rid(prefix: str = "") -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def tokenize_text(engine: Engine, text: str, param: str) -> list[int]:
+    if not text:
+        raise InvalidRequest(f"{param} must not be empty", param=param)
+    return engine.tokenizer.encode(text)
+
+
+def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str) -> None:
+    n = len(gen.prompt_ids)
+    vocab = engine.hf_config.vocab_size
+    if n == 0:
+        raise InvalidRequest(f"{param} must not be empty", param=param)
+    if min(gen.prompt_ids) < 0 or max(gen.prompt_ids) >= vocab:
+        raise InvalidRequest(f"{param}: token ids must be in [0, {vocab})", param=param)
+    if n >= engine.context_len:
+        raise InvalidRequest(
+            f"{param} has {n} tokens; this server's context length is {engine.context_len}", param=param
+        )
+    if n + gen.params.max_new_tokens > engine.context_len:
+        raise InvalidRequest(
+            f"{max_tokens_param}: {n} prompt tokens + {gen.params.max_new_tokens} new tokens exceed the context "
+            f"length {engine.context_len}; ask for at most {engine.context_len - n}",
+            param=max_tokens_param,
+        )
+
+
+def make_reqs(gen: GenInput) -> list[Req]:
+    reqs = []
+    for i in range(gen.params.n):
+        params = gen.params
+        if params.n > 1 and params.seed is not None:
+            params = params.model_copy(update={"seed": params.seed + i})
+        reqs.append(Req(
+            rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
+            prompt_ids=gen.prompt_ids,
+            params=params,
+            return_logprob=gen.return_logprob,
+            top_logprobs_num=gen.top_logprobs_num,
+            logprob_start_len=gen.logprob_start_len,
+            bootstrap=gen.bootstrap,
+        ))
+    return reqs
+
+
+async def stream_choices(engine: Engine, gen: GenInput) -> AsyncIterator[tuple[int, OutputEvent]]:
+    """Run the `n` requests of `gen` concurrently; yield (choice index, event) as they come."""
+    reqs = make_reqs(gen)
+    if len(reqs) == 1:
+        async for ev in engine.generate(reqs[0]):
+            yield 0, ev
+        return
+    merged: asyncio.Queue[tuple[int, OutputEvent | None]] = asyncio.Queue()
+
+    async def pump(i: int, req: Req) -> None:
+        async for ev in engine.generate(req):
+            await merged.put((i, ev))
+        await merged.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        done = 0
+        while done < len(tasks):
+            i, ev = await merged.get()
+            if ev is None:
+                done += 1
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(engine: Engine, gen: GenInput) -> list[Choice]:
+    choices = [Choice(i) for i in range(gen.params.n)]
+    async for i, ev in stream_choices(engine, gen):
+        choices[i].add(ev)
+    for c in choices:
+        raise_if_failed(c.finish)
+    return choices
+
+
+def raise_if_failed(finish: FinishReason | None) -> None:
+    if finish is not None and finish.type == "abort":
+        raise TandemError(finish.message or "request aborted", status=finish.status or 500)
+
+
+def usage(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+    completion = sum(len(c.output_ids) for c in choices)
+    cached = max((c.meta.get("cached_tokens", 0) for c in choices), default=0)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def created() -> int:
+    return int(time.time())

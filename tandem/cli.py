@@ -1,0 +1,72 @@
+"""`tandem serve | router | bootstrap | up | bench` — the composition root."""
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+
+from pydantic import BaseModel
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """One --flag per config field; unset flags stay unset so TANDEM_* env vars can fill them."""
+    for name, field in model.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = field.annotation
+        args = typing.get_args(kind)
+        help_text = (field.description or "") + f" [env TANDEM_{name.upper()}, default {field.default}]"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(flag, choices=args, default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from common.config import ServerConfig
+
+    parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run one engine server (monolithic, prefill or decode)")
+    add_model_flags(serve, ServerConfig)
+    up = sub.add_parser("up", help="bring up a whole local cluster on the built-in model")
+    from tandem.up import add_up_flags
+
+    add_up_flags(up)
+    bench = sub.add_parser("bench", help="load-test any endpoint")
+    from tandem.bench import add_bench_flags
+
+    add_bench_flags(bench)
+    router = sub.add_parser("router", help="run the PD router")
+    router.add_argument("rest", nargs=argparse.REMAINDER)
+    boot = sub.add_parser("bootstrap", help="run a standalone bootstrap server")
+    boot.add_argument("--host", default="127.0.0.1")
+    boot.add_argument("--port", type=int, default=8998)
+    boot.add_argument("--cluster-secret", default=None)
+
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        from tandem.server import serve_from_args
+
+        serve_from_args(ns)
+    elif ns.command == "up":
+        from tandem.up import run_up
+
+        sys.exit(run_up(ns))
+    elif ns.command == "bench":
+        from tandem.bench import run_bench
+
+        run_bench(ns)
+    elif ns.command == "router":
+        from tandem.router_cli import run_router_cli
+
+        run_router_cli(ns.rest)
+    elif ns.command == "bootstrap":
+        from bootstrap.server import run_bootstrap
+
+        run_bootstrap(ns.host, ns.port, ns.cluster_secret)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Start one engine server: config, start-up summary, engine of the right role, uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import uvicorn
+from pydantic import ValidationError
+
+from common.config import ServerConfig
+
+log = logging.getLogger("tandem")
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def serve_from_args(ns: argparse.Namespace) -> None:
+    kwargs = {k: v for k, v in vars(ns).items() if k != "command"}
+    try:
+        config = ServerConfig(**kwargs)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "config"
+        sys.exit(f"tandem serve: --{field.replace('_', '-')}: {err['msg']}")
+    serve(config)
+
+
+def build_engine(config: ServerConfig):
+    from common.engine import Engine
+
+    if config.disagg_mode == "prefill":
+        from prefill_node.server import build_prefill_engine
+
+        return build_prefill_engine(config)
+    if config.disagg_mode == "decode":
+        from decode_node.server import build_decode_engine
+
+        return build_decode_engine(config)
+    return Engine(config)
+
+
+def serve(config: ServerConfig) -> None:
+    role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
+    setup_logging(role)
+    log.info("starting Tandem %s with config:\n%s", role, config.summary())
+    t0 = time.monotonic()
+    engine = build_engine(config)
+    engine.start()
+    from common.http_server import create_app
+
+    app = create_app(engine)
+    counts = engine.kv.page_counts()
+    log.info(
+        "ready in %.1f s: model %s (%d layers, context %d), KV %d pages x %d tokens, dtype %s, device %s, attention %s",
+        time.monotonic() - t0, engine.model_name, engine.hf_config.num_hidden_layers, engine.context_len,
+        counts.total, config.page_size, config.torch_dtype_name, config.device, type(engine.runner.attn).__name__,
+    )
+    log.info("serving on http://%s:%d", config.host, config.port)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+        log.info("stopped")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # transfer engines (UCX) can crash in interpreter teardown

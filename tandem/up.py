@@ -1,0 +1,135 @@
+"""`tandem up`: the whole cluster on this machine, supervised; Ctrl-C / SIGTERM stops every child."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    health_url: str
+    proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def add_up_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the endpoint clients use")
+    p.add_argument("--mode", choices=["pd", "monolithic"], default="pd")
+    p.add_argument("--transfer-backend", choices=["mooncake", "nixl"], default="mooncake")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--base-port", type=int, default=30000, help="first port of the prefill/decode servers")
+    p.add_argument("--bootstrap-port", type=int, default=8998)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("extra", nargs="*", help="more `tandem serve` flags for every engine server, after --")
+
+
+def plan_children(ns: argparse.Namespace) -> list[Child]:
+    py = [sys.executable, "-m", "tandem"]
+    common = ["--model", ns.model, "--host", ns.host, "--device", ns.device, *ns.extra]
+    if ns.mode == "monolithic":
+        argv = py + ["serve", "--disagg-mode", "null", "--port", str(ns.port), *common]
+        return [Child("server", argv, f"http://{ns.host}:{ns.port}/health")]
+    children, prefills, decodes = [], [], []
+    for i in range(ns.num_prefill):
+        port, boot = ns.base_port + i, ns.bootstrap_port + i
+        argv = py + ["serve", "--disagg-mode", "prefill", "--port", str(port), "--bootstrap-port", str(boot),
+                     "--transfer-backend", ns.transfer_backend, *common]
+        children.append(Child(f"prefill-{i}", argv, f"http://{ns.host}:{port}/health"))
+        prefills += ["--prefill", f"http://{ns.host}:{port}", str(boot)]
+    for j in range(ns.num_decode):
+        port = ns.base_port + 100 + j
+        argv = py + ["serve", "--disagg-mode", "decode", "--port", str(port), "--transfer-backend", ns.transfer_backend, *common]
+        children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health"))
+        decodes += ["--decode", f"http://{ns.host}:{port}"]
+    router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port)]
+    children.append(Child("router", router, f"http://{ns.host}:{ns.port}/readiness"))
+    return children
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def stop_all(children: list[Child]) -> None:
+    for c in reversed(children):
+        if c.proc and c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + 10
+    for c in children:
+        if c.proc:
+            try:
+                c.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def run_up(ns: argparse.Namespace) -> int:
+    children = plan_children(ns)
+    stopping = False
+
+    def on_signal(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if ns.model == "builtin":  # convert once, before several processes want it at the same time
+            print("[up] preparing the built-in model (first run converts it, about a minute)...", flush=True)
+            subprocess.run([sys.executable, "-c", "from common.model.loader import resolve_model_dir as r; r('builtin')"], check=True)
+        for c in children:
+            print(f"[up] starting {c.name}: {' '.join(c.argv[2:])}", flush=True)
+            c.proc = subprocess.Popen(c.argv, env=os.environ | c.env)
+        return _supervise(ns, children, lambda: stopping)
+    finally:
+        print("[up] stopping every process...", flush=True)
+        stop_all(children)
+        print("[up] stopped", flush=True)
+
+
+def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:
+    deadline = time.monotonic() + ns.startup_timeout
+    pending = list(children)
+    while pending and not stopping():
+        for c in list(pending):
+            if c.proc.poll() is not None:
+                print(f"[up] {c.name} exited with code {c.proc.returncode} during start-up; see its log above", flush=True)
+                return 1
+            if healthy(c.health_url):
+                print(f"[up] {c.name} is healthy", flush=True)
+                pending.remove(c)
+        if time.monotonic() > deadline:
+            print(f"[up] timed out waiting for {[c.name for c in pending]}", flush=True)
+            return 1
+        time.sleep(0.5)
+    if stopping():
+        return 0
+    url = f"http://{ns.host}:{ns.port}"
+    print(f"\n[up] Tandem is serving on {url} (OpenAI-compatible). Try:\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
+          f"[up] press Ctrl-C to stop\n", flush=True)
+    while not stopping():
+        for c in children:
+            if c.proc.poll() is not None:
+                print(f"[up] {c.name} exited with code {c.proc.returncode}; stopping the cluster", flush=True)
+                return 1
+        time.sleep(0.5)
+    return 0

@@ -1,0 +1,89 @@
+"""Shared fixtures: real server processes on 127.0.0.1 and the built-in model."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `python -m tandem <args>` child process; stop() kills it and its log is kept for failures."""
+
+    def __init__(self, args: list[str], port: int, name: str = "server", health: str = "/health"):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.name = name
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
+        self._log = open(self.log_path, "wb")
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem", *args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.health = health
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.name} not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def info(self) -> dict:
+        r = httpx.get(self.url + "/get_server_info", timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Pool integrity holds and no page is held by a request (all back to free or cache)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pages = self.info()["kv_pages"]
+            if pages["in_use"] == 0 and pages["locked"] == 0:
+                assert pages["free"] + pages["cached"] == pages["total"]
+                return pages
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} still holds KV pages: {pages}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_server(*args: str, name: str = "server") -> ServerProcess:
+    port = free_port()
+    return ServerProcess(["serve", "--port", str(port), *args], port, name=name)
+
+
+@pytest.fixture(scope="session")
+def builtin_model_dir() -> Path:
+    from common.model.loader import resolve_model_dir
+
+    return resolve_model_dir("builtin")
