@@ -26,7 +26,7 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.metrics import EngineMetrics
 from common.model.llama import head_dim_of
-from common.model.loader import load_hf_config, load_model, resolve_model_dir
+from common.model.loader import display_name, load_hf_config, load_model, resolve_model_dir
 from common.model_runner import ModelRunner
 from common.output import OutputProcessor
 from common.request import FinishReason, OutputEvent, Req
@@ -44,7 +44,7 @@ class Engine:
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model_name = config.served_model_name or self.model_dir.name
+        self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.context_len = self._context_len()
         self.metrics = EngineMetrics()

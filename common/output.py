@@ -70,9 +70,7 @@ class OutputProcessor:
         if req.stop_matcher is None:
             return delta, finish
         text, matched = req.stop_matcher.feed(delta)
-        if matched:
-            return text, FinishReason("stop", matched=matched if isinstance(matched, str) else req.stop_matcher.matched)
-        return text, finish
+        return text, FinishReason("stop", matched=matched) if matched else finish
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason

@@ -56,6 +56,13 @@ def resolve_model_dir(model: str) -> Path:
     )
 
 
+def display_name(model: str) -> str:
+    """The name /v1/models reports for `model`."""
+    if model in BUILTIN_NAMES:
+        return "SmolLM2-135M-Instruct"
+    return Path(model.rstrip("/")).stem if model.endswith(".gguf") else Path(model.rstrip("/")).name
+
+
 def convert_gguf(gguf: Path, name: str) -> Path:
     """Dequantize a GGUF file into float32 safetensors, once; later calls reuse the cached copy."""
     stat = gguf.stat()

@@ -1,0 +1,62 @@
+"""CUDA attention with FlashInfer's paged prefill/decode kernels, reading the pool's pages in place.
+
+The pool's per-layer buffer [(num_pages + 1) * page_size, H, D] is viewed as
+[num_pages + 1, page_size, H, D] (FlashInfer's NHD paged layout); page ids come from req_to_token.
+"""
+from __future__ import annotations
+
+import torch
+
+from common.attention.base import AttentionBackend
+from common.forward_batch import ForwardBatch, ForwardMode
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class FlashInferAttention(AttentionBackend):
+    def __init__(self, kv_pool, num_q_heads: int, head_dim: int, scaling: float):
+        super().__init__(kv_pool, num_q_heads, head_dim, scaling)
+        import flashinfer
+
+        device = kv_pool.k_buffers[0].device
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        group = num_q_heads // kv_pool.kv_heads
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=group >= 4)
+        self.page_size = kv_pool.page_size
+
+    def _page_table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        page = self.page_size
+        device = self.workspace.device
+        seq_lens = batch.seq_lens.to(device)
+        num_pages = (seq_lens + page - 1) // page
+        max_pages = int(num_pages.max())
+        table = batch.req_to_token[batch.req_pool_indices, : max_pages * page : page].long() // page
+        valid = torch.arange(max_pages, device=device)[None, :] < num_pages[:, None]
+        kv_indices = table[valid].to(torch.int32)
+        kv_indptr = torch.zeros(len(num_pages) + 1, dtype=torch.int32, device=device)
+        kv_indptr[1:] = torch.cumsum(num_pages, 0)
+        last_page_len = ((seq_lens - 1) % page + 1).to(torch.int32)
+        return kv_indptr, kv_indices, last_page_len
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        indptr, indices, last_len = self._page_table(batch)
+        pool = self.kv_pool
+        common = dict(sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)
+        if batch.mode == ForwardMode.DECODE:
+            self.decode.plan(indptr, indices, last_len, self.num_q_heads, pool.kv_heads, self.head_dim, self.page_size,
+                             pos_encoding_mode="NONE", **common)
+            return
+        qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=indptr.device)
+        qo_indptr[1:] = torch.cumsum(batch.extend_lens.to(indptr.device), 0)
+        self.prefill.plan(qo_indptr, indptr, indices, last_len, self.num_q_heads, pool.kv_heads, self.head_dim,
+                          self.page_size, causal=True, **common)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        pool = self.kv_pool
+        pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        shape = (-1, self.page_size, pool.kv_heads, self.head_dim)
+        cache = (pool.get_k(layer_id).view(shape), pool.get_v(layer_id).view(shape))
+        q = q.to(pool.dtype).contiguous()
+        wrapper = self.decode if batch.mode == ForwardMode.DECODE else self.prefill
+        return wrapper.run(q, cache)

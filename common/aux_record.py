@@ -1,0 +1,38 @@
+"""The fixed-size aux record prefill writes into the decode's aux slot after the last KV chunk."""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+MAX_TOP = 20
+_HEAD = struct.Struct("<qiiifi")  # room, first token, cached tokens, prompt len, logprob, number of top entries
+_TOP = struct.Struct(f"<{MAX_TOP}i{MAX_TOP}f")
+RECORD_BYTES = _HEAD.size + _TOP.size
+NO_LOGPROB = float("nan")
+
+
+@dataclass
+class AuxRecord:
+    room: int
+    first_token: int
+    cached_tokens: int
+    prompt_len: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+    def pack(self) -> bytes:
+        top = (self.top_logprobs or [])[:MAX_TOP]
+        ids = [t for t, _ in top] + [0] * (MAX_TOP - len(top))
+        lps = [lp for _, lp in top] + [0.0] * (MAX_TOP - len(top))
+        lp = NO_LOGPROB if self.logprob is None else self.logprob
+        n_top = len(top) if self.top_logprobs is not None else -1
+        return _HEAD.pack(self.room, self.first_token, self.cached_tokens, self.prompt_len, lp, n_top) + _TOP.pack(*ids, *lps)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "AuxRecord":
+        if len(raw) != RECORD_BYTES:
+            raise ValueError(f"aux record has {len(raw)} bytes, expected {RECORD_BYTES}")
+        room, tok, cached, plen, lp, n_top = _HEAD.unpack_from(raw)
+        vals = _TOP.unpack_from(raw, _HEAD.size)
+        top = None if n_top < 0 else [(vals[i], vals[MAX_TOP + i]) for i in range(min(n_top, MAX_TOP))]
+        return cls(room, tok, cached, plen, None if lp != lp else lp, top)

@@ -1,0 +1,41 @@
+"""Registered host memory holding one aux record per in-flight transfer; prefill writes a slot remotely."""
+from __future__ import annotations
+
+import torch
+
+from common.aux_record import RECORD_BYTES
+
+
+class AuxPool:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.buffer = torch.zeros(num_slots, RECORD_BYTES, dtype=torch.uint8)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def data_ptr(self) -> int:
+        return self.buffer.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def can_alloc(self) -> bool:
+        return bool(self._free)
+
+    def alloc(self) -> int:
+        slot = self._free.pop()
+        self.buffer[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"aux slot {slot} is out of range or already free")
+        self._free.append(slot)
+
+    def read(self, slot: int) -> bytes:
+        return self.buffer[slot].numpy().tobytes()
+
+    def check_integrity(self, in_use: int) -> None:
+        if len(set(self._free)) != len(self._free) or len(self._free) + in_use != self.num_slots:
+            raise RuntimeError(f"aux pool leak: {len(self._free)} free + {in_use} in use != {self.num_slots}")
