@@ -61,7 +61,7 @@ def test_generate_stream_ends_with_the_non_stream_result(server):
 
 
 def test_n_choices_with_seeds_are_reproducible(server):
-    body = {"prompt": "Tell me a story.", "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 7}
+    body = {"prompt": "Tell me a story.", "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 7, "ignore_eos": True}
     a = post(server, "/v1/completions", body).json()
     b = post(server, "/v1/completions", body).json()
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
