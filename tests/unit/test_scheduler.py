@@ -1,0 +1,158 @@
+"""The scheduler with real pools and a fake model runner: batching, chunking, prefix reuse,
+retraction and aborts, with pool integrity checked after every step."""
+from __future__ import annotations
+
+import pytest
+
+from common.config import ServerConfig
+from common.forward_batch import ForwardMode
+from common.memory.allocator import PagedAllocator
+from common.memory.manager import KVCacheManager
+from common.memory.prefix_cache import NoPrefixCache
+from common.memory.radix_cache import RadixCache
+from common.memory.req_to_token_pool import ReqToTokenPool
+from common.model_runner import BatchPlan, BatchResult
+from common.output import OutputProcessor
+from common.request import Req
+from common.sampling_params import SamplingParams
+from common.scheduler import Scheduler
+
+VOCAB = 1000
+
+
+class FakeTokenizer:
+    eos_token_id = 999
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class FakeRunner:
+    """Next token = (last token of the sequence so far + 1) % VOCAB; records every plan."""
+
+    def __init__(self):
+        self.plans: list[BatchPlan] = []
+
+    def run(self, plan: BatchPlan) -> BatchResult:
+        self.plans.append(plan)
+        n = len(plan.reqs)
+        ids = [(r.fill_ids[r.kv_len - 1] + 1) % VOCAB if s else None for r, s in zip(plan.reqs, plan.sample)]
+        return BatchResult(ids, [None] * n, [None] * n, [None] * n)
+
+
+def make(pages: int = 64, page_size: int = 4, radix: bool = True, **cfg) -> tuple[Scheduler, FakeRunner]:
+    config = ServerConfig(page_size=page_size, max_total_tokens=pages * page_size, **cfg)
+    allocator = PagedAllocator(pages, page_size)
+    cache = RadixCache(allocator, page_size) if radix else NoPrefixCache(allocator, page_size)
+    kv = KVCacheManager(ReqToTokenPool(config.max_running_requests + 2, 512, "cpu"), allocator, cache, page_size)
+    runner = FakeRunner()
+    out = OutputProcessor(FakeTokenizer(), {999}, context_len=500, device="cpu")
+    return Scheduler(config, runner, kv, out), runner
+
+
+def req(rid: str, prompt: list[int], max_new: int = 4, events: list | None = None) -> Req:
+    r = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0))
+    if events is not None:
+        r.sink = events.append
+    return r
+
+
+def run_until_idle(s: Scheduler, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if not s.step():
+            break
+        s.kv.check_integrity()
+    assert not s.has_work()
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    return [(prompt[-1] + i) % VOCAB for i in range(1, n + 1)]
+
+
+def test_batch_of_requests_completes_with_exact_tokens_and_no_leak():
+    s, runner = make()
+    reqs = [req(f"r{i}", list(range(10 * i, 10 * i + 7)), max_new=5) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    run_until_idle(s)
+    for r in reqs:
+        assert r.output_ids == expected_output(r.prompt_ids, 5)
+        assert r.finish.type == "length"
+    assert runner.plans[0].mode == ForwardMode.EXTEND and len(runner.plans[0].reqs) == 4
+    assert all(p.mode == ForwardMode.DECODE and len(p.reqs) == 4 for p in runner.plans[1:])
+    counts = s.kv.check_integrity()
+    assert counts.owned == counts.locked == 0 and counts.free + counts.evictable == 64
+
+
+def test_chunked_prefill_splits_long_prompt_into_page_aligned_chunks():
+    s, runner = make(chunked_prefill_size=8)
+    r = req("long", list(range(1, 22)), max_new=2)
+    s.add_request(r)
+    run_until_idle(s)
+    assert [p.extend_lens[0] for p in runner.plans if p.mode == ForwardMode.EXTEND] == [8, 8, 5]
+    assert [p.sample[0] for p in runner.plans if p.mode == ForwardMode.EXTEND] == [False, False, True]
+    assert r.output_ids == expected_output(r.prompt_ids, 2)
+
+
+def test_second_request_reuses_the_cached_prefix():
+    s, runner = make()
+    prompt = list(range(100, 117))  # 17 tokens: 4 full pages can be shared
+    first = req("a", prompt, max_new=1)
+    s.add_request(first)
+    run_until_idle(s)
+    second = req("b", prompt + [5, 6], max_new=1)
+    s.add_request(second)
+    run_until_idle(s)
+    assert second.prefix_hit_len == 16
+    assert runner.plans[-1].extend_lens == [3]
+
+
+def test_retraction_under_memory_pressure_requeues_and_still_finishes_exactly():
+    s, _ = make(pages=12, page_size=4, max_running_requests=4)
+    reqs = [req(f"r{i}", list(range(50 * i + 1, 50 * i + 9)), max_new=12) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    run_until_idle(s)
+    assert s.num_retractions > 0
+    for r in reqs:
+        assert r.output_ids == expected_output(r.prompt_ids, 12)
+
+
+@pytest.mark.parametrize("stage", ["waiting", "chunked", "running"])
+def test_abort_at_any_stage_frees_everything(stage):
+    s, _ = make(chunked_prefill_size=8)
+    events: list = []
+    r = req("x", list(range(1, 30)), max_new=50, events=events)
+    s.add_request(r)
+    if stage == "chunked":
+        s.step()
+        assert s.chunked is r
+    elif stage == "running":
+        while r not in s.running:
+            s.step()
+    s.abort_now("x", "client went away", 499)
+    assert r.finish.type == "abort" and events[-1].finish.message == "client went away"
+    run_until_idle(s)
+    counts = s.kv.check_integrity()
+    assert counts.owned == counts.locked == 0
+
+
+def test_stop_token_and_eos_finish_with_the_matched_token():
+    s, _ = make()
+    r = Req("s", [1, 2, 3], SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=[6]))
+    s.add_request(r)
+    run_until_idle(s)
+    assert r.output_ids == [4, 5, 6] and r.finish.type == "stop" and r.finish.matched == 6
+    e = Req("e", [996], SamplingParams(max_new_tokens=10, temperature=0))
+    s.add_request(e)
+    run_until_idle(s)
+    assert e.output_ids == [997, 998, 999] and e.finish.matched == 999
+
+
+def test_without_radix_cache_every_page_returns_to_the_free_list():
+    s, _ = make(radix=False, disable_radix_cache=True)
+    for i in range(3):
+        s.add_request(req(f"r{i}", list(range(1, 20)), max_new=3))
+    run_until_idle(s)
+    counts = s.kv.check_integrity()
+    assert counts.free == 64
