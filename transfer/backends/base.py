@@ -1,0 +1,41 @@
+"""The data-plane seam: register memory, learn peers, write batches of (src, dst, nbytes)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class TransferBackend(ABC):
+    @abstractmethod
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Make [ptr, ptr + nbytes) readable/writable by peers."""
+
+    @abstractmethod
+    def address(self) -> bytes:
+        """What a peer needs (via add_peer) to write to us."""
+
+    @abstractmethod
+    def add_peer(self, peer_id: str, address: bytes) -> None:
+        """Learn how to reach a peer; idempotent."""
+
+    @abstractmethod
+    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int]) -> None:
+        """Copy every src range into the peer's dst range, synchronously, as one batch; raise on failure."""
+
+    def close(self) -> None:
+        """Release engine resources."""
+
+
+def make_backend(name: str, host: str, protocol: str = "tcp", device: str = "", on_cuda: bool = False) -> TransferBackend:
+    if name == "mooncake":
+        from transfer.backends.mooncake import MooncakeBackend
+
+        return MooncakeBackend(host, protocol, device)
+    if name == "nixl":
+        from transfer.backends.nixl import NixlBackend
+
+        return NixlBackend(on_cuda)
+    if name == "loopback":
+        from transfer.backends.loopback import LoopbackBackend
+
+        return LoopbackBackend()
+    raise ValueError(f"unknown transfer backend {name!r}; choose mooncake or nixl")

@@ -1,0 +1,38 @@
+"""Mooncake Transfer Engine: RDMA when asked for (`--transfer-protocol rdma`), TCP otherwise.
+
+initialize() takes positional arguments only; peers are named by their session id "host:rpc_port".
+Intra-node NVLink on CUDA builds is MC_INTRANODE_NVLINK=true (never protocol "nvlink" on x86).
+"""
+from __future__ import annotations
+
+from transfer.backends.base import TransferBackend
+
+
+class MooncakeBackend(TransferBackend):
+    def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
+        from mooncake.engine import TransferEngine
+
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed with {rc}")
+        self._address = f"{host}:{self.engine.get_rpc_port()}".encode()
+        self.sessions: dict[str, str] = {}
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rc = self.engine.register_memory(ptr, nbytes)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_memory({nbytes} bytes) failed with {rc}")
+
+    def address(self) -> bytes:
+        return self._address
+
+    def add_peer(self, peer_id: str, address: bytes) -> None:
+        self.sessions[peer_id] = address.decode()
+
+    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int]) -> None:
+        if not src:
+            return
+        rc = self.engine.batch_transfer_sync_write(self.sessions[peer_id], src, dst, nbytes)
+        if rc < 0:
+            raise RuntimeError(f"Mooncake batch write of {len(src)} pieces to {self.sessions[peer_id]} failed with {rc}")

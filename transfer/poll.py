@@ -1,0 +1,39 @@
+"""KVPoll: the state of one room's transfer, seen from either side."""
+from __future__ import annotations
+
+import enum
+import threading
+
+
+class KVPoll(enum.IntEnum):
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class PollState:
+    """State only moves up; Failed wins and is final. Safe to read from any thread."""
+
+    def __init__(self, state: KVPoll = KVPoll.Bootstrapping):
+        self.state = state
+        self.reason: str | None = None
+        self._lock = threading.Lock()
+
+    def advance(self, new: KVPoll) -> None:
+        with self._lock:
+            if self.state != KVPoll.Failed and new > self.state:
+                self.state = new
+
+    def fail(self, reason: str) -> bool:
+        """Returns False if the room had already ended (Success or Failed)."""
+        with self._lock:
+            if self.state in (KVPoll.Failed, KVPoll.Success):
+                return False
+            self.state, self.reason = KVPoll.Failed, reason
+            return True
+
+    @property
+    def done(self) -> bool:
+        return self.state in (KVPoll.Failed, KVPoll.Success)
