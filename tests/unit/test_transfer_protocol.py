@@ -71,13 +71,13 @@ def test_wrong_field_types_are_rejected():
 class Side:
     """A fake pool (torch buffers) plus a manager, on 127.0.0.1 with the loopback backend."""
 
-    def __init__(self, mode: str, secret: str | None = None):
+    def __init__(self, mode: str, secret: str | None = None, backend: str = "loopback", timeout: float = 2.0):
         self.k = [torch.zeros((PAGES + 1) * PAGE, 8, dtype=torch.float32) for _ in range(2 * LAYERS)]
         self.aux = torch.zeros(4, AUX_BYTES, dtype=torch.uint8)
         bpp = PAGE * 8 * 4
         self.args = KVArgs([b.data_ptr() for b in self.k], [b.numel() * 4 for b in self.k], [bpp] * len(self.k),
-                           PAGES, PAGE, backend="loopback", secret=secret, aux_ptr=self.aux.data_ptr(),
-                           aux_record_bytes=AUX_BYTES, aux_slots=4, kv_wait_timeout_s=2.0)
+                           PAGES, PAGE, backend=backend, secret=secret, aux_ptr=self.aux.data_ptr(),
+                           aux_record_bytes=AUX_BYTES, aux_slots=4, kv_wait_timeout_s=timeout)
         self.manager = KVManager(self.args, mode)
 
     def page(self, buf: int, p: int) -> torch.Tensor:
