@@ -39,6 +39,9 @@ class ServerConfig(BaseSettings):
 
     # PD disaggregation
     transfer_backend: Literal["mooncake", "nixl", "loopback"] = "mooncake"
+    transfer_protocol: Literal["tcp", "rdma"] = "tcp"
+    transfer_device: str = Field("", description="RDMA device names for Mooncake, e.g. mlx5_0")
+    advertise_host: str | None = Field(None, description="address peers use to reach this server (default: --host)")
     bootstrap_port: int = Field(8998, ge=1, le=65535)
     bootstrap_url: str | None = Field(None, description="standalone bootstrap server for prefill to register with")
     bootstrap_timeout_s: float = Field(300.0, gt=0)
@@ -67,6 +70,16 @@ class ServerConfig(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device == "cuda" else "float32"
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            import socket
+
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
 
     @property
     def num_pages(self) -> int:

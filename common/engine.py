@@ -34,11 +34,15 @@ from common.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SchedulerFactory = Callable[[ServerConfig, ModelRunner, KVCacheManager, OutputProcessor], Scheduler]
+SchedulerFactory = Callable[["Engine"], Scheduler]
+
+
+def monolithic_scheduler(engine: "Engine") -> Scheduler:
+    return Scheduler(engine.config, engine.runner, engine.kv, engine.output)
 
 
 class Engine:
-    def __init__(self, config: ServerConfig, scheduler_factory: SchedulerFactory = Scheduler):
+    def __init__(self, config: ServerConfig, scheduler_factory: SchedulerFactory = monolithic_scheduler):
         self.config = config
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
@@ -63,7 +67,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.context_len, config.device, self.metrics)
-        self.scheduler = scheduler_factory(config, self.runner, self.kv, self.output)
+        self.scheduler = scheduler_factory(self)
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)

@@ -35,7 +35,7 @@ def create_app(engine: Engine) -> FastAPI:
         gen = generate_input(engine, body)
         if body.stream:
             return sse(generate_stream(engine, gen, body))
-        choices = await collect(engine, gen)
+        choices = await collect(engine, gen, request)
         results = [generate_result(gen, c, body) for c in choices]
         return JSONResponse(results[0] if len(results) == 1 else results)
 

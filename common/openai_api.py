@@ -27,7 +27,7 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
         _check_model(engine, body)
         ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine, body.prompt, "prompt")
         gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs)
-        return await _respond(engine, gen, body, "text_completion", _completion_choice)
+        return await _respond(engine, gen, body, "text_completion", _completion_choice, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -37,7 +37,7 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         gen = _gen_input(engine, body, ids, max_tokens, "messages", "max_tokens", top)
-        return await _respond(engine, gen, body, "chat.completion", _chat_choice)
+        return await _respond(engine, gen, body, "chat.completion", _chat_choice, request)
 
 
 def _check_model(engine: Engine, body: OpenAIBase) -> None:
@@ -65,13 +65,13 @@ def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int
     return gen
 
 
-async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice) -> Response:
+async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice, request: Request) -> Response:
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + gen.rid
     if body.stream:
         from common.http_server import sse
 
         return sse(_stream(engine, gen, body, kind, rid))
-    choices = await collect(engine, gen)
+    choices = await collect(engine, gen, request)
     return JSONResponse({
         "id": rid, "object": kind, "created": created(), "model": engine.model_name,
         "choices": [make_choice(engine, c, gen) for c in choices],

@@ -1,12 +1,15 @@
 """Per-token bookkeeping on the scheduler thread: detokenize, check stop conditions, emit events."""
 from __future__ import annotations
 
+import logging
 import time
 
 from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from common.metrics import EngineMetrics
 from common.request import FinishReason, OutputEvent, Req
 from common.sampler import make_generator
+
+log = logging.getLogger("tandem.request")
 
 
 class OutputProcessor:
@@ -81,8 +84,16 @@ class OutputProcessor:
         }
         if req.input_logprobs:
             meta["input_token_logprobs"] = req.input_logprobs
+        now = time.monotonic()
+        ttft = 1000 * (req.first_token_time - req.arrival_time) if req.first_token_time else float("nan")
+        log.info("request %s: %s%s, prompt %d, cached %d, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
+                 req.rid, reason.type, f" ({reason.message})" if reason.message else "", len(req.prompt_ids),
+                 req.prefix_hit_len, len(req.output_ids), ttft, 1000 * (now - req.arrival_time))
         if self.metrics:
             self.metrics.finished.labels(reason.type).inc()
+            self.metrics.e2e.observe(now - req.arrival_time)
+            self.metrics.generated_tokens.inc(len(req.output_ids))
+            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._emit(req, OutputEvent(req.rid, [], "", finish=reason, meta=meta))
 
     @staticmethod

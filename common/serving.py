@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from common.engine import Engine
-from common.errors import InvalidRequest, TandemError
+from common.errors import InvalidRequest, RequestAborted, TandemError
 from common.request import FinishReason, OutputEvent, Req
 from common.sampling_params import SamplingParams
 
@@ -78,9 +78,11 @@ def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str
 def make_reqs(gen: GenInput) -> list[Req]:
     reqs = []
     for i in range(gen.params.n):
-        params = gen.params
+        params, bootstrap = gen.params, gen.bootstrap
         if params.n > 1 and params.seed is not None:
             params = params.model_copy(update={"seed": params.seed + i})
+        if bootstrap is not None and i > 0:  # one room per choice; prefill and decode derive the same
+            bootstrap = bootstrap | {"bootstrap_room": (bootstrap["bootstrap_room"] + i) % 2**63}
         reqs.append(Req(
             rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
             prompt_ids=gen.prompt_ids,
@@ -88,7 +90,7 @@ def make_reqs(gen: GenInput) -> list[Req]:
             return_logprob=gen.return_logprob,
             top_logprobs_num=gen.top_logprobs_num,
             logprob_start_len=gen.logprob_start_len,
-            bootstrap=gen.bootstrap,
+            bootstrap=bootstrap,
         ))
     return reqs
 
@@ -122,7 +124,21 @@ async def stream_choices(engine: Engine, gen: GenInput) -> AsyncIterator[tuple[i
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(engine: Engine, gen: GenInput) -> list[Choice]:
+async def collect(engine: Engine, gen: GenInput, request: Any = None) -> list[Choice]:
+    """All choices of `gen`; when the HTTP client goes away first, the requests are aborted."""
+    task = asyncio.ensure_future(_collect(engine, gen))
+    while request is not None:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            break
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise RequestAborted("client disconnected before the response was ready")
+    return await task
+
+
+async def _collect(engine: Engine, gen: GenInput) -> list[Choice]:
     choices = [Choice(i) for i in range(gen.params.n)]
     async for i, ev in stream_choices(engine, gen):
         choices[i].add(ev)

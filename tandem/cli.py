@@ -24,6 +24,11 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["router"]:  # its own parser: repeated `--prefill URL [PORT]` groups
+        from tandem.router_cli import run_router_cli
+
+        return run_router_cli(argv[1:])
     from common.config import ServerConfig
 
     parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode disaggregated LLM serving")
@@ -38,8 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.bench import add_bench_flags
 
     add_bench_flags(bench)
-    router = sub.add_parser("router", help="run the PD router")
-    router.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("router", help="run the PD router (see `tandem router --help`)")
     boot = sub.add_parser("bootstrap", help="run a standalone bootstrap server")
     boot.add_argument("--host", default="127.0.0.1")
     boot.add_argument("--port", type=int, default=8998)
@@ -58,10 +62,6 @@ def main(argv: list[str] | None = None) -> None:
         from tandem.bench import run_bench
 
         run_bench(ns)
-    elif ns.command == "router":
-        from tandem.router_cli import run_router_cli
-
-        run_router_cli(ns.rest)
     elif ns.command == "bootstrap":
         from bootstrap.server import run_bootstrap
 

@@ -22,6 +22,8 @@ def setup_logging(role: str) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+    for noisy in ("httpx", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def serve_from_args(ns: argparse.Namespace) -> None:

@@ -202,3 +202,20 @@ class KVManager:
         self._stop = True
         time.sleep(0.2)
         self.backend.close()
+
+
+def kv_layout(pool, backend: str) -> dict:
+    """What decode and prefill must agree on before any byte moves."""
+    return {"num_layers": pool.num_layers, "kv_heads": pool.kv_heads, "head_dim": pool.head_dim,
+            "dtype": str(pool.dtype).removeprefix("torch."), "page_size": pool.page_size, "transfer_backend": backend}
+
+
+def kv_args_from_pool(pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0, aux_slots: int = 0) -> KVArgs:
+    infos = pool.buffer_infos()
+    return KVArgs(
+        kv_ptrs=[i.data_ptr for i in infos], kv_nbytes=[i.nbytes for i in infos],
+        bytes_per_page=[i.bytes_per_page for i in infos], num_pages=pool.num_pages, page_size=pool.page_size,
+        host=config.public_host, backend=config.transfer_backend, protocol=config.transfer_protocol,
+        device=config.transfer_device, on_cuda=config.device == "cuda", secret=config.cluster_secret,
+        aux_ptr=aux_ptr, aux_record_bytes=aux_record_bytes, aux_slots=aux_slots, kv_wait_timeout_s=config.kv_wait_timeout_s,
+    )

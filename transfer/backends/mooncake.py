@@ -5,7 +5,11 @@ Intra-node NVLink on CUDA builds is MC_INTRANODE_NVLINK=true (never protocol "nv
 """
 from __future__ import annotations
 
+import os
+
 from transfer.backends.base import TransferBackend
+
+os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake logs every connection at INFO
 
 
 class MooncakeBackend(TransferBackend):

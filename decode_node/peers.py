@@ -1,0 +1,45 @@
+"""Where is the prefill of a request? Bootstrap lookups, cached briefly, with the layout checked."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from bootstrap.client import check_layout_compatible, lookup_prefill
+
+CACHE_TTL_S = 2.0
+REGISTER_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    endpoint: str
+    instance_id: str
+
+
+class PeerDirectory:
+    def __init__(self, layout: dict, secret: str | None):
+        self.layout = layout
+        self.secret = secret
+        self._cache: dict[tuple[str, int], tuple[float, Peer]] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, host: str, port: int) -> Peer:
+        """Blocking (runs on a worker thread); waits a while for a prefill that has not registered yet."""
+        with self._lock:
+            hit = self._cache.get((host, port))
+        if hit and time.monotonic() - hit[0] < CACHE_TTL_S:
+            return hit[1]
+        url = f"http://{host}:{port}"
+        deadline = time.monotonic() + REGISTER_WAIT_S
+        while (entry := lookup_prefill(url, 0, 0, self.secret)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no prefill rank registered at bootstrap {url} within {REGISTER_WAIT_S:.0f} s")
+            time.sleep(0.2)
+        mismatch = check_layout_compatible(self.layout, entry)
+        if mismatch:
+            raise RuntimeError(f"refusing prefill at {url}: {mismatch}")
+        peer = Peer(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])
+        with self._lock:
+            self._cache[(host, port)] = (time.monotonic(), peer)
+        return peer

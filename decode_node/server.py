@@ -1,0 +1,21 @@
+"""Compose the decode role: engine + aux pool + KVManager + peer directory."""
+from __future__ import annotations
+
+from common.aux_record import RECORD_BYTES
+from common.config import ServerConfig
+from common.engine import Engine
+from decode_node.aux_pool import AuxPool
+from decode_node.peers import PeerDirectory
+from decode_node.scheduler import DecodeScheduler
+from transfer.manager import KVManager, kv_args_from_pool, kv_layout
+
+
+def build_decode_engine(config: ServerConfig) -> Engine:
+    def make_scheduler(engine: Engine) -> DecodeScheduler:
+        aux = AuxPool(2 * config.max_running_requests + 16)
+        args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
+        manager = KVManager(args, "decode")
+        peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
+        return DecodeScheduler(config, engine.runner, engine.kv, engine.output, kv_manager=manager, aux_pool=aux, peers=peers)
+
+    return Engine(config, make_scheduler)
