@@ -1,0 +1,64 @@
+"""A local PD cluster for tests: prefill servers (embedded bootstrap), decode servers and the router,
+each a real process on 127.0.0.1."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+
+from tests.conftest import ServerProcess, free_port, start_server
+
+
+@dataclass
+class Cluster:
+    prefills: list[ServerProcess] = field(default_factory=list)
+    decodes: list[ServerProcess] = field(default_factory=list)
+    router: ServerProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    @property
+    def nodes(self) -> list[ServerProcess]:
+        return self.prefills + self.decodes
+
+    def wait_idle(self) -> None:
+        for node in self.nodes:
+            node.wait_idle()
+
+    def stop(self) -> None:
+        for p in [self.router, *self.nodes]:
+            if p is not None:
+                p.stop()
+
+
+def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int = 1, flags: tuple[str, ...] = (),
+                  decode_flags: tuple[str, ...] = (), policy: str = "round_robin") -> Cluster:
+    c = Cluster()
+    try:
+        prefill_args = []
+        for i in range(n_prefill):
+            boot = free_port()
+            c.prefills.append(start_server("--disagg-mode", "prefill", "--transfer-backend", backend,
+                                           "--bootstrap-port", str(boot), *flags, name=f"prefill{i}"))
+            prefill_args += ["--prefill", c.prefills[-1].url, str(boot)]
+        for j in range(n_decode):
+            c.decodes.append(start_server("--disagg-mode", "decode", "--transfer-backend", backend, *flags, *decode_flags, name=f"decode{j}"))
+        for node in c.nodes:
+            node.wait_ready()
+        port = free_port()
+        decode_args = [a for d in c.decodes for a in ("--decode", d.url)]
+        c.router = ServerProcess(["router", *prefill_args, *decode_args, "--port", str(port), "--policy", policy,
+                                  "--health-check-interval-s", "0.5"], port, name="router", health="/readiness").wait_ready()
+        return c
+    except BaseException:
+        c.stop()
+        raise
+
+
+def generate(url: str, ids: list[int], max_new: int = 16, **extra) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, **extra.pop("sampling", {})}, **extra}
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()

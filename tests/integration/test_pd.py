@@ -1,0 +1,138 @@
+"""PD disaggregation end to end: router -> prefill -> (Mooncake | NIXL) -> decode, checked token for
+token against the monolithic server, with every node's pool back to idle after each test."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import start_server
+from tests.integration.cluster import generate, start_cluster
+from tests.integration.test_parity_hf import LONG_TEXT
+
+FLAGS = {"mooncake": ("--page-size", "16", "--chunked-prefill-size", "64"),
+         "nixl": ("--page-size", "1", "--chunked-prefill-size", "0")}
+
+
+@pytest.fixture(scope="module")
+def prompts(builtin_model_dir) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(builtin_model_dir)
+    chat = lambda c: list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"])  # noqa: E731
+    out = [chat("What is the capital of France?"), chat("Name three colours."), chat("Summarise:\n" + LONG_TEXT),
+           tok.encode("def quicksort(arr):"), tok.encode("The weather today is"), tok.encode(LONG_TEXT + " Therefore,"),
+           tok.encode("A")]
+    out.append(out[5][:200] + tok.encode(" In short,"))  # shares a long prefix with an earlier prompt: radix hit on prefill
+    return out
+
+
+@pytest.fixture(scope="module")
+def mono():
+    s = start_server("--page-size", "16", "--chunked-prefill-size", "64", name="mono-ref").wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(mono, prompts) -> list[list[int]]:
+    return [generate(mono.url, p)["output_ids"] for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def cluster(request):
+    c = start_cluster(request.param, flags=FLAGS[request.param])
+    yield c
+    c.stop()
+
+
+@pytest.fixture(autouse=True)
+def idle_after(request):
+    yield
+    if "cluster" in request.fixturenames:
+        request.getfixturevalue("cluster").wait_idle()
+
+
+def test_greedy_tokens_equal_monolithic(cluster, prompts, expected):
+    for ids, want in zip(prompts, expected):
+        got = generate(cluster.url, ids)
+        assert got["output_ids"] == want, f"prompt of {len(ids)} tokens diverged"
+    assert max(len(p) for p in prompts) > 64  # longer than the chunked-prefill size
+    again = generate(cluster.url, prompts[5])
+    assert again["meta_info"]["cached_tokens"] >= len(prompts[5]) - 16  # prefill's radix cache was hit
+    assert again["output_ids"] == expected[5]
+
+
+def test_n_greater_than_one_gives_identical_greedy_choices(cluster, prompts, expected):
+    body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 16, "temperature": 0, "n": 2}}
+    r = httpx.post(cluster.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [c["output_ids"] for c in r.json()] == [expected[0], expected[0]]
+
+
+def test_openai_client_streams_through_the_router(cluster, mono):
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ref = openai.OpenAI(base_url=mono.url + "/v1", api_key="none").chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12, temperature=0)
+    assert text == ref.choices[0].message.content and "Paris" in text
+    assert chunks[-1].usage.completion_tokens == ref.usage.completion_tokens
+
+
+def test_logprobs_merge_prefill_inputs_and_equal_monolithic(cluster, mono, prompts):
+    extra = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    pd = generate(cluster.url, prompts[3], max_new=4, **extra)["meta_info"]
+    ref = generate(mono.url, prompts[3], max_new=4, **extra)["meta_info"]
+    assert [t for _, t, _ in pd["output_token_logprobs"]] == [t for _, t, _ in ref["output_token_logprobs"]]
+    for (a, _, _), (b, _, _) in zip(pd["output_token_logprobs"], ref["output_token_logprobs"]):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert len(pd["input_token_logprobs"]) == len(prompts[3]) and pd["input_token_logprobs"][0][0] is None
+    for (a, ta, _), (b, tb, _) in zip(pd["input_token_logprobs"][1:], ref["input_token_logprobs"][1:]):
+        assert ta == tb and a == pytest.approx(b, abs=1e-4)
+
+
+def test_generate_stream_through_router_ends_with_exact_tokens(cluster, prompts, expected):
+    body = {"input_ids": prompts[1], "sampling_params": {"max_new_tokens": 16, "temperature": 0}, "stream": True}
+    events = []
+    with httpx.stream("POST", cluster.url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert len(events) > 1 and events[-1]["output_ids"] == expected[1]
+
+
+def test_bad_input_through_the_router_is_a_4xx_and_leaks_nothing(cluster):
+    r = httpx.post(cluster.url + "/generate", json={"text": "hi", "sampling_params": {"top_p": 7}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.top_p"
+    r = httpx.post(cluster.url + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+def test_two_prefill_two_decode_serve_64_concurrent_requests(prompts, expected):
+    c = start_cluster("mooncake", n_prefill=2, n_decode=2, flags=FLAGS["mooncake"])
+    try:
+        jobs = [(i % len(prompts)) for i in range(64)]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lambda i: generate(c.url, prompts[i])["output_ids"], jobs))
+        assert results == [expected[i] for i in jobs]
+        served = [n.info() for n in c.nodes]
+        assert all(s["kv_pages"]["total"] > 0 for s in served)
+        c.wait_idle()
+    finally:
+        c.stop()
+
+
+def test_decode_refuses_a_prefill_with_another_kv_layout(prompts):
+    c = start_cluster("mooncake", flags=("--page-size", "16"), decode_flags=("--page-size", "8"))
+    try:
+        r = httpx.post(c.url + "/generate", json={"input_ids": prompts[3], "sampling_params": {"max_new_tokens": 4}}, timeout=120)
+        assert r.status_code == 502, r.text
+        assert "page_size: decode has 8, prefill has 16" in r.json()["error"]["message"]
+        c.wait_idle()
+    finally:
+        c.stop()
