@@ -14,6 +14,7 @@ class Cluster:
     prefills: list[ServerProcess] = field(default_factory=list)
     decodes: list[ServerProcess] = field(default_factory=list)
     router: ServerProcess | None = None
+    prefill_bootstrap_ports: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -40,6 +41,7 @@ def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int =
         prefill_args = []
         for i in range(n_prefill):
             boot = free_port()
+            c.prefill_bootstrap_ports.append(boot)
             c.prefills.append(start_server("--disagg-mode", "prefill", "--transfer-backend", backend,
                                            "--bootstrap-port", str(boot), *flags, name=f"prefill{i}"))
             prefill_args += ["--prefill", c.prefills[-1].url, str(boot)]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
+import sys
+import time
 
 import httpx
 import openai
@@ -136,3 +139,37 @@ def test_decode_refuses_a_prefill_with_another_kv_layout(prompts):
         c.wait_idle()
     finally:
         c.stop()
+
+
+def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
+    """SGLang's own PD router (sglang-router on PyPI) pairs Tandem nodes through the same fields."""
+    pytest.importorskip("sglang_router")
+    from tests.conftest import free_port
+
+    port = free_port()
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    boot = cluster.prefill_bootstrap_ports[0]
+    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                               "--prefill", prefill.url, str(boot), "--decode", decode.url, "--host", "127.0.0.1",
+                               "--port", str(port), "--policy", "round_robin"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/readiness", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "sglang-router did not become ready"
+            time.sleep(0.5)
+        for ids, want in list(zip(prompts, expected))[:3]:
+            assert generate(url, ids)["output_ids"] == want
+        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        assert "Paris" in chat.json()["choices"][0]["message"]["content"]
+    finally:
+        router.terminate()
+        router.wait(10)
