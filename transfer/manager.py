@@ -159,12 +159,13 @@ class KVManager:
 
     # -- data plane (prefill) ------------------------------------------------------------------
     def _transfer_loop(self) -> None:
+        backlog: list[tuple] = []
         while not self._stop:
             try:
-                item = self.chunks.get(timeout=0.1)
+                item = backlog.pop(0) if backlog else self.chunks.get(timeout=0.1)
             except queue.Empty:
                 continue
-            room_id, state, src_pages, dst_pages, aux = item
+            room_id, state, src_pages, dst_pages, aux = self._merge_queued(item, backlog)
             if state.poll.done:
                 continue  # failed or aborted: drop the rest of its chunks
             try:
@@ -176,6 +177,21 @@ class KVManager:
             if aux is not None:
                 state.poll.advance(KVPoll.Success)
                 self._send_status(state.request, Status(room_id, True, ""))
+
+    def _merge_queued(self, item: tuple, backlog: list[tuple]) -> tuple:
+        """Chunks of one room that queued up while the previous copy ran go out as one batch, so
+        runs that continue across chunk boundaries become single pieces."""
+        room_id, state, src, dst, aux = item
+        while aux is None:
+            try:
+                nxt = self.chunks.get_nowait()
+            except queue.Empty:
+                break
+            if nxt[0] != room_id:
+                backlog.append(nxt)
+                break
+            src, dst, aux = src + nxt[2], dst + nxt[3], nxt[4]
+        return room_id, state, src, dst, aux
 
     def _write_chunk(self, req: Request, src_pages: list[int], dst_pages: list[int], aux: bytes | None) -> None:
         peer = self.peers[req.decode_id]
