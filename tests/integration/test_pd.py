@@ -173,3 +173,25 @@ def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_router_workers_can_be_added_and_removed_at_run_time(cluster, prompts, expected):
+    from tests.conftest import ServerProcess, free_port
+
+    port = free_port()
+    router = ServerProcess(["router", "--port", str(port), "--health-check-interval-s", "0.5"], port, name="router-empty").wait_ready()
+    try:
+        url = router.url
+        assert httpx.get(url + "/readiness", timeout=5).status_code == 503
+        r = httpx.post(url + "/generate", json={"input_ids": prompts[0]}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        boot = cluster.prefill_bootstrap_ports[0]
+        assert httpx.post(url + "/workers", json={"url": cluster.prefills[0].url, "role": "prefill", "bootstrap_port": boot}, timeout=30).json()["healthy"]
+        assert httpx.post(url + "/workers", json={"url": cluster.decodes[0].url, "role": "decode"}, timeout=30).json()["healthy"]
+        assert httpx.get(url + "/readiness", timeout=5).status_code == 200
+        assert generate(url, prompts[0])["output_ids"] == expected[0]
+        assert httpx.request("DELETE", url + "/workers", json={"url": cluster.decodes[0].url}, timeout=5).status_code == 200
+        assert httpx.get(url + "/readiness", timeout=5).status_code == 503
+        assert httpx.post(url + "/workers", json={"role": "decode"}, timeout=5).status_code == 400
+    finally:
+        router.stop()
