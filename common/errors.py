@@ -10,6 +10,7 @@ class TandemError(Exception):
 
     status: int = 500
     type: str = "internal_error"
+    headers: dict[str, str] = {}
 
     def __init__(self, message: str, param: str | None = None, status: int | None = None):
         super().__init__(message)
@@ -40,6 +41,7 @@ class NotFound(TandemError):
 class Overloaded(TandemError):
     status = 503
     type = "overloaded_error"
+    headers = {"Retry-After": "1"}
 
 
 class RequestAborted(TandemError):

@@ -27,7 +27,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(TandemError)
     async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status)
+        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -91,7 +91,7 @@ def _install_middleware(app: FastAPI, engine: Engine) -> None:
                 raise TandemError(f"request body of {length} bytes exceeds the limit of {cfg.max_request_bytes}", param="body", status=413)
             response = await call_next(request)
         except TandemError as e:
-            response = JSONResponse(e.to_dict(), status_code=e.status)
+            response = JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
         if path not in OPEN_PATHS:
             engine.metrics.requests.labels(path, str(response.status_code)).inc()
             if response.status_code >= 400:

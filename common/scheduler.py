@@ -56,6 +56,10 @@ class Scheduler:
         self.process_result(plan, result)
         return True
 
+    def num_queued(self) -> int:
+        """Requests not yet running (read from other threads: an estimate)."""
+        return len(self.waiting) + len(self.role_requests())
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked) or self.role_has_work()
 

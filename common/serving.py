@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from common.engine import Engine
-from common.errors import InvalidRequest, RequestAborted, TandemError
+from common.errors import InvalidRequest, Overloaded, RequestAborted, TandemError
 from common.request import FinishReason, OutputEvent, Req
 from common.sampling_params import SamplingParams
 
@@ -57,6 +57,9 @@ def tokenize_text(engine: Engine, text: str, param: str) -> list[int]:
 
 
 def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str) -> None:
+    queued = engine.scheduler.num_queued()
+    if queued + gen.params.n > engine.config.max_queued_requests:
+        raise Overloaded(f"server is full: {queued} requests queued (limit {engine.config.max_queued_requests}); retry later")
     n = len(gen.prompt_ids)
     vocab = engine.hf_config.vocab_size
     if n == 0:

@@ -2,7 +2,9 @@
 streaming, n > 1, logprobs, bad input, aborts; pool integrity after everything."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 
 import httpx
 import openai
@@ -138,3 +140,23 @@ def test_health_generate_and_metrics(server):
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     assert "tandem_time_to_first_token_seconds_count" in metrics
     assert "tandem_kv_pages_total" in metrics
+
+
+def test_full_queue_answers_503_with_retry_after():
+    s = start_server("--max-queued-requests", "1", "--max-running-requests", "1", name="tiny-queue").wait_ready()
+    body = {"text": "Count:", "sampling_params": {"max_new_tokens": 150, "ignore_eos": True, "temperature": 0}}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, s.url + "/generate", json=body, timeout=120)
+            while s.info()["num_running_reqs"] < 1:
+                time.sleep(0.05)
+            second = pool.submit(httpx.post, s.url + "/generate", json=body, timeout=120)
+            while s.info()["num_waiting_reqs"] < 1:  # running 1, queued 1: the queue is full
+                time.sleep(0.05)
+            r = httpx.post(s.url + "/generate", json=body, timeout=60)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "overloaded_error"
+            assert first.result().status_code == second.result().status_code == 200
+        s.wait_idle()
+    finally:
+        s.stop()
