@@ -24,6 +24,7 @@ from transfer.runs import chunk_triples
 
 log = logging.getLogger(__name__)
 PENDING_TTL_S = 600.0
+MAX_PIECES_PER_BATCH = 1024  # Mooncake's TCP transport fails on much larger batches of small pieces
 
 
 @dataclass
@@ -197,7 +198,9 @@ class KVManager:
         peer = self.peers[req.decode_id]
         a = self.args
         src, dst, nbytes = chunk_triples(a.kv_ptrs, peer.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
-        self.backend.write_batch(req.decode_id, src, dst, nbytes)
+        for i in range(0, len(src), MAX_PIECES_PER_BATCH):
+            end = i + MAX_PIECES_PER_BATCH
+            self.backend.write_batch(req.decode_id, src[i:end], dst[i:end], nbytes[i:end])
         if aux is not None:
             if len(aux) != peer.aux_record_bytes:
                 raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")

@@ -1,7 +1,7 @@
 """Per-layer contiguous K and V buffers; page 0 is padding that is never allocated.
 
     k_buffers[layer]: [(num_pages + 1) * page_size, kv_heads, head_dim]   (same for v_buffers)
-    page p holds token slots [p * page_size, (p + 1) * page_size)
+    page p holds token slots [p * page_size, (p + 1) * page_size); usable pages are 1..num_pages
 """
 from __future__ import annotations
 
@@ -12,16 +12,30 @@ import torch
 
 @dataclass(frozen=True)
 class BufferInfo:
+    """One registered buffer, as a transfer engine sees it."""
+
     data_ptr: int
     nbytes: int
     bytes_per_page: int
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
-        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if value < 1:
-                raise ValueError(f"KVPool: {name} must be >= 1, got {value}")
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+    ):
+        sizes = {"num_layers": num_layers, "num_pages": num_pages, "page_size": page_size, "kv_heads": kv_heads, "head_dim": head_dim}
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVPool: {name} must be an int >= 1, got {value!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"KVPool: dtype must be a torch.dtype, got {dtype!r}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         shape = ((num_pages + 1) * page_size, kv_heads, head_dim)
@@ -29,6 +43,7 @@ class KVPool:
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k/v [n, kv_heads, head_dim] into slots loc [n] of one layer."""
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)
 
@@ -41,16 +56,20 @@ class KVPool:
     @property
     def bytes_per_page(self) -> int:
         """One page of one layer's K (or V)."""
-        return self.page_size * self.kv_heads * self.head_dim * self.k_buffers[0].element_size()
+        return self.page_size * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def bytes_per_token_all_layers(self) -> int:
-        return 2 * self.num_layers * self.bytes_per_page // self.page_size
+        """K and V of one token across every layer."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def total_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+        return 2 * self.num_layers * (self.num_pages + 1) * self.bytes_per_page
 
     def buffer_infos(self) -> list[BufferInfo]:
-        """All K layers, then all V layers: what a transfer engine registers."""
-        return [BufferInfo(b.data_ptr(), b.numel() * b.element_size(), self.bytes_per_page) for b in self.k_buffers + self.v_buffers]
+        """All K layers, then all V layers (SGLang's order): what a transfer engine registers."""
+        return [
+            BufferInfo(b.data_ptr(), b.numel() * b.element_size(), self.bytes_per_page)
+            for b in self.k_buffers + self.v_buffers
+        ]

@@ -1,4 +1,4 @@
-"""Request-slot table: row per running request, value = KV slot index of each token position."""
+"""Request-slot table: one row per running request, value = KV slot index of each token position."""
 from __future__ import annotations
 
 import torch
@@ -8,12 +8,14 @@ from common.memory.errors import MemoryIntegrityError
 
 class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str):
-        if size < 1 or max_context_len < 1:
-            raise ValueError(f"size ({size}) and max_context_len ({max_context_len}) must be positive")
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        if max_context_len < 1:
+            raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=device)
-        self._free = list(range(size - 1, -1, -1))
+        self._free = list(range(size - 1, -1, -1))  # pop() hands out the lowest row first
         self._is_free = bytearray([1]) * size
 
     def available_size(self) -> int:
@@ -23,22 +25,25 @@ class ReqToTokenPool:
         return bool(self._free)
 
     def alloc(self) -> int:
+        """A free row. Ask can_alloc() first."""
         if not self._free:
             raise RuntimeError("no free request slot; ask can_alloc() first")
         row = self._free.pop()
         self._is_free[row] = 0
         return row
 
-    def free(self, row: int) -> None:
-        if not 0 <= row < self.size:
-            raise ValueError(f"request slot {row} is out of range [0, {self.size})")
-        if self._is_free[row]:
-            raise ValueError(f"request slot {row} is already free")
-        self._is_free[row] = 1
-        self._free.append(row)
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.size:
+            raise ValueError(f"request slot {slot} is out of range [0, {self.size})")
+        if self._is_free[slot]:
+            raise ValueError(f"request slot {slot} is already free (double free)")
+        self._is_free[slot] = 1
+        self._free.append(slot)
 
     def check_integrity(self) -> None:
+        if any(not 0 <= r < self.size for r in self._free):
+            raise MemoryIntegrityError("request slot free list holds an out-of-range row")
         if len(set(self._free)) != len(self._free):
             raise MemoryIntegrityError("request slot free list has duplicates")
-        if sum(self._is_free) != len(self._free) or any(not self._is_free[r] for r in self._free):
+        if sum(self._is_free) != len(self._free) or not all(self._is_free[r] for r in self._free):
             raise MemoryIntegrityError("request slot free list disagrees with the free flags")
