@@ -98,10 +98,7 @@ async def complete(session: aiohttp.ClientSession, pair: Pair, path: str, body: 
         decode_body = await resp.read()
     finally:
         resp.release()
-    try:
-        prefill_body = await prefill
-    except UpstreamError:
-        raise
+    prefill_body = await prefill
     if path == "/generate" and body.get("return_logprob"):
         return merge_input_logprobs(prefill_body, decode_body)
     return decode_body
