@@ -40,7 +40,7 @@ def make_manager(mode: str, backend: str, device: str, layers: int, heads: int, 
     manager = KVManager(args, mode)
     total = 2 * layers * (pages // (2 if mode == "decode" else 1)) * bpp
     big = torch.ones(total, dtype=torch.uint8, device=device)  # the raw baseline moves this in one piece
-    manager.backend.register(big.data_ptr(), total)
+    manager.backend.register(big.data_ptr(), total, device == "cuda")
     return manager, bufs, big
 
 
@@ -95,7 +95,7 @@ def prefill_side(backend, device, case, repeat, q_out, q_in, results):
     raw = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        manager.backend.write_batch(decode_id, [big.data_ptr()], [dst_base], [total])
+        manager.backend.write_batch(decode_id, [big.data_ptr()], [dst_base], [total], device == "cuda")
         raw.append(time.perf_counter() - t0)
     results.put((case, total, min(ours), min(raw)))
     q_in.put("done")

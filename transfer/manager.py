@@ -59,9 +59,9 @@ class KVManager:
             raise ValueError(f"mode must be prefill or decode, not {mode!r}")
         self.args, self.mode = args, mode
         self.instance_id = f"{mode}-{uuid.uuid4().hex[:12]}"
-        self.backend = make_backend(args.backend, args.host, args.protocol, args.device, args.on_cuda)
+        self.backend = make_backend(args.backend, args.host, args.protocol, args.device)
         for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
-            self.backend.register(ptr, nbytes)
+            self.backend.register(ptr, nbytes, args.on_cuda)
         self.aux_staging = (ctypes.c_uint8 * max(args.aux_record_bytes, 4096))()
         if mode == "decode":
             self.backend.register(args.aux_ptr, args.aux_record_bytes * args.aux_slots)
@@ -200,7 +200,7 @@ class KVManager:
         src, dst, nbytes = chunk_triples(a.kv_ptrs, peer.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
         for i in range(0, len(src), MAX_PIECES_PER_BATCH):
             end = i + MAX_PIECES_PER_BATCH
-            self.backend.write_batch(req.decode_id, src[i:end], dst[i:end], nbytes[i:end])
+            self.backend.write_batch(req.decode_id, src[i:end], dst[i:end], nbytes[i:end], a.on_cuda)
         if aux is not None:
             if len(aux) != peer.aux_record_bytes:
                 raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")

@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 class TransferBackend(ABC):
     @abstractmethod
-    def register(self, ptr: int, nbytes: int) -> None:
-        """Make [ptr, ptr + nbytes) readable/writable by peers."""
+    def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:
+        """Make [ptr, ptr + nbytes) readable/writable by peers (on_device: GPU memory)."""
 
     @abstractmethod
     def address(self) -> bytes:
@@ -18,14 +18,15 @@ class TransferBackend(ABC):
         """Learn how to reach a peer; idempotent."""
 
     @abstractmethod
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int]) -> None:
-        """Copy every src range into the peer's dst range, synchronously, as one batch; raise on failure."""
+    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
+        """Copy every src range into the peer's dst range, synchronously, as one batch; raise on failure.
+        on_device: both sides are GPU memory (KV on CUDA) rather than host memory (aux records)."""
 
     def close(self) -> None:
         """Release engine resources."""
 
 
-def make_backend(name: str, host: str, protocol: str = "tcp", device: str = "", on_cuda: bool = False) -> TransferBackend:
+def make_backend(name: str, host: str, protocol: str = "tcp", device: str = "") -> TransferBackend:
     if name == "mooncake":
         from transfer.backends.mooncake import MooncakeBackend
 
@@ -33,7 +34,7 @@ def make_backend(name: str, host: str, protocol: str = "tcp", device: str = "", 
     if name == "nixl":
         from transfer.backends.nixl import NixlBackend
 
-        return NixlBackend(on_cuda)
+        return NixlBackend()
     if name == "loopback":
         from transfer.backends.loopback import LoopbackBackend
 

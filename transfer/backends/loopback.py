@@ -7,7 +7,7 @@ from transfer.backends.base import TransferBackend
 
 
 class LoopbackBackend(TransferBackend):
-    def register(self, ptr: int, nbytes: int) -> None:
+    def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:
         pass
 
     def address(self) -> bytes:
@@ -17,6 +17,6 @@ class LoopbackBackend(TransferBackend):
         if address != b"loopback":
             raise ValueError("the loopback backend only reaches its own process")
 
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int]) -> None:
+    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
         for s, d, n in zip(src, dst, nbytes):
             ctypes.memmove(d, s, n)

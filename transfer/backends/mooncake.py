@@ -23,7 +23,7 @@ class MooncakeBackend(TransferBackend):
         self._address = f"{host}:{self.engine.get_rpc_port()}".encode()
         self.sessions: dict[str, str] = {}
 
-    def register(self, ptr: int, nbytes: int) -> None:
+    def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:
         rc = self.engine.register_memory(ptr, nbytes)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory({nbytes} bytes) failed with {rc}")
@@ -34,7 +34,7 @@ class MooncakeBackend(TransferBackend):
     def add_peer(self, peer_id: str, address: bytes) -> None:
         self.sessions[peer_id] = address.decode()
 
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int]) -> None:
+    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
         if not src:
             return
         rc = self.engine.batch_transfer_sync_write(self.sessions[peer_id], src, dst, nbytes)

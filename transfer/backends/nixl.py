@@ -12,18 +12,17 @@ XFER_TIMEOUT_S = 60.0
 
 
 class NixlBackend(TransferBackend):
-    def __init__(self, on_cuda: bool = False):
+    def __init__(self) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
-        self.mem = "VRAM" if on_cuda else "DRAM"
         self.device_id = 0
         self.peers: dict[str, str] = {}
         self._registered = []
 
-    def register(self, ptr: int, nbytes: int) -> None:
-        descs = self.agent.get_reg_descs([(ptr, nbytes, self.device_id, "")], self.mem)
+    def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:
+        descs = self.agent.get_reg_descs([(ptr, nbytes, self.device_id, "")], "VRAM" if on_device else "DRAM")
         self._registered.append(self.agent.register_memory(descs))
 
     def address(self) -> bytes:
@@ -33,11 +32,12 @@ class NixlBackend(TransferBackend):
         if peer_id not in self.peers:
             self.peers[peer_id] = self.agent.add_remote_agent(address)
 
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int]) -> None:
+    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
         if not src:
             return
-        local = self.agent.get_xfer_descs([(s, n, self.device_id) for s, n in zip(src, nbytes)], self.mem)
-        remote = self.agent.get_xfer_descs([(d, n, self.device_id) for d, n in zip(dst, nbytes)], self.mem)
+        mem = "VRAM" if on_device else "DRAM"
+        local = self.agent.get_xfer_descs([(s, n, self.device_id) for s, n in zip(src, nbytes)], mem)
+        remote = self.agent.get_xfer_descs([(d, n, self.device_id) for d, n in zip(dst, nbytes)], mem)
         handle = self.agent.initialize_xfer("WRITE", local, remote, self.peers[peer_id], b"")
         try:
             if self.agent.transfer(handle) == "ERR":
