@@ -29,7 +29,7 @@ class ServerConfig(BaseSettings):
     # memory
     page_size: int = Field(16, ge=1, le=256)
     max_running_requests: int = Field(32, ge=1)
-    max_total_tokens: int = Field(65536, ge=16, description="KV cache capacity in tokens")
+    max_total_tokens: int = Field(16384, ge=16, description="KV cache capacity in tokens")
     context_length: int | None = Field(None, ge=16, description="default: the model's")
     chunked_prefill_size: int = Field(512, description="tokens per prefill chunk; <=0 disables")
     max_prefill_tokens: int = Field(4096, ge=16, description="token budget of one prefill batch")

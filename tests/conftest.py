@@ -78,7 +78,11 @@ class ServerProcess:
 
 
 def start_server(*args: str, name: str = "server") -> ServerProcess:
+    """A server process; the KV cache is kept small (8192 tokens) unless the test asks otherwise,
+    so that many servers fit in this machine's memory at once."""
     port = free_port()
+    if "--max-total-tokens" not in args:
+        args = (*args, "--max-total-tokens", "8192")
     return ServerProcess(["serve", "--port", str(port), *args], port, name=name)
 
 

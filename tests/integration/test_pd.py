@@ -116,31 +116,7 @@ def test_bad_input_through_the_router_is_a_4xx_and_leaks_nothing(cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
 
-def test_two_prefill_two_decode_serve_64_concurrent_requests(prompts, expected):
-    c = start_cluster("mooncake", n_prefill=2, n_decode=2, flags=FLAGS["mooncake"])
-    try:
-        jobs = [(i % len(prompts)) for i in range(64)]
-        with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            results = list(pool.map(lambda i: generate(c.url, prompts[i])["output_ids"], jobs))
-        assert results == [expected[i] for i in jobs]
-        served = [n.info() for n in c.nodes]
-        assert all(s["kv_pages"]["total"] > 0 for s in served)
-        c.wait_idle()
-    finally:
-        c.stop()
-
-
-def test_decode_refuses_a_prefill_with_another_kv_layout(prompts):
-    c = start_cluster("mooncake", flags=("--page-size", "16"), decode_flags=("--page-size", "8"))
-    try:
-        r = httpx.post(c.url + "/generate", json={"input_ids": prompts[3], "sampling_params": {"max_new_tokens": 4}}, timeout=120)
-        assert r.status_code == 502, r.text
-        assert "page_size: decode has 8, prefill has 16" in r.json()["error"]["message"]
-        c.wait_idle()
-    finally:
-        c.stop()
-
-
+@pytest.mark.parametrize("cluster", ["mooncake"], indirect=True)
 def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
     """SGLang's own PD router (sglang-router on PyPI) pairs Tandem nodes through the same fields."""
     pytest.importorskip("sglang_router")
@@ -175,6 +151,7 @@ def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
         router.wait(10)
 
 
+@pytest.mark.parametrize("cluster", ["mooncake"], indirect=True)
 def test_router_workers_can_be_added_and_removed_at_run_time(cluster, prompts, expected):
     from tests.conftest import ServerProcess, free_port
 
