@@ -33,7 +33,6 @@ class ServerConfig(BaseSettings):
     context_length: int | None = Field(None, ge=16, description="default: the model's")
     chunked_prefill_size: int = Field(512, description="tokens per prefill chunk; <=0 disables")
     max_prefill_tokens: int = Field(4096, ge=16, description="token budget of one prefill batch")
-    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     disable_radix_cache: bool = False
     max_queued_requests: int = Field(1024, ge=1)
 
@@ -46,14 +45,11 @@ class ServerConfig(BaseSettings):
     bootstrap_url: str | None = Field(None, description="standalone bootstrap server for prefill to register with")
     bootstrap_timeout_s: float = Field(300.0, gt=0)
     kv_wait_timeout_s: float = Field(300.0, gt=0)
-    heartbeat_interval_s: float = Field(5.0, gt=0)
-    heartbeat_max_misses: int = Field(2, ge=1)
     cluster_secret: str | None = None
 
     # serving
     api_key: str | None = None
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    log_requests: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "ServerConfig":

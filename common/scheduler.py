@@ -158,8 +158,7 @@ class Scheduler:
     def _decode_fits(self) -> bool:
         page = self.config.page_size
         need = sum(1 for r in self.running if r.kv_len % page == 0)
-        counts = self.kv.page_counts()
-        return need <= counts.available
+        return need <= self.kv.available_pages()
 
     def retract(self, req: Req) -> None:
         """Give back a running request's KV (kept in the prefix cache) and queue it again."""

@@ -112,7 +112,9 @@ class DecodeScheduler(Scheduler):
             self.running.append(req)
 
     def _drop_transfer_state(self, req: Req) -> None:
-        self.receivers.pop(req.rid, None)
+        receiver = self.receivers.pop(req.rid, None)
+        if receiver is not None:
+            receiver.release()  # drop the room from the manager's table
         slot = self.aux_slots.pop(req.rid, None)
         if slot is not None:
             self.aux_pool.free(slot)

@@ -106,8 +106,10 @@ class PrefillScheduler(Scheduler):
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         sender = self.senders.pop(req.rid, None)
-        if sender is not None and reason.type == "abort":
-            sender.abort(reason.message or "aborted")
+        if sender is not None:
+            if reason.type == "abort":
+                sender.abort(reason.message or "aborted")
+            sender.release()  # drop the room from the manager's table
         for q in (self.bootstrap_queue, self.inflight):
             if req in q:
                 q.remove(req)

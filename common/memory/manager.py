@@ -31,10 +31,6 @@ class PageCounts:
     locked: int
     owned: int
 
-    @property
-    def available(self) -> int:
-        return self.free + self.evictable
-
     def to_dict(self) -> dict[str, int]:
         return {"total": self.total, "free": self.free, "cached": self.evictable, "locked": self.locked, "in_use": self.owned}
 
@@ -62,9 +58,12 @@ class KVCacheManager:
         self.req_pool.req_to_token[row, :n] = match.slots.to(torch.int32)
         req.last_node, req.cached_len, req.kv_len = match.last_node, n, n
 
+    def available_pages(self) -> int:
+        """Pages an allocation can get: free now, or cached and evictable."""
+        return self.allocator.available_pages() + self.prefix_cache.evictable_pages()
+
     def can_extend(self, req: Req, num_tokens: int) -> bool:
-        need = self.allocator.pages_needed(req.kv_len, req.kv_len + num_tokens)
-        return need <= self.allocator.available_pages() + self.prefix_cache.evictable_pages()
+        return self.allocator.pages_needed(req.kv_len, req.kv_len + num_tokens) <= self.available_pages()
 
     def extend(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Allocate KV slots for the next `num_tokens` tokens of `req`; returns them (int64)."""
