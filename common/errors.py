@@ -38,6 +38,11 @@ class NotFound(TandemError):
     type = "not_found_error"
 
 
+class PayloadTooLarge(TandemError):
+    status = 413
+    type = "invalid_request_error"
+
+
 class Overloaded(TandemError):
     status = 503
     type = "overloaded_error"
