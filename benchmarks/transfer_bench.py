@@ -29,7 +29,9 @@ CASES = {  # name: (layers, heads, head_dim, prompt tokens, chunks, fragmented d
 def make_manager(mode: str, backend: str, device: str, layers: int, heads: int, dim: int, pages: int, aux):
     import torch
 
-    from transfer.manager import KVArgs, KVManager
+    from transfer.decode_manager import DecodeKVManager
+    from transfer.manager import KVArgs
+    from transfer.prefill_manager import PrefillKVManager
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     bufs = [torch.ones((pages + 1) * PAGE, heads, dim, dtype=dtype, device=device) for _ in range(2 * layers)]
@@ -37,7 +39,7 @@ def make_manager(mode: str, backend: str, device: str, layers: int, heads: int, 
     args = KVArgs([b.data_ptr() for b in bufs], [b.numel() * b.element_size() for b in bufs], [bpp] * len(bufs), pages, PAGE,
                   backend=backend, on_cuda=device == "cuda", aux_ptr=aux.data_ptr() if aux is not None else 0,
                   aux_record_bytes=64 if aux is not None else 0, aux_slots=1 if aux is not None else 0)
-    manager = KVManager(args, mode)
+    manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)
     total = 2 * layers * (pages // (2 if mode == "decode" else 1)) * bpp
     big = torch.ones(total, dtype=torch.uint8, device=device)  # the raw baseline moves this in one piece
     manager.backend.register(big.data_ptr(), total, device == "cuda")

@@ -51,7 +51,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        counts = (await engine.call(engine.kv.check_integrity)).to_dict()  # raises on a leak
+        counts = (await engine.call(engine.scheduler.check_integrity)).to_dict()  # raises on a leak
         return {
             "config": engine.config.model_dump(exclude={"api_key", "cluster_secret"}),
             "model_path": str(engine.model_dir),
@@ -60,6 +60,7 @@ def create_app(engine: Engine) -> FastAPI:
             "num_running_reqs": len(engine.scheduler.running),
             "num_waiting_reqs": len(engine.scheduler.waiting),
             "num_retractions": engine.scheduler.num_retractions,
+            "role": engine.scheduler.role_info(),
         }
 
     @app.get("/metrics")

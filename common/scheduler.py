@@ -13,7 +13,8 @@ from typing import Callable
 
 from common.config import ServerConfig
 from common.forward_batch import ForwardMode
-from common.memory.manager import KVCacheManager
+from common.memory.errors import MemoryIntegrityError
+from common.memory.manager import KVCacheManager, PageCounts
 from common.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.output import OutputProcessor
 from common.request import FinishReason, Req, ReqStatus
@@ -207,6 +208,18 @@ class Scheduler:
             return
         self.finish(req, FinishReason("abort", message=reason, status=status))
 
+    def check_integrity(self) -> PageCounts:
+        """Raises on a leak of rows, pages or role resources; returns the page counts."""
+        counts = self.kv.check_integrity()
+        known = {id(r) for r in self.requests_holding_memory()}
+        strays = [r.rid for r in self.kv.live.values() if id(r) not in known]
+        if strays:
+            raise MemoryIntegrityError(f"rows held by requests no queue knows: {strays}")
+        return counts
+
+    def requests_holding_memory(self) -> list[Req]:
+        return [*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *self.role_requests()]
+
     def find(self, rid: str) -> Req | None:
         for req in [*self.waiting, *self.running, self.chunked, *self.role_requests()]:
             if req is not None and req.rid == rid:
@@ -226,6 +239,10 @@ class Scheduler:
     def num_held_elsewhere(self) -> int:
         """Requests holding a row outside `running` (e.g. waiting for a KV transfer)."""
         return 0
+
+    def role_info(self) -> dict:
+        """What the role adds to /get_server_info."""
+        return {}
 
     def on_prefill_chunk(self, req: Req, extend_len: int, last: bool) -> None:
         """The KV of `extend_len` more tokens of `req` is now in the pool."""

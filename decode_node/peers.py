@@ -5,6 +5,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
+
 from bootstrap.client import check_layout_compatible, lookup_prefill
 
 CACHE_TTL_S = 2.0
@@ -32,7 +34,7 @@ class PeerDirectory:
             return hit[1]
         url = f"http://{host}:{port}"
         deadline = time.monotonic() + REGISTER_WAIT_S
-        while (entry := lookup_prefill(url, 0, 0, self.secret)) is None:
+        while (entry := self._lookup(url)) is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no prefill rank registered at bootstrap {url} within {REGISTER_WAIT_S:.0f} s")
             time.sleep(0.2)
@@ -43,3 +45,14 @@ class PeerDirectory:
         with self._lock:
             self._cache[(host, port)] = (time.monotonic(), peer)
         return peer
+
+    def _lookup(self, url: str) -> dict | None:
+        try:
+            return lookup_prefill(url, 0, 0, self.secret)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"bootstrap server {url} unreachable: {e!r}") from None
+
+    def invalidate(self, endpoint: str) -> None:
+        """Forget cached lookups that point at `endpoint` (its prefill was declared dead)."""
+        with self._lock:
+            self._cache = {k: v for k, v in self._cache.items() if v[1].endpoint != endpoint}

@@ -1,4 +1,4 @@
-"""Compose the decode role: engine + aux pool + KVManager + peer directory."""
+"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory."""
 from __future__ import annotations
 
 from common.aux_record import RECORD_BYTES
@@ -7,15 +7,20 @@ from common.engine import Engine
 from decode_node.aux_pool import AuxPool
 from decode_node.peers import PeerDirectory
 from decode_node.scheduler import DecodeScheduler
-from transfer.manager import KVManager, kv_args_from_pool, kv_layout
+from transfer.decode_manager import DecodeKVManager
+from transfer.manager import kv_args_from_pool, kv_layout
+from transfer.metrics import TransferCounters
 
 
 def build_decode_engine(config: ServerConfig) -> Engine:
     def make_scheduler(engine: Engine) -> DecodeScheduler:
         aux = AuxPool(2 * config.max_running_requests + 16)
         args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
-        manager = KVManager(args, "decode")
+        manager = DecodeKVManager(args)
+        engine.metrics.registry.register(TransferCounters(manager))
         peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
-        return DecodeScheduler(config, engine.runner, engine.kv, engine.output, kv_manager=manager, aux_pool=aux, peers=peers)
+        manager.on_peer_dead.append(peers.invalidate)
+        return DecodeScheduler(config, engine.runner, engine.kv, engine.output, kv_manager=manager, aux_pool=aux,
+                               peers=peers, vocab_size=engine.hf_config.vocab_size)
 
     return Engine(config, make_scheduler)

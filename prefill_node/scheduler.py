@@ -5,8 +5,10 @@ inflight queue until the transfer is done; then its KV stays in the radix cache.
     bootstrap queue --(decode sent page indices)--> waiting --(prefill chunks, KV sent)--> inflight --> done
          |  no row, no KV                          row + KV owned      row + KV owned until Success/Failed
 
-Who frees what: every exit goes through Scheduler.finish -> KVCacheManager.release, after the sender
-was told to stop (so no transfer reads pages that were freed).
+Who frees what: every exit goes through Scheduler.finish -> KVCacheManager.release (computed KV into
+the radix cache), after the sender was told to stop. A write already in flight may still read those
+pages; that only sends stale bytes into the decode's pages of a room that has failed, which decode
+reuses only after this side's failure status, queued behind that write.
 """
 from __future__ import annotations
 
@@ -20,17 +22,19 @@ from common.model_runner import BatchResult
 from common.request import FinishReason, Req, ReqStatus
 from common.scheduler import Scheduler
 from transfer.poll import KVPoll
+from transfer.prefill_manager import PrefillKVManager
+from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
 
 class PrefillScheduler(Scheduler):
-    def __init__(self, *args, kv_manager, **kwargs):
+    def __init__(self, *args, kv_manager: PrefillKVManager, **kwargs):
         super().__init__(*args, **kwargs)
         self.kv_manager = kv_manager
         self.bootstrap_queue: list[Req] = []
         self.inflight: list[Req] = []
-        self.senders: dict[str, object] = {}
+        self.senders: dict[str, KVSender] = {}
         self.sent_tokens: dict[str, int] = {}
 
     # -- admission -----------------------------------------------------------------------------
@@ -39,8 +43,6 @@ class PrefillScheduler(Scheduler):
         if req.bootstrap is None:
             self.finish(req, FinishReason("abort", message="a prefill server needs bootstrap_room: send requests through the router", status=400))
             return
-        from transfer.sender import KVSender
-
         self.senders[req.rid] = KVSender(self.kv_manager, req.bootstrap["bootstrap_room"])
         req.status = ReqStatus.BOOTSTRAPPING
         self.bootstrap_queue.append(req)
@@ -65,7 +67,7 @@ class PrefillScheduler(Scheduler):
             elif state == KVPoll.Failed:
                 self._fail(req, f"KV transfer failed: {sender.failure_reason}")
 
-    def _start_prefill(self, req: Req, sender) -> None:
+    def _start_prefill(self, req: Req, sender: KVSender) -> None:
         need = -(-len(req.prompt_ids) // self.config.page_size)
         self.bootstrap_queue.remove(req)
         if sender.num_dst_pages != need:
@@ -124,3 +126,7 @@ class PrefillScheduler(Scheduler):
 
     def num_held_elsewhere(self) -> int:
         return len(self.inflight)
+
+    def role_info(self) -> dict:
+        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint,
+                "bootstrap_queue": len(self.bootstrap_queue), "inflight": len(self.inflight)}

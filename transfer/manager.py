@@ -1,30 +1,30 @@
-"""KVManager: one per server process. Owns the transfer backend, the registered buffers, a ZMQ PULL
-socket for control messages and (prefill) the transfer worker thread.
+"""KVManager: one per server process. Owns the transfer backend, the registered buffers, the ZMQ
+control sockets, the table of rooms and the heartbeat. PrefillKVManager and DecodeKVManager add what
+each role does with the messages it receives.
 
-Threads: `recv` reads control messages and updates room state; `transfer` (prefill) executes queued
-chunks so the scheduler's next forward overlaps the copy. Errors end one room, never a thread.
+Threads: `kv-recv` reads control messages; `kv-heartbeat` pings peers (decode) and declares silent
+peers dead (both roles); prefill adds one `kv-transfer` thread per decode peer. Errors end one room,
+never a thread.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import queue
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
 
 import zmq
 
 from transfer.backends.base import make_backend
-from transfer.messages import Abort, BadMessage, Register, Request, Status, decode, encode
-from transfer.poll import KVPoll, PollState
-from transfer.runs import chunk_triples
+from transfer.liveness import Liveness
+from transfer.messages import BadMessage, Request, decode, encode
+from transfer.poll import PollState
 
 log = logging.getLogger(__name__)
-PENDING_TTL_S = 600.0
-MAX_PIECES_PER_BATCH = 1024  # Mooncake's TCP transport fails on much larger batches of small pieces
 
 
 @dataclass
@@ -44,44 +44,48 @@ class KVArgs:
     aux_record_bytes: int = 0
     aux_slots: int = 0
     kv_wait_timeout_s: float = 300.0
+    transfer_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 5.0
+    heartbeat_misses: int = 2
 
 
 @dataclass
 class RoomState:
     poll: PollState = field(default_factory=PollState)
-    request: Request | None = None  # prefill: what decode asked for
+    request: Request | None = None  # prefill: where the decode wants the KV
+    peer: str | None = None  # decode: the prefill's control endpoint
+    owned: bool = False  # a KVSender / KVReceiver of this process holds the room
+    status_received: bool = False  # decode: the prefill's final word arrived; nothing more will land
+    peer_dead: bool = False  # decode: the prefill was declared dead while this room waited on it
     created: float = field(default_factory=time.monotonic)
 
 
-class KVManager:
-    def __init__(self, args: KVArgs, mode: str):
-        if mode not in ("prefill", "decode"):
-            raise ValueError(f"mode must be prefill or decode, not {mode!r}")
-        self.args, self.mode = args, mode
-        self.instance_id = f"{mode}-{uuid.uuid4().hex[:12]}"
-        self.backend = make_backend(args.backend, args.host, args.protocol, args.device)
+class KVManager(ABC):
+    mode: str
+
+    def __init__(self, args: KVArgs):
+        self.args = args
+        self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
+        self.backend = make_backend(args.backend, args.host, args.protocol, args.device, args.transfer_timeout_s)
         for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
             self.backend.register(ptr, nbytes, args.on_cuda)
-        self.aux_staging = (ctypes.c_uint8 * max(args.aux_record_bytes, 4096))()
-        if mode == "decode":
-            self.backend.register(args.aux_ptr, args.aux_record_bytes * args.aux_slots)
-        else:
-            self.backend.register(ctypes.addressof(self.aux_staging), len(self.aux_staging))
         self.counters: Counter[str] = Counter()
         self.rooms: dict[int, RoomState] = {}
-        self.peers: dict[str, Register] = {}  # prefill: decode instances that registered
-        self.registered_with: set[str] = set()  # decode: prefill endpoints we registered with
+        self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses)
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         port = self._pull.bind_to_random_port(f"tcp://{args.host}")
         self.endpoint = f"tcp://{args.host}:{port}"
         self._push: dict[str, zmq.Socket] = {}
-        self._stop = False
-        self.chunks: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
         threading.Thread(target=self._recv_loop, name="kv-recv", daemon=True).start()
-        if mode == "prefill":
-            threading.Thread(target=self._transfer_loop, name="kv-transfer", daemon=True).start()
+        threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True).start()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     # -- control plane -------------------------------------------------------------------------
     def send(self, endpoint: str, msg: object) -> None:
@@ -92,17 +96,26 @@ class KVManager:
                 sock.setsockopt(zmq.LINGER, 1000)
                 sock.setsockopt(zmq.SNDHWM, 100000)
                 sock.connect(endpoint)
-            sock.send(encode(msg, self.args.secret), flags=zmq.NOBLOCK)
+            try:
+                sock.send(encode(msg, self.args.secret), flags=zmq.NOBLOCK)
+            except zmq.Again:  # the peer stopped reading long ago; the heartbeat will say so
+                self.counters["dropped_sends"] += 1
+
+    def drop_socket(self, endpoint: str) -> None:
+        with self._lock:
+            sock = self._push.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def _recv_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
-        while not self._stop:
+        while not self.stopped:
             if not poller.poll(100):
                 continue
             raw = self._pull.recv()
             try:
-                self._handle(decode(raw, self.args.secret))
+                self.handle(decode(raw, self.args.secret))
             except BadMessage as e:
                 self.counters["rejected_messages"] += 1
                 log.warning("dropped a control message: %s", e)
@@ -110,115 +123,56 @@ class KVManager:
                 self.counters["rejected_messages"] += 1
                 log.exception("control message handler failed")
 
-    def _handle(self, msg: object) -> None:
-        if self.mode == "prefill" and isinstance(msg, Register):
-            self.backend.add_peer(msg.decode_id, msg.backend_address)
-            self.peers[msg.decode_id] = msg
-        elif self.mode == "prefill" and isinstance(msg, Request):
-            self._on_request(msg)
-        elif self.mode == "prefill" and isinstance(msg, Abort):
-            room = self.rooms.get(msg.room)
-            if room is None:
-                raise BadMessage(f"abort for unknown room {msg.room}")
-            room.poll.fail(f"decode aborted: {msg.reason}")
-        elif self.mode == "decode" and isinstance(msg, Status):
-            room = self.rooms.get(msg.room)
-            if room is None:
-                raise BadMessage(f"status for unknown room {msg.room}")
-            room.poll.advance(KVPoll.Success) if msg.ok else room.poll.fail(msg.reason)
-        else:
-            raise BadMessage(f"{type(msg).__name__} is not for a {self.mode} server")
+    @abstractmethod
+    def handle(self, msg: object) -> None:
+        """Act on one validated message; raise BadMessage for one this role does not accept."""
 
-    def _on_request(self, req: Request) -> None:
-        peer = self.peers.get(req.decode_id)
-        if peer is None:
-            raise BadMessage(f"request from unregistered decode {req.decode_id}")
-        if any(not 1 <= p <= peer.num_pages for p in req.dst_pages) or not 0 <= req.aux_slot < peer.aux_slots:
-            raise BadMessage(f"room {req.room}: destination page or aux slot outside the decode's pool")
-        self._expire_pending()
+    # -- rooms ---------------------------------------------------------------------------------
+    def claim(self, room: int) -> RoomState:
+        """The room's state, marked as held by a sender/receiver of this process (atomically, so a
+        concurrent abort cannot discard it as an orphan)."""
         with self._lock:
-            room = self.rooms.setdefault(req.room, RoomState())
-            if room.request is not None:
-                raise BadMessage(f"room {req.room} was requested twice")
-            room.request = req
-
-    def _expire_pending(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for r, st in list(self.rooms.items()):
-                if st.poll.done or now - st.created > PENDING_TTL_S:
-                    if st.poll.done or st.request is not None:
-                        del self.rooms[r]
-
-    def room(self, room: int) -> RoomState:
-        with self._lock:
-            return self.rooms.setdefault(room, RoomState())
+            state = self.rooms.setdefault(room, RoomState())
+            state.owned = True
+            return state
 
     def forget(self, room: int) -> None:
         with self._lock:
             self.rooms.pop(room, None)
 
-    # -- data plane (prefill) ------------------------------------------------------------------
-    def _transfer_loop(self) -> None:
-        backlog: list[tuple] = []
-        while not self._stop:
+    def rooms_snapshot(self) -> list[tuple[int, RoomState]]:
+        with self._lock:
+            return list(self.rooms.items())
+
+    # -- heartbeat -----------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        interval = self.args.heartbeat_interval_s
+        last_ping = 0.0
+        while not self._stop.wait(min(interval / 4, 0.5)):
             try:
-                item = backlog.pop(0) if backlog else self.chunks.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            room_id, state, src_pages, dst_pages, aux = self._merge_queued(item, backlog)
-            if state.poll.done:
-                continue  # failed or aborted: drop the rest of its chunks
-            try:
-                self._write_chunk(state.request, src_pages, dst_pages, aux)
-            except Exception as e:
-                log.warning("room %d: transfer failed: %s", room_id, e)
-                self._fail_room(room_id, state, f"transfer error: {e}")
-                continue
-            if aux is not None:
-                state.poll.advance(KVPoll.Success)
-                self._send_status(state.request, Status(room_id, True, ""))
+                watched = self.watched_peers()
+                if time.monotonic() - last_ping >= interval:
+                    last_ping = time.monotonic()
+                    self.ping(watched)
+                for peer, silent_s in self.liveness.silent(watched):
+                    self.counters["peers_declared_dead"] += 1
+                    self.declare_dead(peer, silent_s)
+            except Exception:
+                log.exception("heartbeat round failed")
 
-    def _merge_queued(self, item: tuple, backlog: list[tuple]) -> tuple:
-        """Chunks of one room that queued up while the previous copy ran go out as one batch, so
-        runs that continue across chunk boundaries become single pieces."""
-        room_id, state, src, dst, aux = item
-        while aux is None:
-            try:
-                nxt = self.chunks.get_nowait()
-            except queue.Empty:
-                break
-            if nxt[0] != room_id:
-                backlog.append(nxt)
-                break
-            src, dst, aux = src + nxt[2], dst + nxt[3], nxt[4]
-        return room_id, state, src, dst, aux
+    @abstractmethod
+    def watched_peers(self) -> set[str]:
+        """Peers that rooms of this process are waiting on right now."""
 
-    def _write_chunk(self, req: Request, src_pages: list[int], dst_pages: list[int], aux: bytes | None) -> None:
-        peer = self.peers[req.decode_id]
-        a = self.args
-        src, dst, nbytes = chunk_triples(a.kv_ptrs, peer.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
-        for i in range(0, len(src), MAX_PIECES_PER_BATCH):
-            end = i + MAX_PIECES_PER_BATCH
-            self.backend.write_batch(req.decode_id, src[i:end], dst[i:end], nbytes[i:end], a.on_cuda)
-        if aux is not None:
-            if len(aux) != peer.aux_record_bytes:
-                raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
-            ctypes.memmove(self.aux_staging, aux, len(aux))
-            dst_aux = peer.aux_ptr + req.aux_slot * peer.aux_record_bytes
-            self.backend.write_batch(req.decode_id, [ctypes.addressof(self.aux_staging)], [dst_aux], [len(aux)])
+    def ping(self, peers: set[str]) -> None:
+        """Send a heartbeat to each peer (decode does; prefill only listens)."""
 
-    def _fail_room(self, room_id: int, state: RoomState, reason: str) -> None:
-        if state.poll.fail(reason) and state.request is not None:
-            self._send_status(state.request, Status(room_id, False, reason))
-
-    def _send_status(self, req: Request, status: Status) -> None:
-        peer = self.peers.get(req.decode_id)
-        if peer is not None:
-            self.send(peer.status_endpoint, status)
+    @abstractmethod
+    def declare_dead(self, peer: str, silent_s: float) -> None:
+        """Fail every room waiting on `peer`, silent for `silent_s` seconds."""
 
     def close(self) -> None:
-        self._stop = True
+        self._stop.set()
         time.sleep(0.2)
         self.backend.close()
 
@@ -237,4 +191,6 @@ def kv_args_from_pool(pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0,
         host=config.public_host, backend=config.transfer_backend, protocol=config.transfer_protocol,
         device=config.transfer_device, on_cuda=config.device == "cuda", secret=config.cluster_secret,
         aux_ptr=aux_ptr, aux_record_bytes=aux_record_bytes, aux_slots=aux_slots, kv_wait_timeout_s=config.kv_wait_timeout_s,
+        transfer_timeout_s=config.transfer_timeout_s, heartbeat_interval_s=config.heartbeat_interval_s,
+        heartbeat_misses=config.heartbeat_misses,
     )

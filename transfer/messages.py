@@ -1,13 +1,20 @@
 """Control-plane messages (msgpack over ZMQ). Every field is checked on receipt; a message that does
-not parse, or carries the wrong cluster secret, raises BadMessage and is dropped and counted.
+not parse, or whose signature does not match the cluster secret, raises BadMessage and is dropped
+and counted.
 
     decode -> prefill  register  once per (decode instance, prefill): where to write and how to reach it
     decode -> prefill  request   per room: destination pages and aux slot
-    decode -> prefill  abort     per room: stop sending
-    prefill -> decode  status    per room: ok or failed(reason), after the aux record was written
+    decode -> prefill  abort     per room: stop sending (prefill answers with a status once no write is in flight)
+    decode -> prefill  ping      every heartbeat interval, to each prefill it waits on
+    prefill -> decode  pong      the answer to a ping
+    prefill -> decode  status    per room: ok or failed(reason), after the last write of that room
+
+Frame: msgpack [body, mac]; mac = HMAC-SHA256(cluster secret, body), empty without a secret, so the
+secret itself never crosses the wire.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,6 +22,7 @@ from typing import Any
 import msgpack
 
 MAX_PAGES_PER_REQUEST = 1 << 22
+MAX_FRAME_BYTES = 64 << 20
 
 
 class BadMessage(ValueError):
@@ -46,7 +54,18 @@ class Request:
 @dataclass
 class Abort:
     room: int
+    decode_id: str
     reason: str
+
+
+@dataclass
+class Ping:
+    decode_id: str
+
+
+@dataclass
+class Pong:
+    endpoint: str  # the prefill's control endpoint, which is how decode names it
 
 
 @dataclass
@@ -56,40 +75,58 @@ class Status:
     reason: str
 
 
-KINDS = {"register": Register, "request": Request, "abort": Abort, "status": Status}
+KINDS = {"register": Register, "request": Request, "abort": Abort, "ping": Ping, "pong": Pong, "status": Status}
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "decode_id": (str,), "status_endpoint": (str,), "backend_address": (bytes,), "kv_ptrs": (list,),
     "bytes_per_page": (list,), "num_pages": (int,), "page_size": (int,), "aux_ptr": (int,),
     "aux_record_bytes": (int,), "aux_slots": (int,), "room": (int,), "dst_pages": (list,),
-    "aux_slot": (int,), "reason": (str,), "ok": (bool,),
+    "aux_slot": (int,), "reason": (str,), "ok": (bool,), "endpoint": (str,),
 }
+
+
+def _mac(body: bytes, secret: str | None) -> bytes:
+    return hmac.new(secret.encode(), body, hashlib.sha256).digest() if secret else b""
 
 
 def encode(msg: Any, secret: str | None) -> bytes:
     kind = next(k for k, cls in KINDS.items() if isinstance(msg, cls))
-    return msgpack.packb({"type": kind, "secret": secret, **asdict(msg)}, use_bin_type=True)
+    body = msgpack.packb({"type": kind, **asdict(msg)}, use_bin_type=True)
+    return msgpack.packb([body, _mac(body, secret)], use_bin_type=True)
 
 
 def decode(raw: bytes, secret: str | None) -> Any:
+    body = _verified_body(raw, secret)
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        data = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises many types for garbage
-        raise BadMessage(f"not msgpack: {type(e).__name__}") from None
+        raise BadMessage(f"body is not msgpack: {type(e).__name__}") from None
     if not isinstance(data, dict) or data.get("type") not in KINDS:
         raise BadMessage("not a known message type")
-    got = data.pop("secret", None)
-    if secret is not None and not (isinstance(got, str) and hmac.compare_digest(got.encode(), secret.encode())):
-        raise BadMessage("wrong or missing cluster secret")
     cls = KINDS[data.pop("type")]
     fields = cls.__dataclass_fields__
     if set(data) != set(fields):
-        raise BadMessage(f"{cls.__name__} fields {sorted(data)} != {sorted(fields)}")
+        raise BadMessage(f"{cls.__name__} fields {sorted(map(str, data))} != {sorted(fields)}")
     for name, value in data.items():
         if not isinstance(value, FIELD_TYPES[name]) or (FIELD_TYPES[name] == (int,) and isinstance(value, bool)):
             raise BadMessage(f"{cls.__name__}.{name} has type {type(value).__name__}")
     msg = cls(**data)
     _check_ranges(msg)
     return msg
+
+
+def _verified_body(raw: bytes, secret: str | None) -> bytes:
+    if len(raw) > MAX_FRAME_BYTES:
+        raise BadMessage(f"frame of {len(raw)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        frame = msgpack.unpackb(raw, raw=False)
+    except Exception as e:
+        raise BadMessage(f"not msgpack: {type(e).__name__}") from None
+    if not (isinstance(frame, list) and len(frame) == 2 and all(isinstance(x, bytes) for x in frame)):
+        raise BadMessage("not a [body, mac] frame")
+    body, mac = frame
+    if secret is not None and not hmac.compare_digest(mac, _mac(body, secret)):
+        raise BadMessage("wrong or missing cluster secret")
+    return body
 
 
 def _check_ranges(msg: Any) -> None:

@@ -21,10 +21,13 @@ class PollState:
         self.reason: str | None = None
         self._lock = threading.Lock()
 
-    def advance(self, new: KVPoll) -> None:
+    def advance(self, new: KVPoll) -> bool:
+        """Returns True if the state moved (never out of Failed, never down)."""
         with self._lock:
-            if self.state != KVPoll.Failed and new > self.state:
-                self.state = new
+            if self.state == KVPoll.Failed or new <= self.state:
+                return False
+            self.state = new
+            return True
 
     def fail(self, reason: str) -> bool:
         """Returns False if the room had already ended (Success or Failed)."""

@@ -1,32 +1,34 @@
-"""Decode side of one room: registers with the prefill once, sends page indices, waits for status."""
+"""Decode side of one room: sends the page indices to the prefill, waits for its status.
+
+`writes_settled` says when the reserved pages may be reused: the prefill has sent its final status
+(it sends it only after its last write of the room), or the room never asked it for anything.
+"""
 from __future__ import annotations
 
 import time
 
-from transfer.manager import KVManager
-from transfer.messages import Abort, Register, Request
+from transfer.decode_manager import DecodeKVManager
+from transfer.messages import Abort, Request
 from transfer.poll import KVPoll
 
 
 class KVReceiver:
-    def __init__(self, manager: KVManager, room: int, prefill_endpoint: str, prefill_id: str):
+    def __init__(self, manager: DecodeKVManager, room: int, prefill_endpoint: str, prefill_id: str):
         self.manager = manager
         self.room_id = room
         self.endpoint = prefill_endpoint
         self.prefill_id = prefill_id
-        self.state = manager.room(room)
+        self.state = manager.claim(room)
+        self.state.peer = prefill_endpoint
         self.deadline: float | None = None
+        self.requested = False
+        self.abort_sent = False
 
     def init(self, dst_pages: list[int], aux_slot: int) -> None:
         m = self.manager
-        if self.endpoint not in m.registered_with:
-            a = m.args
-            m.send(self.endpoint, Register(
-                m.instance_id, m.endpoint, m.backend.address(), a.kv_ptrs, a.bytes_per_page,
-                a.num_pages, a.page_size, a.aux_ptr, a.aux_record_bytes, a.aux_slots,
-            ))
-            m.registered_with.add(self.endpoint)
+        m.register_with(self.endpoint)
         m.send(self.endpoint, Request(self.room_id, m.instance_id, dst_pages, aux_slot))
+        self.requested = True
         self.state.poll.advance(KVPoll.WaitingForInput)
         self.deadline = time.monotonic() + m.args.kv_wait_timeout_s
 
@@ -40,9 +42,16 @@ class KVReceiver:
     def failure_reason(self) -> str | None:
         return self.state.poll.reason
 
+    @property
+    def writes_settled(self) -> bool:
+        return not self.requested or self.state.status_received
+
     def abort(self, reason: str) -> None:
-        if self.state.poll.fail(reason):
-            self.manager.send(self.endpoint, Abort(self.room_id, reason))
+        """Stop waiting; ask the prefill to stop writing (it confirms with a status)."""
+        self.state.poll.fail(reason)
+        if not (self.writes_settled or self.abort_sent or self.state.peer_dead):
+            self.abort_sent = True
+            self.manager.send(self.endpoint, Abort(self.room_id, self.manager.instance_id, reason))
 
     def release(self) -> None:
         self.manager.forget(self.room_id)

@@ -1,16 +1,16 @@
-"""Prefill side of one room: waits for the decode's page indices, then sends chunks and aux."""
+"""Prefill side of one room: waits for the decode's page indices, then queues chunks and aux."""
 from __future__ import annotations
 
-from transfer.manager import KVManager
-from transfer.messages import Status
 from transfer.poll import KVPoll
+from transfer.prefill_manager import PrefillKVManager
+from transfer.transfer_worker import Chunk
 
 
 class KVSender:
-    def __init__(self, manager: KVManager, room: int):
+    def __init__(self, manager: PrefillKVManager, room: int):
         self.manager = manager
         self.room_id = room
-        self.state = manager.room(room)
+        self.state = manager.claim(room)
         self.offset = 0  # destination pages used by earlier chunks
 
     def poll(self) -> KVPoll:
@@ -34,11 +34,10 @@ class KVSender:
             return
         self.offset += len(src_pages)
         self.state.poll.advance(KVPoll.Transferring)
-        self.manager.chunks.put((self.room_id, self.state, src_pages, dst, aux if is_last else None))
+        self.manager.enqueue(Chunk(self.room_id, self.state, src_pages, dst, aux if is_last else None))
 
     def abort(self, reason: str) -> None:
-        if self.state.poll.fail(reason) and self.state.request is not None:
-            self.manager._send_status(self.state.request, Status(self.room_id, False, reason))
+        self.manager.fail_room(self.room_id, self.state, reason)
 
     def release(self) -> None:
         self.manager.forget(self.room_id)

@@ -2,14 +2,17 @@
 prefill -> decode room over the loopback backend with exact bytes."""
 from __future__ import annotations
 
+import threading
 import time
 
 import msgpack
 import pytest
 import torch
 
-from transfer.manager import KVArgs, KVManager
+from transfer.decode_manager import DecodeKVManager
+from transfer.manager import KVArgs
 from transfer.messages import BadMessage, Register, Request, Status, decode, encode
+from transfer.prefill_manager import PrefillKVManager
 from transfer.poll import KVPoll, PollState
 from transfer.receiver import KVReceiver
 from transfer.runs import chunk_triples, group_contiguous_runs
@@ -46,7 +49,8 @@ def test_poll_state_only_moves_up_and_failed_wins():
 @pytest.mark.parametrize(
     "raw",
     [b"\x00garbage", msgpack.packb({"type": "request", "room": 1}), msgpack.packb({"type": "nope"}),
-     msgpack.packb([1, 2]), encode(Request(1, "d", [1, "x"], 0), None)[:-3]],
+     msgpack.packb([1, 2]), encode(Request(1, "d", [1, "x"], 0), None)[:-3],
+     msgpack.packb([msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""}), b""])[:-1]],
 )
 def test_garbage_and_truncated_messages_are_rejected(raw):
     with pytest.raises(BadMessage):
@@ -62,23 +66,42 @@ def test_wrong_secret_is_rejected_and_right_secret_accepted():
     assert decode(encode(msg, "right"), "right") == msg
 
 
+def test_signed_frames_never_carry_the_secret_and_tampering_is_detected():
+    raw = encode(Status(5, True, ""), "s3cret-value")
+    assert b"s3cret-value" not in raw
+    body, mac = msgpack.unpackb(raw)
+    forged = msgpack.packb([body.replace(b"\xc3", b"\xc2"), mac])  # ok: true -> false, same signature
+    assert forged != raw
+    with pytest.raises(BadMessage, match="secret"):
+        decode(forged, "s3cret-value")
+
+
+def frame(fields: dict) -> bytes:
+    return msgpack.packb([msgpack.packb(fields), b""])
+
+
 def test_wrong_field_types_are_rejected():
-    raw = msgpack.packb({"type": "status", "secret": None, "room": "5", "ok": True, "reason": ""})
     with pytest.raises(BadMessage, match="room"):
-        decode(raw, None)
+        decode(frame({"type": "status", "room": "5", "ok": True, "reason": ""}), None)
+    with pytest.raises(BadMessage, match="room"):
+        decode(frame({"type": "status", "room": True, "ok": True, "reason": ""}), None)
+    with pytest.raises(BadMessage, match="room out of range"):
+        decode(frame({"type": "status", "room": -1, "ok": True, "reason": ""}), None)
 
 
 class Side:
     """A fake pool (torch buffers) plus a manager, on 127.0.0.1 with the loopback backend."""
 
-    def __init__(self, mode: str, secret: str | None = None, backend: str = "loopback", timeout: float = 2.0):
+    def __init__(self, mode: str, secret: str | None = None, backend: str = "loopback", timeout: float = 2.0,
+                 heartbeat_s: float = 5.0):
         self.k = [torch.zeros((PAGES + 1) * PAGE, 8, dtype=torch.float32) for _ in range(2 * LAYERS)]
         self.aux = torch.zeros(4, AUX_BYTES, dtype=torch.uint8)
         bpp = PAGE * 8 * 4
         self.args = KVArgs([b.data_ptr() for b in self.k], [b.numel() * 4 for b in self.k], [bpp] * len(self.k),
                            PAGES, PAGE, backend=backend, secret=secret, aux_ptr=self.aux.data_ptr(),
-                           aux_record_bytes=AUX_BYTES, aux_slots=4, kv_wait_timeout_s=timeout)
-        self.manager = KVManager(self.args, mode)
+                           aux_record_bytes=AUX_BYTES, aux_slots=4, kv_wait_timeout_s=timeout,
+                           heartbeat_interval_s=heartbeat_s, heartbeat_misses=2)
+        self.manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(self.args)
 
     def page(self, buf: int, p: int) -> torch.Tensor:
         return self.k[buf][p * PAGE : (p + 1) * PAGE]
@@ -161,3 +184,101 @@ def test_register_validation_rejects_bad_pointers():
     bad = Register("d", "tcp://x:1", b"a", [0], [16], 4, 4, 1, 8, 1)
     with pytest.raises(BadMessage):
         decode(encode(bad, None), None)
+
+
+def block_writes_to(side: Side, decode_id: str) -> tuple[threading.Event, threading.Event]:
+    """Make the prefill's writes to one decode hang until released; returns (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = side.manager.backend.write_batch
+
+    def write_batch(peer_id, *args, **kwargs):
+        if peer_id == decode_id:
+            entered.set()
+            release.wait(10)
+        return real(peer_id, *args, **kwargs)
+
+    side.manager.backend.write_batch = write_batch
+    return entered, release
+
+
+def start_room(prefill: Side, dec: Side, room: int, pages: list[int]) -> tuple[KVSender, KVReceiver]:
+    sender = KVSender(prefill.manager, room)
+    receiver = KVReceiver(dec.manager, room, prefill.manager.endpoint, prefill.manager.instance_id)
+    receiver.init(pages, aux_slot=0)
+    wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    return sender, receiver
+
+
+def test_decode_abort_is_confirmed_by_the_prefill_so_pages_can_be_reused():
+    prefill, dec = Side("prefill"), Side("decode")
+    sender, receiver = start_room(prefill, dec, 20, [1, 2])
+    assert not receiver.writes_settled
+    receiver.abort("client went away")
+    wait_for(lambda: receiver.writes_settled)
+    assert sender.poll() == KVPoll.Failed and receiver.poll() == KVPoll.Failed
+
+
+def test_abort_of_a_room_the_prefill_never_started_is_answered_at_once():
+    prefill, dec = Side("prefill"), Side("decode")
+    receiver = KVReceiver(dec.manager, 21, prefill.manager.endpoint, prefill.manager.instance_id)
+    receiver.init([1], aux_slot=0)
+    wait_for(lambda: 21 in prefill.manager.rooms)  # the decode's request arrived; no HTTP request yet
+    receiver.abort("decode gave up")
+    wait_for(lambda: receiver.writes_settled)
+    assert 21 not in prefill.manager.rooms
+
+
+def test_failure_status_never_overtakes_a_write_in_flight():
+    prefill, dec = Side("prefill"), Side("decode")
+    entered, release = block_writes_to(prefill, dec.manager.instance_id)
+    sender, receiver = start_room(prefill, dec, 22, [1, 2])
+    sender.send([1], is_last=False, aux=None)
+    assert entered.wait(5)
+    sender.abort("prefill request aborted")  # while the write is still running
+    time.sleep(0.3)
+    assert not receiver.writes_settled  # the failure status waits behind the write
+    release.set()
+    wait_for(lambda: receiver.writes_settled)
+    assert receiver.poll() == KVPoll.Failed and receiver.failure_reason == "prefill request aborted"
+
+
+def test_a_stuck_decode_delays_only_its_own_rooms():
+    prefill, stuck, healthy = Side("prefill"), Side("decode"), Side("decode")
+    entered, release = block_writes_to(prefill, stuck.manager.instance_id)
+    s1, _ = start_room(prefill, stuck, 30, [1])
+    s1.send([1], is_last=True, aux=bytes(AUX_BYTES))
+    assert entered.wait(5)
+    s2, r2 = start_room(prefill, healthy, 31, [2])
+    s2.send([3], is_last=True, aux=bytes(range(AUX_BYTES)))
+    wait_for(lambda: r2.poll() == KVPoll.Success)
+    assert healthy.aux[0].tolist() == list(range(AUX_BYTES))
+    release.set()
+    wait_for(lambda: s1.poll() == KVPoll.Success)
+
+
+def test_decode_declares_a_silent_prefill_dead():
+    prefill, dec = Side("prefill"), Side("decode", heartbeat_s=0.2)
+    _, receiver = start_room(prefill, dec, 40, [1])
+    prefill.manager.close()  # stops reading: no more pongs, as if frozen
+    t0 = time.monotonic()
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout=5)
+    assert "answered no heartbeat" in receiver.failure_reason and time.monotonic() - t0 < 2
+    assert dec.manager.counters["peers_declared_dead"] == 1
+    assert prefill.manager.endpoint not in dec.manager.registered_with
+
+
+def test_prefill_declares_a_silent_decode_dead():
+    prefill, dec = Side("prefill", heartbeat_s=0.2), Side("decode", heartbeat_s=0.2)
+    sender, _ = start_room(prefill, dec, 41, [1])
+    dec.manager.close()  # no more pings
+    wait_for(lambda: sender.poll() == KVPoll.Failed, timeout=5)
+    assert "sent no heartbeat" in sender.failure_reason
+
+
+def test_heartbeats_keep_a_slow_room_alive():
+    prefill, dec = Side("prefill", heartbeat_s=0.1), Side("decode", heartbeat_s=0.1)
+    sender, receiver = start_room(prefill, dec, 42, [1])
+    time.sleep(1.0)  # five heartbeat windows with no KV: both sides still wait
+    assert sender.poll() == KVPoll.WaitingForInput and receiver.poll() == KVPoll.WaitingForInput
+    sender.send([2], is_last=True, aux=bytes(AUX_BYTES))
+    wait_for(lambda: receiver.poll() == KVPoll.Success)

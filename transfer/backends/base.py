@@ -26,15 +26,16 @@ class TransferBackend(ABC):
         """Release engine resources."""
 
 
-def make_backend(name: str, host: str, protocol: str = "tcp", device: str = "") -> TransferBackend:
+def make_backend(name: str, host: str, protocol: str = "tcp", device: str = "", timeout_s: float = 60.0) -> TransferBackend:
+    """`timeout_s` bounds one write_batch call: it raises instead of waiting longer on a stuck peer."""
     if name == "mooncake":
         from transfer.backends.mooncake import MooncakeBackend
 
-        return MooncakeBackend(host, protocol, device)
+        return MooncakeBackend(host, protocol, device, timeout_s)
     if name == "nixl":
         from transfer.backends.nixl import NixlBackend
 
-        return NixlBackend()
+        return NixlBackend(timeout_s)
     if name == "loopback":
         from transfer.backends.loopback import LoopbackBackend
 

@@ -5,6 +5,7 @@ Intra-node NVLink on CUDA builds is MC_INTRANODE_NVLINK=true (never protocol "nv
 """
 from __future__ import annotations
 
+import math
 import os
 
 from transfer.backends.base import TransferBackend
@@ -13,7 +14,9 @@ os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake logs every connection
 
 
 class MooncakeBackend(TransferBackend):
-    def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
+    def __init__(self, host: str, protocol: str = "tcp", device: str = "", timeout_s: float = 60.0):
+        # Read once by the engine: bounds each synchronous batch write (plus 1 s per GiB moved).
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(timeout_s)))
         from mooncake.engine import TransferEngine
 
         self.engine = TransferEngine()

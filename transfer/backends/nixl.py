@@ -8,13 +8,12 @@ import uuid
 
 from transfer.backends.base import TransferBackend
 
-XFER_TIMEOUT_S = 60.0
-
 
 class NixlBackend(TransferBackend):
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 60.0) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        self.timeout_s = timeout_s
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
         self.device_id = 0
@@ -42,10 +41,10 @@ class NixlBackend(TransferBackend):
         try:
             if self.agent.transfer(handle) == "ERR":
                 raise RuntimeError("NIXL transfer could not start")
-            deadline = time.monotonic() + XFER_TIMEOUT_S
+            deadline = time.monotonic() + self.timeout_s
             while (state := self.agent.check_xfer_state(handle)) == "PROC":
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"NIXL transfer of {len(src)} pieces did not finish in {XFER_TIMEOUT_S} s")
+                    raise TimeoutError(f"NIXL transfer of {len(src)} pieces did not finish in {self.timeout_s:.0f} s")
             if state != "DONE":
                 raise RuntimeError(f"NIXL transfer ended in state {state}")
         finally:
