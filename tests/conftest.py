@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,14 +25,32 @@ class ServerProcess:
     """A `python -m tandem <args>` child process; stop() kills it and its log is kept for failures."""
 
     def __init__(self, args: list[str], port: int, name: str = "server", health: str = "/health"):
+        self.args = args
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
         self._log = open(self.log_path, "wb")
-        env = os.environ | {"PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem", *args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.health = health
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen([sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def signal(self, sig: int) -> None:
+        """SIGKILL, SIGSTOP, SIGCONT... to the server process (a fault injected by a test)."""
+        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait(10)
+
+    def restart(self) -> "ServerProcess":
+        """Start the same command again on the same port (after a kill); returns at once."""
+        if self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is still running")
+        self._log.write(b"\n---- restarted by the test ----\n")
+        self.proc = self._spawn()
+        return self
 
     def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout
@@ -68,6 +87,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a frozen process would ignore SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(10)
@@ -91,3 +111,35 @@ def builtin_model_dir() -> Path:
     from common.model.loader import resolve_model_dir
 
     return resolve_model_dir("builtin")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus metric from url/metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+FAULT_ROWS: list[tuple[str, ...]] = []
+
+
+def record_fault(fault: str, client_saw: str, time_to_error_s: float | None, pages_leaked: int, recovery_s: float | None) -> None:
+    """One row of the fault table printed at the end of the run (and quoted in release notes)."""
+    fmt = lambda s: "-" if s is None else f"{s:.2f} s"  # noqa: E731
+    FAULT_ROWS.append((fault, client_saw, fmt(time_to_error_s), str(pages_leaked), fmt(recovery_s)))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not FAULT_ROWS:
+        return
+    tr = terminalreporter
+    tr.section("faults: what the client saw, time to error, pages leaked, recovery")
+    header = ("fault", "client saw", "time to error", "pages leaked", "recovery")
+    widths = [max(len(r[i]) for r in [header, *FAULT_ROWS]) for i in range(5)]
+    for row in [header, *FAULT_ROWS]:
+        tr.write_line(" | ".join(c.ljust(w) for c, w in zip(row, widths)))

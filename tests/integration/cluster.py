@@ -35,7 +35,8 @@ class Cluster:
 
 
 def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int = 1, flags: tuple[str, ...] = (),
-                  decode_flags: tuple[str, ...] = (), policy: str = "round_robin") -> Cluster:
+                  decode_flags: tuple[str, ...] = (), policy: str = "round_robin", prefill_flags: tuple[str, ...] = (),
+                  router_flags: tuple[str, ...] = ()) -> Cluster:
     c = Cluster()
     try:
         prefill_args = []
@@ -43,7 +44,7 @@ def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int =
             boot = free_port()
             c.prefill_bootstrap_ports.append(boot)
             c.prefills.append(start_server("--disagg-mode", "prefill", "--transfer-backend", backend,
-                                           "--bootstrap-port", str(boot), *flags, name=f"prefill{i}"))
+                                           "--bootstrap-port", str(boot), *flags, *prefill_flags, name=f"prefill{i}"))
             prefill_args += ["--prefill", c.prefills[-1].url, str(boot)]
         for j in range(n_decode):
             c.decodes.append(start_server("--disagg-mode", "decode", "--transfer-backend", backend, *flags, *decode_flags, name=f"decode{j}"))
@@ -52,7 +53,7 @@ def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int =
         port = free_port()
         decode_args = [a for d in c.decodes for a in ("--decode", d.url)]
         c.router = ServerProcess(["router", *prefill_args, *decode_args, "--port", str(port), "--policy", policy,
-                                  "--health-check-interval-s", "0.5"], port, name="router", health="/readiness").wait_ready()
+                                  "--health-check-interval-s", "0.5", *router_flags], port, name="router", health="/readiness").wait_ready()
         return c
     except BaseException:
         c.stop()

@@ -1,0 +1,28 @@
+"""A tiny random Llama (2 layers, vocab 512) saved by transformers, for tests that need many fast
+requests rather than a real model: soak, overload, memory pressure, protocol abuse."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 512
+
+
+def save_tiny_llama(path: Path, context: int = 2048) -> Path:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=VOCAB, max_position_embeddings=context, initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token=f"t{VOCAB - 1}")
+    tok.save_pretrained(path)
+    return path
+
+
+def random_prompts(n: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, VOCAB - 1, (k,), generator=g).tolist() for k in lens]
