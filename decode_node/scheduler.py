@@ -66,7 +66,7 @@ class DecodeScheduler(Scheduler):
         now = time.monotonic()
         for req, lookup in list(self.prealloc):
             if now - req.arrival_time > self.config.bootstrap_timeout_s:
-                self._fail(req, f"could not reserve memory or reach the prefill peer within {self.config.bootstrap_timeout_s:.0f} s", 504)
+                self._fail(req, f"could not reserve memory or reach the prefill peer within {self.config.bootstrap_timeout_s:g} s", 504)
             elif lookup.done():
                 if lookup.exception() is not None:
                     self._fail(req, f"prefill peer lookup failed: {lookup.exception()}")

@@ -57,7 +57,7 @@ class PrefillScheduler(Scheduler):
             elif state >= KVPoll.WaitingForInput:
                 self._start_prefill(req, sender)
             elif now - req.arrival_time > self.config.bootstrap_timeout_s:
-                self._fail(req, f"no decode server reserved memory for room {req.bootstrap['bootstrap_room']} within {self.config.bootstrap_timeout_s:.0f} s", 504)
+                self._fail(req, f"no decode server reserved memory for room {req.bootstrap['bootstrap_room']} within {self.config.bootstrap_timeout_s:g} s", 504)
         for req in list(self.inflight):
             sender = self.senders[req.rid]
             state = sender.poll()

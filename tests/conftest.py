@@ -143,3 +143,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     widths = [max(len(r[i]) for r in [header, *FAULT_ROWS]) for i in range(5)]
     for row in [header, *FAULT_ROWS]:
         tr.write_line(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from tests.integration.tiny_model import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

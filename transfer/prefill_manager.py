@@ -61,6 +61,7 @@ class PrefillKVManager(KVManager):
         self.aux_staging = AuxStaging(self.backend)
         self.peers: dict[str, Register] = {}  # decode instances that registered
         self.workers: dict[str, TransferWorker] = {}
+        self.tombstones: dict[int, tuple[str, float]] = {}  # failed rooms already forgotten: reason, when
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -86,6 +87,11 @@ class PrefillKVManager(KVManager):
         if any(not 1 <= p <= peer.num_pages for p in req.dst_pages) or not 0 <= req.aux_slot < peer.aux_slots:
             raise BadMessage(f"room {req.room}: destination page or aux slot outside the decode's pool")
         self._expire_orphans()
+        with self._lock:
+            tomb = self.tombstones.get(req.room)
+        if tomb is not None:  # a decode that reserved memory late: tell it at once instead of letting it wait
+            self.send(peer.status_endpoint, Status(req.room, False, tomb[0]))
+            return
         with self._lock:
             room = self.rooms.setdefault(req.room, RoomState())
             if room.request is not None:
@@ -113,6 +119,16 @@ class PrefillKVManager(KVManager):
             for r, st in list(self.rooms.items()):
                 if not st.owned and now - st.created > ORPHAN_TTL_S:
                     del self.rooms[r]
+            for r, (_, when) in list(self.tombstones.items()):
+                if now - when > ORPHAN_TTL_S:
+                    del self.tombstones[r]
+
+    def forget(self, room: int) -> None:
+        """Drop the room; a failed one leaves a tombstone so a late request for it is answered."""
+        with self._lock:
+            state = self.rooms.pop(room, None)
+            if state is not None and state.poll.reason is not None:
+                self.tombstones[room] = (state.poll.reason, time.monotonic())
 
     # -- rooms ---------------------------------------------------------------------------------
     def fail_room(self, room_id: int, state: RoomState, reason: str) -> None:

@@ -35,7 +35,7 @@ class KVReceiver:
     def poll(self) -> KVPoll:
         s = self.state.poll
         if not s.done and self.deadline is not None and time.monotonic() > self.deadline:
-            s.fail(f"no KV arrived within {self.manager.args.kv_wait_timeout_s:.0f} s")
+            s.fail(f"no KV arrived within {self.manager.args.kv_wait_timeout_s:g} s")
         return s.state
 
     @property

@@ -282,3 +282,14 @@ def test_heartbeats_keep_a_slow_room_alive():
     assert sender.poll() == KVPoll.WaitingForInput and receiver.poll() == KVPoll.WaitingForInput
     sender.send([2], is_last=True, aux=bytes(AUX_BYTES))
     wait_for(lambda: receiver.poll() == KVPoll.Success)
+
+
+def test_a_late_request_for_a_room_the_prefill_gave_up_on_fails_at_once():
+    prefill, dec = Side("prefill"), Side("decode", timeout=60)
+    sender = KVSender(prefill.manager, 50)
+    sender.abort("no decode reserved memory within 300 s")
+    sender.release()
+    receiver = KVReceiver(dec.manager, 50, prefill.manager.endpoint, prefill.manager.instance_id)
+    receiver.init([1], aux_slot=0)  # decode finally found memory
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert receiver.failure_reason == "no decode reserved memory within 300 s" and receiver.writes_settled

@@ -44,7 +44,7 @@ class NixlBackend(TransferBackend):
             deadline = time.monotonic() + self.timeout_s
             while (state := self.agent.check_xfer_state(handle)) == "PROC":
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"NIXL transfer of {len(src)} pieces did not finish in {self.timeout_s:.0f} s")
+                    raise TimeoutError(f"NIXL transfer of {len(src)} pieces did not finish in {self.timeout_s:g} s")
             if state != "DONE":
                 raise RuntimeError(f"NIXL transfer ended in state {state}")
         finally:
