@@ -28,10 +28,22 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
+        self.args = args
         self._log = open(self.log_path, "wb")
-        env = os.environ | {"PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem", *args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = self._spawn()
         self.health = health
+
+    def _spawn(self) -> subprocess.Popen:
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen([sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def restart(self) -> "ServerProcess":
+        """The same command again on the same port (after a kill or stop()); its log is appended to.
+        Call wait_ready() next."""
+        self.stop()
+        self._log = open(self.log_path, "ab")
+        self.proc = self._spawn()
+        return self
 
     def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout
