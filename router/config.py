@@ -1,9 +1,11 @@
-"""One config object for the router process."""
+"""One config object for the router process: every field is a `tandem router` flag and a
+`TANDEM_ROUTER_*` environment variable (the API key is `TANDEM_API_KEY`, shared with the servers)."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Policy = Literal["random", "round_robin", "power_of_two", "cache_aware"]
 
@@ -13,14 +15,21 @@ class PrefillSpec(BaseModel):
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
 
 
-class RouterConfig(BaseModel):
+class RouterConfig(BaseSettings):
+    """From the environment: `TANDEM_ROUTER_PREFILL='[{"url": "http://p0:30000", "bootstrap_port": 8998}]'`,
+    `TANDEM_ROUTER_DECODE='["http://d0:30000"]'`, `TANDEM_ROUTER_HEALTH_FAILURE_THRESHOLD=3`, ..."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", extra="forbid", populate_by_name=True)
+
     prefill: list[PrefillSpec] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     policy: Policy = "cache_aware"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    health_check_interval_s: float = Field(5.0, gt=0)
-    health_failure_threshold: int = Field(2, ge=1)
-    request_timeout_s: float = Field(1800.0, gt=0)
-    api_key: str | None = None
-    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    health_check_interval_s: float = Field(5.0, gt=0, description="seconds between two health checks of a worker")
+    health_check_timeout_s: float = Field(2.0, gt=0, description="a GET /health slower than this is a failure")
+    health_failure_threshold: int = Field(2, ge=1, description="failures in a row that take a worker out of rotation")
+    request_timeout_s: float = Field(1800.0, gt=0, description="the longest one request may take end to end")
+    max_concurrent_requests: int = Field(4096, ge=1, description="requests in flight beyond this are answered 429")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies are answered 413")
+    api_key: str | None = Field(None, validation_alias="TANDEM_API_KEY")

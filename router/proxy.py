@@ -1,107 +1,41 @@
 """Send one request to a (prefill, decode) pair at once and return the decode's answer.
 
-    client ──▶ router ──▶ prefill (same body, stream off)   : its status decides failures
-                      └─▶ decode  (same body)               : streamed back to the client
-Either half failing cancels the other (closing its connection aborts the request there and frees
-its KV). A worker that refuses the connection before any byte reached the client is retried once
-with another pair.
+    client ──▶ router ──▶ prefill (same body, stream off)   : its failure ends the request
+                      └─▶ decode  (same body)               : its answer goes back to the client
+Either half failing cancels the other at once (closing its connection aborts the request there and
+frees its KV), and so do a worker taken out of rotation and a client that goes away.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import random
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
 
 import aiohttp
 
-from common.errors import error_body
-from router.workers import Worker
+from router.pair_call import Pair, PairCall
+from router.upstream import read_all, read_chunk
 
 log = logging.getLogger("tandem.router")
 
 
-class UpstreamError(Exception):
-    def __init__(self, status: int, body: bytes, worker: Worker | None, refused: bool = False):
-        super().__init__(f"HTTP {status} from {worker.url if worker else 'router'}")
-        self.status, self.body, self.worker, self.refused = status, body, worker, refused
-
-
-@dataclass
-class Pair:
-    prefill: Worker
-    decode: Worker
-
-
-def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
-    return body | {"bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
-                   "bootstrap_room": random.getrandbits(63)}
-
-
-async def post(session: aiohttp.ClientSession, worker: Worker, path: str, body: dict) -> aiohttp.ClientResponse:
-    """POST and return once headers arrived; an error status raises UpstreamError with the body."""
-    try:
-        resp = await session.post(worker.url + path, json=body)
-    except aiohttp.ClientConnectorError as e:
-        raise UpstreamError(503, json.dumps(error_body(f"{worker.role} worker {worker.url} refused the connection: {e}", "upstream_unavailable", 503)).encode(), worker, refused=True) from None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise UpstreamError(502, json.dumps(error_body(f"{worker.role} worker {worker.url} failed: {e!r}", "upstream_error", 502)).encode(), worker) from None
-    if resp.status != 200:
-        body_bytes = await resp.read()
-        resp.release()
-        raise UpstreamError(resp.status, body_bytes, worker)
-    return resp
-
-
-async def run_prefill(session: aiohttp.ClientSession, pair: Pair, path: str, body: dict) -> bytes:
-    resp = await post(session, pair.prefill, path, body | {"stream": False})
-    try:
-        return await resp.read()
-    finally:
-        resp.release()
-
-
-async def start_pair(session: aiohttp.ClientSession, pair: Pair, path: str, body: dict) -> tuple[aiohttp.ClientResponse, asyncio.Task]:
-    """Both halves at once; returns the decode response (headers in) and the running prefill task.
-    If the prefill fails first, the decode is cancelled and the prefill's error raised."""
-    prefill = asyncio.create_task(run_prefill(session, pair, path, body))
-    decode = asyncio.create_task(post(session, pair.decode, path, body))
-    done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-    if prefill in done and prefill.exception() is not None:
-        await cancel(decode)
-        raise prefill.exception()
-    try:
-        resp = await decode
-    except UpstreamError:
-        await cancel(prefill)
-        raise
-    return resp, prefill
-
-
-async def cancel(task: asyncio.Task) -> None:
-    task.cancel()
-    try:
-        result = await task
-        if isinstance(result, aiohttp.ClientResponse):
-            result.close()
-    except BaseException:
-        pass
-
-
-async def complete(session: aiohttp.ClientSession, pair: Pair, path: str, body: dict) -> bytes:
-    """Non-streaming: the decode's JSON, with the prefill's input logprobs merged in (SGLang semantics)."""
-    resp, prefill = await start_pair(session, pair, path, body)
-    try:
-        decode_body = await resp.read()
-    finally:
-        resp.release()
-    prefill_body = await prefill
+async def complete(call: PairCall, path: str, body: dict) -> bytes:
+    """Non-streaming: the decode's JSON, with the prefill's input logprobs merged in (SGLang semantics).
+    Both halves race: whichever fails first ends the call with its error."""
+    resp = await call.guarded(call.decode)
+    decode_body = await call.guarded(read_all(resp, call.pair.decode))
+    prefill_body = await call.guarded(call.prefill)
     if path == "/generate" and body.get("return_logprob"):
         return merge_input_logprobs(prefill_body, decode_body)
     return decode_body
+
+
+async def open_stream(call: PairCall) -> tuple[aiohttp.ClientResponse, bytes]:
+    """Streaming: the decode's response and its first bytes. Until they arrive nothing has reached the
+    client, so a failure still becomes a plain HTTP error (and may be retried on another pair)."""
+    resp = await call.guarded(call.decode)
+    first = await call.guarded(read_chunk(resp, call.pair.decode))
+    return resp, first
 
 
 def merge_input_logprobs(prefill_body: bytes, decode_body: bytes) -> bytes:
@@ -114,24 +48,8 @@ def merge_input_logprobs(prefill_body: bytes, decode_body: bytes) -> bytes:
     return json.dumps(d).encode()
 
 
-async def stream(session: aiohttp.ClientSession, resp: aiohttp.ClientResponse, prefill: asyncio.Task) -> AsyncIterator[bytes]:
-    """Pass the decode's SSE bytes through as they come; closing early aborts both halves."""
-    finished = False
-    try:
-        async for chunk in resp.content.iter_any():
-            yield chunk
-        finished = True
-    finally:
-        resp.close()
-        if not finished:
-            await cancel(prefill)
-        else:
-            try:
-                await asyncio.wait_for(asyncio.shield(prefill), timeout=5)
-            except BaseException:
-                await cancel(prefill)
-
-
-def log_request(path: str, pair: Pair | None, status: int, start: float) -> None:
+def log_request(path: str, pair: Pair | None, status: int, start: float, outcome: str = "") -> None:
+    """The one log line of a request."""
     where = f"{pair.prefill.url} + {pair.decode.url}" if pair else "-"
-    log.info("%s -> %d via %s (%.1f ms)", path, status, where, 1000 * (time.monotonic() - start))
+    note = f": {outcome}" if outcome else ""
+    log.info("%s -> %d via %s (%.1f ms)%s", path, status, where, 1000 * (time.monotonic() - start), note)

@@ -1,9 +1,14 @@
-"""The workers the router knows, their health (checked in the background) and load."""
+"""The workers the router knows, their health (checked in the background) and load.
+
+A worker taken out of rotation sets its `down` event: every request in flight on it watches that
+event and ends at once (see router/pair_call.py). A worker that passes a health check again gets a
+fresh event and is used again.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import aiohttp
@@ -17,21 +22,25 @@ class Worker:
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None
     healthy: bool = False  # until its first health check passes
-    failures: int = 0
+    failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    down_reason: str = ""
 
     @property
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
     def to_dict(self) -> dict:
-        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy, "in_flight": self.in_flight}
+        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
+                "failures": self.failures, "in_flight": self.in_flight}
 
 
 class WorkerRegistry:
-    def __init__(self, failure_threshold: int):
+    def __init__(self, failure_threshold: int, check_timeout_s: float = 2.0):
         self.workers: dict[str, Worker] = {}
         self.failure_threshold = failure_threshold
+        self.check_timeout_s = check_timeout_s
 
     def add(self, url: str, role: str, bootstrap_port: int | None = None) -> Worker:
         url = url.rstrip("/")
@@ -46,28 +55,46 @@ class WorkerRegistry:
     def healthy(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
 
-    def mark(self, worker: Worker, ok: bool) -> None:
+    def mark(self, worker: Worker, ok: bool, failure: str = "a health check failed") -> None:
+        """Record one health check or request outcome; `failure` says what went wrong when not ok."""
         if ok:
-            if not worker.healthy:
-                log.info("%s worker %s is healthy", worker.role, worker.url)
-            worker.failures, worker.healthy = 0, True
+            self._recover(worker)
             return
         worker.failures += 1
         if worker.healthy and worker.failures >= self.failure_threshold:
-            worker.healthy = False
-            log.warning("%s worker %s failed %d health checks: taken out of rotation", worker.role, worker.url, worker.failures)
+            self._take_out(worker, failure)
+
+    def _recover(self, worker: Worker) -> None:
+        if not worker.healthy:
+            log.info("%s worker %s is healthy", worker.role, worker.url)
+        if worker.down.is_set():  # requests from now on watch a fresh event
+            worker.down, worker.down_reason = asyncio.Event(), ""
+        worker.failures, worker.healthy = 0, True
+
+    def _take_out(self, worker: Worker, failure: str) -> None:
+        worker.healthy = False
+        worker.down_reason = (f"{worker.role} worker {worker.url} failed health checks and was taken out of rotation "
+                              f"({worker.failures} failures in a row; the last: {failure})")
+        log.warning("%s; ending its %d requests in flight", worker.down_reason, worker.in_flight)
+        worker.down.set()
+
+    async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        """One GET /health; slower than the check timeout counts as a failure."""
+        try:
+            async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)) as r:
+                self.mark(worker, r.status == 200, f"GET /health answered HTTP {r.status}")
+        except asyncio.TimeoutError:
+            self.mark(worker, False, f"GET /health timed out after {self.check_timeout_s:g} s")
+        except aiohttp.ClientError as e:
+            self.mark(worker, False, f"GET /health failed: {type(e).__name__}: {e}")
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
-        async def check(w: Worker) -> None:
-            try:
-                async with session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    self.mark(w, r.status == 200)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                self.mark(w, False)
-
-        await asyncio.gather(*(check(w) for w in list(self.workers.values())))
+        await asyncio.gather(*(self.check(session, w) for w in list(self.workers.values())))
 
     async def health_loop(self, session: aiohttp.ClientSession, interval: float) -> None:
         while True:
-            await self.check_all(session)
+            try:
+                await self.check_all(session)
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health check round failed")
             await asyncio.sleep(interval)

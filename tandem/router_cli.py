@@ -1,16 +1,25 @@
 """`tandem router --prefill URL [BOOTSTRAP_PORT] ... --decode URL ... --policy P --port 8000`
-(the same shape as sglang-router's PD mode)."""
+(the same shape as sglang-router's PD mode). Every flag is also a `TANDEM_ROUTER_*` environment
+variable (see router/config.py); a flag given on the command line wins."""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
 
 from router.config import PrefillSpec, RouterConfig
+
+# flag -> type; each maps to the RouterConfig field of the same name (dashes as underscores)
+SCALAR_FLAGS: dict[str, type] = {
+    "--policy": str, "--host": str, "--port": int, "--api-key": str,
+    "--health-check-interval-s": float, "--health-check-timeout-s": float, "--health-failure-threshold": int,
+    "--request-timeout-s": float, "--max-concurrent-requests": int, "--max-request-bytes": int,
+}
 
 
 def parse_prefill_args(groups: list[list[str]]) -> list[PrefillSpec]:
@@ -24,27 +33,37 @@ def parse_prefill_args(groups: list[list[str]]) -> list[PrefillSpec]:
     return specs
 
 
+def build_parser() -> argparse.ArgumentParser:
+    # flags not given stay absent (SUPPRESS), so the TANDEM_ROUTER_* environment can fill them
+    p = argparse.ArgumentParser(prog="tandem router", argument_default=argparse.SUPPRESS)
+    p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
+    p.add_argument("--decode", action="append", metavar="URL")
+    for flag, kind in SCALAR_FLAGS.items():
+        field = flag[2:].replace("-", "_")
+        env = "TANDEM_API_KEY" if field == "api_key" else f"TANDEM_ROUTER_{field.upper()}"
+        default = RouterConfig.model_fields[field].default
+        p.add_argument(flag, type=kind, help=f"[env {env}, default {default}]")
+    return p
+
+
+def config_from_args(argv: list[str]) -> RouterConfig:
+    """The router's config from flags, then the environment, then the defaults."""
+    given: dict[str, Any] = vars(build_parser().parse_args(argv))
+    if "prefill" in given:
+        given["prefill"] = parse_prefill_args(given["prefill"])
+    if "decode" in given:
+        given["decode"] = [d.rstrip("/") for d in given["decode"]]
+    return RouterConfig(**given)
+
+
 def run_router_cli(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="tandem router")
-    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT]")
-    p.add_argument("--decode", action="append", default=[], metavar="URL")
-    p.add_argument("--policy", choices=["random", "round_robin", "power_of_two", "cache_aware"], default=os.environ.get("TANDEM_ROUTER_POLICY", "cache_aware"))
-    p.add_argument("--host", default=os.environ.get("TANDEM_ROUTER_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_ROUTER_PORT", "8000")))
-    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
-    p.add_argument("--health-check-interval-s", type=float, default=5.0)
-    p.add_argument("--request-timeout-s", type=float, default=1800.0)
-    ns = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"), format="%(asctime)s [router] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        config = RouterConfig(prefill=parse_prefill_args(ns.prefill), decode=[d.rstrip("/") for d in ns.decode], policy=ns.policy,
-                              host=ns.host, port=ns.port, api_key=ns.api_key, health_check_interval_s=ns.health_check_interval_s,
-                              request_timeout_s=ns.request_timeout_s)
+        config = config_from_args(argv)
     except (ValidationError, ValueError) as e:
         sys.exit(f"tandem router: {e}")
     from router.app import create_router_app
 
     log = logging.getLogger("tandem.router")
-    log.info("router on http://%s:%d, policy %s, prefill %s, decode %s", config.host, config.port, config.policy,
-             [(s.url, s.bootstrap_port) for s in config.prefill], config.decode)
+    log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
     uvicorn.run(create_router_app(config), host=config.host, port=config.port, log_level="warning")

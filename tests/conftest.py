@@ -25,11 +25,11 @@ class ServerProcess:
     """A `python -m tandem <args>` child process; stop() kills it and its log is kept for failures."""
 
     def __init__(self, args: list[str], port: int, name: str = "server", health: str = "/health"):
-        self.args = args
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
+        self.args = args
         self._log = open(self.log_path, "wb")
         self.health = health
         self.proc = self._spawn()
@@ -45,10 +45,10 @@ class ServerProcess:
             self.proc.wait(10)
 
     def restart(self) -> "ServerProcess":
-        """Start the same command again on the same port (after a kill); returns at once."""
-        if self.proc.poll() is None:
-            raise RuntimeError(f"{self.name} is still running")
-        self._log.write(b"\n---- restarted by the test ----\n")
+        """The same command again on the same port (after a kill or stop()); its log is appended to.
+        Call wait_ready() next."""
+        self.stop()
+        self._log = open(self.log_path, "ab")
         self.proc = self._spawn()
         return self
 

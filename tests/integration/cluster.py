@@ -65,3 +65,14 @@ def generate(url: str, ids: list[int], max_new: int = 16, **extra) -> dict:
     r = httpx.post(url + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def start_router(prefills: list[tuple[ServerProcess, int]], decodes: list[ServerProcess], *flags: str,
+                 policy: str = "round_robin", name: str = "router") -> ServerProcess:
+    """A router over running workers: `prefills` are (server, bootstrap port) pairs; waits until it has a
+    healthy pair."""
+    port = free_port()
+    prefill_args = [a for p, boot in prefills for a in ("--prefill", p.url, str(boot))]
+    decode_args = [a for d in decodes for a in ("--decode", d.url)]
+    return ServerProcess(["router", *prefill_args, *decode_args, "--port", str(port), "--policy", policy, *flags],
+                         port, name=name, health="/readiness").wait_ready(60)

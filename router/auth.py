@@ -1,0 +1,27 @@
+"""API-key check as a pure ASGI middleware (a BaseHTTPMiddleware would stand between streaming
+responses and client disconnects)."""
+from __future__ import annotations
+
+import hmac
+
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from common.errors import error_body
+
+
+class ApiKeyGuard:
+    def __init__(self, app: ASGIApp, api_key: str | None, open_paths: frozenset[str]):
+        self.app, self.api_key, self.open_paths = app, api_key, open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.api_key or scope["path"] in self.open_paths or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization")
+        await JSONResponse(body, 401)(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key.encode())

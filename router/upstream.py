@@ -1,0 +1,109 @@
+"""Talking to one worker: POST, read the answer, and turn every way that can fail into an
+UpstreamError that carries what the client gets (status + JSON error body) and why (the cause that
+metrics count).
+
+    failure                                   status  body                       retried  counts as a worker failure
+    worker answered an error status           its own its own JSON error         429/503  no
+    connection refused                        502     names the worker + cause   yes      yes
+    connection dropped / reset mid-answer     502     names the worker + cause   no       yes
+    timeout                                   502     names the worker + cause   no       no
+    worker taken out of rotation (health)     502     names the worker + reason  no       (already out)
+    client went away                          499     -                          no       no
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from common.errors import error_body
+from router.workers import Worker
+
+PREFILL_FAILED, DECODE_FAILED = "prefill_failed", "decode_failed"
+WORKER_DEAD, CLIENT_DISCONNECTED = "worker_dead", "client_disconnected"
+RETRY_STATUSES = frozenset({429, 503})  # the worker is alive but refuses more work: another pair may take it
+
+
+class UpstreamError(Exception):
+    """One request through a (prefill, decode) pair ended early; the other half must be cancelled."""
+
+    def __init__(self, status: int, body: dict[str, Any], cause: str, worker: Worker | None = None,
+                 retriable: bool = False, worker_failed: bool = False):
+        super().__init__(body["error"]["message"])
+        self.status, self.body, self.cause, self.worker = status, body, cause, worker
+        self.retriable = retriable  # nothing reached the client or the worker: another pair may be tried
+        self.worker_failed = worker_failed  # counts towards taking the worker out of rotation
+
+
+def half_cause(worker: Worker) -> str:
+    return PREFILL_FAILED if worker.role == "prefill" else DECODE_FAILED
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def answered_error(worker: Worker, status: int, raw: bytes) -> UpstreamError:
+    """The worker's own error status and JSON body, passed through unchanged when it is an error body."""
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict) or not isinstance(body.get("error"), dict) or "message" not in body["error"]:
+            raise ValueError("not an error body")
+    except ValueError:
+        text = raw[:200].decode(errors="replace")
+        body = error_body(f"{worker.role} worker {worker.url} answered HTTP {status}: {text}", "upstream_error", status)
+    return UpstreamError(status, body, half_cause(worker), worker, retriable=status in RETRY_STATUSES)
+
+
+def connection_failed(worker: Worker, exc: BaseException, when: str) -> UpstreamError:
+    """A connection-level failure (refused, reset, dropped, timed out): 502 naming the worker and the cause."""
+    refused = isinstance(exc, aiohttp.ClientConnectorError)
+    timed_out = isinstance(exc, asyncio.TimeoutError)
+    what = "refused the connection" if refused else f"failed {when}"
+    message = f"{worker.role} worker {worker.url} {what}: {describe(exc)}"
+    return UpstreamError(502, error_body(message, "upstream_error", 502), half_cause(worker), worker,
+                         retriable=refused, worker_failed=not timed_out)
+
+
+def worker_dead(worker: Worker) -> UpstreamError:
+    message = f"request cancelled: {worker.down_reason}"
+    return UpstreamError(502, error_body(message, "upstream_unavailable", 502), WORKER_DEAD, worker)
+
+
+def client_disconnected() -> UpstreamError:
+    body = error_body("client disconnected before the response was ready", "aborted", 499)
+    return UpstreamError(499, body, CLIENT_DISCONNECTED)
+
+
+async def post(session: aiohttp.ClientSession, worker: Worker, path: str, body: dict) -> aiohttp.ClientResponse:
+    """POST and return once the headers arrived; an error status or a failed connection raises UpstreamError.
+    Cancelling this closes the connection, which aborts the request on the worker."""
+    try:
+        resp = await session.post(worker.url + path, json=body)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise connection_failed(worker, e, "before answering") from None
+    if resp.status == 200:
+        return resp
+    raw = await read_all(resp, worker)
+    raise answered_error(worker, resp.status, raw)
+
+
+async def read_all(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+    """The whole body; the connection is closed if this does not finish (error or cancellation)."""
+    try:
+        return await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise connection_failed(worker, e, "while answering") from None
+    finally:
+        resp.close()  # after a complete read the connection is already back in the pool; this is a no-op then
+
+
+async def read_chunk(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+    """The next bytes of a streamed body; b"" at its end."""
+    try:
+        return await resp.content.readany()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise connection_failed(worker, e, "mid-stream") from None

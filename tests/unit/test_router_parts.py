@@ -1,0 +1,67 @@
+"""Router pieces without processes: config from flags and environment, worker health bookkeeping,
+SSE framing, upstream error bodies."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.pair_stream import SSEFramer
+from router.upstream import DECODE_FAILED, answered_error
+from router.workers import WorkerRegistry
+from tandem.router_cli import config_from_args
+
+
+def test_flags_win_over_environment_and_environment_over_defaults(monkeypatch):
+    monkeypatch.setenv("TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS", "7")
+    monkeypatch.setenv("TANDEM_ROUTER_HEALTH_CHECK_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    config = config_from_args(["--prefill", "http://p:1/", "9000", "--prefill", "http://q:2", "--decode", "http://d:3/",
+                               "--max-concurrent-requests", "3"])
+    assert config.max_concurrent_requests == 3 and config.health_check_timeout_s == 0.5 and config.api_key == "from-env"
+    assert [(p.url, p.bootstrap_port) for p in config.prefill] == [("http://p:1", 9000), ("http://q:2", 8998)]
+    assert config.decode == ["http://d:3"] and config.health_failure_threshold == 2 and config.health_check_interval_s == 5.0
+
+
+def test_bad_values_are_refused(monkeypatch):
+    with pytest.raises(ValueError):
+        config_from_args(["--health-failure-threshold", "0"])
+    monkeypatch.setenv("TANDEM_ROUTER_POLICY", "fastest")
+    with pytest.raises(ValueError):
+        config_from_args([])
+
+
+def test_a_worker_leaves_rotation_at_the_threshold_and_returns_with_a_fresh_down_event():
+    async def scenario() -> None:
+        registry = WorkerRegistry(failure_threshold=2)
+        w = registry.add("http://d:1/", "decode")
+        registry.mark(w, True)
+        first_event = w.down
+        registry.mark(w, False, "GET /health timed out after 2 s")
+        assert w.healthy and not first_event.is_set() and w.failures == 1
+        registry.mark(w, False, "GET /health timed out after 2 s")
+        assert not w.healthy and first_event.is_set() and registry.healthy("decode") == []
+        assert w.down_reason == ("decode worker http://d:1 failed health checks and was taken out of rotation "
+                                 "(2 failures in a row; the last: GET /health timed out after 2 s)")
+        registry.mark(w, True)
+        assert w.healthy and w.failures == 0 and w.down is not first_event and not w.down.is_set()
+        assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "healthy": True, "failures": 0, "in_flight": 0}
+
+    asyncio.run(scenario())
+
+
+def test_sse_framer_passes_whole_events_only_and_notices_done():
+    framer = SSEFramer()
+    assert framer.feed(b'data: {"a": 1}\n\ndata: {"b"') == b'data: {"a": 1}\n\n'
+    assert framer.feed(b": 2}\n") == b""
+    assert framer.feed(b"\ndata: [DONE]\n\n") == b'data: {"b": 2}\n\ndata: [DONE]\n\n' and framer.saw_done
+
+
+def test_a_worker_error_body_passes_through_and_anything_else_is_wrapped():
+    w = WorkerRegistry(2).add("http://d:1", "decode")
+    own = answered_error(w, 503, b'{"error": {"message": "full", "type": "overloaded_error", "code": 503, "param": null}}')
+    assert own.body["error"]["message"] == "full" and own.retriable and own.cause == DECODE_FAILED
+    other = answered_error(w, 404, b'{"detail": "Not Found"}')
+    assert other.body == {"error": {"message": 'decode worker http://d:1 answered HTTP 404: {"detail": "Not Found"}',
+                                    "type": "upstream_error", "code": 404, "param": None}}
+    assert not other.retriable
