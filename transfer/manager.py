@@ -8,7 +8,6 @@ never a thread.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time

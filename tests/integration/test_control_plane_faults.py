@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from tests.conftest import ServerProcess, free_port, metric, record_fault, start_server
-from tests.integration.cluster import generate
+from tests.integration.cluster import generate, start_router
 from tests.integration.faults import pages_held, wait_until
 from tests.integration.tiny_model import random_prompts
 from transfer.messages import Abort, Ping, Register, Request, Status, encode
@@ -32,7 +32,7 @@ class Cluster:
         self.decode = start_server("--disagg-mode", "decode", *common, name="cp-decode")
         for node in (self.bootstrap, self.prefill, self.decode):
             node.wait_ready()
-        self.router = start_router([self.prefill], self.boot_port, [self.decode])
+        self.router = start_router([(self.prefill, self.boot_port)], [self.decode], "--health-check-interval-s", "0.5")
 
     @property
     def nodes(self) -> list[ServerProcess]:
@@ -41,13 +41,6 @@ class Cluster:
     def stop(self) -> None:
         for p in (self.router, self.prefill, self.decode, self.bootstrap):
             p.stop()
-
-
-def start_router(prefills: list[ServerProcess], boot_port: int, decodes: list[ServerProcess]) -> ServerProcess:
-    port = free_port()
-    args = ["router", *[a for p in prefills for a in ("--prefill", p.url, str(boot_port))],
-            *[a for d in decodes for a in ("--decode", d.url)], "--port", str(port), "--health-check-interval-s", "0.5"]
-    return ServerProcess(args, port, name="cp-router", health="/readiness").wait_ready()
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +145,7 @@ def test_a_decode_without_the_cluster_secret_cannot_pair(cluster, tiny_model_dir
     assert r.status_code == 401
     stranger = start_server("--disagg-mode", "decode", "--model", str(tiny_model_dir), "--transfer-backend", "mooncake", *FLAGS,
                             name="cp-stranger").wait_ready()
-    router = start_router([cluster.prefill], cluster.boot_port, [stranger])
+    router = start_router([(cluster.prefill, cluster.boot_port)], [stranger], name="cp-router-stranger")
     try:
         t0 = time.monotonic()
         r = httpx.post(router.url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}, timeout=60)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, free_port, start_server
-from tests.integration.cluster import generate
+from tests.integration.cluster import generate, start_router
 from tests.integration.faults import wait_until
 from tests.integration.tiny_model import random_prompts
 
@@ -36,9 +36,7 @@ class Setup:
         self.to_patient, self.to_hasty = self._router(self.patient), self._router(self.hasty)
 
     def _router(self, decode: ServerProcess) -> ServerProcess:
-        port = free_port()
-        args = ["router", "--prefill", self.prefill.url, str(self.boot), "--decode", decode.url, "--port", str(port)]
-        return ServerProcess(args, port, name=f"ov-router-{decode.name}", health="/readiness").wait_ready()
+        return start_router([(self.prefill, self.boot)], [decode], name=f"ov-router-{decode.name}")
 
     @property
     def nodes(self) -> list[ServerProcess]:

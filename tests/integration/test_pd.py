@@ -2,7 +2,6 @@
 token against the monolithic server, with every node's pool back to idle after each test."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import subprocess
 import sys
