@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.engine import Engine
 from common.errors import InvalidRequest, NotFound, TandemError
+from common.http_body import read_body
 from common.protocol import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
 from common.serving import Choice, GenInput, check_input, collect, created, new_rid, raise_if_failed, stream_choices, tokenize_text, usage
 
@@ -23,7 +24,7 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await read_body(request, engine.config.max_request_bytes), CompletionRequest)
         _check_model(engine, body)
         ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine, body.prompt, "prompt")
         gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs)
@@ -31,7 +32,7 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = parse_body(await read_body(request, engine.config.max_request_bytes), ChatCompletionRequest)
         _check_model(engine, body)
         ids = _apply_chat_template(engine, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
