@@ -9,15 +9,19 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from common import openai_api
 from common.engine import Engine
 from common.errors import InvalidRequest, TandemError, Unauthorized, error_body
+from common.http_body import read_body
 from common.protocol import GenerateRequest, parse_body
 from common.serving import Choice, GenInput, check_input, collect, new_rid, raise_if_failed, stream_choices, tokenize_text
 
 log = logging.getLogger("tandem.http")
 OPEN_PATHS = {"/health", "/metrics"}
+# What a Starlette routing error is about, for the `param` of its JSON error.
+ROUTING_PARAMS = {404: "path", 405: "method"}
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -25,13 +29,11 @@ def create_app(engine: Engine) -> FastAPI:
     app.state.engine = engine
     _install_middleware(app, engine)
 
-    @app.exception_handler(TandemError)
-    async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+    _install_error_handlers(app)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = parse_body(await request.body(), GenerateRequest)
+        body = parse_body(await read_body(request, engine.config.max_request_bytes), GenerateRequest)
         gen = generate_input(engine, body)
         if body.stream:
             return sse(generate_stream(engine, gen, body))
@@ -77,6 +79,25 @@ def _one_token():
     return SamplingParams(max_new_tokens=1, temperature=0)
 
 
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as the JSON error body, whoever raised it."""
+
+    @app.exception_handler(TandemError)
+    async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        body = error_body(message, "invalid_request_error", exc.status_code, ROUTING_PARAMS.get(exc.status_code))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal error; the server log has the details", "internal_error", 500), status_code=500)
+
+
 def _install_middleware(app: FastAPI, engine: Engine) -> None:
     cfg = engine.config
 
@@ -87,17 +108,29 @@ def _install_middleware(app: FastAPI, engine: Engine) -> None:
         try:
             if cfg.api_key and path not in OPEN_PATHS:
                 _check_api_key(request.headers.get("authorization", ""), cfg.api_key)
-            length = int(request.headers.get("content-length") or 0)
-            if length > cfg.max_request_bytes:
-                raise TandemError(f"request body of {length} bytes exceeds the limit of {cfg.max_request_bytes}", param="body", status=413)
             response = await call_next(request)
         except TandemError as e:
             response = JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
+        status = response.status_code
+        if _is_rejected_input(status):
+            engine.metrics.count_rejection("http")
         if path not in OPEN_PATHS:
-            engine.metrics.requests.labels(path, str(response.status_code)).inc()
-            if response.status_code >= 400:
-                log.info("%s %s -> %d (%.1f ms)", request.method, path, response.status_code, 1000 * (time.monotonic() - start))
+            endpoint = path if path in _route_paths(app) else "other"  # bounded label values, whatever clients send
+            engine.metrics.requests.labels(endpoint, str(status)).inc()
+            if status >= 400:
+                log.info("%s %s -> %d (%.1f ms)", request.method, path, status, 1000 * (time.monotonic() - start))
         return response
+
+
+def _route_paths(app: FastAPI) -> set[str]:
+    if not hasattr(app.state, "route_paths"):
+        app.state.route_paths = {getattr(route, "path", "") for route in app.routes}
+    return app.state.route_paths
+
+
+def _is_rejected_input(status: int) -> bool:
+    # 499 is no answer to bad input: the client left before the response was ready
+    return 400 <= status < 500 and status != 499
 
 
 def _check_api_key(header: str, key: str) -> None:

@@ -1,11 +1,60 @@
 """Prometheus metrics of one server process (own registry, so tests can run several engines)."""
 from __future__ import annotations
 
-from typing import Callable
+import logging
+import threading
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+REJECTED_NAME = "tandem_rejected_inputs"  # exposed as tandem_rejected_inputs_total
+REJECTED_DOC = "inputs rejected at a boundary (http: 4xx answers of the HTTP edge; control, bootstrap: see their owners)"
+
+log = logging.getLogger(__name__)
+
+
+class RejectedInputs:
+    """The `tandem_rejected_inputs_total{where}` family: counts kept here (the HTTP edge) and counts
+    kept by other components, read through callables at scrape time, so every `where` is one family."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {"http": 0}
+        self._sources: dict[str, Callable[[], float]] = {}
+
+    def inc(self, where: str, n: int = 1) -> None:
+        if where in self._sources:
+            raise ValueError(f"rejections at {where!r} are read from a source; they cannot be counted here")
+        with self._lock:
+            self._counts[where] = self._counts.get(where, 0) + n
+
+    def add_source(self, where: str, read: Callable[[], float]) -> None:
+        with self._lock:
+            if where in self._counts or where in self._sources:
+                raise ValueError(f"rejections at {where!r} are already counted")
+            self._sources[where] = read
+
+    def values(self) -> dict[str, float]:
+        with self._lock:
+            values: dict[str, float] = dict(self._counts)
+            sources = dict(self._sources)
+        for where, read in sources.items():
+            try:
+                values[where] = float(read())
+            except Exception:  # a broken source must not take /metrics down with it
+                log.exception("reading the rejection count of %r failed", where)
+        return values
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(REJECTED_NAME, REJECTED_DOC, labels=["where"])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(REJECTED_NAME, REJECTED_DOC, labels=["where"])
+        for where, value in sorted(self.values().items()):
+            family.add_metric([where], value)
+        yield family
 
 
 class EngineMetrics:
@@ -19,7 +68,17 @@ class EngineMetrics:
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "time between tokens", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.rejected = Counter("tandem_rejected_inputs", "inputs rejected at a boundary", ["where"], registry=r)
+        self.rejected = RejectedInputs()
+        r.register(self.rejected)
+
+    def count_rejection(self, where: str, n: int = 1) -> None:
+        """One more input rejected at `where` (e.g. "http": a 4xx answer of the HTTP edge)."""
+        self.rejected.inc(where, n)
+
+    def add_rejection_source(self, where: str, read: Callable[[], float]) -> None:
+        """Report rejections counted elsewhere (e.g. "control": `lambda: manager.counters["rejected_messages"]`)
+        as `tandem_rejected_inputs_total{where=...}`; `read` is called from the /metrics handler's thread."""
+        self.rejected.add_source(where, read)
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.engine import Engine
 from common.errors import InvalidRequest, NotFound, TandemError
+from common.http_body import read_body
 from common.protocol import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
 from common.serving import Choice, GenInput, check_input, collect, created, new_rid, raise_if_failed, stream_choices, tokenize_text, usage
 
@@ -23,7 +24,7 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await read_body(request, engine.config.max_request_bytes), CompletionRequest)
         _check_model(engine, body)
         ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine, body.prompt, "prompt")
         gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs)
@@ -31,12 +32,13 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = parse_body(await read_body(request, engine.config.max_request_bytes), ChatCompletionRequest)
         _check_model(engine, body)
         ids = _apply_chat_template(engine, body)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(body, max_param)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        gen = _gen_input(engine, body, ids, max_tokens, "messages", "max_tokens", top)
+        gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
         return await _respond(engine, gen, body, "chat.completion", _chat_choice, request)
 
 
@@ -58,7 +60,7 @@ def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int
     if max_tokens is None:
         max_tokens = max(engine.context_len - len(ids), 0)
     gen = GenInput(
-        rid=new_rid(), prompt_ids=ids, params=body.sampling_params(max_tokens),
+        rid=new_rid(), prompt_ids=ids, params=body.sampling_params(max_tokens, max_param),
         return_logprob=top is not None, top_logprobs_num=top or 0, bootstrap=body.bootstrap,
     )
     check_input(engine, gen, param, max_param)

@@ -6,6 +6,7 @@ are 400 errors that name the field. Sampling parameters themselves are strict.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -17,7 +18,7 @@ from common.sampling_params import SamplingParams
 class PDFields(BaseModel):
     """Injected by the router (SGLang's PD convention); absent in monolithic use."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
@@ -64,14 +65,20 @@ class OpenAIBase(PDFields):
     skip_special_tokens: bool = True
     user: str | None = None
 
-    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+    def sampling_params(self, max_new_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
+        """The engine's parameters; values OpenAI's ranges allow but the engine does not are a 400
+        naming the request's own field (`max_tokens_param` for the engine's max_new_tokens)."""
+        fields = {
+            "max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "n": self.n, "stop": self.stop, "stop_token_ids": self.stop_token_ids, "seed": self.seed,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        try:
+            return SamplingParams(**fields)
+        except ValidationError as e:
+            raise invalid_request(e, fields, rename={"max_new_tokens": max_tokens_param}) from None
 
 
 class CompletionRequest(OpenAIBase):
@@ -104,21 +111,88 @@ class ChatCompletionRequest(OpenAIBase):
 
 
 M = TypeVar("M", bound=BaseModel)
+# A JSON escape of a UTF-16 surrogate: the only way a string the tokenizer and the JSON encoder
+# cannot handle (a lone surrogate) gets into a request, so only bodies with one are searched.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Bytes of an HTTP body -> validated model, or InvalidRequest naming the problem."""
+    data = parse_json_object(raw)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise invalid_request(e, data) from None
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object whose strings are all valid Unicode, or InvalidRequest (param "body" or the field)."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start})", param="body") from None
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise InvalidRequest(f"request body is not acceptable JSON: {e}", param="body") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", param="body") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", param="body")
+    if SURROGATE_ESCAPE.search(raw):
+        _reject_lone_surrogates(data)
+    return data
+
+
+def _reject_lone_surrogates(data: dict[str, Any]) -> None:
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not _is_valid_unicode(value):
+            raise InvalidRequest(f"{_dotted(path) or 'body'}: contains a lone UTF-16 surrogate", param=_dotted(path) or "body")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_valid_unicode(key):
+                    raise InvalidRequest("a key of the request contains a lone UTF-16 surrogate", param=_dotted(path) or "body")
+                stack.append(((*path, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), item) for i, item in enumerate(value))
+
+
+def _is_valid_unicode(s: str) -> bool:
     try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "body"
-        raise InvalidRequest(f"{field}: {err['msg']}", param=field) from None
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def invalid_request(e: ValidationError, data: Any, rename: dict[str, str] | None = None) -> InvalidRequest:
+    """The first error of a pydantic validation as a 400 naming the field as the client spelled it."""
+    err = e.errors()[0]
+    path = _client_path(data, err["loc"], missing=err["type"] == "missing")
+    if path and rename and path[0] in rename:
+        path = (rename[path[0]], *path[1:])
+    field = _dotted(path) or "body"
+    return InvalidRequest(f"{field}: {err['msg']}", param=field)
+
+
+def _client_path(data: Any, loc: tuple[Any, ...], missing: bool) -> tuple[Any, ...]:
+    """`loc` without pydantic's union-member tags (`prompt.str`, `content.list[...]`): keep the steps
+    that exist in the client's data, and the last step of a missing field."""
+    path: list[Any] = []
+    for i, step in enumerate(loc):
+        if isinstance(data, dict) and step in data:
+            data = data[step]
+        elif isinstance(data, list) and isinstance(step, int) and 0 <= step < len(data):
+            data = data[step]
+        elif missing and i == len(loc) - 1:
+            pass
+        else:
+            continue
+        path.append(step)
+    return tuple(path)
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(x) for x in path)

@@ -4,10 +4,14 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+# Below this the sampler's logits / temperature can overflow float32; treat it as greedy, like vLLM.
+GREEDY_TEMPERATURE = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are never meaningful here, and they turn logits into NaN on the scheduler thread.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_new_tokens: int = Field(128, ge=0, le=1_000_000)
     min_new_tokens: int = Field(0, ge=0)
@@ -15,7 +19,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    # logits are divided and multiplied by it: a bound keeps them finite in float32 (SGLang allows up to 2)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: list[str] | None = None
@@ -24,7 +29,8 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    seed: int | None = None
+    # torch.Generator.manual_seed takes 64-bit seeds; choices of n > 1 use seed + index
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=16)
 
     @field_validator("top_k")
@@ -49,7 +55,7 @@ class SamplingParams(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
