@@ -159,8 +159,10 @@ def make_app(registry: Registry) -> web.Application:
         body = await _read_json(request)
         reg.check_secret(request, body if isinstance(body, dict) else None)
         entry = validate_registration(body)
-        reg.entries[(entry["tp_rank"], entry["dp_rank"])] = entry
-        log.info("registered prefill rank %s at %s:%s", entry["tp_rank"], entry["rank_ip"], entry["rank_port"])
+        key = (entry["tp_rank"], entry["dp_rank"])
+        if reg.entries.get(key) != entry:  # prefills re-register every heartbeat: log only news
+            log.info("registered prefill rank %s at %s:%s (%s)", entry["tp_rank"], entry["rank_ip"], entry["rank_port"], entry["instance_id"])
+        reg.entries[key] = entry
         return web.json_response({"ok": True})
 
     async def get_route(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from common import openai_api
@@ -99,27 +100,46 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_middleware(app: FastAPI, engine: Engine) -> None:
-    cfg = engine.config
+    # Pure ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides http.disconnect from
+    # request.is_disconnected(), so a plain request whose client (the router) left was never aborted.
+    app.add_middleware(_Guard, engine=engine)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        start = time.monotonic()
-        path = request.url.path
+
+class _Guard:
+    """API key check, then per-endpoint counting and one log line for every error answer."""
+
+    def __init__(self, app, engine: Engine) -> None:
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, path, status = time.monotonic(), scope["path"], 500
+
+        async def send_noting_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            if cfg.api_key and path not in OPEN_PATHS:
-                _check_api_key(request.headers.get("authorization", ""), cfg.api_key)
-            response = await call_next(request)
+            key = self.engine.config.api_key
+            if key and path not in OPEN_PATHS:
+                _check_api_key(Headers(scope=scope).get("authorization", ""), key)
+            await self.app(scope, receive, send_noting_status)
         except TandemError as e:
-            response = JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
-        status = response.status_code
+            await JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)(scope, receive, send_noting_status)
+        self._count(scope, path, status, start)
+
+    def _count(self, scope, path: str, status: int, start: float) -> None:
         if _is_rejected_input(status):
-            engine.metrics.count_rejection("http")
+            self.engine.metrics.count_rejection("http")
         if path not in OPEN_PATHS:
-            endpoint = path if path in _route_paths(app) else "other"  # bounded label values, whatever clients send
-            engine.metrics.requests.labels(endpoint, str(status)).inc()
+            endpoint = path if path in _route_paths(scope["app"]) else "other"  # bounded label values, whatever clients send
+            self.engine.metrics.requests.labels(endpoint, str(status)).inc()
             if status >= 400:
-                log.info("%s %s -> %d (%.1f ms)", request.method, path, status, 1000 * (time.monotonic() - start))
-        return response
+                log.info("%s %s -> %d (%.1f ms)", scope["method"], path, status, 1000 * (time.monotonic() - start))
 
 
 def _route_paths(app: FastAPI) -> set[str]:

@@ -18,6 +18,7 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
         manager = DecodeKVManager(args)
         engine.metrics.registry.register(TransferCounters(manager))
+        engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)
         return DecodeScheduler(config, engine.runner, engine.kv, engine.output, kv_manager=manager, aux_pool=aux,

@@ -21,11 +21,13 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_scheduler(engine: Engine) -> PrefillScheduler:
         manager = PrefillKVManager(kv_args_from_pool(engine.kv_pool, config))
         engine.metrics.registry.register(TransferCounters(manager))
+        engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url
         if bootstrap_url is None:
             from bootstrap.server import start_in_thread
 
-            start_in_thread(config.host, config.bootstrap_port, config.cluster_secret)
+            registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret)
+            engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
             bootstrap_url = f"http://{config.public_host}:{config.bootstrap_port}"
         host, port = manager.endpoint.removeprefix("tcp://").rsplit(":", 1)
         info = {"role": "Prefill", "instance_id": manager.instance_id, "tp_size": 1, "tp_rank": 0, "dp_size": 1,
