@@ -65,7 +65,7 @@ class Dispatcher:
             except UpstreamError as e:
                 error = e
                 if not (e.retriable and attempt == 1 and e.worker is not None):
-                    return self._reply(path, JSONResponse(e.body, e.status), pair, start, f"{e.cause}: {e}")
+                    return self._reply(path, JSONResponse(e.body, e.status, headers=e.headers), pair, start, f"{e.cause}: {e}")
                 log.info("retrying on another pair: %s", e)
                 exclude.add(e.worker.url)
                 self.metrics.retries.inc()
@@ -80,7 +80,7 @@ class Dispatcher:
 
     def _no_pair(self, path: str, error: UpstreamError | None, start: float) -> Response:
         if error is not None:  # the retry found no other pair: the first failure is the better answer
-            return self._reply(path, JSONResponse(error.body, error.status), None, start, f"{error.cause}: {error}")
+            return self._reply(path, JSONResponse(error.body, error.status, headers=error.headers), None, start, f"{error.cause}: {error}")
         msg = "no healthy prefill and decode worker pair is available; retry later"
         return self._reply(path, JSONResponse(error_body(msg, "overloaded_error", 503), 503, headers={"Retry-After": "1"}), None, start)
 

@@ -2,7 +2,7 @@
 
 Both halves start at once. Guards run beside them: the prefill half itself (its failure ends the
 call; its success just stops being watched), one watchdog per worker that fires when the health loop
-takes the worker out of rotation, and, while nothing reached the client, one that polls for the
+takes the worker out of rotation (the prefill's only until the prefill half has answered), and, while nothing reached the client, one that polls for the
 client going away. `guarded(work)` awaits a piece of work unless a guard fails first; `close()`
 cancels everything left, and closing a worker's connection aborts the request there and frees its KV.
 """
@@ -43,7 +43,10 @@ class PairCall:
         self.tasks: list[asyncio.Task] = []
         self.prefill = self._spawn(_run_prefill(session, pair.prefill, path, body | {"stream": False}))
         self.decode = self._spawn(post(session, pair.decode, path, body))
-        self.guards = [self.prefill, *(self._spawn(_fail_when_down(w, w.down)) for w in (pair.prefill, pair.decode))]
+        prefill_down = self._spawn(_fail_when_down(pair.prefill, pair.prefill.down))
+        self.guards = [self.prefill, prefill_down, self._spawn(_fail_when_down(pair.decode, pair.decode.down))]
+        # once the prefill half has answered, the request no longer depends on that worker
+        self.prefill.add_done_callback(lambda t: prefill_down.cancel() if not t.cancelled() and t.exception() is None else None)
         pair.prefill.in_flight += 1
         pair.decode.in_flight += 1
 

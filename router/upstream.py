@@ -30,9 +30,10 @@ class UpstreamError(Exception):
     """One request through a (prefill, decode) pair ended early; the other half must be cancelled."""
 
     def __init__(self, status: int, body: dict[str, Any], cause: str, worker: Worker | None = None,
-                 retriable: bool = False, worker_failed: bool = False):
+                 retriable: bool = False, worker_failed: bool = False, headers: dict[str, str] | None = None):
         super().__init__(body["error"]["message"])
         self.status, self.body, self.cause, self.worker = status, body, cause, worker
+        self.headers = headers or {}  # for the client, e.g. the worker's Retry-After
         self.retriable = retriable  # nothing reached the client or the worker: another pair may be tried
         self.worker_failed = worker_failed  # counts towards taking the worker out of rotation
 
@@ -46,8 +47,9 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def answered_error(worker: Worker, status: int, raw: bytes) -> UpstreamError:
-    """The worker's own error status and JSON body, passed through unchanged when it is an error body."""
+def answered_error(worker: Worker, status: int, raw: bytes, retry_after: str | None = None) -> UpstreamError:
+    """The worker's own error status and JSON body, passed through unchanged when it is an error body;
+    an overloaded worker's Retry-After goes along."""
     try:
         body = json.loads(raw)
         if not isinstance(body, dict) or not isinstance(body.get("error"), dict) or "message" not in body["error"]:
@@ -55,7 +57,8 @@ def answered_error(worker: Worker, status: int, raw: bytes) -> UpstreamError:
     except ValueError:
         text = raw[:200].decode(errors="replace")
         body = error_body(f"{worker.role} worker {worker.url} answered HTTP {status}: {text}", "upstream_error", status)
-    return UpstreamError(status, body, half_cause(worker), worker, retriable=status in RETRY_STATUSES)
+    headers = {"Retry-After": retry_after or "1"} if status in RETRY_STATUSES else None
+    return UpstreamError(status, body, half_cause(worker), worker, retriable=status in RETRY_STATUSES, headers=headers)
 
 
 def connection_failed(worker: Worker, exc: BaseException, when: str) -> UpstreamError:
@@ -88,7 +91,7 @@ async def post(session: aiohttp.ClientSession, worker: Worker, path: str, body: 
     if resp.status == 200:
         return resp
     raw = await read_all(resp, worker)
-    raise answered_error(worker, resp.status, raw)
+    raise answered_error(worker, resp.status, raw, resp.headers.get("Retry-After"))
 
 
 async def read_all(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:

@@ -3,6 +3,7 @@ streams read event by event, and polls of server state with a deadline."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,17 @@ class Background:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), f"request still running after {timeout} s: it hung"
         return self.outcome
+
+
+def open_raw_request(url: str, path: str, body: dict) -> socket.socket:
+    """Send a POST on a bare socket and return it unread: closing it is a client that vanishes
+    before any response byte (an HTTP client library would block until the headers came)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> float:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import signal
 import time
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import ServerProcess, record_fault, start_server
 from tests.integration.cluster import Cluster, generate, start_cluster
-from tests.integration.faults import Background, chunks_sent, finished, pages_held, router_sees, wait_until
+from tests.integration.faults import (Background, chunks_sent, finished, open_raw_request, pages_held, router_sees,
+                                      wait_until)
 from tests.integration.test_parity_hf import LONG_TEXT
 
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "32")
@@ -205,12 +207,11 @@ def test_decode_frozen_mid_stream(cluster, prompts, expected):
 
 
 def test_client_gone_before_the_first_token_aborts_both_halves(cluster, prompts):
-    import httpx
-
     before = {p.url: chunks_sent(p) for p in cluster.prefills}
     aborts = {n.url: finished(n, "abort") for n in cluster.nodes}
-    with httpx.stream("POST", cluster.url + "/generate", json=body(prompts["long"], 8, stream=True), timeout=60):
-        victim_transferring(cluster, before)  # prefill computing and sending; decode waiting for KV
+    client = open_raw_request(cluster.url, "/generate", body(prompts["long"], 8, stream=True))
+    victim_transferring(cluster, before)  # prefill computing and sending; decode waiting for KV
+    client.close()
     t_gone = time.monotonic()
     wait_until(lambda: sum(finished(n, "abort") - aborts[n.url] for n in cluster.nodes) >= 2, BOUND_S, "both halves to abort")
     took = time.monotonic() - t_gone
@@ -221,8 +222,6 @@ def test_client_gone_before_the_first_token_aborts_both_halves(cluster, prompts)
 
 
 def test_client_gone_mid_stream_aborts_the_decode(cluster, prompts):
-    import httpx
-
     aborts = {d.url: finished(d, "abort") for d in cluster.decodes}
     with httpx.stream("POST", cluster.url + "/generate", json=body(prompts["story"], 400, stream=True), timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
