@@ -130,8 +130,8 @@ class Engine:
         self.scheduler.submit(req)
         self._wake.set()
 
-    def abort(self, rid: str, reason: str = "aborted by client", status: int = 499) -> None:
-        self.scheduler.abort(rid, reason, status)
+    def abort(self, req: Req, reason: str = "aborted by client", status: int = 499) -> None:
+        self.scheduler.abort(req, reason, status)
         self._wake.set()
 
     def run_on_scheduler(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -165,4 +165,4 @@ class Engine:
                 yield event
         finally:
             if not finished:
-                self.abort(req.rid)
+                self.abort(req)

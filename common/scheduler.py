@@ -38,8 +38,9 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         self.inbox.put(("add", req))
 
-    def abort(self, rid: str, reason: str = "aborted by client", status: int = 499) -> None:
-        self.inbox.put(("abort", (rid, reason, status)))
+    def abort(self, req: Req, reason: str = "aborted by client", status: int = 499) -> None:
+        """End `req` (the object, not its rid: clients may reuse rids) at the next step."""
+        self.inbox.put(("abort", (req, reason, status)))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between two steps."""
@@ -71,11 +72,20 @@ class Scheduler:
             except queue.Empty:
                 return
             if kind == "add":
-                self.add_request(arg)
+                self._admit_or_fail(arg)
             elif kind == "abort":
                 self.abort_now(*arg)
             else:
                 arg()
+
+    def _admit_or_fail(self, req: Req) -> None:
+        """A request that cannot even be queued still gets an answer (its client would wait forever)."""
+        try:
+            self.add_request(req)
+        except Exception as e:
+            log.exception("request %s could not be queued", req.rid)
+            if not req.finished:
+                self.finish(req, FinishReason("abort", message=f"internal error queueing the request: {e!r}", status=500))
 
     def add_request(self, req: Req) -> None:
         self.output.prepare(req)
@@ -202,11 +212,9 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         self.output.finish(req, reason)
 
-    def abort_now(self, rid: str, reason: str, status: int) -> None:
-        req = self.find(rid)
-        if req is None or req.finished:
-            return
-        self.finish(req, FinishReason("abort", message=reason, status=status))
+    def abort_now(self, req: Req, reason: str, status: int) -> None:
+        if not req.finished:
+            self.finish(req, FinishReason("abort", message=reason, status=status))
 
     def check_integrity(self) -> PageCounts:
         """Raises on a leak of rows, pages or role resources; returns the page counts."""
@@ -219,12 +227,6 @@ class Scheduler:
 
     def requests_holding_memory(self) -> list[Req]:
         return [*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *self.role_requests()]
-
-    def find(self, rid: str) -> Req | None:
-        for req in [*self.waiting, *self.running, self.chunked, *self.role_requests()]:
-            if req is not None and req.rid == rid:
-                return req
-        return None
 
     # -- role hooks (PD) -----------------------------------------------------------------------
     def poll_role_queues(self) -> None:

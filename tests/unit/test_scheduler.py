@@ -130,11 +130,22 @@ def test_abort_at_any_stage_frees_everything(stage):
     elif stage == "running":
         while r not in s.running:
             s.step()
-    s.abort_now("x", "client went away", 499)
+    s.abort_now(r, "client went away", 499)
     assert r.finish.type == "abort" and events[-1].finish.message == "client went away"
     run_until_idle(s)
     counts = s.kv.check_integrity()
     assert counts.owned == counts.locked == 0
+
+
+def test_a_request_that_cannot_be_queued_still_gets_its_answer():
+    s, _ = make()
+    events: list = []
+    r = req("bad", [1, 2, 3], max_new=4, events=events)
+    r.params = r.params.model_copy(update={"seed": 2**80})  # past what torch.Generator takes
+    s.submit(r)
+    s.step()
+    assert r.finish.type == "abort" and r.finish.status == 500 and events[-1].finish is r.finish
+    assert s.kv.check_integrity().owned == 0
 
 
 def test_stop_token_and_eos_finish_with_the_matched_token():

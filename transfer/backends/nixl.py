@@ -11,11 +11,13 @@ from transfer.backends.base import TransferBackend
 
 class NixlBackend(TransferBackend):
     def __init__(self, timeout_s: float = 60.0) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.timeout_s = timeout_s
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # several threads use the agent: one transfer worker per decode peer, and the control thread
+        config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        self.agent = nixl_agent(self.name, config)
         self.device_id = 0
         self.peers: dict[str, str] = {}
         self._registered = []
