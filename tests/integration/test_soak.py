@@ -1,6 +1,7 @@
-"""Soak: 500 requests through a 2 prefill + 2 decode cluster (tiny model), streaming and not, with
-random client aborts and one prefill SIGKILLed and restarted in the middle. Zero hung requests, zero
-leaked pages, and every request that succeeded is token-identical to the monolithic server."""
+"""Soak, per transfer backend: 500 requests through a 2 prefill + 2 decode cluster (tiny model),
+streaming and not, with random client aborts and one prefill SIGKILLed and restarted in the middle.
+Zero hung requests, zero leaked pages, and every request that succeeded is token-identical to the
+monolithic server."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -101,8 +102,9 @@ def expected(tiny_model_dir) -> dict[tuple[int, int], list[int]]:
         mono.stop()
 
 
-def test_soak_with_random_aborts_and_a_prefill_restart(tiny_model_dir, expected):
-    c = start_cluster("mooncake", n_prefill=2, n_decode=2, flags=("--model", str(tiny_model_dir), *ENGINE, *FAULTS), router_flags=ROUTER)
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_soak_with_random_aborts_and_a_prefill_restart(tiny_model_dir, expected, backend):
+    c = start_cluster(backend, n_prefill=2, n_decode=2, flags=("--model", str(tiny_model_dir), *ENGINE, *FAULTS), router_flags=ROUTER)
     try:
         jobs = make_jobs()
         window: dict[str, float] = {}
@@ -144,7 +146,7 @@ def test_soak_with_random_aborts_and_a_prefill_restart(tiny_model_dir, expected)
         for node in c.nodes:
             node.wait_idle()  # integrity of every pool, and no page held by anyone
         print(f"\nsoak: {dict(kinds)} in {elapsed:.1f} s; errors during the restart: {len(errors)}")
-        record_fault("soak: 500 requests, 15% client aborts, prefill restart", f"{kinds['ok']} ok, {kinds['aborted']} aborted, "
+        record_fault(f"soak ({backend}): 500 requests, 15% client aborts, prefill restart", f"{kinds['ok']} ok, {kinds['aborted']} aborted, "
                      f"{len(errors)} errors (all during the restart), 0 hung", None, 0, window["back"] - window["kill"])
     finally:
         c.stop()
