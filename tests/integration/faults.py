@@ -78,15 +78,26 @@ class Background:
         return self.outcome
 
 
-def open_raw_request(url: str, path: str, body: dict) -> socket.socket:
-    """Send a POST on a bare socket and return it unread: closing it is a client that vanishes
-    before any response byte (an HTTP client library would block until the headers came)."""
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    return sock
+class RawClient:
+    """HTTP/1.1 over a bare socket, so a test can drop the connection at the moment it chooses (an HTTP
+    client library would block until the response headers came)."""
+
+    def __init__(self, server: ServerProcess, path: str, body: dict):
+        data = json.dumps(body).encode()
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        self.sock.sendall(head.encode() + data)
+        self.received = b""
+
+    def read_until(self, marker: bytes) -> bytes:
+        while marker not in self.received:
+            chunk = self.sock.recv(65536)
+            assert chunk, f"connection closed before {marker!r}: {self.received!r}"
+            self.received += chunk
+        return self.received
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> float:

@@ -14,8 +14,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import ServerProcess, record_fault, start_server
 from tests.integration.cluster import Cluster, generate, start_cluster
-from tests.integration.faults import (Background, chunks_sent, finished, open_raw_request, pages_held, router_sees,
-                                      wait_until)
+from tests.integration.faults import Background, RawClient, chunks_sent, finished, pages_held, router_sees, wait_until
 from tests.integration.test_parity_hf import LONG_TEXT
 
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "32")
@@ -209,7 +208,7 @@ def test_decode_frozen_mid_stream(cluster, prompts, expected):
 def test_client_gone_before_the_first_token_aborts_both_halves(cluster, prompts):
     before = {p.url: chunks_sent(p) for p in cluster.prefills}
     aborts = {n.url: finished(n, "abort") for n in cluster.nodes}
-    client = open_raw_request(cluster.url, "/generate", body(prompts["long"], 8, stream=True))
+    client = RawClient(cluster.router, "/generate", body(prompts["long"], 8, stream=True))
     victim_transferring(cluster, before)  # prefill computing and sending; decode waiting for KV
     client.close()
     t_gone = time.monotonic()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -18,10 +17,10 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ServerProcess, free_port, start_server
+from tests.conftest import ServerProcess, free_port, metric, record_fault, start_server
 from tests.integration.cluster import start_router
+from tests.integration.faults import RawClient, wait_until
 
 FLAGS = ("--transfer-backend", "mooncake", "--page-size", "16", "--chunked-prefill-size", "64")
 PROMPT = list(range(500, 520))
@@ -91,28 +90,6 @@ def reference(nodes) -> list[int]:
         router.stop()
 
 
-@pytest.fixture(scope="module")
-def workers_abort_on_disconnect(nodes) -> bool:
-    """Whether a worker aborts a plain (non-streaming) request once its connection closes, which the
-    router relies on to cancel a half. Probed on decode_short: it reserves KV for a room no prefill will
-    fill, and must free it when the connection closes. A worker that does not is restarted (clean)."""
-    probe = nodes.decode_short
-    body = gen_body(PROMPT) | {"bootstrap_host": "127.0.0.1", "bootstrap_port": nodes.bootstrap_port, "bootstrap_room": 12345}
-    with closing(RawClient(probe, "/generate", body)):
-        poll(lambda: probe.info()["kv_pages"]["in_use"] > 0, 30, "the probe to reserve KV")
-    if holds(lambda: probe.info()["kv_pages"]["in_use"] == 0, 3):
-        return True
-    probe.restart().wait_ready()
-    return False
-
-
-def require_workers_to_abort_on_disconnect(ok: bool) -> None:
-    if not ok:
-        pytest.xfail("worker bug outside the router: a plain request is not aborted when its connection closes "
-                     "(common/http_server.py wraps the app in BaseHTTPMiddleware, which hides http.disconnect "
-                     "from request.is_disconnected()), so a cancelled half keeps its KV until its own timeout")
-
-
 # -- helpers ------------------------------------------------------------------------------------
 
 def router_over(nodes: Nodes, decodes: list[ServerProcess], *flags: str, name: str) -> ServerProcess:
@@ -129,48 +106,21 @@ def generate(router: ServerProcess, ids: list[int], max_new: int = 8) -> dict:
     return r.json()
 
 
-def metric(server: ServerProcess, sample: str, **labels: str) -> float:
-    """One sample of a Prometheus metric of `server` (0 when it has not been recorded yet)."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
-
-
 def aborted(node: ServerProcess) -> float:
-    return metric(node, "tandem_requests_finished_total", reason="abort")
+    return metric(node.url, "tandem_requests_finished_total", reason="abort")
 
 
 def served(node: ServerProcess) -> float:
-    return metric(node, "tandem_requests_total", endpoint="/generate", status="200")
+    return metric(node.url, "tandem_requests_total", endpoint="/generate", status="200")
 
 
 def cancelled(router: ServerProcess, cause: str) -> float:
-    return metric(router, "tandem_router_cancelled_requests_total", cause=cause)
+    return metric(router.url, "tandem_router_cancelled_requests_total", cause=cause)
 
 
 def worker(router: ServerProcess, node: ServerProcess) -> dict:
     workers = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
     return next(w for w in workers if w["url"] == node.url)
-
-
-def holds(predicate: Callable[[], bool], timeout: float) -> bool:
-    """Whether `predicate` comes to hold within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def poll(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds until `predicate` held; fails after `timeout`."""
-    start = time.monotonic()
-    assert holds(predicate, timeout), f"timed out after {timeout} s waiting for {what}"
-    return time.monotonic() - start
 
 
 def sse_data(lines: Iterator[str]) -> Iterator[Any]:
@@ -180,31 +130,6 @@ def sse_data(lines: Iterator[str]) -> Iterator[Any]:
             yield "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
 
 
-def report(what: str, seconds: float) -> None:
-    print(f"\nTIMING {what}: {seconds:.2f} s")
-
-
-class RawClient:
-    """HTTP/1.1 over a bare socket, so a test can drop the connection at the moment it chooses."""
-
-    def __init__(self, server: ServerProcess, path: str, body: dict):
-        data = json.dumps(body).encode()
-        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-        self.sock.sendall(head.encode() + data)
-        self.received = b""
-
-    def read_until(self, marker: bytes) -> bytes:
-        while marker not in self.received:
-            chunk = self.sock.recv(65536)
-            assert chunk, f"connection closed before {marker!r}: {self.received!r}"
-            self.received += chunk
-        return self.received
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def context_error(tokens: int, context: int, param: str) -> dict:
     return {"error": {"message": f"{param} has {tokens} tokens; this server's context length is {context}",
                       "type": "invalid_request_error", "code": 400, "param": param}}
@@ -212,17 +137,17 @@ def context_error(tokens: int, context: int, param: str) -> dict:
 
 # -- a failing half cancels the other ------------------------------------------------------------
 
-def test_prefill_error_reaches_the_client_at_once_and_the_decode_half_is_aborted(nodes, routers, workers_abort_on_disconnect):
-    require_workers_to_abort_on_disconnect(workers_abort_on_disconnect)
+def test_prefill_error_reaches_the_client_at_once_and_the_decode_half_is_aborted(nodes, routers):
     router = routers([nodes.decode])
     start = time.monotonic()
     r = httpx.post(router.url + "/generate", json=gen_body(OVER_PREFILL), timeout=60)
-    report("prefill 400 reached the client (non-streaming)", time.monotonic() - start)
+    took = time.monotonic() - start
     assert r.status_code == 400 and r.json() == context_error(600, 512, "input_ids")
     assert cancelled(router, "prefill_failed") == 1
     start = time.monotonic()
     nodes.decode.wait_idle()  # it had reserved KV for the prompt; closing its connection aborted it
-    report("decode idle after the prefill's 400", time.monotonic() - start)
+    record_fault("prefill answers an error, decode half waiting for KV", "HTTP 400: the prefill's own error", took, 0,
+                 time.monotonic() - start)
 
 
 def test_prefill_error_before_any_streamed_byte_is_a_plain_http_error(nodes, routers):
@@ -234,18 +159,18 @@ def test_prefill_error_before_any_streamed_byte_is_a_plain_http_error(nodes, rou
     nodes.decode.wait_idle()
 
 
-def test_decode_error_reaches_the_client_at_once_and_the_prefill_half_is_aborted(nodes, routers, workers_abort_on_disconnect):
-    require_workers_to_abort_on_disconnect(workers_abort_on_disconnect)
+def test_decode_error_reaches_the_client_at_once_and_the_prefill_half_is_aborted(nodes, routers):
     router = routers([nodes.decode_short])
     prefill_aborts = aborted(nodes.prefill)
     start = time.monotonic()
     r = httpx.post(router.url + "/generate", json=gen_body(OVER_DECODE_SHORT), timeout=60)
-    report("decode 400 reached the client", time.monotonic() - start)
+    took = time.monotonic() - start
     assert r.status_code == 400 and r.json() == context_error(300, 256, "input_ids")
     assert cancelled(router, "decode_failed") == 1
     # the prefill waits for its decode to reserve memory, so it holds the request until cancelled
-    report("prefill aborted after the decode's 400", poll(lambda: aborted(nodes.prefill) == prefill_aborts + 1, 5, "the prefill to abort"))
+    aborted_after = wait_until(lambda: aborted(nodes.prefill) == prefill_aborts + 1, 5, "the prefill to abort")
     nodes.prefill.wait_idle()
+    record_fault("decode answers an error, prefill half waiting for it", "HTTP 400: the decode's own error", took, 0, aborted_after)
 
 
 def test_prefill_failing_mid_stream_ends_the_stream_with_its_error_event(nodes, routers):
@@ -262,7 +187,7 @@ def test_prefill_failing_mid_stream_ends_the_stream_with_its_error_event(nodes, 
             nodes.prefill.proc.send_signal(signal.SIGCONT)
             thawed = time.monotonic()
             rest = list(events)
-        report("prefill error event after the thawed prefill answered (streaming)", time.monotonic() - thawed)
+        took = time.monotonic() - thawed
     finally:
         nodes.prefill.proc.send_signal(signal.SIGCONT)
     assert len(rest) == 2 and rest[1] == "[DONE]"
@@ -271,21 +196,22 @@ def test_prefill_failing_mid_stream_ends_the_stream_with_its_error_event(nodes, 
     assert error["message"].endswith(" tokens; this server's context length is 512")
     assert cancelled(router, "prefill_failed") == 1
     nodes.decode.wait_idle()
+    record_fault("prefill answers an error after the stream started", "SSE error event: the prefill's error", took, 0, None)
 
 
 # -- the client goes away ------------------------------------------------------------------------
 
-def test_client_leaving_a_plain_request_cancels_it(nodes, routers, workers_abort_on_disconnect):
-    require_workers_to_abort_on_disconnect(workers_abort_on_disconnect)
+def test_client_leaving_a_plain_request_cancels_it(nodes, routers):
     router = routers([nodes.decode])
     decode_aborts = aborted(nodes.decode)
     with closing(RawClient(router, "/generate", gen_body(PROMPT, LONG_RUN))) as client:
-        poll(lambda: nodes.decode.info()["num_running_reqs"] == 1, 30, "the decode to run the request")
+        wait_until(lambda: nodes.decode.info()["num_running_reqs"] == 1, 30, "the decode to run the request")
         client.close()
         left = time.monotonic()
-    poll(lambda: aborted(nodes.decode) == decode_aborts + 1, 10, "the decode to abort")
-    report("decode aborted after the client left (non-streaming)", time.monotonic() - left)
+    wait_until(lambda: aborted(nodes.decode) == decode_aborts + 1, 10, "the decode to abort")
+    took = time.monotonic() - left
     nodes.decode.wait_idle()
+    record_fault("client disconnect (non-streaming)", "(gone) decode aborted", took, 0, None)
     assert cancelled(router, "client_disconnected") == 1
     assert worker(router, nodes.decode)["in_flight"] == 0 and worker(router, nodes.prefill)["in_flight"] == 0
 
@@ -296,11 +222,9 @@ def test_client_leaving_a_stream_cancels_it(nodes, routers):
     with closing(RawClient(router, "/generate", gen_body(PROMPT, LONG_RUN, stream=True))) as client:
         assert client.read_until(b"data: ").startswith(b"HTTP/1.1 200")
         client.close()
-        left = time.monotonic()
-    poll(lambda: aborted(nodes.decode) == decode_aborts + 1, 10, "the decode to abort")
-    report("decode aborted after the client left (streaming)", time.monotonic() - left)
+    wait_until(lambda: aborted(nodes.decode) == decode_aborts + 1, 10, "the decode to abort")
     nodes.decode.wait_idle()
-    poll(lambda: cancelled(router, "client_disconnected") == 1, 5, "the router to count the cancellation")
+    wait_until(lambda: cancelled(router, "client_disconnected") == 1, 5, "the router to count the cancellation")
     assert worker(router, nodes.decode)["in_flight"] == 0
 
 
@@ -315,7 +239,7 @@ def test_decode_failing_health_checks_ends_its_streams_and_serves_again_once_hea
             nodes.decode.proc.send_signal(signal.SIGSTOP)
             stopped = time.monotonic()
             rest = list(events)
-        report("error event after the decode froze (health checks)", time.monotonic() - stopped)
+        took = time.monotonic() - stopped
     finally:
         nodes.decode.proc.send_signal(signal.SIGCONT)
     assert rest[-1] == "[DONE]" and all("output_ids" in e for e in rest[:-2])
@@ -324,8 +248,9 @@ def test_decode_failing_health_checks_ends_its_streams_and_serves_again_once_hea
     assert error["message"].startswith(f"request cancelled: decode worker {nodes.decode.url} failed health checks")
     assert cancelled(router, "worker_dead") == 1
     nodes.decode.wait_idle()
-    poll(lambda: worker(router, nodes.decode)["healthy"], 10, "the decode to be healthy again")
+    back = wait_until(lambda: worker(router, nodes.decode)["healthy"], 10, "the decode to be healthy again")
     assert generate(router, PROMPT)["output_ids"] == reference
+    record_fault("decode SIGSTOP mid-stream (1P1D, fast health checks)", f"SSE error event: {error['message'][:60]}", took, 0, back)
 
 
 def test_prefill_failing_health_checks_ends_its_requests(nodes, routers, reference):
@@ -337,7 +262,7 @@ def test_prefill_failing_health_checks_ends_its_requests(nodes, routers, referen
         stopped = time.monotonic()
         with httpx.stream("POST", router.url + "/generate", json=gen_body(PROMPT, stream=True), timeout=60) as r:
             status, body = r.status_code, r.read()
-        report("502 after the prefill froze (health checks)", time.monotonic() - stopped)
+        took = time.monotonic() - stopped
     finally:
         nodes.prefill.proc.send_signal(signal.SIGCONT)
     # nothing had been streamed (the decode waits for the prefill's KV): a plain error status
@@ -348,8 +273,9 @@ def test_prefill_failing_health_checks_ends_its_requests(nodes, routers, referen
     assert cancelled(router, "worker_dead") == 1
     nodes.prefill.wait_idle()
     nodes.decode.wait_idle()
-    poll(lambda: worker(router, nodes.prefill)["healthy"], 10, "the prefill to be healthy again")
+    back = wait_until(lambda: worker(router, nodes.prefill)["healthy"], 10, "the prefill to be healthy again")
     assert generate(router, PROMPT)["output_ids"] == reference
+    record_fault("prefill SIGSTOP before the request (1P1D)", f"HTTP 502: {error['message'][:60]}", took, 0, back)
 
 
 # -- overload, oversized bodies, the API key ----------------------------------------------------------
@@ -364,7 +290,7 @@ def test_requests_beyond_the_concurrency_limit_get_429(nodes, routers, monkeypat
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json() == {"error": {"message": "the router has 1 requests in flight, its limit; retry later",
                                         "type": "overloaded_error", "code": 429, "param": None}}
-    poll(lambda: metric(router, "tandem_router_in_flight_requests") == 0, 10, "the stream's slot to be given back")
+    wait_until(lambda: metric(router.url, "tandem_router_in_flight_requests") == 0, 10, "the stream's slot to be given back")
     assert generate(router, PROMPT)["output_ids"] == reference
 
 
@@ -381,7 +307,7 @@ def test_body_over_the_limit_gets_413_with_content_length_or_chunked(nodes, rout
     assert chunked.status_code == 413
     assert chunked.json()["error"] == {"message": "request body exceeds the limit of 1024 bytes",
                                        "type": "invalid_request_error", "code": 413, "param": "body"}
-    assert metric(router, "tandem_router_requests_total", endpoint="/generate", status="413") == 2
+    assert metric(router.url, "tandem_router_requests_total", endpoint="/generate", status="413") == 2
 
 
 def test_api_key_is_required_except_on_open_paths(nodes, routers, reference):
@@ -416,7 +342,7 @@ def decode_killed_mid_stream(nodes) -> Iterator[KilledDecode]:
                router_over(nodes, [victim, nodes.decode], *FAST_HEALTH, name="rf-health")]
     try:
         for r in routers[1:]:
-            poll(lambda: worker(r, victim)["healthy"] and worker(r, nodes.decode)["healthy"], 10, "both decodes healthy")
+            wait_until(lambda: worker(r, victim)["healthy"] and worker(r, nodes.decode)["healthy"], 10, "both decodes healthy")
         with httpx.stream("POST", routers[0].url + "/generate", json=gen_body(PROMPT, 200, stream=True), timeout=60) as resp:
             events = sse_data(resp.iter_lines())
             first = next(events)
@@ -433,7 +359,6 @@ def decode_killed_mid_stream(nodes) -> Iterator[KilledDecode]:
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error_naming_it(nodes, decode_killed_mid_stream, reference):
     killed = decode_killed_mid_stream
-    report("error event after the decode was killed mid-stream", killed.seconds_to_error)
     *tokens, error, done = killed.stream_events
     assert tokens[0]["output_ids"] == reference[:1] and done == "[DONE]"
     assert error["error"]["code"] == 502 and error["error"]["type"] == "upstream_error"
@@ -449,21 +374,22 @@ def test_a_refused_connection_is_retried_on_another_decode(nodes, decode_killed_
         assert generate(router, PROMPT)["output_ids"] == reference
     assert served(nodes.decode) == served_before + 4
     # round robin: requests 1 and 2 first went to the dead decode; its 2nd refusal took it out of rotation
-    assert metric(router, "tandem_router_retries_total") == 2
+    assert metric(router.url, "tandem_router_retries_total") == 2
     assert cancelled(router, "decode_failed") == 2
+    record_fault("decode SIGKILLed, router not yet aware (refused)", "HTTP 200: retried on the other decode, exact tokens", None, 0, None)
     assert worker(router, nodes.decode_short) == {"url": nodes.decode_short.url, "role": "decode", "bootstrap_port": None,
                                                   "healthy": False, "failures": 2, "in_flight": 0}
 
 
 def test_a_killed_decode_leaves_rotation_and_serves_again_after_restart(nodes, decode_killed_mid_stream, reference):
     router, victim = decode_killed_mid_stream.health_router, nodes.decode_short
-    poll(lambda: not worker(router, victim)["healthy"], 10, "the router to take the killed decode out")
+    wait_until(lambda: not worker(router, victim)["healthy"], 10, "the router to take the killed decode out")
     served_before = served(nodes.decode)
     for _ in range(3):
         assert generate(router, PROMPT)["output_ids"] == reference
     assert served(nodes.decode) == served_before + 3
     victim.restart().wait_ready()
-    report("router saw the restarted decode healthy", poll(lambda: worker(router, victim)["healthy"], 10, "the restarted decode to be healthy"))
+    wait_until(lambda: worker(router, victim)["healthy"], 10, "the restarted decode to be healthy")
     for _ in range(2):  # round robin over two healthy decodes: one each
         assert generate(router, PROMPT)["output_ids"] == reference
     assert served(victim) == 1
