@@ -113,15 +113,25 @@ def builtin_model_dir() -> Path:
     return resolve_model_dir("builtin")
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """One sample of a Prometheus metric from url/metrics (0 when absent)."""
+def sample(metrics_text: str, name: str, labels: dict[str, str]) -> float:
+    """The value of the Prometheus sample with exactly these labels; 0 when it does not exist yet."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return 0.0
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of url/metrics whose labels include `labels` (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
     return 0.0
 
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.server import start_in_thread
 from common.metrics import EngineMetrics
-from tests.conftest import ServerProcess, free_port
+from tests.conftest import ServerProcess, free_port, sample
 
 SECRET = "s3cret-for-tests"
 AUTH = {"X-Tandem-Secret": SECRET}
@@ -30,15 +30,6 @@ def bootstrap():
     s = ServerProcess(["bootstrap", "--port", str(port), "--cluster-secret", SECRET], port, name="bootstrap")
     yield s.wait_ready(timeout=60)
     s.stop()
-
-
-def sample(metrics_text: str, name: str, labels: dict[str, str]) -> float:
-    """The value of one Prometheus sample; 0 when the labelled series does not exist yet."""
-    for family in text_string_to_metric_families(metrics_text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return 0.0
 
 
 def rejected(server, field: str, method: str | None = None) -> float:

@@ -8,9 +8,8 @@ from typing import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import start_server
+from tests.conftest import sample, start_server
 
 API_KEY = "tk-3f9a1c0d2b7e4a5f"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -25,15 +24,6 @@ def server():
         s = start_server("--max-request-bytes", str(LIMIT), "--max-total-tokens", "2048", name="secure")
     yield s.wait_ready()
     s.stop()
-
-
-def sample(metrics_text: str, name: str, labels: dict[str, str]) -> float:
-    """The value of one Prometheus sample; 0 when the labelled series does not exist yet."""
-    for family in text_string_to_metric_families(metrics_text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return 0.0
 
 
 def metrics(server) -> str:
