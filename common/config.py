@@ -47,7 +47,7 @@ class ServerConfig(BaseSettings):
     kv_wait_timeout_s: float = Field(300.0, gt=0, description="decode: how long reserved pages wait for the prefill's KV")
     transfer_timeout_s: float = Field(60.0, gt=0, description="prefill: one batch write to a decode")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="decode pings each prefill it waits on; prefill watches the pings")
-    heartbeat_misses: int = Field(2, ge=1, description="silent intervals before a peer is declared dead and its rooms fail")
+    heartbeat_misses: int = Field(2, ge=2, description="silent intervals before a peer is declared dead and its rooms fail (>= 2: a pong answers a ping sent up to one interval earlier)")
     cluster_secret: str | None = None
 
     # serving
