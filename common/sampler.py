@@ -79,7 +79,9 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always the best one)."""
     sorted_probs, order = probs.sort(descending=True)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the better tokens
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    drop = before >= top_p
+    drop[..., 0] = False  # a top_p below float32's smallest value rounds to 0 and would drop it too
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 

@@ -54,8 +54,13 @@ class Scheduler:
         plan = self.schedule_prefill() or self.schedule_decode()
         if plan is None:
             return False
-        result = self.runner.run(plan)
-        self.process_result(plan, result)
+        try:
+            self.process_result(plan, self.runner.run(plan))
+        except Exception as e:  # the batch's requests may be in no queue now: answer them here
+            log.exception("a batch of %d requests failed", len(plan.reqs))
+            for req in plan.reqs:
+                if not req.finished:
+                    self.finish(req, FinishReason("abort", message=f"internal error running the batch: {e!r}", status=500))
         return True
 
     def num_queued(self) -> int:

@@ -208,7 +208,9 @@ def assert_well_formed(endpoint: str, r: httpx.Response) -> None:
             assert result["choices"] or "usage" in result
 
 
-FUZZ = settings(max_examples=1200, deadline=None, database=None, print_blob=True,
+# derandomize: CI explores the same 4 x 1200 examples every run (a random seed that finds a new bug
+# would turn a later, unrelated change red); explore more with derandomize=False locally.
+FUZZ = settings(max_examples=1200, deadline=None, database=None, print_blob=True, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 

@@ -45,6 +45,7 @@ def test_tiny_top_p_keeps_only_the_best_token():
     probs = torch.tensor([0.1, 0.6, 0.3])
     assert top_p_filter(probs, 0.01).tolist() == [0.0, pytest.approx(0.6), 0.0]
     assert top_p_filter(probs, 0.7).tolist() == [0.0, pytest.approx(0.6), pytest.approx(0.3)]
+    assert top_p_filter(probs, 1e-136).tolist() == [0.0, pytest.approx(0.6), 0.0]  # below float32's range (found by fuzzing)
 
 
 def test_min_p_never_samples_a_token_below_the_threshold():

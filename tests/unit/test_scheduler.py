@@ -148,6 +148,32 @@ def test_a_request_that_cannot_be_queued_still_gets_its_answer():
     assert s.kv.check_integrity().owned == 0
 
 
+@pytest.mark.parametrize("failing_step", [0, 3])  # the prefill forward, a decode forward
+def test_a_failing_forward_ends_its_batch_with_an_error_and_the_server_goes_on(failing_step):
+    s, runner = make()
+    events: list = []
+    a, b = req("a", [1, 2, 3], max_new=6, events=events), req("b", [7, 8], max_new=6, events=events)
+    s.add_request(a)
+    s.add_request(b)
+    real_run, calls = runner.run, []
+
+    def run(plan):
+        calls.append(plan)
+        if len(calls) - 1 == failing_step:
+            raise RuntimeError("invalid multinomial distribution")
+        return real_run(plan)
+
+    runner.run = run
+    run_until_idle(s)
+    for r in (a, b):
+        assert r.finish.type == "abort" and r.finish.status == 500 and "invalid multinomial" in r.finish.message
+    assert s.kv.check_integrity().owned == 0 and not s.running and s.chunked is None
+    later = req("c", [4, 5], max_new=2)
+    s.add_request(later)
+    run_until_idle(s)
+    assert later.output_ids == [6, 7]
+
+
 def test_stop_token_and_eos_finish_with_the_matched_token():
     s, _ = make()
     r = Req("s", [1, 2, 3], SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=[6]))
