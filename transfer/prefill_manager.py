@@ -62,6 +62,7 @@ class PrefillKVManager(KVManager):
         self.peers: dict[str, Register] = {}  # decode instances that registered
         self.workers: dict[str, TransferWorker] = {}
         self.tombstones: dict[int, tuple[str, float]] = {}  # failed rooms already forgotten: reason, when
+        self._next_expiry = 0.0
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -115,6 +116,9 @@ class PrefillKVManager(KVManager):
 
     def _expire_orphans(self) -> None:
         now = time.monotonic()
+        if now < self._next_expiry:  # a sweep is O(rooms): at most one a second
+            return
+        self._next_expiry = now + 1.0
         with self._lock:
             for r, st in list(self.rooms.items()):
                 if not st.owned and now - st.created > ORPHAN_TTL_S:
