@@ -121,8 +121,8 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         s = self.scheduler
-        for req in [*s.waiting, *s.running, s.chunked, *s.role_requests()]:
-            if req is not None and not req.finished:
+        for req in s.tracked_requests():
+            if not req.finished:
                 s.finish(req, FinishReason("abort", message=message, status=500))
 
     # -- API for the HTTP side -----------------------------------------------------------------

@@ -224,13 +224,14 @@ class Scheduler:
     def check_integrity(self) -> PageCounts:
         """Raises on a leak of rows, pages or role resources; returns the page counts."""
         counts = self.kv.check_integrity()
-        known = {id(r) for r in self.requests_holding_memory()}
+        known = {id(r) for r in self.tracked_requests()}
         strays = [r.rid for r in self.kv.live.values() if id(r) not in known]
         if strays:
             raise MemoryIntegrityError(f"rows held by requests no queue knows: {strays}")
         return counts
 
-    def requests_holding_memory(self) -> list[Req]:
+    def tracked_requests(self) -> list[Req]:
+        """Every request a queue of this scheduler holds (the role's queues included)."""
         return [*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *self.role_requests()]
 
     # -- role hooks (PD) -----------------------------------------------------------------------

@@ -187,8 +187,8 @@ class DecodeScheduler(Scheduler):
     def num_held_elsewhere(self) -> int:
         return len(self.transferring) + len(self.draining)
 
-    def requests_holding_memory(self) -> list[Req]:
-        return super().requests_holding_memory() + [r for r, _ in self.draining]
+    def tracked_requests(self) -> list[Req]:
+        return super().tracked_requests() + [r for r, _ in self.draining]
 
     def check_integrity(self):
         counts = super().check_integrity()

@@ -10,7 +10,6 @@ import time
 
 class Liveness:
     def __init__(self, interval_s: float, misses: int):
-        self.interval_s = interval_s
         self.window_s = interval_s * misses
         self._last_seen: dict[str, float] = {}
         self._lock = threading.Lock()

@@ -90,16 +90,15 @@ class PrefillKVManager(KVManager):
         self._expire_orphans()
         with self._lock:
             tomb = self.tombstones.get(req.room)
-        if tomb is not None:  # a decode that reserved memory late: tell it at once instead of letting it wait
-            self.send(peer.status_endpoint, Status(req.room, False, tomb[0]))
-            return
-        with self._lock:
-            room = self.rooms.setdefault(req.room, RoomState())
-            if room.request is not None:
+            room = None if tomb else self.rooms.setdefault(req.room, RoomState())
+            if room is not None and room.request is not None:
                 raise BadMessage(f"room {req.room} was requested twice")
-            room.request = req
-        if room.poll.reason is not None:  # this prefill already gave up on the room: say so now
-            self.send(peer.status_endpoint, Status(req.room, False, room.poll.reason))
+            if room is not None:
+                room.request = req
+        # this prefill already gave up on the room (forgotten or not): say so now, not after a timeout
+        reason = tomb[0] if tomb else room.poll.reason
+        if reason is not None:
+            self.send(peer.status_endpoint, Status(req.room, False, reason))
 
     def _on_abort(self, msg: Abort, peer: Register) -> None:
         with self._lock:

@@ -14,7 +14,8 @@ from transfer.messages import Status
 from transfer.poll import KVPoll
 
 if TYPE_CHECKING:
-    from transfer.manager import KVManager, RoomState
+    from transfer.manager import RoomState
+    from transfer.prefill_manager import PrefillKVManager
 
 log = logging.getLogger(__name__)
 IDLE_EXIT_S = 30.0
@@ -36,7 +37,7 @@ class FailureNotice:
 
 
 class TransferWorker:
-    def __init__(self, manager: "KVManager", decode_id: str):
+    def __init__(self, manager: "PrefillKVManager", decode_id: str):
         self.manager = manager
         self.decode_id = decode_id
         self.queue: queue.Queue[Chunk | FailureNotice] = queue.Queue()
@@ -84,8 +85,8 @@ class TransferWorker:
             self.manager.write_chunk(c.state.request, c.src_pages, c.dst_pages, c.aux)
         except Exception as e:
             log.warning("room %d: transfer to %s failed: %s", c.room, self.decode_id, e)
-            self.manager.counters["rooms_failed"] += 1
             if c.state.poll.fail(f"transfer error: {e}"):
+                self.manager.counters["rooms_failed"] += 1
                 self._send_failure(c.room, c.state)
             return
         self.manager.counters["chunks_sent"] += 1

@@ -178,18 +178,18 @@ def test_prefill_failing_mid_stream_ends_the_stream_with_its_error_event(nodes, 
     thawed, the prefill refuses the prompt, and the client's stream ends with that error, then [DONE]."""
     router = routers([nodes.decode], *NO_HEALTH_CHECKS)
     body = {"model": "default", "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8, "stream": True}
-    nodes.prefill.proc.send_signal(signal.SIGSTOP)
+    nodes.prefill.signal(signal.SIGSTOP)
     try:
         with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             events = sse_data(r.iter_lines())
             assert next(events)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-            nodes.prefill.proc.send_signal(signal.SIGCONT)
+            nodes.prefill.signal(signal.SIGCONT)
             thawed = time.monotonic()
             rest = list(events)
         took = time.monotonic() - thawed
     finally:
-        nodes.prefill.proc.send_signal(signal.SIGCONT)
+        nodes.prefill.signal(signal.SIGCONT)
     assert len(rest) == 2 and rest[1] == "[DONE]"
     error = rest[0]["error"]
     assert error["code"] == 400 and error["param"] == "messages" and error["type"] == "invalid_request_error"
@@ -236,12 +236,12 @@ def test_decode_failing_health_checks_ends_its_streams_and_serves_again_once_hea
         with httpx.stream("POST", router.url + "/generate", json=gen_body(PROMPT, LONG_RUN, stream=True), timeout=60) as r:
             events = sse_data(r.iter_lines())
             assert next(events)["output_ids"] == reference[:1]
-            nodes.decode.proc.send_signal(signal.SIGSTOP)
+            nodes.decode.signal(signal.SIGSTOP)
             stopped = time.monotonic()
             rest = list(events)
         took = time.monotonic() - stopped
     finally:
-        nodes.decode.proc.send_signal(signal.SIGCONT)
+        nodes.decode.signal(signal.SIGCONT)
     assert rest[-1] == "[DONE]" and all("output_ids" in e for e in rest[:-2])
     error = rest[-2]["error"]
     assert error["code"] == 502 and error["type"] == "upstream_unavailable"
@@ -257,14 +257,14 @@ def test_prefill_failing_health_checks_ends_its_requests(nodes, routers, referen
     # 3 checks of 0.5 s must fail first: the request below reaches the router long before that
     router = routers([nodes.decode], "--health-check-interval-s", "0.5", "--health-check-timeout-s", "0.5",
                      "--health-failure-threshold", "3")
-    nodes.prefill.proc.send_signal(signal.SIGSTOP)
+    nodes.prefill.signal(signal.SIGSTOP)
     try:
         stopped = time.monotonic()
         with httpx.stream("POST", router.url + "/generate", json=gen_body(PROMPT, stream=True), timeout=60) as r:
             status, body = r.status_code, r.read()
         took = time.monotonic() - stopped
     finally:
-        nodes.prefill.proc.send_signal(signal.SIGCONT)
+        nodes.prefill.signal(signal.SIGCONT)
     # nothing had been streamed (the decode waits for the prefill's KV): a plain error status
     assert status == 502, body
     error = json.loads(body)["error"]
@@ -346,7 +346,7 @@ def decode_killed_mid_stream(nodes) -> Iterator[KilledDecode]:
         with httpx.stream("POST", routers[0].url + "/generate", json=gen_body(PROMPT, 200, stream=True), timeout=60) as resp:
             events = sse_data(resp.iter_lines())
             first = next(events)
-            victim.proc.send_signal(signal.SIGKILL)
+            victim.signal(signal.SIGKILL)
             killed = time.monotonic()
             rest = list(events)
         yield KilledDecode([first, *rest], time.monotonic() - killed, *routers)
