@@ -6,8 +6,6 @@ from typing import Any
 
 import httpx
 
-LAYOUT_KEYS = ("num_layers", "kv_heads", "head_dim", "dtype", "page_size", "transfer_backend")
-
 
 def _headers(secret: str | None) -> dict[str, str]:
     return {"X-Tandem-Secret": secret} if secret else {}
@@ -37,9 +35,3 @@ def lookup_prefill(bootstrap_url: str, engine_rank: int = 0, dp_group: int = 0, 
     if r.status_code != 200:
         raise RuntimeError(f"bootstrap server {bootstrap_url} answered {r.status_code}: {r.text}")
     return r.json()
-
-
-def check_layout_compatible(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """A message naming every KV layout field that differs, or None when decode and prefill fit."""
-    diffs = [f"{k}: decode has {mine.get(k)!r}, prefill has {theirs.get(k)!r}" for k in LAYOUT_KEYS if mine.get(k) != theirs.get(k)]
-    return "KV layout mismatch: " + "; ".join(diffs) if diffs else None

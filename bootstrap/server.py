@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 import threading
@@ -22,7 +21,9 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from common.errors import error_body
+from common.wire.body import load_json_object
+from common.wire.errors import InvalidRequest, error_body
+from common.wire.kv_layout import LAYOUT_KEYS
 
 log = logging.getLogger("tandem.bootstrap")
 
@@ -32,7 +33,6 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "head_dim": (int,), "dtype": (str,), "transfer_backend": (str,), "instance_id": (str,),
 }
 DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": ""}
-LAYOUT_KEYS = ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "transfer_backend")
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024
@@ -141,11 +141,9 @@ async def _read_json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise RegistrationError("body", f"must be at most {MAX_BODY_BYTES} bytes", 413) from None
     try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise RegistrationError("body", "is not valid UTF-8") from None
-    except (ValueError, RecursionError):  # JSONDecodeError, a 4300+ digit integer, deep nesting
-        raise RegistrationError("body", "is not valid JSON") from None
+        return load_json_object(raw)
+    except InvalidRequest as e:
+        raise RegistrationError(e.param or "body", e.message) from None
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from common.aux_record import RECORD_BYTES
+from transfer.aux_record import RECORD_BYTES
 
 
 class AuxPool:

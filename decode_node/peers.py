@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from bootstrap.client import check_layout_compatible, lookup_prefill
+from bootstrap.client import lookup_prefill
+from common.wire.kv_layout import layout_mismatch
 
 CACHE_TTL_S = 2.0
 REGISTER_WAIT_S = 30.0
@@ -38,7 +39,7 @@ class PeerDirectory:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no prefill rank registered at bootstrap {url} within {REGISTER_WAIT_S:.0f} s")
             time.sleep(0.2)
-        mismatch = check_layout_compatible(self.layout, entry)
+        mismatch = layout_mismatch(self.layout, entry)
         if mismatch:
             raise RuntimeError(f"refusing prefill at {url}: {mismatch}")
         peer = Peer(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])

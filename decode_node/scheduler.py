@@ -21,11 +21,11 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from common.aux_record import AuxRecord
-from common.request import FinishReason, Req, ReqStatus
-from common.scheduler import Scheduler
+from common.engine.request import FinishReason, Req, ReqStatus
+from common.engine.scheduler import Scheduler
 from decode_node.aux_pool import AuxPool
 from decode_node.peers import Peer, PeerDirectory
+from transfer.aux_record import AuxRecord
 from transfer.decode_manager import DecodeKVManager
 from transfer.poll import KVPoll
 from transfer.receiver import KVReceiver

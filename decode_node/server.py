@@ -1,14 +1,15 @@
 """Compose the decode role: engine + aux pool + DecodeKVManager + peer directory."""
 from __future__ import annotations
 
-from common.aux_record import RECORD_BYTES
 from common.config import ServerConfig
-from common.engine import Engine
+from common.engine.engine import Engine
+from common.wire.kv_layout import kv_layout
 from decode_node.aux_pool import AuxPool
 from decode_node.peers import PeerDirectory
 from decode_node.scheduler import DecodeScheduler
+from transfer.aux_record import RECORD_BYTES
 from transfer.decode_manager import DecodeKVManager
-from transfer.manager import kv_args_from_pool, kv_layout
+from transfer.manager import kv_args_from_pool
 from transfer.metrics import TransferCounters
 
 

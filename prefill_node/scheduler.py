@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from common.aux_record import AuxRecord
-from common.model_runner import BatchResult
-from common.request import FinishReason, Req, ReqStatus
-from common.scheduler import Scheduler
+from common.engine.model_runner import BatchResult
+from common.engine.request import FinishReason, Req, ReqStatus
+from common.engine.scheduler import Scheduler
+from transfer.aux_record import AuxRecord
 from transfer.poll import KVPoll
 from transfer.prefill_manager import PrefillKVManager
 from transfer.sender import KVSender

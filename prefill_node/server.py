@@ -8,9 +8,10 @@ from typing import Any
 
 from bootstrap.client import register_prefill
 from common.config import ServerConfig
-from common.engine import Engine
+from common.engine.engine import Engine
+from common.wire.kv_layout import kv_layout
 from prefill_node.scheduler import PrefillScheduler
-from transfer.manager import kv_args_from_pool, kv_layout
+from transfer.manager import kv_args_from_pool
 from transfer.metrics import TransferCounters
 from transfer.prefill_manager import PrefillKVManager
 

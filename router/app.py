@@ -10,10 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
-from common.errors import InvalidRequest, TandemError, error_body
-from common.http_body import read_body
+from common.wire.auth import ApiKeyGuard
+from common.wire.body import read_body
+from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
-from router.auth import ApiKeyGuard
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics

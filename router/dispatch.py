@@ -10,8 +10,8 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from common.errors import InvalidRequest, TandemError, error_body
-from common.http_body import read_body
+from common.wire.body import read_json_object
+from common.wire.errors import TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -131,18 +131,6 @@ class Dispatcher:
         self.metrics.requests.labels(path, str(status)).inc()
         self.metrics.latency.observe(time.monotonic() - start)
         log_request(path, pair, status, start, outcome)
-
-
-async def read_json_object(request: Request, limit: int) -> dict:
-    """The request body as a JSON object; 413 past `limit` bytes (Content-Length or chunked), else 400."""
-    raw = await read_body(request, limit)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}", param="body") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object", param="body")
-    return body
 
 
 def _prompt_key(body: dict) -> str:

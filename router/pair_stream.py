@@ -7,23 +7,22 @@ lands in the middle of a half-relayed one.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import AsyncIterator, Callable
 
 import aiohttp
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from common.errors import error_body
+from common.wire.errors import error_body
+from common.wire.sse import DONE, sse_event
 from router.pair_call import PairCall
 from router.upstream import DECODE_FAILED, UpstreamError, read_chunk
 
-DONE = b"data: [DONE]\n\n"
 PREFILL_GRACE_S = 5.0  # after the decode's [DONE], how long the prefill's answer may still take
 
 
 def sse_error(err: UpstreamError) -> bytes:
-    return b"data: " + json.dumps(err.body, separators=(",", ":")).encode() + b"\n\n" + DONE
+    return sse_event(err.body) + DONE
 
 
 class SSEFramer:

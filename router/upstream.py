@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from common.errors import error_body
+from common.wire.errors import error_body
 from router.workers import Worker
 
 PREFILL_FAILED, DECODE_FAILED = "prefill_failed", "decode_failed"

@@ -3,24 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
-
-from pydantic import BaseModel
-
-
-def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    """One --flag per config field; unset flags stay unset so TANDEM_* env vars can fill them."""
-    for name, field in model.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        kind = field.annotation
-        args = typing.get_args(kind)
-        help_text = (field.description or "") + f" [env TANDEM_{name.upper()}, default {field.default}]"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-        elif typing.get_origin(kind) is typing.Literal:
-            parser.add_argument(flag, choices=args, default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,6 +16,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run one engine server (monolithic, prefill or decode)")
+    from tandem.flags import add_model_flags
+
     add_model_flags(serve, ServerConfig)
     up = sub.add_parser("up", help="bring up a whole local cluster on the built-in model")
     from tandem.up import add_up_flags

@@ -13,13 +13,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from router.config import PrefillSpec, RouterConfig
-
-# flag -> type; each maps to the RouterConfig field of the same name (dashes as underscores)
-SCALAR_FLAGS: dict[str, type] = {
-    "--policy": str, "--host": str, "--port": int, "--api-key": str,
-    "--health-check-interval-s": float, "--health-check-timeout-s": float, "--health-failure-threshold": int,
-    "--request-timeout-s": float, "--max-concurrent-requests": int, "--max-request-bytes": int,
-}
+from tandem.flags import add_model_flags
 
 
 def parse_prefill_args(groups: list[list[str]]) -> list[PrefillSpec]:
@@ -38,11 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem router", argument_default=argparse.SUPPRESS)
     p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
     p.add_argument("--decode", action="append", metavar="URL")
-    for flag, kind in SCALAR_FLAGS.items():
-        field = flag[2:].replace("-", "_")
-        env = "TANDEM_API_KEY" if field == "api_key" else f"TANDEM_ROUTER_{field.upper()}"
-        default = RouterConfig.model_fields[field].default
-        p.add_argument(flag, type=kind, help=f"[env {env}, default {default}]")
+    add_model_flags(p, RouterConfig, skip=frozenset({"prefill", "decode"}))
     return p
 
 

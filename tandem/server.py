@@ -38,7 +38,7 @@ def serve_from_args(ns: argparse.Namespace) -> None:
 
 
 def build_engine(config: ServerConfig):
-    from common.engine import Engine
+    from common.engine.engine import Engine
 
     if config.disagg_mode == "prefill":
         from prefill_node.server import build_prefill_engine
@@ -58,7 +58,7 @@ def serve(config: ServerConfig) -> None:
     t0 = time.monotonic()
     engine = build_engine(config)
     engine.start()
-    from common.http_server import create_app
+    from common.server.app import create_app
 
     app = create_app(engine)
     counts = engine.kv.page_counts()

@@ -176,12 +176,6 @@ class KVManager(ABC):
         self.backend.close()
 
 
-def kv_layout(pool, backend: str) -> dict:
-    """What decode and prefill must agree on before any byte moves."""
-    return {"num_layers": pool.num_layers, "kv_heads": pool.kv_heads, "head_dim": pool.head_dim,
-            "dtype": str(pool.dtype).removeprefix("torch."), "page_size": pool.page_size, "transfer_backend": backend}
-
-
 def kv_args_from_pool(pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0, aux_slots: int = 0) -> KVArgs:
     infos = pool.buffer_infos()
     return KVArgs(

@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from common.forward_batch import ForwardBatch
+from common.engine.forward_batch import ForwardBatch
 from common.memory.kv_pool import KVPool
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from common.attention.base import AttentionBackend
-from common.forward_batch import ForwardBatch, ForwardMode
+from common.engine.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 

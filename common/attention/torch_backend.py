@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from common.attention.base import AttentionBackend
-from common.forward_batch import ForwardBatch, ForwardMode
+from common.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchAttention(AttentionBackend):

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.request import Req
 from common.memory.allocator import PagedAllocator
 from common.memory.errors import MemoryIntegrityError
 from common.memory.prefix_cache import PrefixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.request import Req
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from common.attention.base import AttentionBackend
-from common.forward_batch import ForwardBatch
+from common.engine.forward_batch import ForwardBatch
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 

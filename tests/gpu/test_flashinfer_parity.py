@@ -16,9 +16,9 @@ pytest.importorskip("flashinfer")
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from common.config import ServerConfig  # noqa: E402
-from common.engine import Engine  # noqa: E402
-from common.request import Req  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
+from common.engine.engine import Engine  # noqa: E402
+from common.engine.request import Req  # noqa: E402
+from common.wire.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 16
 NEAR_TIE = 0.02
@@ -32,8 +32,10 @@ def model_dir(tmp_path_factory):
                          initializer_range=0.06, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    from transformers import PreTrainedTokenizerFast  # a tokenizer file is needed only to start the engine
     from tokenizers import Tokenizer, models
+    from transformers import (
+        PreTrainedTokenizerFast,  # a tokenizer file is needed only to start the engine
+    )
 
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(2048)}, unk_token="t0")),
                             eos_token="t2047").save_pretrained(path)

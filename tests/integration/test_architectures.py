@@ -8,9 +8,9 @@ from tokenizers import Tokenizer, models
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from common.config import ServerConfig
-from common.engine import Engine
-from common.request import Req
-from common.sampling_params import SamplingParams
+from common.engine.engine import Engine
+from common.engine.request import Req
+from common.wire.sampling_params import SamplingParams
 
 VOCAB = 512
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

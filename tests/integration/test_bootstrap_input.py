@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.server import start_in_thread
-from common.metrics import EngineMetrics
+from common.engine.metrics import EngineMetrics
 from tests.conftest import ServerProcess, free_port, sample
 
 SECRET = "s3cret-for-tests"

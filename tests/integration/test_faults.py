@@ -14,7 +14,15 @@ from transformers import AutoTokenizer
 
 from tests.conftest import ServerProcess, record_fault, start_server
 from tests.integration.cluster import Cluster, generate, start_cluster
-from tests.integration.faults import Background, RawClient, chunks_sent, finished, pages_held, router_sees, wait_until
+from tests.integration.faults import (
+    Background,
+    RawClient,
+    chunks_sent,
+    finished,
+    pages_held,
+    router_sees,
+    wait_until,
+)
 from tests.integration.test_parity_hf import LONG_TEXT
 
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "32")

@@ -21,8 +21,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateRequest, StreamOptions
-from common.sampling_params import SamplingParams
+from common.wire.api import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    StreamOptions,
+)
+from common.wire.sampling_params import SamplingParams
 from tests.conftest import start_server
 
 VOCAB = 49152  # the built-in tokenizer's

@@ -5,9 +5,15 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from common.sampler import Sampler, SamplingRow, apply_penalties, make_generator, top_p_filter
-from common.sampling_params import SamplingParams
+from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from common.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    make_generator,
+    top_p_filter,
+)
+from common.wire.sampling_params import SamplingParams
 
 
 def row(prompt=(), output=(), seed=None, logprobs=0, **params) -> SamplingRow:

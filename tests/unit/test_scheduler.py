@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 
 from common.config import ServerConfig
-from common.forward_batch import ForwardMode
+from common.engine.forward_batch import ForwardMode
+from common.engine.model_runner import BatchPlan, BatchResult
+from common.engine.output import OutputProcessor
+from common.engine.request import Req
+from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import KVCacheManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.model_runner import BatchPlan, BatchResult
-from common.output import OutputProcessor
-from common.request import Req
-from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
+from common.wire.sampling_params import SamplingParams
 
 VOCAB = 1000
 

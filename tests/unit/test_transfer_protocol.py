@@ -12,8 +12,8 @@ import torch
 from transfer.decode_manager import DecodeKVManager
 from transfer.manager import KVArgs
 from transfer.messages import BadMessage, Register, Request, Status, decode, encode
-from transfer.prefill_manager import PrefillKVManager
 from transfer.poll import KVPoll, PollState
+from transfer.prefill_manager import PrefillKVManager
 from transfer.receiver import KVReceiver
 from transfer.runs import chunk_triples, group_contiguous_runs
 from transfer.sender import KVSender

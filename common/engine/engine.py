@@ -18,19 +18,24 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from common.attention.base import make_attention_backend
 from common.config import ServerConfig
+from common.engine.metrics import EngineMetrics
+from common.engine.model_runner import ModelRunner
+from common.engine.output import OutputProcessor
+from common.engine.request import FinishReason, OutputEvent, Req
+from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
 from common.memory.kv_pool import KVPool
 from common.memory.manager import KVCacheManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.metrics import EngineMetrics
 from common.model.llama import head_dim_of
-from common.model.loader import display_name, load_hf_config, load_model, resolve_model_dir
-from common.model_runner import ModelRunner
-from common.output import OutputProcessor
-from common.request import FinishReason, OutputEvent, Req
-from common.scheduler import Scheduler
+from common.model.loader import (
+    display_name,
+    load_hf_config,
+    load_model,
+    resolve_model_dir,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

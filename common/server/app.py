@@ -1,26 +1,34 @@
 """The FastAPI app of every engine server (monolithic, prefill, decode): SGLang and OpenAI endpoints."""
 from __future__ import annotations
 
-import hmac
-import json
 import logging
-import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from common import openai_api
-from common.engine import Engine
-from common.errors import InvalidRequest, TandemError, Unauthorized, error_body
-from common.http_body import read_body
-from common.protocol import GenerateRequest, parse_body
-from common.serving import Choice, GenInput, check_input, collect, new_rid, raise_if_failed, stream_choices, tokenize_text
+from common.engine.engine import Engine
+from common.server import openai_api
+from common.server.guard import CountingGuard
+from common.server.serving import (
+    Choice,
+    GenInput,
+    check_input,
+    collect,
+    new_rid,
+    raise_if_failed,
+    stream_choices,
+    tokenize_text,
+)
+from common.wire.api import GenerateRequest, parse_body
+from common.wire.auth import ApiKeyGuard
+from common.wire.body import read_body
+from common.wire.errors import InvalidRequest, TandemError, error_body
+from common.wire.sse import DONE, sse_event, sse_response
 
 log = logging.getLogger("tandem.http")
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 # What a Starlette routing error is about, for the `param` of its JSON error.
 ROUTING_PARAMS = {404: "path", 405: "method"}
 
@@ -28,8 +36,9 @@ ROUTING_PARAMS = {404: "path", 405: "method"}
 def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.engine = engine
-    _install_middleware(app, engine)
-
+    # outermost last: the counting guard sees the API key guard's 401s too
+    app.add_middleware(ApiKeyGuard, api_key=engine.config.api_key, open_paths=OPEN_PATHS)
+    app.add_middleware(CountingGuard, metrics=engine.metrics, open_paths=OPEN_PATHS)
     _install_error_handlers(app)
 
     @app.post("/generate")
@@ -37,7 +46,7 @@ def create_app(engine: Engine) -> FastAPI:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), GenerateRequest)
         gen = generate_input(engine, body)
         if body.stream:
-            return sse(generate_stream(engine, gen, body))
+            return sse_response(generate_stream(engine, gen, body))
         choices = await collect(engine, gen, request)
         results = [generate_result(gen, c, body) for c in choices]
         return JSONResponse(results[0] if len(results) == 1 else results)
@@ -75,7 +84,7 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 def _one_token():
-    from common.sampling_params import SamplingParams
+    from common.wire.sampling_params import SamplingParams
 
     return SamplingParams(max_new_tokens=1, temperature=0)
 
@@ -97,66 +106,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return JSONResponse(error_body("internal error; the server log has the details", "internal_error", 500), status_code=500)
-
-
-def _install_middleware(app: FastAPI, engine: Engine) -> None:
-    # Pure ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides http.disconnect from
-    # request.is_disconnected(), so a plain request whose client (the router) left was never aborted.
-    app.add_middleware(_Guard, engine=engine)
-
-
-class _Guard:
-    """API key check, then per-endpoint counting and one log line for every error answer."""
-
-    def __init__(self, app, engine: Engine) -> None:
-        self.app, self.engine = app, engine
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, path, status = time.monotonic(), scope["path"], 500
-
-        async def send_noting_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            key = self.engine.config.api_key
-            if key and path not in OPEN_PATHS:
-                _check_api_key(Headers(scope=scope).get("authorization", ""), key)
-            await self.app(scope, receive, send_noting_status)
-        except TandemError as e:
-            await JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)(scope, receive, send_noting_status)
-        self._count(scope, path, status, start)
-
-    def _count(self, scope, path: str, status: int, start: float) -> None:
-        if _is_rejected_input(status):
-            self.engine.metrics.count_rejection("http")
-        if path not in OPEN_PATHS:
-            endpoint = path if path in _route_paths(scope["app"]) else "other"  # bounded label values, whatever clients send
-            self.engine.metrics.requests.labels(endpoint, str(status)).inc()
-            if status >= 400:
-                log.info("%s %s -> %d (%.1f ms)", scope["method"], path, status, 1000 * (time.monotonic() - start))
-
-
-def _route_paths(app: FastAPI) -> set[str]:
-    if not hasattr(app.state, "route_paths"):
-        app.state.route_paths = {getattr(route, "path", "") for route in app.routes}
-    return app.state.route_paths
-
-
-def _is_rejected_input(status: int) -> bool:
-    # 499 is no answer to bad input: the client left before the response was ready
-    return 400 <= status < 500 and status != 499
-
-
-def _check_api_key(header: str, key: str) -> None:
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-        raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'", param="authorization")
 
 
 def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
@@ -200,15 +149,4 @@ async def generate_stream(engine: Engine, gen: GenInput, body: GenerateRequest) 
             yield sse_event(generate_result(gen, choices[i], body) | {"index": i})
     except TandemError as e:
         yield sse_event(e.to_dict())
-    yield b"data: [DONE]\n\n"
-
-
-def sse_event(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def sse(stream: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-__all__ = ["create_app", "error_body", "sse", "sse_event"]
+    yield DONE

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from common.sampling_params import SamplingParams
+from common.wire.sampling_params import SamplingParams
 
 
 class ReqStatus(enum.Enum):

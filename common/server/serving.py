@@ -8,10 +8,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from common.engine import Engine
-from common.errors import InvalidRequest, Overloaded, RequestAborted, TandemError
-from common.request import FinishReason, OutputEvent, Req
-from common.sampling_params import SamplingParams
+from common.engine.engine import Engine
+from common.engine.request import FinishReason, OutputEvent, Req
+from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, TandemError
+from common.wire.sampling_params import SamplingParams
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling_params import SamplingParams
+from common.wire.sampling_params import SamplingParams
 
 
 @dataclass

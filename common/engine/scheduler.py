@@ -12,12 +12,12 @@ from collections import deque
 from typing import Callable
 
 from common.config import ServerConfig
-from common.forward_batch import ForwardMode
+from common.engine.forward_batch import ForwardMode
+from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
+from common.engine.output import OutputProcessor
+from common.engine.request import FinishReason, Req, ReqStatus
 from common.memory.errors import MemoryIntegrityError
 from common.memory.manager import KVCacheManager, PageCounts
-from common.model_runner import BatchPlan, BatchResult, ModelRunner
-from common.output import OutputProcessor
-from common.request import FinishReason, Req, ReqStatus
 
 log = logging.getLogger(__name__)
 

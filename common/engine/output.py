@@ -4,10 +4,10 @@ from __future__ import annotations
 import logging
 import time
 
-from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from common.metrics import EngineMetrics
-from common.request import FinishReason, OutputEvent, Req
-from common.sampler import make_generator
+from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from common.engine.metrics import EngineMetrics
+from common.engine.request import FinishReason, OutputEvent, Req
+from common.engine.sampler import make_generator
 
 log = logging.getLogger("tandem.request")
 

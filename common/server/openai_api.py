@@ -1,17 +1,33 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)."""
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from common.engine import Engine
-from common.errors import InvalidRequest, NotFound, TandemError
-from common.http_body import read_body
-from common.protocol import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
-from common.serving import Choice, GenInput, check_input, collect, created, new_rid, raise_if_failed, stream_choices, tokenize_text, usage
+from common.engine.engine import Engine
+from common.server.serving import (
+    Choice,
+    GenInput,
+    check_input,
+    collect,
+    created,
+    new_rid,
+    raise_if_failed,
+    stream_choices,
+    tokenize_text,
+    usage,
+)
+from common.wire.api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIBase,
+    parse_body,
+)
+from common.wire.body import read_body
+from common.wire.errors import InvalidRequest, NotFound, TandemError
+from common.wire.sse import DONE, sse_event, sse_response
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -70,9 +86,7 @@ def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int
 async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice, request: Request) -> Response:
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + gen.rid
     if body.stream:
-        from common.http_server import sse
-
-        return sse(_stream(engine, gen, body, kind, rid))
+        return sse_response(_stream(engine, gen, body, kind, rid))
     choices = await collect(engine, gen, request)
     return JSONResponse({
         "id": rid, "object": kind, "created": created(), "model": engine.model_name,
@@ -122,7 +136,7 @@ async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, ri
     is_chat = kind == "chat.completion"
     if is_chat:
         for c in choices:
-            yield _sse(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            yield sse_event(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
     try:
         async for i, ev in stream_choices(engine, gen):
             c = choices[i]
@@ -138,13 +152,9 @@ async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, ri
             else:
                 lp = _completion_logprobs(engine, part) if gen.return_logprob else None
                 choice = {"index": i, "text": ev.text, "logprobs": lp, "finish_reason": finish}
-            yield _sse(base | {"choices": [choice]})
+            yield sse_event(base | {"choices": [choice]})
         if body.stream_options and body.stream_options.include_usage:
-            yield _sse(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})
+            yield sse_event(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})
     except TandemError as e:
-        yield _sse(e.to_dict())
-    yield b"data: [DONE]\n\n"
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+        yield sse_event(e.to_dict())
+    yield DONE

@@ -5,14 +5,13 @@ are 400 errors that name the field. Sampling parameters themselves are strict.
 """
 from __future__ import annotations
 
-import json
-import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from common.errors import InvalidRequest
-from common.sampling_params import SamplingParams
+from common.wire.body import dotted_path, parse_json_object
+from common.wire.errors import InvalidRequest
+from common.wire.sampling_params import SamplingParams
 
 
 class PDFields(BaseModel):
@@ -111,11 +110,6 @@ class ChatCompletionRequest(OpenAIBase):
 
 
 M = TypeVar("M", bound=BaseModel)
-# A JSON escape of a UTF-16 surrogate: the only way a string the tokenizer and the JSON encoder
-# cannot handle (a lone surrogate) gets into a request, so only bodies with one are searched.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Bytes of an HTTP body -> validated model, or InvalidRequest naming the problem."""
     data = parse_json_object(raw)
@@ -125,55 +119,13 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise invalid_request(e, data) from None
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A JSON object whose strings are all valid Unicode, or InvalidRequest (param "body" or the field)."""
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start})", param="body") from None
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body") from None
-    except ValueError as e:  # an integer of more than 4300 digits
-        raise InvalidRequest(f"request body is not acceptable JSON: {e}", param="body") from None
-    except RecursionError:
-        raise InvalidRequest("request body is nested too deeply", param="body") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object", param="body")
-    if SURROGATE_ESCAPE.search(raw):
-        _reject_lone_surrogates(data)
-    return data
-
-
-def _reject_lone_surrogates(data: dict[str, Any]) -> None:
-    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str) and not _is_valid_unicode(value):
-            raise InvalidRequest(f"{_dotted(path) or 'body'}: contains a lone UTF-16 surrogate", param=_dotted(path) or "body")
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not _is_valid_unicode(key):
-                    raise InvalidRequest("a key of the request contains a lone UTF-16 surrogate", param=_dotted(path) or "body")
-                stack.append(((*path, key), item))
-        elif isinstance(value, list):
-            stack.extend(((*path, i), item) for i, item in enumerate(value))
-
-
-def _is_valid_unicode(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def invalid_request(e: ValidationError, data: Any, rename: dict[str, str] | None = None) -> InvalidRequest:
     """The first error of a pydantic validation as a 400 naming the field as the client spelled it."""
     err = e.errors()[0]
     path = _client_path(data, err["loc"], missing=err["type"] == "missing")
     if path and rename and path[0] in rename:
         path = (rename[path[0]], *path[1:])
-    field = _dotted(path) or "body"
+    field = dotted_path(path) or "body"
     return InvalidRequest(f"{field}: {err['msg']}", param=field)
 
 
@@ -192,7 +144,3 @@ def _client_path(data: Any, loc: tuple[Any, ...], missing: bool) -> tuple[Any, .
             continue
         path.append(step)
     return tuple(path)
-
-
-def _dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(x) for x in path)

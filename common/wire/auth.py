@@ -1,14 +1,14 @@
-"""API-key check as a pure ASGI middleware (a BaseHTTPMiddleware would stand between streaming
-responses and client disconnects)."""
+"""The API key (`Authorization: Bearer <key>`) of every Tandem HTTP server, checked in constant time by a
+pure ASGI middleware (a BaseHTTPMiddleware would stand between streaming responses and client disconnects)."""
 from __future__ import annotations
 
 import hmac
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.errors import error_body
+from common.wire.errors import error_body
 
 
 class ApiKeyGuard:
@@ -23,5 +23,9 @@ class ApiKeyGuard:
         await JSONResponse(body, 401)(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key.encode())
+        return bearer_matches(Headers(scope=scope).get("authorization", ""), self.api_key)
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.encode())

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import torch
 
 from common.attention.base import AttentionBackend
-from common.forward_batch import ForwardBatch, ForwardMode
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.request import Req
+from common.engine.sampler import Sampler, SamplingRow
 from common.model.llama import LlamaForCausalLM
-from common.request import Req
-from common.sampler import Sampler, SamplingRow
 
 
 @dataclass

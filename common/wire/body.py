@@ -1,0 +1,91 @@
+"""Request bodies at the HTTP edge: read under a size limit (Content-Length or chunked), then parse as a
+JSON object whose strings are valid Unicode. Shared by the engine servers, the router and the bootstrap
+registry; torch-free."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.requests import Request
+
+from common.wire.errors import InvalidRequest, PayloadTooLarge
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or PayloadTooLarge (413) as soon as it passes `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidRequest("the Content-Length header is not a number", param="content-length")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}", param="body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes", param="body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+    """`read_body` then `parse_json_object`."""
+    return parse_json_object(await read_body(request, limit))
+
+
+# A JSON escape of a UTF-16 surrogate: the only way a string the tokenizer and the JSON encoder
+# cannot handle (a lone surrogate) gets into a request, so only bodies with one are searched.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object whose strings are all valid Unicode, or InvalidRequest (param "body" or the field)."""
+    data = load_json_object(raw)
+    if SURROGATE_ESCAPE.search(raw):
+        _reject_lone_surrogates(data)
+    return data
+
+
+def load_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object (strings may hold lone surrogates), or InvalidRequest with param "body"."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start})", param="body") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise InvalidRequest(f"request body is not acceptable JSON: {e}", param="body") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", param="body") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object", param="body")
+    return data
+
+
+def _reject_lone_surrogates(data: dict[str, Any]) -> None:
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not _is_valid_unicode(value):
+            raise InvalidRequest(f"{dotted_path(path) or 'body'}: contains a lone UTF-16 surrogate", param=dotted_path(path) or "body")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_valid_unicode(key):
+                    raise InvalidRequest("a key of the request contains a lone UTF-16 surrogate", param=dotted_path(path) or "body")
+                stack.append(((*path, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), item) for i, item in enumerate(value))
+
+
+def _is_valid_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def dotted_path(path: tuple[Any, ...]) -> str:
+    return ".".join(str(x) for x in path)
