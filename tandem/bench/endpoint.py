@@ -2,6 +2,7 @@
 takes prompts as token ids, found out before a run."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,12 +31,12 @@ class Endpoint:
 
     def body(self, req: BenchRequest, stream: bool = True) -> dict[str, Any]:
         """The request body for `req` in this backend's dialect."""
-        if self.backend == "sglang":
+        if self.backend == "sglang":  # SGLang's /generate takes token ids
             params = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": self.ignore_eos}
-            prompt = {"input_ids": req.prompt_ids} if self.token_ids else {"text": req.text}
-            return prompt | {"sampling_params": params, "stream": stream} | self.extra
-        body: dict[str, Any] = {"max_tokens": req.output_len, "temperature": 0.0, "stream": stream,
-                                "stream_options": {"include_usage": True}} if stream else {"max_tokens": req.output_len}
+            return {"input_ids": req.prompt_ids, "sampling_params": params, "stream": stream} | self.extra
+        body: dict[str, Any] = {"max_tokens": req.output_len, "temperature": 0.0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.model is not None:
@@ -50,30 +51,31 @@ class Endpoint:
 async def connect(session: aiohttp.ClientSession, endpoint: Endpoint, probe: BenchRequest) -> Endpoint:
     """`endpoint` with its model name filled in (unless given) and, for /v1/completions, token-id
     prompts kept only if the server accepts them (OpenAI's own API takes text only)."""
-    if endpoint.model is None:
-        endpoint = dataclasses.replace(endpoint, model=await _served_model(session, endpoint.base_url))
-    if endpoint.backend == "openai" and endpoint.token_ids:
-        short = dataclasses.replace(probe, output_len=1)
-        async with session.post(endpoint.url, json=endpoint.body(short, stream=False)) as r:
-            if r.status in (400, 422):
-                print(f"{endpoint.base_url} rejects token-id prompts (HTTP {r.status}); sending text, so prompt "
-                      "lengths are the server's count of the decoded text")
-                return dataclasses.replace(endpoint, token_ids=False)
-            await _raise_unless_ok(r, endpoint.url)
+    try:
+        if endpoint.model is None:
+            endpoint = dataclasses.replace(endpoint, model=await _served_model(session, endpoint.base_url))
+        if endpoint.backend == "openai" and endpoint.token_ids:
+            short = dataclasses.replace(probe, output_len=1)
+            async with session.post(endpoint.url, json=endpoint.body(short, stream=False)) as r:
+                if r.status in (400, 422):
+                    print(f"{endpoint.base_url} rejects token-id prompts (HTTP {r.status}); sending text, so prompt "
+                          "lengths are the server's count of the decoded text")
+                    return dataclasses.replace(endpoint, token_ids=False)
+                await _raise_unless_ok(r, endpoint.url)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise SystemExit(f"{endpoint.base_url}: cannot connect ({type(e).__name__}: {e}); start the server or pass "
+                         "the right --base-url") from None
     return endpoint
 
 
 async def _served_model(session: aiohttp.ClientSession, base_url: str) -> str | None:
     """The first model of GET /v1/models; None when the server has no such route (SGLang /generate only)."""
     url = base_url.rstrip("/") + "/v1/models"
-    try:
-        async with session.get(url) as r:
-            if r.status == 404:
-                return None
-            await _raise_unless_ok(r, url)
-            models = (await r.json()).get("data") or []
-    except aiohttp.ClientError as e:
-        raise SystemExit(f"{base_url}: cannot connect ({e}); start the server or pass the right --base-url") from None
+    async with session.get(url) as r:
+        if r.status == 404:
+            return None
+        await _raise_unless_ok(r, url)
+        models = (await r.json()).get("data") or []
     return models[0]["id"] if models else None
 
 

@@ -102,7 +102,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     data.add_argument("--gsp-system-prompt-len", type=int_at_least(1), default=512)
     data.add_argument("--gsp-question-len", type=int_at_least(1), default=32)
     data.add_argument("--gsp-output-len", type=int_at_least(1), default=32)
-    data.add_argument("--seed", type=int, default=1, help="prompts, lengths and arrival times")
+    data.add_argument("--seed", type=int, default=1,
+                      help="prompts, lengths and arrival times; another seed avoids the cache an earlier run left")
     data.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
     data.add_argument("--extra-request-body", type=json_object, default={}, metavar="JSON", help="merged into every request body")
 

@@ -16,9 +16,9 @@ PROBE_LEN = 8
 
 
 def make_plans(ns: argparse.Namespace, workload: Workload) -> list[Plan]:
-    """One plan per --request-rate, each with its own prompts: a server's prefix cache keeps the prompts
-    of the previous rate, which would otherwise make every later rate look faster. Warm-up prompts are
-    fresh too, so warming up plants no cache hit."""
+    """One plan per --request-rate, each with newly generated prompts (a jsonl file's repeat): a server's
+    prefix cache keeps the prompts of the previous rate, which would otherwise make every later rate look
+    faster. Warm-up prompts are fresh too, so warming up plants no cache hit."""
     plans = []
     for rate in ns.request_rate:
         requests = build_workload(ns, workload)

@@ -7,6 +7,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+
 import aiohttp
 from tqdm import tqdm
 
@@ -30,6 +31,8 @@ class Plan:
 
 @dataclass
 class RunResult:
+    """One endpoint at one request rate: every request's output and their summary (stats.summarize)."""
+
     endpoint: Endpoint
     request_rate: float
     max_concurrency: int | None

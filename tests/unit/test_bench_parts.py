@@ -62,6 +62,7 @@ def test_an_error_event_or_an_empty_stream_fails_the_request():
 def test_bodies_speak_each_backend():
     req = BenchRequest([5, 6, 7], "hi there", 4)
     sglang = Endpoint("http://h:1/", "sglang", None, token_ids=True, extra={"rid": "x"}).body(req)
+    assert Endpoint("http://h:1/", "sglang", None, token_ids=True).url == "http://h:1/generate"
     assert sglang == {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
                       "stream": True, "rid": "x"}
     openai = Endpoint("http://h:1", "openai", "m", token_ids=True, ignore_eos=False)
@@ -69,7 +70,8 @@ def test_bodies_speak_each_backend():
     assert openai.body(req) == {"max_tokens": 4, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                                 "model": "m", "prompt": [5, 6, 7]}
     chat = Endpoint("http://h:1", "openai-chat", None, token_ids=False).body(req, stream=False)
-    assert chat == {"max_tokens": 4, "ignore_eos": True, "messages": [{"role": "user", "content": "hi there"}]}
+    assert chat == {"max_tokens": 4, "temperature": 0.0, "stream": False, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "hi there"}]}
 
 
 def parse(*argv: str) -> argparse.Namespace:
