@@ -11,15 +11,15 @@ DATASETS = ("random", "sharegpt", "jsonl", "generated-shared-prefix")
 SLO_METRICS = ("ttft", "itl", "tpot", "e2e_latency")
 
 
-def request_rate(text: str) -> float:
-    """A positive number of requests/s, or `inf` (every request at time 0)."""
+def positive_number(text: str) -> float:
+    """A number > 0; `inf` too (a request rate of inf sends every request at once)."""
     try:
-        rate = float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give requests/s such as 4, or inf") from None
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the rate must be > 0 (or inf)")
-    return rate
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0 (or inf)")
+    return value
 
 
 def slo(text: str) -> tuple[str, float]:
@@ -72,51 +72,56 @@ def json_object(text: str) -> dict:
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of `tandem bench`."""
-    target = p.add_argument_group("endpoint")
-    target.add_argument("--backend", choices=BACKENDS, default="openai",
-                        help="openai: /v1/completions; openai-chat: /v1/chat/completions; sglang: /generate with input_ids")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="the endpoint under test")
-    target.add_argument("--compare", metavar="URL", default=None,
-                        help="a second endpoint: the same requests at the same arrival times, ratios side by side")
-    target.add_argument("--model", default=None, help="model name sent in requests [default: the first of GET /v1/models]")
-    target.add_argument("--tokenizer", default="builtin",
-                        help="HF directory, .gguf file, Hub name or 'builtin': makes the prompts' token ids")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token [env OPENAI_API_KEY]")
-    target.add_argument("--request-timeout-s", type=float, default=600.0, help="a request still streaming after this fails")
+    _endpoint_flags(p.add_argument_group("endpoint"))
+    _workload_flags(p.add_argument_group("workload"))
+    _load_and_output_flags(p.add_argument_group("load and output"))
 
-    data = p.add_argument_group("workload")
-    data.add_argument("--dataset-name", choices=DATASETS, default="random",
-                      help="random: --random-* lengths; sharegpt: ShareGPT-like length mix generated locally; "
-                      "jsonl: prompts of --dataset-path; generated-shared-prefix: --gsp-* groups sharing a system prompt")
-    data.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\": str, \"output_len\": int?} per line")
-    data.add_argument("--num-prompts", type=int_at_least(1), default=64, help="requests per run (not generated-shared-prefix)")
-    data.add_argument("--random-input-len", type=int_at_least(1), default=256, help="prompt tokens")
-    data.add_argument("--random-output-len", type=int_at_least(1), default=64,
-                      help="output tokens (random; jsonl lines without output_len)")
-    data.add_argument("--random-range-ratio", type=fraction, default=1.0,
-                      help="lengths uniform in [ratio*len, len]; 1.0 = every request exactly len")
-    data.add_argument("--sharegpt-output-len", type=int_at_least(1), default=None, help="sharegpt: fixed output length")
-    data.add_argument("--sharegpt-context-len", type=int_at_least(8), default=2048, help="sharegpt: prompt+output at most")
-    data.add_argument("--gsp-num-groups", type=int_at_least(1), default=4, help="system prompts")
-    data.add_argument("--gsp-prompts-per-group", type=int_at_least(1), default=8, help="questions per system prompt")
-    data.add_argument("--gsp-system-prompt-len", type=int_at_least(1), default=512)
-    data.add_argument("--gsp-question-len", type=int_at_least(1), default=32)
-    data.add_argument("--gsp-output-len", type=int_at_least(1), default=32)
-    data.add_argument("--seed", type=int, default=1,
-                      help="prompts, lengths and arrival times; another seed avoids the cache an earlier run left")
-    data.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
-    data.add_argument("--extra-request-body", type=json_object, default={}, metavar="JSON", help="merged into every request body")
 
-    load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=request_rate, nargs="+", default=[math.inf], metavar="RATE",
-                      help="requests/s, Poisson arrivals; several values = a sweep; inf = all at once")
-    load.add_argument("--max-concurrency", type=int_at_least(1), default=None, help="requests in flight at most")
-    load.add_argument("--warmup-requests", type=int_at_least(0), default=1, help="unmeasured requests before each run")
-    load.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
-                      help="SLOs for goodput, e.g. ttft:500 itl:100 (itl: a request's longest gap)")
+def _endpoint_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--backend", choices=BACKENDS, default="openai",
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions; sglang: /generate with input_ids")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the endpoint under test")
+    g.add_argument("--compare", metavar="URL", default=None,
+                   help="a second endpoint: the same requests at the same arrival times, ratios side by side")
+    g.add_argument("--model", default=None, help="model name sent in requests [default: the first of GET /v1/models]")
+    g.add_argument("--tokenizer", default="builtin",
+                   help="'builtin', a directory with tokenizer.json, a .gguf file or a Hub name: makes the prompts' token ids")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token [env OPENAI_API_KEY]")
+    g.add_argument("--request-timeout-s", type=positive_number, default=600.0, help="a request still streaming after this fails")
 
-    out = p.add_argument_group("output")
-    out.add_argument("--output-json", default=None, metavar="FILE", help="write every run's results as JSON")
-    out.add_argument("--output-details", action="store_true", help="also each request's lengths, TTFT, ITLs, error")
-    out.add_argument("--plot", default=None, metavar="PNG", help="latency percentiles vs request rate, TTFT/ITL CDFs")
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+def _workload_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--dataset-name", choices=DATASETS, default="random",
+                   help="random: --random-* lengths; sharegpt: ShareGPT-like length mix generated locally; "
+                   "jsonl: prompts of --dataset-path; generated-shared-prefix: --gsp-* groups sharing a system prompt")
+    g.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\": str, \"output_len\": int?} per line")
+    g.add_argument("--num-prompts", type=int_at_least(1), default=64, help="requests per run (not generated-shared-prefix)")
+    g.add_argument("--random-input-len", type=int_at_least(1), default=256, help="prompt tokens")
+    g.add_argument("--random-output-len", type=int_at_least(1), default=64,
+                   help="output tokens (random; jsonl lines without output_len)")
+    g.add_argument("--random-range-ratio", type=fraction, default=1.0,
+                   help="lengths uniform in [ratio*len, len]; 1.0 = every request exactly len")
+    g.add_argument("--sharegpt-output-len", type=int_at_least(1), default=None, help="sharegpt: fixed output length")
+    g.add_argument("--sharegpt-context-len", type=int_at_least(8), default=2048, help="sharegpt: prompt+output at most")
+    g.add_argument("--gsp-num-groups", type=int_at_least(1), default=4, help="system prompts")
+    g.add_argument("--gsp-prompts-per-group", type=int_at_least(1), default=8, help="questions per system prompt")
+    g.add_argument("--gsp-system-prompt-len", type=int_at_least(1), default=512)
+    g.add_argument("--gsp-question-len", type=int_at_least(1), default=32)
+    g.add_argument("--gsp-output-len", type=int_at_least(1), default=32)
+    g.add_argument("--seed", type=int, default=1,
+                   help="prompts, lengths and arrival times; another seed avoids the cache an earlier run left")
+    g.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
+    g.add_argument("--extra-request-body", type=json_object, default={}, metavar="JSON", help="merged into every request body")
+
+
+def _load_and_output_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--request-rate", type=positive_number, nargs="+", default=[math.inf], metavar="RATE",
+                   help="requests/s, Poisson arrivals; several values = a sweep; inf = all at once")
+    g.add_argument("--max-concurrency", type=int_at_least(1), default=None, help="requests in flight at most")
+    g.add_argument("--warmup-requests", type=int_at_least(0), default=1, help="unmeasured requests before each run")
+    g.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:500 itl:100 (itl: a request's longest gap)")
+    g.add_argument("--output-json", default=None, metavar="FILE", help="write every run's results as JSON")
+    g.add_argument("--output-details", action="store_true", help="also each request's lengths, TTFT, ITLs, error")
+    g.add_argument("--plot", default=None, metavar="PNG", help="latency percentiles vs request rate, TTFT/ITL CDFs")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

@@ -140,7 +140,7 @@ def test_arrivals_are_poisson_at_the_rate_and_the_same_for_the_same_seed():
 @pytest.mark.parametrize(("argv", "message"), [
     (["--goodput", "ttfb:100"], "argument --goodput: 'ttfb:100': the metric must be one of ttft, itl, tpot, e2e_latency"),
     (["--goodput", "ttft:fast"], "argument --goodput: 'ttft:fast': give milliseconds after the colon"),
-    (["--request-rate", "0"], "argument --request-rate: '0': the rate must be > 0 (or inf)"),
+    (["--request-rate", "0"], "argument --request-rate: '0': must be > 0 (or inf)"),
     (["--random-range-ratio", "1.5"], "argument --random-range-ratio: '1.5': must be between 0 and 1"),
     (["--extra-request-body", "[1]"], "argument --extra-request-body: must be a JSON object"),
     (["--num-prompts", "0"], "argument --num-prompts: '0': must be >= 1"),
@@ -149,3 +149,11 @@ def test_bad_flags_are_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse(*argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_tokenizer_from_a_directory_and_mistakes_named(tokenizer, tmp_path):
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(str(tmp_path)).encode("hello world").ids == tokenizer.encode("hello world").ids
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="--tokenizer .*empty: model .* is neither a Hugging Face directory"):
+        load_tokenizer(str(tmp_path / "empty"))
