@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -15,24 +14,35 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tandem.bench import make_prompt, run_bench  # noqa: E402  (same prompts and client as `tandem bench`)
+from tandem.bench.flags import add_bench_flags  # noqa: E402  (same prompts and client as `tandem bench`)
+from tandem.bench.main import run_bench  # noqa: E402
+from tandem.bench.tokenizer import load_tokenizer  # noqa: E402
+from tandem.bench.workload import Workload  # noqa: E402
 from tests.conftest import start_server  # noqa: E402
 
 
-def hf_tokens_per_s(model_dir: Path, prompts: list[str], output_len: int, batch: int) -> float:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_tokens_per_s(model_dir: Path, prompts: list[list[int]], output_len: int, batch: int) -> float:
+    """Prompts of equal length, so a batch needs no padding."""
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    tok.pad_token = tok.pad_token or tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     generated = 0
     start = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch), desc=f"transformers batch {batch}"):
-        enc = tok(prompts[i : i + batch], return_tensors="pt", padding=True)
+        ids = torch.tensor(prompts[i : i + batch])
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
-        generated += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False)
+        generated += (out.shape[1] - ids.shape[1]) * out.shape[0]
     return generated / (time.perf_counter() - start)
+
+
+def bench_args(url: str, concurrency: int, args: argparse.Namespace) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_flags(p)
+    return p.parse_args(["--base-url", url, "--num-prompts", str(args.num_requests), "--max-concurrency", str(concurrency),
+                         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+                         "--seed", str(concurrency), "--disable-tqdm"])
 
 
 def main() -> None:
@@ -44,20 +54,19 @@ def main() -> None:
     from common.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir("builtin")
-    rng = random.Random(0)
-    prompts = [make_prompt(rng, args.input_len) for _ in range(args.num_requests)]
+    tokenizer = load_tokenizer("builtin")
     rows = []
     server = start_server("--max-running-requests", "16", name="bench").wait_ready()
     try:
-        for conc in (1, 16):
-            ns = argparse.Namespace(url=server.url, num_requests=args.num_requests, concurrency=conc, rate=0.0,
-                                    input_len=args.input_len, output_len=args.output_len, seed=0, api_key=None, json=True)
-            ours = run_bench(ns)["output_tok_per_s"]
+        for conc in (1, 16):  # a seed per concurrency: the second run must not hit the first one's prefix cache
+            ours = run_bench(bench_args(server.url, conc, args))["runs"][0]["output_throughput"]
             rows.append((conc, ours))
     finally:
         server.stop()
     results = []
     for conc, ours in rows:
+        # the prompts `tandem bench` sent: the first draw of a Workload with the same seed
+        prompts = [r.prompt_ids for r in Workload(tokenizer, conc).random(args.num_requests, args.input_len, args.output_len, 1.0)]
         hf = hf_tokens_per_s(model_dir, prompts, args.output_len, batch=conc)
         results.append((conc, ours, hf))
     print(f"\n{'concurrency':>11} {'tandem tok/s':>13} {'transformers tok/s':>19} {'ratio':>7}")

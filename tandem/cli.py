@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
 
     add_up_flags(up)
     bench = sub.add_parser("bench", help="load-test any endpoint")
-    from tandem.bench import add_bench_flags
+    from tandem.bench.flags import add_bench_flags
 
     add_bench_flags(bench)
     sub.add_parser("router", help="run the PD router (see `tandem router --help`)")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_up(ns))
     elif ns.command == "bench":
-        from tandem.bench import run_bench
+        from tandem.bench.main import run_bench
 
         run_bench(ns)
     elif ns.command == "bootstrap":

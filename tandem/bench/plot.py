@@ -1,0 +1,73 @@
+"""--plot: latency percentiles against request rate for each endpoint (top), and the TTFT and ITL
+distributions as CDFs for each endpoint and rate (bottom), in one PNG."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tandem.bench.runner import RunResult
+from tandem.bench.stats import PERCENTILES, latency_values
+
+STYLES = {50: "-", 90: "--", 99: ":"}
+COLORMAPS = ("Blues", "Oranges", "Greens", "Purples")  # one per endpoint; darker = higher request rate
+
+
+def _x(run: RunResult) -> float:
+    """The offered rate; an `inf` run (all at once) is drawn at the rate it achieved."""
+    return run.summary["request_throughput"] if math.isinf(run.request_rate) else run.request_rate
+
+
+def _color(runs: list[RunResult], run: RunResult, shade: float | None = None):
+    """The run's endpoint's colormap, at `shade` or at the run's rank among the rates."""
+    import matplotlib
+
+    urls = list(dict.fromkeys(r.endpoint.base_url for r in runs))
+    rates = sorted(set(r.request_rate for r in runs))
+    cmap = matplotlib.colormaps[COLORMAPS[urls.index(run.endpoint.base_url) % len(COLORMAPS)]]
+    return cmap(shade if shade is not None else 0.4 + 0.6 * (rates.index(run.request_rate) + 1) / len(rates))
+
+
+def _percentile_panel(ax, runs: list[RunResult], name: str) -> None:
+    for url in dict.fromkeys(r.endpoint.base_url for r in runs):
+        mine = sorted((r for r in runs if r.endpoint.base_url == url), key=_x)
+        for q in PERCENTILES:
+            ys = [r.summary[f"p{q}_{name}_ms"] for r in mine]
+            ax.plot([_x(r) for r in mine], [np.nan if y is None else y for y in ys], STYLES[q],
+                    marker="o", color=_color(runs, mine[0], 0.8), label=f"{url} p{q}")
+    ax.set_xlabel("request rate (req/s; 'inf' runs at the rate achieved)")
+    ax.set_ylabel(f"{name.upper()} (ms)")
+    ax.set_title(f"{name.upper()} percentiles vs request rate")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _cdf_panel(ax, runs: list[RunResult], name: str) -> None:
+    for run in runs:
+        values = np.sort(np.asarray(latency_values(run.outputs, name)) * 1000.0)
+        if values.size:
+            rate = "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}"
+            ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
+                    color=_color(runs, run), label=f"{run.endpoint.base_url} @ {rate} req/s")
+    ax.set_xlabel(f"{name.upper()} (ms)")
+    ax.set_ylabel("fraction of " + ("requests" if name == "ttft" else "token gaps"))
+    ax.set_title(f"{name.upper()} CDF")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def plot(runs: list[RunResult], path: str) -> None:
+    """Write the 2x2 figure of `runs` to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    _percentile_panel(axes[0][0], runs, "ttft")
+    _percentile_panel(axes[0][1], runs, "itl")
+    _cdf_panel(axes[1][0], runs, "ttft")
+    _cdf_panel(axes[1][1], runs, "itl")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
