@@ -61,7 +61,7 @@ def serve(config: ServerConfig) -> None:
     from common.server.app import create_app
 
     app = create_app(engine)
-    counts = engine.kv.page_counts()
+    counts = engine.memory.page_counts()
     log.info(
         "ready in %.1f s: model %s (%d layers, context %d), KV %d pages x %d tokens, dtype %s, device %s, attention %s",
         time.monotonic() - t0, engine.model_name, engine.hf_config.num_hidden_layers, engine.context_len,
