@@ -21,7 +21,14 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from bootstrap.registry import MAX_BODY_BYTES, RegistrationError, Registry, parse_instance, parse_ranks, validate_registration
+from bootstrap.registry import (
+    MAX_BODY_BYTES,
+    RegistrationError,
+    Registry,
+    parse_instance,
+    parse_ranks,
+    validate_registration,
+)
 from common.wire.body import load_json_object
 from common.wire.errors import InvalidRequest, error_body
 

@@ -13,6 +13,7 @@ from common.wire.kv_layout import layout_mismatch
 
 CACHE_TTL_S = 2.0
 REGISTER_WAIT_S = 30.0
+INSTANCE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class PeerDirectory:
         if hit and time.monotonic() - hit[0] < CACHE_TTL_S:
             return hit[1]
         url = f"http://{pairing.bootstrap_host}:{pairing.bootstrap_port}"
-        deadline = time.monotonic() + REGISTER_WAIT_S
+        # a named instance was healthy when the router picked it: if it is gone, it is not coming back
+        deadline = time.monotonic() + (INSTANCE_WAIT_S if pairing.prefill_instance_id else REGISTER_WAIT_S)
         while (entry := self._lookup(url, pairing.prefill_instance_id)) is None:
             if time.monotonic() > deadline:
                 what = f"prefill {pairing.prefill_instance_id}" if pairing.prefill_instance_id else "no prefill rank"

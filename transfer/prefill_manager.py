@@ -11,7 +11,16 @@ import logging
 
 from transfer.kv_writer import KVWriter, layout_problem
 from transfer.manager import KVArgs, KVManager
-from transfer.messages import Abort, BadMessage, Envelope, Ping, Pong, Register, RoomRequest, Status
+from transfer.messages import (
+    Abort,
+    BadMessage,
+    Envelope,
+    Ping,
+    Pong,
+    Register,
+    RoomRequest,
+    Status,
+)
 from transfer.poll import KVPoll
 from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
 from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
@@ -141,6 +150,7 @@ class PrefillKVManager(KVManager):
     def _fence(self, decode_id: str) -> None:
         problem = self.liveness.may_write_to(decode_id)
         if problem is not None:
+            self.counters["writes_fenced"] += 1
             raise FencedError(f"not writing: {problem}")
 
     def _notify(self, room: PrefillRoom, ok: bool, reason: str) -> None:

@@ -112,19 +112,17 @@ class TransferWorker:
         return chunk
 
     def _run(self, c: Chunk) -> None:
-        if c.room.poll.done:
-            return  # failed or aborted: the rest of its chunks are dropped; its status was or will be owed
-        try:
-            self.write(c)
-        except Exception as e:
-            log.warning("room %d: transfer to %s failed: %s", c.room.room, self.decode_id, e)
-            if self.mark_failed(c.room, f"transfer error: {e}"):
-                self.notify(c.room, False, f"transfer error: {e}")
-        else:
-            if c.aux is not None:
-                self.notify(c.room, True, "")
-        finally:
-            self.current = None
+        if not c.room.poll.done:  # a failed or aborted room's chunks are dropped; its status is owed
+            try:
+                self.write(c)
+            except Exception as e:
+                log.warning("room %d: transfer to %s failed: %s", c.room.room, self.decode_id, e)
+                if self.mark_failed(c.room, f"transfer error: {e}"):
+                    self.notify(c.room, False, f"transfer error: {e}")
+            else:
+                if c.aux is not None:
+                    self.notify(c.room, True, "")
+        self.current = None  # not in a finally: a thread dying here leaves it for _die to fail
 
     def _loop(self) -> None:
         try:

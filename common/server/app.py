@@ -22,7 +22,7 @@ from common.server.serving import (
     stream_choices,
     tokenize_text,
 )
-from common.wire.api import GenerateRequest, parse_body
+from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
 from common.wire.auth import ApiKeyGuard
 from common.wire.body import read_body
 from common.wire.errors import InvalidRequest, TandemError, error_body
@@ -30,7 +30,6 @@ from common.wire.sse import DONE, sse_event, sse_response
 
 log = logging.getLogger("tandem.http")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-INSTANCE_HEADER = "X-Tandem-Instance-Id"
 # What a Starlette routing error is about, for the `param` of its JSON error.
 ROUTING_PARAMS = {404: "path", 405: "method"}
 

@@ -14,6 +14,8 @@ from common.wire.body import dotted_path, parse_json_object
 from common.wire.errors import InvalidRequest
 from common.wire.sampling_params import SamplingParams
 
+INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
+
 
 @dataclass(frozen=True)
 class Pairing:
