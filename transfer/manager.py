@@ -25,6 +25,7 @@ from transfer.liveness import Liveness
 from transfer.messages import BadMessage, Envelope, ReplayGuard, open_frame
 
 log = logging.getLogger(__name__)
+ControlFactory = Callable[[str, Counter], Any]
 
 
 @dataclass
@@ -53,8 +54,9 @@ class KVArgs:
 class KVManager(ABC):
     mode: str
 
-    def __init__(self, args: KVArgs, control: Any = None, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, args: KVArgs, control: ControlFactory | None = None, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, threaded: bool = True):
+        """`control(instance_id, counters)` builds the control plane (default: ZMQ on args.host)."""
         self.args = args
         self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
         self.clock, self.threaded = clock, threaded
@@ -64,16 +66,18 @@ class KVManager(ABC):
         self.counters: Counter[str] = Counter()
         self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses, clock, wall_clock)
         self.replay = ReplayGuard(clock=wall_clock)
-        self.control = control or ZmqControlPlane(args.host, self.instance_id, args.secret, self.counters)
+        make = control or (lambda sender, counters: ZmqControlPlane(args.host, sender, args.secret, counters))
+        self.control = make(self.instance_id, self.counters)
         self.endpoint: str = self.control.endpoint
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._last_ping = float("-inf")
 
     def start(self) -> None:
-        """Start the threads (threaded mode); the role's constructor calls this last."""
+        """Connect the control plane to on_frame and, in threaded mode, start the heartbeat thread; the
+        role's constructor calls this last."""
+        self.control.start(self.on_frame)
         if self.threaded:
-            self.control.start(self.on_frame)
             self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True)
             self._heartbeat_thread.start()
 

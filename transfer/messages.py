@@ -110,12 +110,13 @@ _PROCESS_SENDER = f"process-{uuid.uuid4().hex[:12]}"
 _SEQ = itertools.count(1)
 
 
-def encode(msg: Any, secret: str | None, sender: str | None = None, seq: int | None = None) -> bytes:
+def encode(msg: Any, secret: str | None, sender: str | None = None, seq: int | None = None,
+           sent_at: float | None = None) -> bytes:
     """A signed frame. A message naming its decode (decode_id) is sent by that decode unless `sender`
-    says otherwise; `seq` defaults to this process's next sequence number."""
+    says otherwise; `seq` defaults to this process's next sequence number, `sent_at` to now."""
     kind = next(k for k, cls in KINDS.items() if isinstance(msg, cls))
     sender = sender or getattr(msg, "decode_id", None) or _PROCESS_SENDER
-    envelope = {"sender": sender, "seq": next(_SEQ) if seq is None else seq, "sent_at": time.time()}
+    envelope = {"sender": sender, "seq": next(_SEQ) if seq is None else seq, "sent_at": time.time() if sent_at is None else sent_at}
     body = msgpack.packb({"type": kind, **asdict(msg), **envelope}, use_bin_type=True)
     return msgpack.packb([body, _mac(body, secret)], use_bin_type=True)
 
