@@ -13,6 +13,8 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from common.wire.api import INSTANCE_HEADER
+
 log = logging.getLogger("tandem.router")
 
 
@@ -24,6 +26,7 @@ class Worker:
     healthy: bool = False  # until its first health check passes
     failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
+    instance_id: str | None = None  # from its /health answer: which transfer instance it is right now
     down: asyncio.Event = field(default_factory=asyncio.Event)
     down_reason: str = ""
 
@@ -82,6 +85,7 @@ class WorkerRegistry:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
             async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)) as r:
+                worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
                 self.mark(worker, r.status == 200, f"GET /health answered HTTP {r.status}")
         except asyncio.TimeoutError:
             self.mark(worker, False, f"GET /health timed out after {self.check_timeout_s:g} s")

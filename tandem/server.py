@@ -37,6 +37,22 @@ def serve_from_args(ns: argparse.Namespace) -> None:
     serve(config)
 
 
+def exposure_warnings(config: ServerConfig) -> list[str]:
+    """What a server bound beyond loopback exposes without a cluster secret or an API key."""
+    if config.host in ("127.0.0.1", "localhost", "::1"):
+        return []
+    out = []
+    if config.cluster_secret is None and config.disagg_mode != "null":
+        out.append(f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
+                   "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
+                   "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
+                   "value on every node.")
+    if config.api_key is None:
+        out.append(f"listening on {config.host} WITHOUT --api-key: anyone who reaches port {config.port} can generate. "
+                   "Set --api-key (or TANDEM_API_KEY), or keep the port private.")
+    return out
+
+
 def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
@@ -55,13 +71,15 @@ def serve(config: ServerConfig) -> None:
     role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
     setup_logging(role)
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
+    for warning in exposure_warnings(config):
+        log.warning(warning)
     t0 = time.monotonic()
     engine = build_engine(config)
     engine.start()
     from common.server.app import create_app
 
     app = create_app(engine)
-    counts = engine.kv.page_counts()
+    counts = engine.memory.page_counts()
     log.info(
         "ready in %.1f s: model %s (%d layers, context %d), KV %d pages x %d tokens, dtype %s, device %s, attention %s",
         time.monotonic() - t0, engine.model_name, engine.hf_config.num_hidden_layers, engine.context_len,
