@@ -15,6 +15,7 @@ from common.wire.body import read_body
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
+from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.workers import WorkerRegistry
@@ -26,9 +27,10 @@ OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
 def create_router_app(config: RouterConfig) -> FastAPI:
     workers = WorkerRegistry(config.health_failure_threshold, config.health_check_timeout_s)
     for p in config.prefill:
-        workers.add(p.url, "prefill", p.bootstrap_port)
+        workers.add(p.url, "prefill", p.bootstrap_port, p.bootstrap_host)
     for d in config.decode:
         workers.add(d, "decode")
+    discovery = Discovery(workers, targets_from_config(config))
     admission = Admission(config.max_concurrent_requests)
     metrics = RouterMetrics(workers, lambda: admission.in_flight)
     dispatcher = Dispatcher(config, workers, metrics, admission)
@@ -37,9 +39,12 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def lifespan(_: FastAPI):
         timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=5)
         session = dispatcher.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
-        task = asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))
+        tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
+        if discovery.targets:
+            tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         await session.close()
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
@@ -100,9 +105,12 @@ def _add_worker_routes(app: FastAPI, workers: WorkerRegistry, dispatcher: Dispat
     async def add_worker(request: Request) -> Response:
         try:
             body = json.loads(await read_body(request, max_bytes))
-            w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"))
+            if not isinstance(body.get("bootstrap_host"), (str, type(None))):
+                raise TypeError("bootstrap_host must be a string")
+            w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"), body.get("bootstrap_host"))
         except (ValueError, KeyError, TypeError) as e:
-            raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port: {e}", param="body") from None
+            raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
+                                 f"for a standalone registry): {e}", param="body") from None
         await workers.check_all(dispatcher.session)
         return JSONResponse(w.to_dict())
 

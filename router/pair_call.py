@@ -30,7 +30,7 @@ class Pair:
 
 
 def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
-    return body | {"bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
+    return body | {"bootstrap_host": prefill.registry_host, "bootstrap_port": prefill.bootstrap_port,
                    "bootstrap_room": random.getrandbits(63)}
 
 

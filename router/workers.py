@@ -21,6 +21,7 @@ class Worker:
     url: str
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None
+    bootstrap_host: str | None = None  # a standalone registry's; None: the prefill's own (its host)
     healthy: bool = False  # until its first health check passes
     failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
@@ -31,9 +32,14 @@ class Worker:
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
+    @property
+    def registry_host(self) -> str:
+        """Where a decode looks this prefill up: its standalone bootstrap registry, or itself."""
+        return self.bootstrap_host or self.host
+
     def to_dict(self) -> dict:
-        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
-                "failures": self.failures, "in_flight": self.in_flight}
+        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "bootstrap_host": self.bootstrap_host,
+                "healthy": self.healthy, "failures": self.failures, "in_flight": self.in_flight}
 
 
 class WorkerRegistry:
@@ -42,11 +48,11 @@ class WorkerRegistry:
         self.failure_threshold = failure_threshold
         self.check_timeout_s = check_timeout_s
 
-    def add(self, url: str, role: str, bootstrap_port: int | None = None) -> Worker:
+    def add(self, url: str, role: str, bootstrap_port: int | None = None, bootstrap_host: str | None = None) -> Worker:
         url = url.rstrip("/")
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
-        w = self.workers[url] = Worker(url, role, bootstrap_port)
+        w = self.workers[url] = Worker(url, role, bootstrap_port, bootstrap_host)
         return w
 
     def remove(self, url: str) -> bool:
