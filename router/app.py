@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from common.wire.auth import ApiKeyGuard
 from common.wire.body import read_body
+from common.wire.drain import Drain, DrainGuard
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
@@ -22,9 +23,16 @@ from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
+# a draining router takes no new request, and fails /readiness so its Service stops sending any
+REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, "/readiness"})
 
 
-def create_router_app(config: RouterConfig) -> FastAPI:
+def router_drain(config: RouterConfig) -> Drain:
+    return Drain(config.drain_timeout_s, REFUSED_WHILE_DRAINING)
+
+
+def create_router_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
+    """`drain`: the router's graceful stop (see router_drain); None in tests that never stop it."""
     workers = WorkerRegistry(config.health_failure_threshold, config.health_check_timeout_s)
     for p in config.prefill:
         workers.add(p.url, "prefill", p.bootstrap_port, p.bootstrap_host)
@@ -49,6 +57,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.workers = workers
+    if drain is not None:
+        app.add_middleware(DrainGuard, drain=drain)
     app.add_middleware(ApiKeyGuard, api_key=config.api_key, open_paths=OPEN_PATHS)
 
     @app.exception_handler(TandemError)

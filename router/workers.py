@@ -2,7 +2,8 @@
 
 A worker taken out of rotation sets its `down` event: every request in flight on it watches that
 event and ends at once (see router/pair_call.py). A worker that passes a health check again gets a
-fresh event and is used again.
+fresh event and is used again. A draining worker (503 + X-Tandem-Draining on /health) leaves the
+rotation without setting `down`: it finishes, or fails, its requests itself.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import aiohttp
+
+from common.wire.drain import DRAINING_HEADER
 
 log = logging.getLogger("tandem.router")
 
@@ -84,10 +87,20 @@ class WorkerRegistry:
         log.warning("%s; ending its %d requests in flight", worker.down_reason, worker.in_flight)
         worker.down.set()
 
+    def set_draining(self, worker: Worker) -> None:
+        """The worker is shutting down gracefully: out of rotation, but its requests in flight run on
+        (its `down` event stays unset; they end when the worker ends them)."""
+        if worker.healthy:
+            log.info("%s worker %s is draining; no new requests go to it", worker.role, worker.url)
+        worker.healthy = False
+
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
             async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)) as r:
+                if r.status == 503 and r.headers.get(DRAINING_HEADER):
+                    self.set_draining(worker)
+                    return
                 self.mark(worker, r.status == 200, f"GET /health answered HTTP {r.status}")
         except asyncio.TimeoutError:
             self.mark(worker, False, f"GET /health timed out after {self.check_timeout_s:g} s")

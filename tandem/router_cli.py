@@ -65,8 +65,11 @@ def run_router_cli(argv: list[str]) -> None:
         config = config_from_args(argv)
     except (ValidationError, ValueError) as e:
         sys.exit(f"tandem router: {e}")
-    from router.app import create_router_app
+    from common.wire.drain import DrainingServer
+    from router.app import create_router_app, router_drain
 
     log = logging.getLogger("tandem.router")
     log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
-    uvicorn.run(create_router_app(config), host=config.host, port=config.port, log_level="warning")
+    drain = router_drain(config)
+    app = create_router_app(config, drain)
+    DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5), drain).run()

@@ -19,6 +19,8 @@ def test_router_discovers_prefill_and_decode_by_name_and_serves_through_them(bui
     try:
         prefill.wait_ready()
         decode.wait_ready()
+        for node in (prefill, decode):  # the readiness probe of the Helm chart's pods
+            assert httpx.get(node.url + "/health_generate", timeout=30).status_code == 200
         port = free_port()
         router = ServerProcess(["router", "--prefill-discovery", f"localhost:{prefill.port}", "--decode-discovery",
                                 f"localhost:{decode.port}", "--prefill-bootstrap-port", str(boot),
