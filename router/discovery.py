@@ -68,6 +68,8 @@ def targets_from_config(config: RouterConfig) -> list[Target]:
 
 
 class Discovery:
+    """Keeps the registry's discovered workers equal to what the targets' names resolve to."""
+
     def __init__(self, workers: WorkerRegistry, targets: list[Target], resolver: Resolver = resolve):
         self.workers = workers
         self.targets = targets

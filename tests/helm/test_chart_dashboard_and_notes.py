@@ -46,7 +46,7 @@ def test_notes_tell_how_to_reach_the_endpoint_and_send_a_first_request():
     text = notes()
     assert "kubectl -n llm port-forward svc/demo-tandem-router 8000:8000" in text
     assert "curl $TANDEM_URL/v1/chat/completions -H 'Content-Type: application/json'" in text
-    assert "http://demo-tandem-router.llm.svc.cluster.local:8000" in text and "Authorization" not in text
+    assert "http://demo-tandem-router.llm.svc.cluster.local:8000" in text and "Bearer" not in text
     with_key = notes({"auth": {"apiKey": {"existingSecret": "keys", "key": "k"}}, "router": {"service": {"type": "LoadBalancer"}}})
     assert "Authorization: Bearer $(kubectl -n llm get secret keys -o jsonpath='{.data.k}' | base64 -d)" in with_key
     assert "status.loadBalancer.ingress[0].ip" in with_key

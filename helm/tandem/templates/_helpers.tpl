@@ -69,7 +69,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end -}}
 
-{{/* The part of terminationGracePeriodSeconds not spent draining: preStop sleep + exit. */}}
+{{/* terminationGracePeriodSeconds: the preStop sleep, the drain bound (--drain-timeout-s), and 15 s for
+the ended requests' answers and the process exit (common/wire/drain.py). */}}
 {{- define "tandem.terminationGrace" -}}
 {{- add .Values.drain.preStopSleepSeconds .Values.drain.timeoutSeconds 15 -}}
 {{- end -}}
@@ -79,4 +80,9 @@ lifecycle:
   preStop:
     exec:
       command: ["sleep", "{{ .Values.drain.preStopSleepSeconds }}"]
+{{- end -}}
+
+{{/* A role's size for people: "2", or "2-4 (autoscaled)". */}}
+{{- define "tandem.replicasText" -}}
+{{- if .autoscaling.enabled }}{{ .autoscaling.minReplicas }}-{{ .autoscaling.maxReplicas }} (autoscaled){{ else }}{{ .replicas }}{{ end -}}
 {{- end -}}
