@@ -12,23 +12,33 @@ from prometheus_client import generate_latest
 
 from common.wire.auth import ApiKeyGuard
 from common.wire.body import read_body
+from common.wire.drain import Drain, DrainGuard
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
+from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
+# a draining router takes no new request, and fails /readiness so its Service stops sending any
+REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, "/readiness"})
 
 
-def create_router_app(config: RouterConfig) -> FastAPI:
+def router_drain(config: RouterConfig) -> Drain:
+    return Drain(config.drain_timeout_s, REFUSED_WHILE_DRAINING)
+
+
+def create_router_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
+    """`drain`: the router's graceful stop (see router_drain); None in tests that never stop it."""
     workers = WorkerRegistry(config.health_failure_threshold, config.health_check_timeout_s)
     for p in config.prefill:
-        workers.add(p.url, "prefill", p.bootstrap_port)
+        workers.add(p.url, "prefill", p.bootstrap_port, p.bootstrap_host)
     for d in config.decode:
         workers.add(d, "decode")
+    discovery = Discovery(workers, targets_from_config(config))
     admission = Admission(config.max_concurrent_requests)
     metrics = RouterMetrics(workers, lambda: admission.in_flight)
     dispatcher = Dispatcher(config, workers, metrics, admission)
@@ -37,13 +47,18 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def lifespan(_: FastAPI):
         timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=5)
         session = dispatcher.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
-        task = asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))
+        tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
+        if discovery.targets:
+            tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         await session.close()
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.workers = workers
+    if drain is not None:
+        app.add_middleware(DrainGuard, drain=drain)
     app.add_middleware(ApiKeyGuard, api_key=config.api_key, open_paths=OPEN_PATHS)
 
     @app.exception_handler(TandemError)
@@ -100,9 +115,12 @@ def _add_worker_routes(app: FastAPI, workers: WorkerRegistry, dispatcher: Dispat
     async def add_worker(request: Request) -> Response:
         try:
             body = json.loads(await read_body(request, max_bytes))
-            w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"))
+            if not isinstance(body.get("bootstrap_host"), (str, type(None))):
+                raise TypeError("bootstrap_host must be a string")
+            w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"), body.get("bootstrap_host"))
         except (ValueError, KeyError, TypeError) as e:
-            raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port: {e}", param="body") from None
+            raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
+                                 f"for a standalone registry): {e}", param="body") from None
         await workers.check_all(dispatcher.session)
         return JSONResponse(w.to_dict())
 

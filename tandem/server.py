@@ -11,6 +11,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from common.config import ServerConfig
+from common.wire.drain import DrainingServer
 
 log = logging.getLogger("tandem")
 
@@ -77,8 +78,10 @@ def serve(config: ServerConfig) -> None:
     engine = build_engine(config)
     engine.start()
     from common.server.app import create_app
+    from common.server.drain import engine_drain, fail_in_flight
 
-    app = create_app(engine)
+    drain = engine_drain(engine)
+    app = create_app(engine, drain)
     counts = engine.memory.page_counts()
     log.info(
         "ready in %.1f s: model %s (%d layers, context %d), KV %d pages x %d tokens, dtype %s, device %s, attention %s",
@@ -87,7 +90,8 @@ def serve(config: ServerConfig) -> None:
     )
     log.info("serving on http://%s:%d", config.host, config.port)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+        DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:
         engine.stop()
         log.info("stopped")

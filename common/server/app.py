@@ -25,6 +25,7 @@ from common.server.serving import (
 from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
 from common.wire.auth import ApiKeyGuard
 from common.wire.body import read_body
+from common.wire.drain import Drain, DrainGuard
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event, sse_response
 
@@ -34,10 +35,13 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 ROUTING_PARAMS = {404: "path", 405: "method"}
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
+    """`drain`: the server's graceful stop (common/server/drain.py); None in tests that never stop it."""
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.engine = engine
-    # outermost last: the counting guard sees the API key guard's 401s too
+    # outermost last: the counting guard sees the API key guard's 401s and the drain's 503s too
+    if drain is not None:
+        app.add_middleware(DrainGuard, drain=drain)
     app.add_middleware(ApiKeyGuard, api_key=engine.config.api_key, open_paths=OPEN_PATHS)
     app.add_middleware(CountingGuard, metrics=engine.metrics, open_paths=OPEN_PATHS)
     _install_error_handlers(app)
@@ -64,6 +68,10 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if engine.config.disagg_mode != "null":
+            # a prefill or decode cannot generate without its peer: its scheduler loop answering is the check
+            await asyncio.wrap_future(engine.run_on_scheduler(lambda: None))
+            return Response(status_code=200)
         gen = GenInput(new_rid("health-"), [engine.tokenizer.eos_token_id or 0], _one_token())
         await collect(engine, gen)
         return Response(status_code=200)

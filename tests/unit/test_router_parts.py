@@ -45,7 +45,8 @@ def test_a_worker_leaves_rotation_at_the_threshold_and_returns_with_a_fresh_down
                                  "(2 failures in a row; the last: GET /health timed out after 2 s)")
         registry.mark(w, True)
         assert w.healthy and w.failures == 0 and w.down is not first_event and not w.down.is_set()
-        assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "healthy": True, "failures": 0, "in_flight": 0}
+        assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "bootstrap_host": None,
+                               "healthy": True, "failures": 0, "in_flight": 0}
 
     asyncio.run(scenario())
 
