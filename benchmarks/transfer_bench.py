@@ -100,7 +100,10 @@ def prefill_side(backend, device, case, repeat, q_out, q_in, results):
         manager.backend.write_batch(decode_id, [big.data_ptr()], [dst_base], [total], device == "cuda")
         raw.append(time.perf_counter() - t0)
     results.put((case, total, min(ours), min(raw)))
-    q_in.put("done")
+    q_out.put("done")
+    for q in (results, q_out):  # os._exit skips the queues' feeder threads: flush them first
+        q.close()
+        q.join_thread()
     os._exit(0)
 
 
@@ -111,10 +114,13 @@ def run_case(backend: str, device: str, case: str, repeat: int) -> tuple:
              ctx.Process(target=prefill_side, args=(backend, device, case, repeat, to_dec, to_pre, results))]
     for p in procs:
         p.start()
-    out = results.get(timeout=600)
-    for p in procs:
-        p.join(30)
-    return out
+    try:
+        return results.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
 
 
 def main() -> None:
