@@ -1,7 +1,8 @@
 """KVSender -> KVReceiver throughput vs the raw backend call moving the same bytes in one piece,
-between two processes, per backend. Prints one table; ratio = ours / raw.
+between two processes, per backend. Prints one table: the median of --repeat rounds, each one room
+sent by KVSender then one raw write; ratio = ours / raw.
 
-    .venv/bin/python benchmarks/transfer_bench.py [--backends mooncake nixl] [--device cpu|cuda] [--repeat 3]
+    .venv/bin/python benchmarks/transfer_bench.py [--backends mooncake nixl] [--device cpu|cuda] [--repeat 5]
 
 Cases: the KV of a 2048-token prompt of the built-in model's shape (30 layers, 3 kv heads, dim 64,
 page 16) sent in 4 chunks, with contiguous and with fragmented destination pages; and a large
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,37 +71,47 @@ def decode_side(backend, device, case, q_out, q_in):
     os._exit(0)
 
 
-def prefill_side(backend, device, case, repeat, q_out, q_in, results):
+def send_room(manager, room: int, pages: int, chunks: int) -> float:
+    """Seconds from queueing a room's first chunk to its success (the aux record written last)."""
     from transfer.poll import KVPoll
     from transfer.sender import KVSender
 
+    s = KVSender(manager, room)
+    while s.poll() != KVPoll.WaitingForInput:
+        time.sleep(0.0005)
+    per = pages // chunks
+    t0 = time.perf_counter()
+    for c in range(chunks):
+        last = c == chunks - 1
+        s.send(list(range(1 + c * per, 1 + (c + 1) * per)), is_last=last, aux=bytes(64) if last else None)
+    while s.poll() not in (KVPoll.Success, KVPoll.Failed):
+        time.sleep(0.0001)
+    elapsed = time.perf_counter() - t0
+    if s.poll() != KVPoll.Success:
+        raise RuntimeError(f"room {room} failed: {s.failure_reason}")
+    s.release()
+    return elapsed
+
+
+def prefill_side(backend, device, case, repeat, q_out, q_in, results):
     layers, heads, dim, tokens, chunks, _ = CASES[case]
     pages = tokens // PAGE
     manager, bufs, big = make_manager("prefill", backend, device, layers, heads, dim, pages, None)
     q_out.put((manager.endpoint, manager.instance_id, repeat + 1))
     dst_base, decode_id = q_in.get()
     total = 2 * layers * pages * manager.args.bytes_per_page[0]
-    per = pages // chunks
-    ours = []
-    for room in range(repeat + 1):
-        s = KVSender(manager, room)
-        while s.poll() != KVPoll.WaitingForInput:
-            time.sleep(0.0005)
-        t0 = time.perf_counter()
-        for c in range(chunks):
-            last = c == chunks - 1
-            s.send(list(range(1 + c * per, 1 + (c + 1) * per)), is_last=last, aux=bytes(64) if last else None)
-        while s.poll() not in (KVPoll.Success, KVPoll.Failed):
-            time.sleep(0.0001)
-        if room:  # the first room warms up connections
-            ours.append(time.perf_counter() - t0)
-        s.release()
-    raw = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        manager.backend.write_batch(decode_id, [big.data_ptr()], [dst_base], [total], device == "cuda")
-        raw.append(time.perf_counter() - t0)
-    results.put((case, total, min(ours), min(raw)))
+    ours, raw = [], []
+    try:
+        for room in range(repeat + 1):  # ours and raw alternate, so load from other processes hits both alike
+            elapsed = send_room(manager, room, pages, chunks)
+            t0 = time.perf_counter()
+            manager.backend.write_batch(decode_id, [big.data_ptr()], [dst_base], [total], device == "cuda")
+            if room:  # the first round warms up connections
+                ours.append(elapsed)
+                raw.append(time.perf_counter() - t0)
+        results.put((case, total, statistics.median(ours), statistics.median(raw)))
+    except Exception as e:
+        results.put((case, repr(e)))
     q_out.put("done")
     for q in (results, q_out):  # os._exit skips the queues' feeder threads: flush them first
         q.close()
@@ -115,19 +127,22 @@ def run_case(backend: str, device: str, case: str, repeat: int) -> tuple:
     for p in procs:
         p.start()
     try:
-        return results.get(timeout=600)
+        out = results.get(timeout=600)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+    if len(out) == 2:
+        raise RuntimeError(f"{backend} {case}: {out[1]}")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", nargs="+", default=["mooncake", "nixl"])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ns = ap.parse_args()
     if ns.device == "cuda":
