@@ -20,7 +20,6 @@ from transfer.transfer_worker import Chunk, FailureNotice, TransferWorker
 
 log = logging.getLogger(__name__)
 ORPHAN_TTL_S = 600.0  # a decode's request for a room whose HTTP request never reached this prefill
-MAX_PIECES_PER_BATCH = 1024  # Mooncake's TCP transport fails on much larger batches of small pieces
 
 
 class AuxStaging:
@@ -163,9 +162,7 @@ class PrefillKVManager(KVManager):
         peer = self.peers[req.decode_id]
         a = self.args
         src, dst, nbytes = chunk_triples(a.kv_ptrs, peer.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
-        for i in range(0, len(src), MAX_PIECES_PER_BATCH):
-            end = i + MAX_PIECES_PER_BATCH
-            self.backend.write_batch(req.decode_id, src[i:end], dst[i:end], nbytes[i:end], a.on_cuda)
+        self.backend.write_batch(req.decode_id, src, dst, nbytes, a.on_cuda)  # one batch: each backend splits as it must
         self.counters["bytes_sent"] += sum(nbytes)
         if aux is not None:
             if len(aux) != peer.aux_record_bytes:
