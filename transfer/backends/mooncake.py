@@ -12,7 +12,8 @@ from transfer.backends.base import TransferBackend
 
 os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake logs every connection at INFO
 # The TCP transport queues this many pieces per peer (its default, 1024, fails the rest of a larger
-# batch at once; one chunk of fragmented pages is thousands of pieces). 65535 is its upper bound.
+# batch at once; one chunk of fragmented pages is thousands of pieces). 65535 is its upper bound. One
+# thread writes to a given decode (its TransferWorker), so one batch never shares the queue.
 MAX_PIECES_PER_PEER = 65535
 
 
@@ -42,6 +43,8 @@ class MooncakeBackend(TransferBackend):
         self.sessions[peer_id] = address.decode()
 
     def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
+        # The sync call polls for completion in C++ without ever sleeping (GIL released): the Python API
+        # has no non-blocking status for a whole batch (transfer_check_status sees its first piece only).
         session = self.sessions[peer_id]
         for i in range(0, len(src), MAX_PIECES_PER_PEER):
             end = i + MAX_PIECES_PER_PEER

@@ -13,8 +13,8 @@ from transfer.backends.base import TransferBackend
 # The UCX progress thread sleeps in poll() on the worker's event fd and wakes on every event; this is
 # only its fallback wake-up. nixl_agent hard-codes 0, and poll(0) spins one core per process forever.
 PROGRESS_WAKEUP_US = 1000
-# Waiting for a transfer: first look at once, then sleep, doubling the pause up to the cap. A pause is
-# never longer than the time already waited, so the wait adds at most that much (and 1 ms at worst).
+# Waiting for a transfer: look at once, then sleep, doubling the pause up to the cap. A pause is about
+# as long as the wait so far, so a wait ends within about twice the transfer's time and 1 ms after it.
 FIRST_PAUSE_S, MAX_PAUSE_S = 20e-6, 1e-3
 
 
@@ -63,7 +63,7 @@ class NixlBackend(TransferBackend):
             self.peers[peer_id] = self.agent.add_remote_agent(address)
 
     def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
-        if not len(src):
+        if not src:
             return
         mem = "VRAM" if on_device else "DRAM"
         local = self.agent.get_xfer_descs(_descs(src, nbytes, self.device_id), mem)
