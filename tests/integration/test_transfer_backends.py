@@ -108,7 +108,7 @@ def test_decode_times_out_when_prefill_never_sends(backend):
 
 
 IDLE_AGENT = """
-import os, sys, time
+import os, time
 from transfer.backends.nixl import NixlBackend
 backend = NixlBackend()
 time.sleep(0.5)
