@@ -16,9 +16,6 @@ from transfer.backends.base import TransferBackend
 from transfer.messages import Register, RoomRequest
 from transfer.runs import chunk_triples
 
-MAX_PIECES_PER_BATCH = 1024  # Mooncake's TCP transport fails on much larger batches of small pieces
-
-
 class AuxStaging:
     """Registered host memory that aux records are written from: one slot per write in flight, so
     workers of different decodes never share a buffer."""
@@ -71,12 +68,10 @@ class KVWriter:
     def write(self, peer: Register, req: RoomRequest, src_pages: list[int], dst_pages: list[int], aux: bytes | None,
               fence: Callable[[], None]) -> None:
         """Pages first, then the aux record; raises on any failure of the backend. `fence()` runs before
-        every backend call and raises when the decode may no longer be written to."""
+        each backend call and raises when the decode may no longer be written to."""
         src, dst, nbytes = chunk_triples(self.kv_ptrs, peer.kv_ptrs, self.bytes_per_page, src_pages, dst_pages)
-        for i in range(0, len(src), MAX_PIECES_PER_BATCH):
-            end = i + MAX_PIECES_PER_BATCH
-            fence()
-            self.backend.write_batch(req.decode_id, src[i:end], dst[i:end], nbytes[i:end], self.on_cuda)
+        fence()
+        self.backend.write_batch(req.decode_id, src, dst, nbytes, self.on_cuda)  # one batch: each backend splits as it must
         self.bytes_sent += sum(nbytes)
         if aux is not None:
             if len(aux) != peer.aux_record_bytes:
