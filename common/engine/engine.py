@@ -29,7 +29,7 @@ from common.memory.manager import KVCacheManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.model.llama import head_dim_of
+from common.model.rotary import head_dim_of
 from common.model.loader import (
     display_name,
     load_hf_config,

@@ -84,6 +84,7 @@ class ModelRunner:
             extend_lens=torch.tensor(plan.extend_lens, dtype=torch.int64),
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             req_to_token=self.req_to_token,
+            full_lens=torch.tensor([len(r.fill_ids) for r in plan.reqs], dtype=torch.int64) if plan.mode == ForwardMode.EXTEND else None,
         )
         return batch, spans
 
