@@ -3,9 +3,9 @@
 Writes a random Llama checkpoint of Llama-3.2-1B's shape (bf16 safetensors, several shards) into a
 temporary directory, then loads it with `common.model.loader.load_model` in bf16 on the CPU in a fresh
 process and reports that process's peak RSS growth (VmHWM after loading - VmRSS before) divided by the
-checkpoint's bf16 size. Goal: <= 1.1x (the weights themselves plus one tensor in flight).
+checkpoint's bf16 size. Goal: <= 1.1x (the weights themselves plus one 64 MiB read buffer).
 
-    .venv/bin/python benchmarks/load_memory.py [--layers 16] [--keep DIR]
+    .venv/bin/python benchmarks/load_memory.py [--layers 16] [--shard-mib 5120] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GIB = 1024**3
-SHARD_BYTES = 512 * 1024**2
 # Llama-3.2-1B's shape (random weights)
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
              vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
@@ -30,8 +29,8 @@ SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, n
                            "original_max_position_embeddings": 8192})
 
 
-def write_checkpoint(path: Path, layers: int) -> int:
-    """A random bf16 checkpoint in shards of about SHARD_BYTES; returns its tensor bytes."""
+def write_checkpoint(path: Path, layers: int, shard_bytes: int) -> int:
+    """A random bf16 checkpoint in shards of about shard_bytes; returns its tensor bytes."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,7 +44,7 @@ def write_checkpoint(path: Path, layers: int) -> int:
     for name, shape in shapes.items():
         shard[name] = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
         total += shard[name].nbytes
-        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+        if sum(t.nbytes for t in shard.values()) >= shard_bytes:
             save_file(shard, path / f"model-{index:05d}.safetensors")
             shard, index = {}, index + 1
     if shard:
@@ -77,6 +76,7 @@ def measure_load(path: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--shard-mib", type=int, default=5120, help="shard size (Hugging Face writes 5 GB shards: one for a 1B model)")
     p.add_argument("--keep", type=Path, help="write (or reuse) the checkpoint here instead of a temporary directory")
     p.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child process
     args = p.parse_args()
@@ -88,7 +88,7 @@ def main() -> None:
         path.mkdir(parents=True, exist_ok=True)
         if not (path / "config.json").exists():
             print(f"writing a random {args.layers}-layer 1B-shaped bf16 checkpoint into {path} ...", flush=True)
-            write_checkpoint(path, args.layers)
+            write_checkpoint(path, args.layers, args.shard_mib * 1024**2)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         out = subprocess.run([sys.executable, __file__, "--measure", str(path)], capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
