@@ -11,6 +11,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from common.config import ServerConfig
+from common.memory.sizing import PoolSizingError
 
 log = logging.getLogger("tandem")
 
@@ -56,16 +57,18 @@ def serve(config: ServerConfig) -> None:
     setup_logging(role)
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     t0 = time.monotonic()
-    engine = build_engine(config)
+    try:
+        engine = build_engine(config)
+    except PoolSizingError as e:
+        sys.exit(f"tandem serve: {e}")
     engine.start()
     from common.server.app import create_app
 
     app = create_app(engine)
-    counts = engine.kv.page_counts()
     log.info(
-        "ready in %.1f s: model %s (%d layers, context %d), KV %d pages x %d tokens, dtype %s, device %s, attention %s",
+        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, attention %s; %s",
         time.monotonic() - t0, engine.model_name, engine.hf_config.num_hidden_layers, engine.context_len,
-        counts.total, config.page_size, config.torch_dtype_name, config.device, type(engine.runner.attn).__name__,
+        config.torch_dtype_name, config.device, type(engine.runner.attn).__name__, engine.pool_plan.describe(),
     )
     log.info("serving on http://%s:%d", config.host, config.port)
     try:
