@@ -3,7 +3,7 @@ attention metadata, forward, sampling, token commit) divided by the bare model f
 batch (attention metadata + forward on a prebuilt batch), at batch 1, 16 and 64, on the CPU with a tiny
 random model so that the engine's own cost shows. 1.0 would be an engine with no overhead at all.
 
-    .venv/bin/python benchmarks/decode_overhead.py [--steps 40] [--sampling greedy|mixed]
+    .venv/bin/python benchmarks/decode_overhead.py [--steps 40] [--sampling greedy|mixed] [--threads 1]
 """
 from __future__ import annotations
 
@@ -88,7 +88,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--sampling", choices=["greedy", "mixed"], default="greedy")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="tandem-tiny-") as tmp:
         model_dir = save_tiny_llama(Path(tmp))

@@ -74,7 +74,7 @@ class Engine:
             config.attention_backend, config.device, self.kv_pool, self.hf_config.num_attention_heads, head_dim, head_dim**-0.5
         )
         self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device)
-        self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.context_len, config.device, self.metrics)
+        self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.context_len, self.metrics)
         self.scheduler = scheduler_factory(self)
         self._wake = threading.Event()
         self._stop = False

@@ -74,7 +74,6 @@ class Req:
     # runtime helpers, owned by the scheduler
     detokenizer: Any = None
     stop_matcher: Any = None
-    generator: Any = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

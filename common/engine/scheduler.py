@@ -12,6 +12,7 @@ from collections import deque
 from typing import Callable
 
 from common.config import ServerConfig
+from common.engine.decode_batch import DecodeBatch
 from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.engine.output import OutputProcessor
@@ -33,6 +34,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.num_retractions = 0
+        self.decode_batch = DecodeBatch(config.device)
 
     # -- called from other threads -------------------------------------------------------------
     def submit(self, req: Req) -> None:
@@ -162,19 +164,19 @@ class Scheduler:
     def schedule_decode(self) -> BatchPlan | None:
         if not self.running:
             return None
-        while len(self.running) > 1 and not self._decode_fits():
+        batch = self.decode_batch.prepare(self.running)
+        while len(self.running) > 1 and not self._decode_fits(batch):
             self.retract(self.running[-1])
-        if not self._decode_fits():
+            batch = self.decode_batch.prepare(self.running)
+        if not self._decode_fits(batch):
             self.finish(self.running[0], FinishReason("abort", message="KV cache exhausted", status=503))
             return None
-        reqs = list(self.running)
-        locs = [self.kv.extend(r, 1) for r in reqs]
-        return BatchPlan(ForwardMode.DECODE, reqs, [1] * len(reqs), locs, [True] * len(reqs))
+        locs = self.kv.extend_decode(batch.reqs, batch.req_pool_indices, batch.positions, batch.seq_lens)
+        n = len(batch.reqs)
+        return BatchPlan(ForwardMode.DECODE, batch.reqs, [1] * n, [locs], [True] * n, decode=batch)
 
-    def _decode_fits(self) -> bool:
-        page = self.config.page_size
-        need = sum(1 for r in self.running if r.kv_len % page == 0)
-        return need <= self.kv.available_pages()
+    def _decode_fits(self, batch: DecodeBatch) -> bool:
+        return batch.new_page_count(self.config.page_size) <= self.kv.available_pages()
 
     def retract(self, req: Req) -> None:
         """Give back a running request's KV (kept in the prefix cache) and queue it again."""
