@@ -24,8 +24,10 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
-    params = getattr(config, "rope_parameters", None) or {}
-    return {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0), **params}
+    """rope_type, rope_theta and the scaling settings (transformers 5's rope_parameters, 4's rope_scaling)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **params, "rope_type": rope_type}
 
 
 def default_inv_freq(config: PretrainedConfig, device: str | torch.device) -> torch.Tensor:
