@@ -67,7 +67,7 @@ class ModelRunner:
         return result
 
     def _run_decode(self, decode: DecodeBatch, out_cache_loc: torch.Tensor) -> BatchResult:
-        """One token for every running request, from tensors kept across steps; no work per request."""
+        """One token for every running request, from tensors kept across steps: no tensor work per request."""
         batch = decode.forward_batch(out_cache_loc, self.req_to_token)
         self.attn.init_forward(batch)
         logits = self.model(batch, self.attn)
