@@ -29,7 +29,8 @@ class ServerConfig(BaseSettings):
     # memory
     page_size: int = Field(16, ge=1, le=256)
     max_running_requests: int = Field(32, ge=1)
-    max_total_tokens: int = Field(16384, ge=16, description="KV cache capacity in tokens")
+    max_total_tokens: int | None = Field(None, ge=16, description="KV cache capacity in tokens (CPU: default 16384; CUDA: a cap on what --mem-fraction-static gives)")
+    mem_fraction_static: float = Field(0.85, gt=0.0, lt=1.0, description="CUDA: share of the GPU's memory for weights and the KV pool; the rest is for activations")
     context_length: int | None = Field(None, ge=16, description="default: the model's")
     chunked_prefill_size: int = Field(512, description="tokens per prefill chunk; <=0 disables")
     max_prefill_tokens: int = Field(4096, ge=16, description="token budget of one prefill batch")
@@ -81,10 +82,6 @@ class ServerConfig(BaseSettings):
 
             return socket.gethostbyname(socket.gethostname())
         return self.host
-
-    @property
-    def num_pages(self) -> int:
-        return self.max_total_tokens // self.page_size
 
     @property
     def chunked_prefill_enabled(self) -> bool:

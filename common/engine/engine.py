@@ -26,12 +26,13 @@ from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.memory.allocator import PagedAllocator
-from common.memory.kv_pool import KVPool
+from common.memory.kv_pool import KVPool, kv_bytes_per_token
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.model.llama import head_dim_of
+from common.memory.sizing import PoolPlan, plan_context_len, plan_kv_pool
+from common.model.rotary import head_dim_of
 from common.model.loader import load_hf_config, load_model, resolve_model_dir
 from common.model.locate import display_name
 
@@ -50,33 +51,45 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
-        self.context_len = self._context_len()
         self.metrics = EngineMetrics()
+        model = load_model(self.model_dir, self.hf_config, self.dtype, config.device)  # first: the pool gets what is left
+        head_dim = head_dim_of(self.hf_config)
+        self.pool_plan = self._plan_pool(head_dim)
+        self.context_len = self._context_len()
+        num_pages = self.pool_plan.num_pages
         self.kv_pool = KVPool(
-            self.hf_config.num_hidden_layers, config.num_pages, config.page_size,
-            self.hf_config.num_key_value_heads, head_dim_of(self.hf_config), self.dtype, config.device,
+            self.hf_config.num_hidden_layers, num_pages, config.page_size,
+            self.hf_config.num_key_value_heads, head_dim, self.dtype, config.device,
         )
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
-        allocator = PagedAllocator(config.num_pages, config.page_size, config.device)
+        allocator = PagedAllocator(num_pages, config.page_size, config.device)
         prefix = NoPrefixCache(allocator, config.page_size) if config.disable_radix_cache else RadixCache(allocator, config.page_size)
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
-        model = load_model(self.model_dir, self.hf_config, self.dtype, config.device)
-        head_dim = head_dim_of(self.hf_config)
         attn = make_attention_backend(
             config.attention_backend, config.device, self.kv_pool, self.hf_config.num_attention_heads, head_dim, head_dim**-0.5
         )
         self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device)
-        self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.context_len, config.device, self.metrics)
+        self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
         if make_role is not None:
             self.scheduler.role = make_role(self)
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
 
+    def _plan_pool(self, head_dim: int) -> PoolPlan:
+        c = self.config
+        per_token = kv_bytes_per_token(self.hf_config.num_hidden_layers, self.hf_config.num_key_value_heads, head_dim, self.dtype)
+        memory = torch.cuda.mem_get_info() if c.device == "cuda" else None  # (free, total) after the weights
+        plan = plan_kv_pool(c.page_size, per_token, c.max_total_tokens, memory, c.mem_fraction_static)
+        log.info("%s", plan.describe())
+        return plan
+
     def _context_len(self) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", 4096)
-        wanted = self.config.context_length or model_max
-        return min(wanted, self.config.max_total_tokens - self.config.page_size)
+        context_len, warning = plan_context_len(model_max, self.config.context_length, self.pool_plan)
+        if warning:
+            log.warning("%s", warning)
+        return context_len
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -93,7 +106,7 @@ class Engine:
         m, s = self.metrics, self.scheduler
         m.gauge("tandem_num_running_reqs", "requests decoding", lambda: len(s.decode.running))
         m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.prefill.waiting))
-        m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.config.num_pages)
+        m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.pool_plan.num_pages)
         m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -23,6 +23,9 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int64 on CPU, new tokens per request (1 in decode)
     logits_indices: torch.Tensor  # [L] int64, rows of the hidden states that need logits
     req_to_token: torch.Tensor  # the whole ReqToTokenPool table
+    # [B] int64 on CPU, EXTEND only: each request's length once its whole prefill is done (a chunk's
+    # length-dependent RoPE uses it, so chunking does not change the angles); DECODE: seq_lens
+    full_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -8,7 +8,9 @@ import torch
 from common.attention.base import AttentionBackend
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.engine.request import Req
-from common.engine.sampler import Sampler, SamplingRow
+from common.engine.decode_tensors import DecodeTensors
+from common.engine.sampler import Sampler
+from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM
 
 
@@ -19,8 +21,9 @@ class BatchPlan:
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
-    out_cache_locs: list[torch.Tensor]
+    out_cache_locs: list[torch.Tensor]  # KV slots of the new tokens: concatenated, they follow reqs in order
     sample: list[bool]  # False for a prefill chunk that is not the request's last
+    decode: DecodeTensors | None = None  # DECODE: the kept batch tensors (out_cache_locs holds its one slot tensor)
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +47,8 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def run(self, plan: BatchPlan) -> BatchResult:
+        if plan.decode is not None:
+            return self._run_decode(plan.decode, plan.out_cache_locs[0])
         batch, logit_spans = self._build(plan)
         self.attn.init_forward(batch)
         logits = self.model(batch, self.attn)
@@ -52,7 +57,7 @@ class ModelRunner:
         result = BatchResult([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
         if sample_idx:
             rows = [self._sampling_row(plan.reqs[i]) for i in sample_idx]
-            out = self.sampler.sample(logits[last_rows[sample_idx]], rows)
+            out = self.sampler.sample(logits[last_rows[sample_idx]], SamplingBatch(rows, logits.shape[-1], self.device))
             for j, i in enumerate(sample_idx):
                 result.token_ids[i], result.logprobs[i], result.top_logprobs[i] = out.token_ids[j], out.logprobs[j], out.top_logprobs[j]
         for i, req in enumerate(plan.reqs):
@@ -60,6 +65,17 @@ class ModelRunner:
             if end - start > 1 or (req.logprob_start_len >= 0 and plan.mode == ForwardMode.EXTEND):
                 result.input_logprobs[i] = self._input_logprobs(req, plan.extend_lens[i], logits[start:end])
         return result
+
+    def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
+        """One token for every running request, from tensors kept across steps: no tensor work per request."""
+        batch = decode.forward_batch(out_cache_loc, self.req_to_token)
+        self.attn.init_forward(batch)
+        logits = self.model(batch, self.attn)
+        if decode.sampling is None:  # the running set changed
+            decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
+        out = self.sampler.sample(logits, decode.sampling)
+        decode.finish_step(out.ids)
+        return BatchResult(out.token_ids, out.logprobs, out.top_logprobs, [None] * len(decode.reqs))
 
     def _build(self, plan: BatchPlan) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         ids, positions, logits_idx, spans = [], [], [], []
@@ -84,6 +100,7 @@ class ModelRunner:
             extend_lens=torch.tensor(plan.extend_lens, dtype=torch.int64),
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             req_to_token=self.req_to_token,
+            full_lens=torch.tensor([len(r.fill_ids) for r in plan.reqs], dtype=torch.int64) if plan.mode == ForwardMode.EXTEND else None,
         )
         return batch, spans
 
@@ -104,7 +121,6 @@ class ModelRunner:
             params=req.params,
             prompt_ids=req.prompt_ids,
             output_ids=req.output_ids,
-            generator=req.generator,
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_logprob=req.return_logprob,
         )

@@ -7,24 +7,21 @@ import time
 from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from common.engine.metrics import EngineMetrics
 from common.engine.request import FinishReason, OutputEvent, Req
-from common.engine.sampler import make_generator
 
 log = logging.getLogger("tandem.request")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], context_len: int, device: str, metrics: EngineMetrics | None = None):
+    def __init__(self, tokenizer, eos_token_ids: set[int], context_len: int, metrics: EngineMetrics | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
-        self.device = device
         self.metrics = metrics
 
     def prepare(self, req: Req) -> None:
         p = req.params
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens)
         req.stop_matcher = StopStringMatcher(p.stop or [], include_stop=p.no_stop_trim) if p.stop else None
-        req.generator = make_generator(p.seed, self.device)
         if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
             req.input_logprobs = [None] * len(req.prompt_ids)
 

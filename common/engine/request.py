@@ -10,8 +10,6 @@ from common.wire.api import Pairing
 from common.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -82,7 +80,6 @@ class Req:
     # runtime helpers, owned by the scheduler
     detokenizer: "IncrementalDetokenizer | None" = None
     stop_matcher: "StopStringMatcher | None" = None
-    generator: "torch.Generator | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -1,5 +1,11 @@
 """Batched sampling: penalties, greedy / temperature / top-k / top-p / min-p, per-request seeds, logprobs.
 
+Every row is handled by the same few tensor operations whatever its settings, and the results reach the
+host in one transfer per batch. A token is drawn by inverse CDF from one uniform number per row: seeded
+rows take it from their own SplitMix64 stream (the seed and how many tokens the request has sampled), so
+a seeded request draws the same numbers alone, in any batch, after a retraction or across PD roles;
+unseeded rows share torch's generator.
+
 Logprobs are those of the raw model logits (before penalties and temperature), like vLLM's default.
 """
 from __future__ import annotations
@@ -8,76 +14,46 @@ from dataclasses import dataclass
 
 import torch
 
-from common.wire.sampling_params import SamplingParams
-
-
-@dataclass
-class SamplingRow:
-    params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
-    generator: torch.Generator | None
-    top_logprobs_num: int = 0
-    return_logprob: bool = False
+from common.engine.sampling_batch import SamplingBatch
 
 
 @dataclass
 class SampleOutput:
+    ids: torch.Tensor  # [B] int64 on the device: the next decode step's input
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def make_generator(seed: int | None, device: str) -> torch.Generator | None:
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
 class Sampler:
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         logits = logits.float()
-        want_logprobs = any(r.return_logprob for r in rows)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if all(r.params.is_greedy and not r.params.has_penalties for r in rows):
-            ids = logits.argmax(dim=-1).tolist()
-        else:
-            ids = [self._sample_row(logits[i], r) for i, r in enumerate(rows)]
-        logprobs: list[float | None] = [None] * len(rows)
-        tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            for i, r in enumerate(rows):
-                if not r.return_logprob:
-                    continue
-                logprobs[i] = float(raw_logprobs[i, ids[i]])
-                if r.top_logprobs_num > 0:
-                    vals, idx = raw_logprobs[i].topk(r.top_logprobs_num)
-                    tops[i] = list(zip(idx.tolist(), vals.tolist()))
-        return SampleOutput(ids, logprobs, tops)
-
-    def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
-        p = row.params
-        if p.has_penalties:
-            logits = apply_penalties(logits.clone(), row)
-        if p.is_greedy:
-            return int(logits.argmax())
-        logits = logits / p.temperature
-        if p.top_k > 0 and p.top_k < logits.shape[-1]:
-            kth = logits.topk(p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            probs = top_p_filter(probs, p.top_p)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=row.generator))
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs else None
+        if batch.penalized:
+            logits = apply_penalties(logits, batch)
+        ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            ids = torch.where(batch.greedy, ids, draw(filtered_probs(logits / batch.temperature, batch), uniforms(batch)))
+        return to_host(ids, raw_logprobs, batch)
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Softmax after each row's top-k, then its top-p and min-p (rows that do not ask keep everything)."""
+    if batch.top_k_rows is not None:
+        rows = logits[batch.top_k_rows]
+        kth = rows.topk(batch.max_top_k, dim=-1).values.gather(1, batch.top_k_index)
+        logits = logits.index_put((batch.top_k_rows,), rows.masked_fill(rows < kth, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    if batch.top_p_rows is not None:
+        probs = probs.index_put((batch.top_p_rows,), top_p_filter(probs[batch.top_p_rows], batch.top_p))
+    if batch.use_min_p:
+        probs = probs.masked_fill(probs < batch.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always the best one)."""
-    sorted_probs, order = probs.sort(descending=True)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the better tokens
     drop = before >= top_p
     drop[..., 0] = False  # a top_p below float32's smallest value rounds to 0 and would drop it too
@@ -85,14 +61,58 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
-def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    p = row.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.int64, device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if row.output_ids and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
-        out = torch.tensor(row.output_ids, dtype=torch.int64, device=logits.device)
-        counts = torch.zeros_like(logits).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first token whose cumulative mass passes u * total (never a token of mass 0)."""
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (Hugging Face's, over prompt and output), frequency and presence (OpenAI's, over output)."""
+    penalized = torch.where(logits > 0, logits / batch.repetition, logits * batch.repetition)
+    logits = torch.where(batch.seen, penalized, logits)
+    return logits - batch.frequency * batch.counts - batch.presence * (batch.counts > 0).float()
+
+
+# SplitMix64 (Steele et al.), in wrapping int64 arithmetic: the n-th number of the stream seeded s is
+# mix(s + (n + 1) * GOLDEN).
+GOLDEN, MIX1, MIX2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical shift (torch's >> is arithmetic on int64)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Number `counters` of each seed's stream, as a float32 in [0, 1) (its top 24 bits, exact)."""
+    z = seeds + (counters + 1) * GOLDEN
+    z = (z ^ _shift_right(z, 30)) * MIX1
+    z = (z ^ _shift_right(z, 27)) * MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 40).float() / 2**24
+
+
+def uniforms(batch: SamplingBatch) -> torch.Tensor:
+    u = torch.rand(batch.size, device=batch.device)
+    if batch.any_seeded:
+        u = torch.where(batch.seeded, seeded_uniforms(batch.seeds, batch.steps), u)
+    return u
+
+
+def to_host(ids: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch) -> SampleOutput:
+    """Token ids, and the logprobs asked for, in a single device-to-host copy."""
+    n = batch.size
+    if raw_logprobs is None:
+        return SampleOutput(ids, ids.tolist(), [None] * n, [None] * n)
+    cols = [ids[:, None].double(), raw_logprobs.gather(1, ids[:, None]).double()]
+    k = batch.max_top_logprobs
+    if k:
+        vals, idx = raw_logprobs.topk(k, dim=-1)
+        cols += [idx.double(), vals.double()]  # float64 holds every token id exactly
+    host = torch.cat(cols, dim=1).tolist()
+    logprobs = [row[1] if want else None for row, want in zip(host, batch.return_logprob)]
+    tops = [list(zip(map(int, row[2 : 2 + m]), row[2 + k : 2 + k + m])) if m else None
+            for row, m in zip(host, batch.top_logprobs_num)]
+    return SampleOutput(ids, [int(row[0]) for row in host], logprobs, tops)

@@ -19,6 +19,11 @@ class BufferInfo:
     bytes_per_page: int
 
 
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token across every layer."""
+    return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+
+
 class KVPool:
     def __init__(
         self,
@@ -57,11 +62,6 @@ class KVPool:
     def bytes_per_page(self) -> int:
         """One page of one layer's K (or V)."""
         return self.page_size * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def bytes_per_token_all_layers(self) -> int:
-        """K and V of one token across every layer."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def total_bytes(self) -> int:

@@ -93,6 +93,25 @@ class MemoryManager:
         req.kv_len = end
         return slots
 
+    def extend_decode(self, reqs: list[Req], rows: torch.Tensor, kv_lens: torch.Tensor, host_kv_lens: torch.Tensor) -> torch.Tensor:
+        """One more KV slot for every request of a decode batch, allocated at once: the next slot of its
+        last page, or the first of a new page when that one is full. `rows` and `kv_lens` (the requests'
+        rows and KV lengths) are on the device, `host_kv_lens` is their host copy and grows by one here.
+        Returns the slots (int64, on the device)."""
+        ps, table = self.page_size, self.req_pool.req_to_token
+        new_page = host_kv_lens % ps == 0
+        num_new = int(new_page.sum())
+        self._make_room(num_new)
+        pages = torch.tensor(self.allocator.alloc(num_new), dtype=torch.int64)
+        first = torch.zeros(len(reqs), dtype=torch.int64).masked_scatter_(new_page, pages * ps)
+        after_last = table[rows, kv_lens - 1].long() + 1  # a decoding request has KV, so kv_lens >= 1
+        slots = torch.where(new_page.to(table.device), first.to(table.device), after_last)
+        table[rows, kv_lens] = slots.to(torch.int32)
+        host_kv_lens += 1
+        for req in reqs:  # bookkeeping only: no tensor work per request
+            req.kv_len += 1
+        return slots
+
     def _make_room(self, pages: int) -> None:
         short = pages - self.allocator.available_pages()
         if short > 0:

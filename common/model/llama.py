@@ -8,16 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from common.attention.base import AttentionBackend
 from common.engine.forward_batch import ForwardBatch
+from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-
-
-def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class RMSNorm(nn.Module):
@@ -31,39 +27,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin by position; the frequencies come from transformers' own RoPE initialisers."""
-
-    def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            dim = head_dim_of(config)
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            scaling = 1.0
-        elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != "dynamic":
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        else:
-            raise ValueError(f"rope_type {rope_type!r} is not supported")
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.scaling = scaling
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D] (float32). Rotate-half convention, as Hugging Face."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -133,7 +96,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary_emb(batch.positions)
+        cos_sin = self.rotary_emb(batch, x.dtype)
         for layer in self.layers:
             x = layer(x, cos_sin, attn, batch)
         return self.norm(x)

@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
 from common.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from common.model.locate import converted_dir, existing_model_dir, gguf_source
+from common.model.weights import fill_from_shard, plan_shards
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +59,26 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
 
 
 def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    state: dict[str, torch.Tensor] = {}
+    """The model with its weights created empty in `dtype` on `device` and filled shard by shard, a
+    piece of a tensor at a time: no float32 stage and no second copy of the model in host memory."""
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    for shard in shards:
-        state.update(load_file(shard, device="cpu"))
-    expected = set(model.state_dict())
-    missing = expected - set(state)
-    if model.config.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-        state.pop("lm_head.weight", None)
-    unexpected = set(state) - expected
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    model.load_state_dict(state, strict=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    materialize(model, dtype, device)
+    params = dict(model.named_parameters())  # a tied lm_head is not listed: it is the embedding
+    for shard, names in plan_shards(shards, params, ignore=frozenset({"lm_head.weight"})).items():
+        fill_from_shard(shard, names, params)
     return model.eval()
+
+
+def materialize(model: torch.nn.Module, dtype: torch.dtype, device: str) -> None:
+    """Give every meta parameter real, uninitialised storage (a tied one stays tied); buffers follow."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+            setattr(module, name, made[id(p)])
+    model.to(device)

@@ -29,7 +29,7 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    # torch.Generator.manual_seed takes 64-bit seeds; choices of n > 1 use seed + index
+    # a 64-bit seed keys the request's own random stream (engine sampler); choices of n > 1 use seed + index
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=16)
 

@@ -25,7 +25,7 @@ ARCHES = {
 
 
 def save_tiny(path, model_type: str, extra: dict) -> None:
-    config = AutoConfig.for_model(model_type, **COMMON, **extra)
+    config = AutoConfig.for_model(model_type, **(COMMON | extra))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     vocab = {f"t{i}": i for i in range(VOCAB)}

@@ -74,6 +74,17 @@ def test_n_greater_than_one_gives_identical_greedy_choices(cluster, prompts, exp
     assert [c["output_ids"] for c in r.json()] == [expected[0], expected[0]]
 
 
+def test_seeded_sampling_equals_monolithic(cluster, mono, prompts):
+    """A seeded request's random stream follows its token count, so a prefill (first token) and a decode
+    (the rest) draw what one monolithic server draws."""
+    params = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "repetition_penalty": 1.1}
+    outs = [httpx.post(url + "/generate", json={"input_ids": prompts[4], "sampling_params": params}, timeout=120)
+            for url in (mono.url, cluster.url)]
+    assert [r.status_code for r in outs] == [200, 200], outs[1].text
+    ref, got = (r.json()["output_ids"] for r in outs)
+    assert got == ref and len(set(ref)) > 4
+
+
 def test_openai_client_streams_through_the_router(cluster, mono):
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none")
     msgs = [{"role": "user", "content": "What is the capital of France?"}]

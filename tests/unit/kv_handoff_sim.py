@@ -33,6 +33,7 @@ SECRET = "sim-secret"
 CONFIG = ServerConfig(page_size=4, max_total_tokens=4 * 40, max_running_requests=6, chunked_prefill_size=8,
                       bootstrap_timeout_s=30, kv_wait_timeout_s=30, transfer_timeout_s=20, heartbeat_interval_s=2,
                       heartbeat_misses=2)
+NUM_PAGES = CONFIG.max_total_tokens // CONFIG.page_size
 
 
 class Clock:
@@ -106,10 +107,9 @@ class KVRunner:
             for buf in self.buffers[:1]:
                 buf[plan.out_cache_locs[0]] = -7  # garbage in the first request's new slots, one layer
             raise RuntimeError("CUDA out of memory (simulated)")
-        for req, ext, locs in zip(plan.reqs, plan.extend_lens, plan.out_cache_locs):
-            tokens = torch.tensor(req.fill_ids[req.kv_len - ext : req.kv_len], dtype=torch.int64)
-            for buf in self.buffers:
-                buf[locs] = tokens
+        tokens = torch.tensor([t for r, ext in zip(plan.reqs, plan.extend_lens) for t in r.fill_ids[r.kv_len - ext : r.kv_len]])
+        for buf in self.buffers:
+            buf[torch.cat(plan.out_cache_locs)] = tokens
         ids = [(r.fill_ids[r.kv_len - 1] + 1) % VOCAB if s else None for r, s in zip(plan.reqs, plan.sample)]
         n = len(plan.reqs)
         return BatchResult(ids, [None] * n, [None] * n, [None] * n)
@@ -125,7 +125,7 @@ class FakeTokenizer:
 def kv_args(buffers: list[torch.Tensor], aux: AuxPool | None = None) -> KVArgs:
     c = CONFIG
     return KVArgs([b.data_ptr() for b in buffers], [b.numel() * 8 for b in buffers], [c.page_size * 8] * len(buffers),
-                  c.num_pages, c.page_size, backend="loopback", secret=SECRET, aux_ptr=aux.data_ptr if aux else 0,
+                  NUM_PAGES, c.page_size, backend="loopback", secret=SECRET, aux_ptr=aux.data_ptr if aux else 0,
                   aux_record_bytes=RECORD_BYTES, aux_slots=aux.num_slots if aux else 0, kv_wait_timeout_s=c.kv_wait_timeout_s,
                   transfer_timeout_s=c.transfer_timeout_s, heartbeat_interval_s=c.heartbeat_interval_s,
                   heartbeat_misses=c.heartbeat_misses, max_queued_chunks=4)
@@ -137,11 +137,11 @@ class Side:
     def __init__(self, net: Network, clock: Clock, mode: str, lookup=None):
         c = CONFIG
         self.net, self.clock, self.mode = net, clock, mode
-        self.buffers = [torch.full(((c.num_pages + 1) * c.page_size,), -1, dtype=torch.int64) for _ in range(2)]
-        allocator = PagedAllocator(c.num_pages, c.page_size)
+        self.buffers = [torch.full(((NUM_PAGES + 1) * c.page_size,), -1, dtype=torch.int64) for _ in range(2)]
+        allocator = PagedAllocator(NUM_PAGES, c.page_size)
         self.memory = MemoryManager(ReqToTokenPool(c.max_running_requests + 8, 200, "cpu"), allocator,
                                     RadixCache(allocator, c.page_size), c.page_size)
-        output = OutputProcessor(FakeTokenizer(), {EOS}, context_len=190, device="cpu")
+        output = OutputProcessor(FakeTokenizer(), {EOS}, context_len=190)
         self.runner = KVRunner(self.buffers)
         self.sched = Scheduler(c, self.runner, self.memory, output, clock=clock)
         make_control = lambda sender, counters: FakeControlPlane(net, sender)  # noqa: E731

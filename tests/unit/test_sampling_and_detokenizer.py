@@ -6,19 +6,22 @@ import torch
 from pydantic import ValidationError
 
 from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from common.engine.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_penalties,
-    make_generator,
-    top_p_filter,
-)
+from common.engine.sampler import Sampler, apply_penalties, top_p_filter
+from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.wire.sampling_params import SamplingParams
 
 
 def row(prompt=(), output=(), seed=None, logprobs=0, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), make_generator(seed, "cpu"),
-                       top_logprobs_num=logprobs, return_logprob=logprobs > 0)
+    return SamplingRow(SamplingParams(seed=seed, **params), list(prompt), list(output), top_logprobs_num=logprobs,
+                       return_logprob=logprobs > 0)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]):
+    return Sampler().sample(logits, SamplingBatch(rows, logits.shape[-1], "cpu"))
+
+
+def penalize(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    return apply_penalties(logits[None], SamplingBatch([r], logits.shape[-1], "cpu"))[0]
 
 
 @pytest.mark.parametrize(
@@ -35,15 +38,15 @@ def test_invalid_sampling_params_name_the_field(params, field):
 
 def test_greedy_and_top_k_1_take_the_argmax():
     logits = torch.tensor([[0.1, 2.0, 1.9], [3.0, -1.0, 0.0]])
-    out = Sampler().sample(logits, [row(temperature=0), row(temperature=1.0, top_k=1, seed=3)])
+    out = sample(logits, [row(temperature=0), row(temperature=1.0, top_k=1, seed=3)])
     assert out.token_ids == [1, 0]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch_neighbours():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    alone = Sampler().sample(logits[1:2], [row(temperature=1.0, seed=42)]).token_ids[0]
-    batched = Sampler().sample(logits, [row(temperature=1.0, seed=1), row(temperature=1.0, seed=42), row(temperature=0.7)])
+    alone = sample(logits[1:2], [row(temperature=1.0, seed=42)]).token_ids[0]
+    batched = sample(logits, [row(temperature=1.0, seed=1), row(temperature=1.0, seed=42), row(temperature=0.7)])
     assert batched.token_ids[1] == alone
 
 
@@ -56,21 +59,21 @@ def test_tiny_top_p_keeps_only_the_best_token():
 
 def test_min_p_never_samples_a_token_below_the_threshold():
     logits = torch.log(torch.tensor([[0.5, 0.45, 0.05]]))
-    ids = {Sampler().sample(logits, [row(temperature=1.0, min_p=0.2, seed=s)]).token_ids[0] for s in range(40)}
+    ids = {sample(logits, [row(temperature=1.0, min_p=0.2, seed=s)]).token_ids[0] for s in range(40)}
     assert ids == {0, 1}
 
 
 def test_penalties_follow_hf_and_openai_formulas():
     logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
-    rep = apply_penalties(logits.clone(), row(prompt=[0], output=[1], repetition_penalty=2.0))
+    rep = penalize(logits, row(prompt=[0], output=[1], repetition_penalty=2.0))
     assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
-    freq = apply_penalties(logits.clone(), row(output=[2, 2, 3], frequency_penalty=0.5, presence_penalty=0.25))
+    freq = penalize(logits, row(output=[2, 2, 3], frequency_penalty=0.5, presence_penalty=0.25))
     assert freq.tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25]
 
 
 def test_logprobs_are_raw_log_softmax_with_sorted_top_entries():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    out = Sampler().sample(logits, [row(temperature=0, logprobs=2)])
+    out = sample(logits, [row(temperature=0, logprobs=2)])
     expected = torch.log_softmax(logits[0], -1)
     assert out.token_ids == [1]
     assert out.logprobs[0] == pytest.approx(float(expected[1]))

@@ -1,0 +1,77 @@
+"""Fill a model's parameters from safetensors shards through one small host buffer.
+
+The file is read with plain reads, CHUNK_BYTES at a time, and each piece is cast and copied into its
+parameter on the model's device. safetensors' own `safe_open` maps the whole file instead: the pages it
+touches count in the process's resident memory until the file is closed, which for a one-shard 1B model
+doubles the peak (benchmarks/load_memory.py). The format is an 8-byte little-endian header length, a
+JSON header {name: {dtype, shape, data_offsets}} and the raw tensor bytes after it.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+CHUNK_BYTES = 64 * 1024 * 1024
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """The shard's tensor entries (without __metadata__) and the file offset where their bytes start."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def plan_shards(shards: list[Path], params: dict[str, torch.Tensor], ignore: frozenset[str]) -> dict[Path, list[str]]:
+    """Which parameters each shard fills; raises unless together they fill every one, with its shape and a
+    float dtype. Names in `ignore` (a tied lm_head) may be in a shard and are skipped."""
+    plan: dict[Path, list[str]] = {}
+    for shard in shards:
+        header, _ = read_header(shard)
+        unexpected = sorted(n for n in header if n not in params and n not in ignore)
+        wrong = [n for n in header if n in params and list(header[n]["shape"]) != list(params[n].shape)]
+        odd = sorted({header[n]["dtype"] for n in header if n in params} - set(DTYPES))
+        if unexpected or wrong or odd:
+            raise ValueError(f"{shard}: weights do not fit the model: unexpected {unexpected[:5]}, wrong shape {wrong[:5]}, "
+                             f"dtypes {odd} (float32/float16/bfloat16/float64 only; quantized checkpoints are not supported)")
+        plan[shard] = [n for n in header if n in params]
+    missing = set(params) - {n for names in plan.values() for n in names}
+    if missing:
+        raise ValueError(f"{shards[0].parent}: weights do not fit the model: missing {sorted(missing)[:5]}")
+    return plan
+
+
+@torch.no_grad()
+def fill_from_shard(path: Path, names: list[str], params: dict[str, torch.Tensor]) -> None:
+    """Copy the tensors `names` of one shard into `params` (any dtype, any device)."""
+    header, data_start = read_header(path)
+    buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+    with open(path, "rb") as fh:
+        for name in names:
+            entry = header[name]
+            fh.seek(data_start + entry["data_offsets"][0])
+            _copy_tensor(fh, buffer, DTYPES[entry["dtype"]], params[name].view(-1))
+
+
+def _copy_tensor(fh: BinaryIO, buffer: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
+    step = CHUNK_BYTES // dtype.itemsize
+    for start in range(0, out.numel(), step):
+        n = min(step, out.numel() - start)
+        piece = buffer[: n * dtype.itemsize]
+        _read_exactly(fh, memoryview(piece.numpy()))
+        out[start : start + n].copy_(piece.view(dtype))
+
+
+def _read_exactly(fh: BinaryIO, out: memoryview) -> None:
+    done = 0
+    while done < len(out):
+        got = fh.readinto(out[done:])
+        if not got:
+            raise ValueError(f"{fh.name}: the file ends early (an interrupted download?)")
+        done += got

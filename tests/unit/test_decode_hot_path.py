@@ -1,0 +1,80 @@
+"""The decode hot path on a real engine (tiny model): one scheduler step does the same tensor work at
+batch 4 and batch 24 (no operation per request, no read of a single value per row) and reads results
+back to the host once; a seeded request draws the same tokens alone or in a batch that changes around it."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common.config import ServerConfig
+from common.engine.engine import Engine
+from common.engine.request import Req
+from common.wire.sampling_params import SamplingParams
+from tests.integration.tiny_model import random_prompts
+
+KINDS = [dict(temperature=0), dict(temperature=0.8, top_k=20, seed=5), dict(temperature=1.0, top_p=0.9),
+         dict(temperature=0.7, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.1)]
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def steady_engine(model_dir, batch: int) -> Engine:
+    engine = Engine(ServerConfig(model=str(model_dir), max_running_requests=batch, max_total_tokens=8192))
+    for i, p in enumerate(random_prompts(batch, 20, 40)):
+        params = SamplingParams(max_new_tokens=100, ignore_eos=True, **KINDS[i % len(KINDS)])
+        engine.scheduler.add_request(Req(f"r{i}", p, params, return_logprob=i % 3 == 0, top_logprobs_num=2))
+    while len(engine.scheduler.decode.running) < batch:
+        engine.scheduler.step()
+    engine.scheduler.step()  # the first decode step builds the kept batch
+    return engine
+
+
+def count_one_step(engine: Engine, monkeypatch) -> tuple[Counter, int]:
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    with OpCounter() as counter:
+        assert engine.scheduler.step()
+    monkeypatch.setattr(torch.Tensor, "tolist", real)
+    return counter.ops, len(reads)
+
+
+def test_a_decode_step_does_the_same_tensor_work_at_any_batch_size(tiny_model_dir, monkeypatch):
+    small, big = steady_engine(tiny_model_dir, 4), steady_engine(tiny_model_dir, 24)
+    ops_small, reads_small = count_one_step(small, monkeypatch)
+    ops_big, reads_big = count_one_step(big, monkeypatch)
+    assert ops_small == ops_big
+    # int() of host-side lengths and page counts (scheduler, allocator, attention metadata), none per row
+    assert 0 < ops_small["aten._local_scalar_dense"] <= 5
+    assert reads_small == reads_big == 1  # the sampled tokens and logprobs, in one copy
+
+
+@pytest.mark.parametrize("kind", [1, 3])  # seeded top-k; seeded with penalties
+def test_a_seeded_request_draws_the_same_tokens_alone_or_in_a_changing_batch(tiny_model_dir, kind):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, **(KINDS[kind] | {"seed": 11}))
+    prompt, *others = random_prompts(6, 20, 40, seed=3)
+
+    def run(neighbours: list[list[int]]) -> list[int]:
+        engine = Engine(ServerConfig(model=str(tiny_model_dir), max_total_tokens=8192))
+        s = engine.scheduler
+        target = Req("target", prompt, params)
+        s.add_request(target)
+        for step, p in enumerate(neighbours):  # neighbours join one by one and finish at different times
+            s.step()
+            s.add_request(Req(f"n{step}", p, SamplingParams(max_new_tokens=3 + 4 * step, **KINDS[step % 4])))
+        while s.step():
+            pass
+        return target.output_ids
+
+    assert run(others) == run([])

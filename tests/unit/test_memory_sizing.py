@@ -1,0 +1,52 @@
+"""KV pool and context length sizing from given memory figures (no GPU needed)."""
+from __future__ import annotations
+
+import pytest
+
+from common.memory.sizing import GIB, PoolSizingError, plan_context_len, plan_kv_pool
+
+LLAMA3_8B_BF16 = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 kv heads of 128, 2 bytes: 128 KiB per token
+
+
+def test_cpu_pool_is_the_default_or_max_total_tokens():
+    plan = plan_kv_pool(16, 1000, None, None, 0.85)
+    assert (plan.tokens, plan.num_pages) == (16384, 1024)
+    assert plan.total_bytes == 1025 * 16 * 1000  # the padding page included
+    assert plan.describe() == "KV pool: 16384 tokens (1024 pages x 16), 15.6 MiB, the CPU default (--max-total-tokens 16384)"
+    plan = plan_kv_pool(16, 1000, 8200, None, 0.85)
+    assert (plan.tokens, plan.num_pages) == (8192, 512)
+
+
+def test_cuda_pool_takes_total_times_fraction_minus_what_is_used():
+    total, used = 140 * GIB, 16 * GIB + 512 * 1024**2  # weights and the CUDA context
+    plan = plan_kv_pool(16, LLAMA3_8B_BF16, None, (total - used, total), 0.9)
+    budget = total * 0.9 - used  # 109.5 GiB
+    assert plan.num_pages == (int(budget // LLAMA3_8B_BF16) - 16) // 16 == 56063
+    assert plan.tokens == 897008
+    assert plan.total_bytes <= budget < plan.total_bytes + 2 * 16 * LLAMA3_8B_BF16
+    assert plan.describe() == ("KV pool: 897008 tokens (56063 pages x 16), 109.50 GiB, "
+                               "--mem-fraction-static 0.9 of 140.0 GiB with 16.5 GiB in use after the weights")
+
+
+def test_max_total_tokens_caps_the_cuda_pool_and_says_so():
+    plan = plan_kv_pool(16, LLAMA3_8B_BF16, 100_000, (100 * GIB, 140 * GIB), 0.9)
+    assert plan.tokens == 100_000 and "--max-total-tokens" in plan.source
+    plan = plan_kv_pool(16, LLAMA3_8B_BF16, 10**9, (100 * GIB, 140 * GIB), 0.9)
+    assert plan.tokens < 10**9 and "--mem-fraction-static" in plan.source
+
+
+def test_no_room_after_the_weights_names_the_flag():
+    with pytest.raises(PoolSizingError, match="raise --mem-fraction-static"):
+        plan_kv_pool(16, LLAMA3_8B_BF16, None, (10 * GIB, 140 * GIB), 0.9)  # 130 GiB in use > 126 allowed
+    with pytest.raises(PoolSizingError, match="--max-total-tokens 100 holds no page of --page-size 256"):
+        plan_kv_pool(256, 1000, 100, None, 0.85)
+
+
+def test_context_length_fits_is_capped_with_a_warning_or_is_an_error():
+    pool = plan_kv_pool(16, 1000, 8192, None, 0.85)
+    assert plan_context_len(4096, None, pool) == (4096, None)
+    length, warning = plan_context_len(131072, None, pool)
+    assert length == 8176 and "capped to 8176" in warning and "--max-total-tokens" in warning
+    assert plan_context_len(131072, 8000, pool) == (8000, None)
+    with pytest.raises(PoolSizingError, match="--context-length 9000 does not fit.*--max-total-tokens.*--mem-fraction-static"):
+        plan_context_len(131072, 9000, pool)

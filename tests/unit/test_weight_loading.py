@@ -1,0 +1,64 @@
+"""The loader: weights built empty in the target dtype, filled from (sharded) safetensors piece by piece,
+equal to transformers' own load; bad checkpoints are clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from common.model import weights
+from common.model.loader import load_hf_config, load_model
+
+
+def save(path, tied: bool, shard: str = "5GB") -> None:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=300, tie_word_embeddings=tied, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size=shard)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk", [weights.CHUNK_BYTES, 1000])  # 1000 bytes: every tensor in many pieces
+def test_bf16_load_equals_transformers_weights_cast_to_bf16(tmp_path, monkeypatch, tied, chunk):
+    save(tmp_path, tied, shard="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    monkeypatch.setattr(weights, "CHUNK_BYTES", chunk)
+    model = load_model(tmp_path, load_hf_config(tmp_path), torch.bfloat16, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    ours = model.state_dict()
+    assert set(ours) == set(hf)
+    for name, value in ours.items():
+        assert value.dtype == torch.bfloat16 and value.device.type == "cpu", name
+        assert torch.equal(value, hf[name].to(torch.bfloat16)), name
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    save(tmp_path, tied=True)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    del state["model.norm.weight"]
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
+
+
+def test_a_wrong_shape_or_quantized_dtype_is_named(tmp_path):
+    save(tmp_path, tied=True)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    state["model.norm.weight"] = torch.ones(65)
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"wrong shape \['model.norm.weight'\].*dtypes \['I8'\]"):
+        load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
+
+
+def test_a_truncated_file_is_a_clear_error(tmp_path):
+    save(tmp_path, tied=True)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="ends early"):
+        load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
