@@ -51,7 +51,7 @@ class Engine:
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.context_len = self._context_len()
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(config.disagg_mode)
         self.kv_pool = KVPool(
             self.hf_config.num_hidden_layers, config.num_pages, config.page_size,
             self.hf_config.num_key_value_heads, head_dim_of(self.hf_config), self.dtype, config.device,
@@ -95,6 +95,12 @@ class Engine:
         m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.prefill.waiting))
         m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.config.num_pages)
         m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
+        cached = self.memory.prefix_cache.evictable_pages
+        m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
+        m.gauge("tandem_kv_pages_used", "KV pages requests hold (total = free + cached + used)",
+                lambda: self.config.num_pages - self.memory.allocator.available_pages() - cached())
+        m.labelled_gauges("tandem_pd_queue_requests", "requests in the PD role's queues (prefill: awaiting_decode, "
+                          "inflight; decode: prealloc, transferring, draining)", "queue", lambda: s.role.queue_depths())
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
