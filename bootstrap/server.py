@@ -19,7 +19,6 @@ import threading
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from bootstrap.registry import (
     MAX_BODY_BYTES,
@@ -31,6 +30,7 @@ from bootstrap.registry import (
 )
 from common.wire.body import load_json_object
 from common.wire.errors import InvalidRequest, error_body
+from common.wire.prometheus import render
 
 log = logging.getLogger("tandem.bootstrap")
 
@@ -93,7 +93,7 @@ def make_app(registry: Registry) -> web.Application:
         return web.json_response({"status": "ok", "registered": len(reg.live_entries()), "rejected": reg.rejected})
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(reg.metrics), content_type="text/plain", charset="utf-8")
+        return web.Response(body=render(reg.metrics, "bootstrap"), content_type="text/plain", charset="utf-8")
 
     app.router.add_put("/route", put_route)
     app.router.add_get("/route", get_route)

@@ -202,9 +202,11 @@ class DecodeRole(Role):
             raise MemoryIntegrityError("decode transfer state held by a request no queue of the role knows")
 
     def info(self) -> dict:
-        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint,
-                "prealloc": len(self.prealloc), "transferring": len(self.transferring), "draining": len(self.draining),
+        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint, **self.queue_depths(),
                 "aux_slots_free": self.aux_pool.num_slots - sum(1 for i in self.inbound.values() if i.aux_slot is not None)}
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"prealloc": len(self.prealloc), "transferring": len(self.transferring), "draining": len(self.draining)}
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

@@ -12,7 +12,6 @@ from decode_node.role import DecodeRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
-from transfer.metrics import TransferCounters
 
 
 def build_decode_engine(config: ServerConfig) -> Engine:
@@ -20,7 +19,7 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         aux = AuxPool(2 * config.max_running_requests + 16)
         args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
         manager = DecodeKVManager(args)
-        engine.metrics.registry.register(TransferCounters(manager))
+        engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)

@@ -139,8 +139,10 @@ class PrefillRole(Role):
             raise MemoryIntegrityError("a prefill room is held by a finished request, or a queued request has none")
 
     def info(self) -> dict:
-        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint,
-                "awaiting_decode": len(self.awaiting_decode), "inflight": len(self.inflight)}
+        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint, **self.queue_depths()}
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"awaiting_decode": len(self.awaiting_decode), "inflight": len(self.inflight)}
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

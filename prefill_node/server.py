@@ -13,7 +13,6 @@ from common.wire.kv_layout import kv_layout
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
-from transfer.metrics import TransferCounters
 from transfer.prefill_manager import PrefillKVManager
 
 log = logging.getLogger(__name__)
@@ -23,7 +22,7 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
         manager = PrefillKVManager(kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES))
-        engine.metrics.registry.register(TransferCounters(manager))
+        engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url
         if bootstrap_url is None:

@@ -8,7 +8,6 @@ import json
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
 
 from common.wire.auth import ApiKeyGuard
 from common.wire.body import read_body
@@ -103,7 +102,7 @@ def _add_status_routes(app: FastAPI, workers: WorkerRegistry, metrics: RouterMet
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 def _add_worker_routes(app: FastAPI, workers: WorkerRegistry, dispatcher: Dispatcher, max_bytes: int) -> None:

@@ -14,6 +14,9 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"(?<![\w:.])([a-zA-Z_:][\w:]*)(\s*\()?")
+_SELECTOR = re.compile(r"(?<![\w:.])([a-zA-Z_:][\w:]*)\s*\{([^}]*)\}")
+_MATCHER = re.compile(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+_LABEL_VALUES = re.compile(r"label_values\((.+),\s*([a-zA-Z_]\w*)\s*\)")
 
 
 def query_metric_names(expr: str) -> set[str]:
@@ -25,6 +28,17 @@ def query_metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\$\{?\w+\}?", "", expr)        # dashboard variables
     expr = _GROUPING.sub("", expr)
     return {m.group(1) for m in _IDENT.finditer(expr) if not m.group(2) and m.group(1).lower() not in KEYWORDS}
+
+
+def selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """Each `metric{...}` of `expr` with its (label, operator, value) matchers."""
+    return [(m.group(1), _MATCHER.findall(m.group(2))) for m in _SELECTOR.finditer(expr)]
+
+
+def matches(op: str, pattern: str, value: str) -> bool:
+    """Whether a label `value` satisfies the matcher `op pattern` (regexes are anchored, as in PromQL)."""
+    hit = value == pattern if op in ("=", "!=") else re.fullmatch(pattern, value) is not None
+    return hit if op in ("=", "=~") else not hit
 
 
 def exported_series(metrics_text: str) -> set[str]:
@@ -44,3 +58,14 @@ def dashboard_queries(dashboard: dict[str, Any]) -> Iterator[str]:
         for target in panel.get("targets", []):
             if target.get("expr"):
                 yield target["expr"]
+
+
+def variable_queries(dashboard: dict[str, Any]) -> Iterator[str]:
+    """The PromQL selector of every `label_values(selector, label)` query variable."""
+    for var in dashboard.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+            m = _LABEL_VALUES.fullmatch(query.strip())
+            if m is None:
+                raise ValueError(f"variable {var['name']}: only label_values(selector, label) queries are checked, not {query!r}")
+            yield m.group(1)

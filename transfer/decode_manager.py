@@ -9,7 +9,7 @@ from typing import Callable
 from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import BadMessage, Envelope, Ping, Pong, Register, Status
-from transfer.poll import KVPoll
+from transfer.poll import DuplicateRoom, KVPoll
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,28 @@ class DecodeKVManager(KVManager):
             raise BadMessage(f"status for room {msg.room} from {envelope.sender}, not from its prefill {room.peer_id}")
         room.status_received = True
         self.liveness.seen(room.peer, envelope.sent_at)
-        room.poll.advance(KVPoll.Success) if msg.ok else room.poll.fail(msg.reason)
+        if not msg.ok:
+            self.fail_room(room, msg.reason, "peer_failed")
+        elif room.poll.advance(KVPoll.Success) and room.requested_at is not None:
+            self.counters["rooms_succeeded"] += 1
+            self.metrics.latency.observe(self.clock() - room.requested_at)
 
     # -- rooms (called by KVReceiver on the scheduler thread) ----------------------------------
     def claim(self, room: int, peer: str, peer_id: str) -> DecodeRoom:
         """A room waiting on prefill `peer_id` at control endpoint `peer`; DuplicateRoom if taken."""
-        return self.table.claim(room, peer, peer_id)
+        try:
+            return self.table.claim(room, peer, peer_id)
+        except DuplicateRoom:
+            self.metrics.failed("duplicate")
+            raise
+
+    def fail_room(self, room: DecodeRoom, reason: str, cause: str) -> bool:
+        """Fail the room, counted by `cause` (transfer.metrics.CAUSES); False if it had already ended."""
+        if not room.poll.fail(reason):
+            return False
+        self.counters["rooms_failed"] += 1
+        self.metrics.failed(cause)
+        return True
 
     def forget(self, room: DecodeRoom) -> None:
         self.table.forget(room)
@@ -83,7 +99,7 @@ class DecodeKVManager(KVManager):
         for room in self.table.snapshot():
             if room.peer == peer and not room.status_received:
                 room.peer_dead_at = now
-                room.poll.fail(reason)
+                self.fail_room(room, reason, "peer_dead")
         self.registered_with.discard(peer)
         self.control.drop(peer)
         for callback in self.on_peer_dead:

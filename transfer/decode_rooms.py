@@ -25,6 +25,7 @@ class DecodeRoom:
     peer_id: str  # the prefill's instance id: the only sender whose status this room accepts
     poll: PollState = field(default_factory=PollState)
     requested: bool = False  # the prefill was told where to write
+    requested_at: float | None = None  # when (the manager's clock), for the room's latency
     status_received: bool = False  # the prefill's final word arrived; nothing more will land
     peer_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
 

@@ -23,6 +23,7 @@ from transfer.backends.base import make_backend
 from transfer.control_plane import ZmqControlPlane
 from transfer.liveness import Liveness
 from transfer.messages import BadMessage, Envelope, ReplayGuard, open_frame
+from transfer.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
 ControlFactory = Callable[[str, Counter], Any]
@@ -64,6 +65,7 @@ class KVManager(ABC):
         for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
             self.backend.register(ptr, nbytes, args.on_cuda)
         self.counters: Counter[str] = Counter()
+        self.metrics = TransferMetrics(self.counters)  # the engine's /metrics exposes it
         self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses, clock, wall_clock)
         self.replay = ReplayGuard(clock=wall_clock)
         make = control or (lambda sender, counters: ZmqControlPlane(args.host, sender, args.secret, counters))

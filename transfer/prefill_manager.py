@@ -21,7 +21,7 @@ from transfer.messages import (
     RoomRequest,
     Status,
 )
-from transfer.poll import KVPoll
+from transfer.poll import DuplicateRoom, KVPoll
 from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
 from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
 
@@ -31,6 +31,8 @@ MAX_REFUSED_REMEMBERED = 1024
 
 class FencedError(RuntimeError):
     """Writing into this decode's memory is no longer safe (see transfer/liveness.py)."""
+
+    cause = "fenced"  # the room's failure cause (transfer/metrics.py), read by the transfer worker
 
 
 class PrefillKVManager(KVManager):
@@ -86,6 +88,7 @@ class PrefillKVManager(KVManager):
         refused = self.refused.get(msg.decode_id)
         if refused is not None and isinstance(msg, RoomRequest):  # tell it why, then count the refusal
             self.send(refused[0].status_endpoint, Status(msg.room, False, f"prefill refused this decode's KV layout: {refused[1]}"))
+            self.metrics.failed("refused_layout")
         raise BadMessage(f"{type(msg).__name__} from unregistered decode {msg.decode_id}")
 
     def _on_request(self, msg: RoomRequest, peer: Register) -> None:
@@ -95,6 +98,7 @@ class PrefillKVManager(KVManager):
             room, gave_up = self.table.on_request(msg)
         except ValueError as e:
             self.send(peer.status_endpoint, Status(msg.room, False, str(e)))
+            self.metrics.failed("duplicate")
             raise BadMessage(str(e)) from None
         reason = gave_up or (room.poll.reason if room is not None else None)
         if reason is not None:  # this prefill already gave up on the room: say so now, not after a timeout
@@ -107,7 +111,7 @@ class PrefillKVManager(KVManager):
         if room is None or self.table.drop_unowned(msg.room):  # nothing was ever written for it
             self.send(peer.status_endpoint, Status(msg.room, False, f"aborted by decode: {msg.reason}"))
         else:
-            self.fail_room(room, f"decode aborted: {msg.reason}")
+            self.fail_room(room, f"decode aborted: {msg.reason}", "peer_aborted")
 
     # -- rooms (called by KVSender on the scheduler thread) ------------------------------------
     @property
@@ -117,24 +121,32 @@ class PrefillKVManager(KVManager):
 
     def claim(self, room: int) -> PrefillRoom:
         """The room for a local request; DuplicateRoom if another request holds it."""
-        return self.table.claim(room)
+        try:
+            return self.table.claim(room)
+        except DuplicateRoom:
+            self.metrics.failed("duplicate")
+            raise
 
     def forget(self, room: PrefillRoom) -> None:
         self.table.forget(room)
 
-    def fail_room(self, room: PrefillRoom, reason: str) -> None:
-        """Fail the room; if a decode waits on it, its worker tells it once no write is in flight."""
-        if self._mark_failed(room, reason) and room.request is not None:
+    def fail_room(self, room: PrefillRoom, reason: str, cause: str) -> None:
+        """Fail the room (`cause`: one of transfer.metrics.CAUSES); if a decode waits on it, its worker
+        tells it once no write is in flight."""
+        if self._mark_failed(room, reason, cause) and room.request is not None:
             self.workers.owe_failure(room.request.decode_id, room)
 
     def enqueue(self, chunk: Chunk) -> None:
         """Hand a chunk to its decode's worker (TransferQueueFull when that queue is full)."""
+        if chunk.room.first_chunk_at is None:
+            chunk.room.first_chunk_at = self.clock()
         self.workers.submit(chunk.room.request.decode_id, chunk)
 
-    def _mark_failed(self, room: PrefillRoom, reason: str) -> bool:
+    def _mark_failed(self, room: PrefillRoom, reason: str, cause: str) -> bool:
         if not room.poll.fail(reason):
             return False
         self.counters["rooms_failed"] += 1
+        self.metrics.failed(cause)
         return True
 
     # -- data plane (on a worker) --------------------------------------------------------------
@@ -158,6 +170,7 @@ class PrefillKVManager(KVManager):
             return  # failed while its last write ran: the failure is owed and follows
         if ok:
             self.counters["rooms_succeeded"] += 1
+            self.metrics.latency.observe(self.clock() - room.first_chunk_at)
         peer = self.peers.get(room.request.decode_id)
         if peer is not None:
             self.send(peer.status_endpoint, Status(room.room, ok, reason))
@@ -171,4 +184,4 @@ class PrefillKVManager(KVManager):
         log.warning("%s: failing its rooms", reason)
         for room in self.table.snapshot():
             if room.owned and room.request is not None and room.request.decode_id == peer:
-                self.fail_room(room, reason)
+                self.fail_room(room, reason, "peer_dead")

@@ -24,6 +24,7 @@ SWEEP_INTERVAL_S = 1.0
 class PrefillRoom:
     room: int
     created: float
+    first_chunk_at: float | None = None  # when its first chunk was queued (the table's clock), for its latency
     poll: PollState = field(default_factory=PollState)
     request: RoomRequest | None = None  # where the decode wants the KV; None until it asked
     owned: bool = False  # a KVSender of this process holds the room

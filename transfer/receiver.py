@@ -24,14 +24,14 @@ class KVReceiver:
         m = self.manager
         m.register_with(self.endpoint)
         m.send(self.endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot))
-        self.room.requested = True
+        self.room.requested, self.room.requested_at = True, m.clock()
         self.room.poll.advance(KVPoll.WaitingForInput)
         self.deadline = m.clock() + m.args.kv_wait_timeout_s
 
     def poll(self) -> KVPoll:
         s = self.room.poll
         if not s.done and self.deadline is not None and self.manager.clock() > self.deadline:
-            s.fail(f"no KV arrived within {self.manager.args.kv_wait_timeout_s:g} s")
+            self.manager.fail_room(self.room, f"no KV arrived within {self.manager.args.kv_wait_timeout_s:g} s", "timeout")
         return s.state
 
     @property
@@ -48,7 +48,7 @@ class KVReceiver:
 
     def abort(self, reason: str) -> None:
         """Stop waiting; ask the prefill to stop writing (it confirms with a status)."""
-        self.room.poll.fail(reason)
+        self.manager.fail_room(self.room, reason, "aborted")
         if not (self.writes_settled or self.abort_sent or self.room.peer_dead_at is not None):
             self.abort_sent = True
             self.manager.send(self.endpoint, Abort(self.room_id, self.manager.instance_id, reason))

@@ -33,17 +33,18 @@ class KVSender:
         does not fit the decode's pages, or a full transfer queue, fails the room instead."""
         dst = self.room.request.dst_pages[self.offset : self.offset + len(src_pages)]
         if len(dst) != len(src_pages):
-            self.abort(f"chunk of {len(src_pages)} pages overruns the {self.num_dst_pages} reserved by decode")
+            self.abort(f"chunk of {len(src_pages)} pages overruns the {self.num_dst_pages} reserved by decode", "overrun")
             return
         self.offset += len(src_pages)
         self.room.poll.advance(KVPoll.Transferring)
         try:
             self.manager.enqueue(Chunk(self.room, src_pages, dst, aux if is_last else None))
         except TransferQueueFull as e:
-            self.abort(str(e))
+            self.abort(str(e), "queue_full")
 
-    def abort(self, reason: str) -> None:
-        self.manager.fail_room(self.room, reason)
+    def abort(self, reason: str, cause: str = "aborted") -> None:
+        """Fail the room; `cause` is what transfer/metrics.py counts it as."""
+        self.manager.fail_room(self.room, reason, cause)
 
     def release(self) -> None:
         self.manager.forget(self.room)

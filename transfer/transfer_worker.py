@@ -36,9 +36,9 @@ class Chunk:
     aux: bytes | None  # set on the last chunk: the record written after the pages
 
 
-Write = Callable[[Chunk], None]  # raises on failure
+Write = Callable[[Chunk], None]  # raises on failure; the exception's `cause` attribute, if any, names it
 Notify = Callable[[PrefillRoom, bool, str], None]  # (room, ok, reason): send the room's final status
-MarkFailed = Callable[[PrefillRoom, str], bool]  # fail a room and count it; False if it had already ended
+MarkFailed = Callable[[PrefillRoom, str, str], bool]  # (room, reason, cause): fail a room and count it; False if it had already ended
 
 
 class TransferWorker:
@@ -117,7 +117,7 @@ class TransferWorker:
                 self.write(c)
             except Exception as e:
                 log.warning("room %d: transfer to %s failed: %s", c.room.room, self.decode_id, e)
-                if self.mark_failed(c.room, f"transfer error: {e}"):
+                if self.mark_failed(c.room, f"transfer error: {e}", getattr(e, "cause", "transfer_error")):
                     self.notify(c.room, False, f"transfer error: {e}")
             else:
                 if c.aux is not None:
@@ -145,7 +145,8 @@ class TransferWorker:
             self.died = e
             rooms = {id(c.room): c.room for c in [*([self.current] if self.current else []), *self.chunks]}
             owed, self.owed, self.chunks = self.owed, [], deque()
-        failed_here = [r for r in rooms.values() if self.mark_failed(r, f"the transfer thread for decode {self.decode_id} died: {e!r}")]
+        failed_here = [r for r in rooms.values()
+                       if self.mark_failed(r, f"the transfer thread for decode {self.decode_id} died: {e!r}", "worker_died")]
         for room in [*owed, *failed_here]:
             try:
                 self.notify(room, False, room.poll.reason or "failed")

@@ -51,7 +51,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(config.disagg_mode)
         model = load_model(self.model_dir, self.hf_config, self.dtype, config.device)  # first: the pool gets what is left
         head_dim = head_dim_of(self.hf_config)
         self.pool_plan = self._plan_pool(head_dim)
@@ -108,6 +108,12 @@ class Engine:
         m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.prefill.waiting))
         m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.pool_plan.num_pages)
         m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
+        cached = self.memory.prefix_cache.evictable_pages
+        m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
+        m.gauge("tandem_kv_pages_used", "KV pages requests hold (total = free + cached + used)",
+                lambda: self.config.num_pages - self.memory.allocator.available_pages() - cached())
+        m.labelled_gauges("tandem_pd_queue_requests", "requests in the PD role's queues (prefill: awaiting_decode, "
+                          "inflight; decode: prealloc, transferring, draining)", "queue", lambda: s.role.queue_depths())
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:

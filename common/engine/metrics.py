@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server process (own registry, so tests can run several engines)."""
+"""Prometheus metrics of one server process (own registry, so tests can run several engines); /metrics
+labels every sample with the server's role (common/wire/prometheus.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,9 +11,10 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from common.wire.prometheus import render
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 REJECTED_NAME = "tandem_rejected_inputs"  # exposed as tandem_rejected_inputs_total
@@ -63,8 +65,24 @@ class RejectedInputs:
         yield family
 
 
+class LabelledGauges:
+    """One gauge family whose samples, one per label value, are read at scrape time (the values read
+    may come and go, as a role's queues do)."""
+
+    def __init__(self, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]):
+        self.name, self.doc, self.label, self.read = name, doc, label, read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.doc, labels=[self.label])
+        for value, n in sorted(self.read().items()):
+            family.add_metric([value], n)
+        yield family
+
+
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(self, role: str) -> None:
+        """`role`: the server's --disagg-mode (null, prefill or decode), the `role` label of its samples."""
+        self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tandem_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
@@ -89,5 +107,9 @@ class EngineMetrics:
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)
 
+    def labelled_gauges(self, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+        """A gauge family `name{label}` whose samples are `read()` at scrape time, from the /metrics thread."""
+        self.registry.register(LabelledGauges(name, doc, label, read))
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry, self.role)

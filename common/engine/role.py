@@ -42,6 +42,10 @@ class Role:
         """What the role adds to /get_server_info."""
         return {}
 
+    def queue_depths(self) -> dict[str, int]:
+        """Requests in each of the role's queues, by queue name (read from the /metrics thread)."""
+        return {}
+
     def check_integrity(self) -> None:
         """Raise if the role's own pools leak."""
 

@@ -35,8 +35,8 @@ def bootstrap():
 def rejected(server, field: str, method: str | None = None) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     if method is None:
-        return sample(text, "tandem_bootstrap_rejected_registrations_total", {"field": field})
-    return sample(text, "tandem_bootstrap_rejected_lookups_total", {"method": method, "field": field})
+        return sample(text, "tandem_bootstrap_rejected_registrations_total", {"field": field, "role": "bootstrap"})
+    return sample(text, "tandem_bootstrap_rejected_lookups_total", {"method": method, "field": field, "role": "bootstrap"})
 
 
 def assert_error(r: httpx.Response, status: int, param: str) -> None:
@@ -123,7 +123,7 @@ def test_valid_registration_after_bad_ones_is_returned_exactly(bootstrap):
     assert layout.json() == {k: VALID[k] for k in ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim",
                                                     "dtype", "transfer_backend")}
     metrics = httpx.get(bootstrap.url + "/metrics", timeout=10).text
-    assert sample(metrics, "tandem_bootstrap_registered_ranks", {}) == 1
+    assert sample(metrics, "tandem_bootstrap_registered_ranks", {"role": "bootstrap"}) == 1
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
@@ -159,11 +159,11 @@ def test_unknown_path_and_method_are_json_errors(bootstrap):
 def test_embedded_registry_reports_its_rejections_to_the_engine_metrics():
     port = free_port()
     registry = start_in_thread("127.0.0.1", port, None)
-    metrics = EngineMetrics()
+    metrics = EngineMetrics("prefill")
     metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
     for body in (b"nope", b"[]"):
         assert httpx.put(f"http://127.0.0.1:{port}/route", content=body, timeout=10).status_code == 400
     text = metrics.render().decode()
-    assert sample(text, "tandem_rejected_inputs_total", {"where": "bootstrap"}) == 2
-    assert sample(text, "tandem_rejected_inputs_total", {"where": "http"}) == 0
+    assert sample(text, "tandem_rejected_inputs_total", {"where": "bootstrap", "role": "prefill"}) == 2
+    assert sample(text, "tandem_rejected_inputs_total", {"where": "http", "role": "prefill"}) == 0
     assert [f.name for f in text_string_to_metric_families(text)].count("tandem_rejected_inputs") == 1

@@ -184,9 +184,9 @@ def rejected_http(server) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "tandem_rejected_inputs_total" and s.labels == {"where": "http"}:
+            if s.name == "tandem_rejected_inputs_total" and s.labels == {"where": "http", "role": "null"}:
                 return s.value
-    raise AssertionError("tandem_rejected_inputs_total{where=\"http\"} is missing from /metrics")
+    raise AssertionError("tandem_rejected_inputs_total{where=\"http\", role=\"null\"} is missing from /metrics")
 
 
 def assert_well_formed(endpoint: str, r: httpx.Response) -> None:

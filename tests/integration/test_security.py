@@ -123,10 +123,10 @@ def test_every_4xx_is_counted_once_as_a_rejected_input(server):
     assert [r.status_code for r in answers] == [401, 413, 400, 404, 404, 405, 200]
     assert [r.json()["error"]["param"] for r in answers[4:6]] == ["path", "method"]
     after = metrics(server)
-    http = {"where": "http"}
+    http = {"where": "http", "role": "null"}
     assert sample(after, "tandem_rejected_inputs_total", http) == sample(before, "tandem_rejected_inputs_total", http) + 6
     for status, n in (("401", 1), ("413", 1), ("400", 1), ("405", 1), ("200", 1)):
-        labels = {"endpoint": "/generate", "status": status}
+        labels = {"endpoint": "/generate", "status": status, "role": "null"}
         assert sample(after, "tandem_requests_total", labels) == sample(before, "tandem_requests_total", labels) + n
 
 
