@@ -59,6 +59,9 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
         decodes += ["--decode", f"http://{ns.host}:{port}"]
     router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port)]
     children.append(Child("router", router, f"http://{ns.host}:{ns.port}/readiness"))
+    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
+    for c in children:
+        c.env["TANDEM_CLUSTER_SECRET"] = secret  # in the environment, not argv: `ps` shows argv
     return children
 
 
@@ -102,9 +105,6 @@ def place(ns: argparse.Namespace, children: list[Child], gpus: list[str]) -> lis
 def run_up(ns: argparse.Namespace) -> int:
     gpus = resolve_device(ns)
     children = plan_children(ns)
-    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
-    for c in children:
-        c.env["TANDEM_CLUSTER_SECRET"] = secret  # in the environment, not argv: `ps` shows argv
     try:
         lines = place(ns, children, gpus)
     except ValueError as e:

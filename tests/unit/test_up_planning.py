@@ -70,3 +70,16 @@ def test_up_with_cuda_and_no_visible_gpu_says_what_to_do():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "[up] --device cuda but no GPU is visible" in out.stdout and "use --device cpu" in out.stdout
+
+
+def test_every_cluster_gets_its_own_random_secret_through_the_environment(monkeypatch):
+    monkeypatch.delenv("TANDEM_CLUSTER_SECRET", raising=False)
+    first, _, _ = children("--num-prefill", "2")
+    second, _, _ = children("--num-prefill", "2")
+    secrets_of = lambda kids: {c.env["TANDEM_CLUSTER_SECRET"] for c in kids}  # noqa: E731
+    assert len(secrets_of(first)) == 1 and len(secrets_of(second)) == 1
+    (a,), (b,) = secrets_of(first), secrets_of(second)
+    assert a != b and len(a) == 32
+    assert all(a not in " ".join(c.argv) for c in first)
+    monkeypatch.setenv("TANDEM_CLUSTER_SECRET", "given-by-the-operator")
+    assert secrets_of(children()[0]) == {"given-by-the-operator"}
