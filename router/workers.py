@@ -1,19 +1,26 @@
 """The workers the router knows, their health (checked in the background) and load.
 
-A worker taken out of rotation sets its `down` event: every request in flight on it watches that
-event and ends at once (see router/pair_call.py). A worker that passes a health check again gets a
-fresh event and is used again.
+A worker taken out of rotation ends every request in flight on it at once: each registers in the
+worker's `calls` while it depends on the worker (see router/pair_call.py). A worker that passes a
+health check again is used again.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlparse
 
 import aiohttp
 
 log = logging.getLogger("tandem.router")
+
+
+class Call(Protocol):
+    def worker_down(self, worker: Worker) -> None:
+        """End the request now: `worker` was taken out of rotation (its `down_reason` says why)."""
 
 
 @dataclass
@@ -24,10 +31,10 @@ class Worker:
     healthy: bool = False  # until its first health check passes
     failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
-    down: asyncio.Event = field(default_factory=asyncio.Event)
+    calls: set[Call] = field(default_factory=set)  # requests in flight that end if this worker is taken out
     down_reason: str = ""
 
-    @property
+    @functools.cached_property
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
@@ -67,16 +74,15 @@ class WorkerRegistry:
     def _recover(self, worker: Worker) -> None:
         if not worker.healthy:
             log.info("%s worker %s is healthy", worker.role, worker.url)
-        if worker.down.is_set():  # requests from now on watch a fresh event
-            worker.down, worker.down_reason = asyncio.Event(), ""
-        worker.failures, worker.healthy = 0, True
+        worker.failures, worker.healthy, worker.down_reason = 0, True, ""
 
     def _take_out(self, worker: Worker, failure: str) -> None:
         worker.healthy = False
         worker.down_reason = (f"{worker.role} worker {worker.url} failed health checks and was taken out of rotation "
                               f"({worker.failures} failures in a row; the last: {failure})")
-        log.warning("%s; ending its %d requests in flight", worker.down_reason, worker.in_flight)
-        worker.down.set()
+        log.warning("%s; ending its %d requests in flight", worker.down_reason, len(worker.calls))
+        for call in list(worker.calls):
+            call.worker_down(worker)
 
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One GET /health; slower than the check timeout counts as a failure."""

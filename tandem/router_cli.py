@@ -9,7 +9,6 @@ import os
 import sys
 from typing import Any
 
-import uvicorn
 from pydantic import ValidationError
 
 from router.config import PrefillSpec, RouterConfig
@@ -52,8 +51,8 @@ def run_router_cli(argv: list[str]) -> None:
         config = config_from_args(argv)
     except (ValidationError, ValueError) as e:
         sys.exit(f"tandem router: {e}")
-    from router.app import create_router_app
+    from router.app import serve_router
 
     log = logging.getLogger("tandem.router")
     log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
-    uvicorn.run(create_router_app(config), host=config.host, port=config.port, log_level="warning")
+    serve_router(config)

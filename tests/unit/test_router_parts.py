@@ -2,8 +2,6 @@
 SSE framing, upstream error bodies."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from router.pair_stream import SSEFramer
@@ -31,23 +29,37 @@ def test_bad_values_are_refused(monkeypatch):
         config_from_args([])
 
 
-def test_a_worker_leaves_rotation_at_the_threshold_and_returns_with_a_fresh_down_event():
-    async def scenario() -> None:
-        registry = WorkerRegistry(failure_threshold=2)
-        w = registry.add("http://d:1/", "decode")
-        registry.mark(w, True)
-        first_event = w.down
-        registry.mark(w, False, "GET /health timed out after 2 s")
-        assert w.healthy and not first_event.is_set() and w.failures == 1
-        registry.mark(w, False, "GET /health timed out after 2 s")
-        assert not w.healthy and first_event.is_set() and registry.healthy("decode") == []
-        assert w.down_reason == ("decode worker http://d:1 failed health checks and was taken out of rotation "
-                                 "(2 failures in a row; the last: GET /health timed out after 2 s)")
-        registry.mark(w, True)
-        assert w.healthy and w.failures == 0 and w.down is not first_event and not w.down.is_set()
-        assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "healthy": True, "failures": 0, "in_flight": 0}
+class RecordingCall:
+    """A request in flight, as the registry sees it: it only needs to be told when its worker goes down."""
 
-    asyncio.run(scenario())
+    def __init__(self) -> None:
+        self.ended_by: list[str] = []
+
+    def worker_down(self, worker) -> None:
+        self.ended_by.append(worker.down_reason)
+
+
+def test_a_worker_leaves_rotation_at_the_threshold_ending_its_calls_and_returns_when_healthy():
+    registry = WorkerRegistry(failure_threshold=2)
+    w = registry.add("http://d:1/", "decode")
+    registry.mark(w, True)
+    call = RecordingCall()
+    w.calls.add(call)
+    registry.mark(w, False, "GET /health timed out after 2 s")
+    assert w.healthy and call.ended_by == [] and w.failures == 1
+    registry.mark(w, False, "GET /health timed out after 2 s")
+    assert not w.healthy and registry.healthy("decode") == []
+    assert w.down_reason == ("decode worker http://d:1 failed health checks and was taken out of rotation "
+                             "(2 failures in a row; the last: GET /health timed out after 2 s)")
+    assert call.ended_by == [w.down_reason]
+    w.calls.discard(call)  # what the call does when it closes
+    registry.mark(w, True)
+    assert w.healthy and w.failures == 0 and w.down_reason == ""
+    later = RecordingCall()
+    w.calls.add(later)
+    registry.mark(w, False, "GET /health answered HTTP 500")
+    assert later.ended_by == [] and call.ended_by == [call.ended_by[0]]  # one failure: still in rotation
+    assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "healthy": True, "failures": 1, "in_flight": 0}
 
 
 def test_sse_framer_passes_whole_events_only_and_notices_done():
