@@ -1,14 +1,15 @@
 """Router throughput: Tandem's router vs sglang-router (Rust, PD mode) in front of the same mock prefill and
-decode workers (benchmarks/router_mock.py), 32 clients with keep-alive connections, JSON and streaming.
+decode workers (benchmarks/router_mock.py), 32 clients on keep-alive connections, JSON and streaming.
 
-    .venv/bin/python benchmarks/router_bench.py [--clients 32] [--seconds 5] [--repeat 3] [--events 16]
-        [--tandem-args "--workers 2"]
+    .venv/bin/python benchmarks/router_bench.py [--clients 32] [--seconds 4] [--repeat 5] [--events 16]
+        [--tandem-args "--processes 2"] [--sglang-args "..."]
 
-Per repetition each router runs alone (started, measured on every mode, stopped; the order alternates),
-so both see the same machine. Every answer is checked byte for byte against the decode's body (neither
-router changes it without logprobs); a wrong answer counts as an error, not as throughput. The table
-gives the median req/s over the repetitions, the ratio Tandem / sglang-router and each repetition's
-numbers; p50 is the median request latency of the median run.
+Both routers run side by side (idle while the other is measured); each repetition measures every mode on
+one router right after the other, in alternating order, so both see the same load from whatever else runs
+on the machine. Every answer is checked byte for byte against the decode's body (neither router changes it
+when no logprobs are asked for): a wrong answer counts as an error, not as throughput. The table gives
+medians over the repetitions: req/s, the ratio Tandem / sglang-router, the routers' CPU time per request
+(all their processes and threads) and the median latency.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import asyncio
 import json
 import os
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,22 +32,27 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.router_mock import bodies  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
 
 PROMPT = "Summarise the following text in one sentence. " * 10
 MODES = [("/generate", False), ("/generate", True), ("/v1/chat/completions", False), ("/v1/chat/completions", True)]
+ROUTERS = ("tandem", "sglang")
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
-def request_body(path: str, stream: bool) -> dict:
-    if path == "/generate":
-        return {"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0}, "stream": stream}
-    return {"model": "mock", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "stream": stream}
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def http_request(port: int, path: str, stream: bool) -> bytes:
-    body = json.dumps(request_body(path, stream)).encode()
+    if path == "/generate":
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0}, "stream": stream}
+    else:
+        body = {"model": "mock", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "stream": stream}
+    data = json.dumps(body).encode()
     return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
@@ -65,41 +72,66 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]
 
 
 @dataclass
-class Run:
-    done: list[tuple[float, float]] = field(default_factory=list)  # (finished at, latency)
-    errors: int = 0
-    first_error: str = ""
+class Result:
+    rps: float
+    p50_ms: float
+    cpu_us: float  # router CPU per request
+    workers_cpu_us: float  # both mock workers' CPU per request
+    errors: int
+    first_error: str
 
 
-async def client(port: int, request: bytes, expected: bytes, until: float, run: Run) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
+async def load(port: int, path: str, stream: bool, clients: int, seconds: float, warmup: float, expected: bytes):
+    """(latencies of the answers that finished in the measured window, answers in all, errors, first error)."""
+    request, done, errors = http_request(port, path, stream), [], [0, ""]
+    start = time.monotonic()
+    until = start + warmup + seconds
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         while time.monotonic() < until:
-            start = time.monotonic()
+            sent = time.monotonic()
             writer.write(request)
             status, body, keep_alive = await read_response(reader)
             now = time.monotonic()
             if status == 200 and body == expected:
-                run.done.append((now, now - start))
+                done.append((now, now - sent))
             else:
-                run.errors += 1
-                run.first_error = run.first_error or f"HTTP {status}: {body[:300]!r}"
+                errors[0] += 1
+                errors[1] = errors[1] or f"HTTP {status}: {body[:300]!r}"
             if not keep_alive:
                 writer.close()
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    finally:
         writer.close()
 
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return [lat for t, lat in done if t >= start + warmup], len(done) + errors[0], errors[0], errors[1]
 
-async def measure(port: int, path: str, stream: bool, clients: int, seconds: float, warmup: float) -> tuple[float, float, Run]:
-    """(req/s, p50 latency in ms, the run) over `seconds` after `warmup` seconds of the same load."""
-    expected = b"".join(bodies(ARGS.events)[path, stream])
-    run, start = Run(), time.monotonic()
-    until = start + warmup + seconds
-    await asyncio.gather(*(client(port, http_request(port, path, stream), expected, until, run) for _ in range(clients)))
-    counted = [lat for t, lat in run.done if start + warmup <= t <= until]
-    p50 = 1000 * statistics.median(counted) if counted else float("nan")
-    return len(counted) / seconds, p50, run
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process, its threads and its descendants (alive ones)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += sum(int(x) for x in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def measure(proc: subprocess.Popen, port: int, mocks: list[subprocess.Popen], path: str, stream: bool,
+            a: argparse.Namespace) -> Result:
+    expected = b"".join(bodies(a.events)[path, stream])
+    before, mocks_before = cpu_ticks(proc.pid), sum(cpu_ticks(m.pid) for m in mocks)
+    lats, answers, errors, first_error = asyncio.run(load(port, path, stream, a.clients, a.seconds, a.warmup, expected))
+    # over the warm-up too, so per answer over all answers
+    per_answer = lambda ticks: 1e6 * ticks * TICK_S / max(answers, 1)  # noqa: E731
+    return Result(len(lats) / a.seconds, 1000 * statistics.median(lats) if lats else float("nan"),
+                  per_answer(cpu_ticks(proc.pid) - before), per_answer(sum(cpu_ticks(m.pid) for m in mocks) - mocks_before),
+                  errors, first_error)
 
 
 def spawn(cmd: list[str], ready_url: str, name: str) -> subprocess.Popen:
@@ -121,75 +153,75 @@ def spawn(cmd: list[str], ready_url: str, name: str) -> subprocess.Popen:
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
-        proc.wait(10)
+        proc.wait(15)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
 
 
-def router_cmd(name: str, port: int, prefill: str, boot: int, decode: str) -> list[str]:
+def router_cmd(name: str, port: int, prefill: str, boot: int, decode: str, a: argparse.Namespace) -> list[str]:
     if name == "tandem":
         return [sys.executable, "-m", "tandem", "router", "--prefill", prefill, str(boot), "--decode", decode,
-                "--port", str(port), "--policy", "round_robin", *shlex.split(ARGS.tandem_args)]
+                "--port", str(port), "--policy", "round_robin", *shlex.split(a.tandem_args)]
     return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill, str(boot),
             "--decode", decode, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-            "--prometheus-port", str(free_port()), *shlex.split(ARGS.sglang_args)]
+            "--prometheus-port", str(free_port()), *shlex.split(a.sglang_args)]
 
 
-def bench_router(name: str, prefill: str, boot: int, decode: str) -> dict[tuple[str, bool], tuple[float, float, Run]]:
-    port = free_port()
-    proc = spawn(router_cmd(name, port, prefill, boot, decode), f"http://127.0.0.1:{port}/readiness", name)
-    try:
-        return {m: asyncio.run(measure(port, *m, ARGS.clients, ARGS.seconds, ARGS.warmup)) for m in MODES}
-    finally:
-        stop(proc)
-
-
-def report(results: dict[str, list[dict]]) -> None:
-    print(f"\n{ARGS.clients} clients, {ARGS.seconds:g} s per run after {ARGS.warmup:g} s warm-up, {ARGS.repeat} repetitions, "
-          f"{ARGS.events} SSE events per streamed answer, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'mode':<28} {'tandem req/s':>12} {'sglang req/s':>12} {'ratio':>6} {'p50 ms t/s':>12}   runs tandem | sglang")
+def report(results: dict[tuple[str, str, bool], list[Result]], a: argparse.Namespace, load_before: float) -> None:
+    print(f"\n{a.clients} clients, {a.seconds:g} s per run after {a.warmup:g} s warm-up, {a.repeat} repetitions, "
+          f"{a.events} SSE events per streamed answer; {os.cpu_count()} CPUs, load average {load_before:.1f} before "
+          f"and {os.getloadavg()[0]:.1f} after; tandem router {a.tandem_args or '(defaults)'}")
+    print("CPU: microseconds of CPU time per request of the router (all its processes and threads) and of the two "
+          "mock workers together; t|s = tandem|sglang")
+    print(f"{'mode':<28} {'tandem req/s':>12} {'sglang req/s':>12} {'ratio':>6} {'router CPU t|s':>15} "
+          f"{'workers CPU t|s':>16} {'p50 ms t|s':>12}")
     for path, stream in MODES:
-        runs = {n: sorted(results[n], key=lambda r: r[path, stream][0]) for n in results}
-        med = {n: r[len(r) // 2][path, stream] for n, r in runs.items()}
-        each = {n: " ".join(f"{r[path, stream][0]:.0f}" for r in results[n]) for n in results}
-        errors = sum(r[path, stream][2].errors for n in results for r in results[n])
-        mode = f"{path} {'stream' if stream else 'json'}"
-        print(f"{mode:<28} {med['tandem'][0]:>12.0f} {med['sglang'][0]:>12.0f} {med['tandem'][0] / med['sglang'][0]:>6.2f} "
-              f"{med['tandem'][1]:>5.1f}/{med['sglang'][1]:<5.1f}   {each['tandem']} | {each['sglang']}"
-              + (f"   ERRORS {errors}" if errors else ""))
-    for n in results:
-        for r in results[n]:
-            for m, (_, _, run) in r.items():
-                if run.errors:
-                    print(f"{n} {m}: {run.errors} wrong answers, the first: {run.first_error}")
+        med = {n: [statistics.median(getattr(r, f) for r in results[n, path, stream])
+                   for f in ("rps", "cpu_us", "workers_cpu_us", "p50_ms")] for n in ROUTERS}
+        t, s = med["tandem"], med["sglang"]
+        print(f"{path + (' stream' if stream else ' json'):<28} {t[0]:>12.0f} {s[0]:>12.0f} {t[0] / s[0]:>6.2f} "
+              f"{t[1]:>7.0f}|{s[1]:<7.0f} {t[2]:>8.0f}|{s[2]:<7.0f} {t[3]:>5.1f}|{s[3]:<5.1f}")
+    for (n, path, stream), rs in results.items():
+        print(f"  {n} {path}{' stream' if stream else ''} req/s per repetition: " + " ".join(f"{r.rps:.0f}" for r in rs))
+        for r in rs:
+            if r.errors:
+                print(f"    {r.errors} wrong answers, the first: {r.first_error}")
 
 
-def main() -> None:
+def main(a: argparse.Namespace) -> None:
+    load_before = os.getloadavg()[0]
     boot, pport, dport = free_port(), free_port(), free_port()
-    mock = [sys.executable, str(ROOT / "benchmarks" / "router_mock.py"), "--events", str(ARGS.events)]
-    prefill = spawn([*mock, "--role", "prefill", "--port", str(pport)], f"http://127.0.0.1:{pport}/health", "mock prefill")
-    decode = spawn([*mock, "--role", "decode", "--port", str(dport)], f"http://127.0.0.1:{dport}/health", "mock decode")
-    results: dict[str, list[dict]] = {"tandem": [], "sglang": []}
+    prefill, decode = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
+    mock = [sys.executable, str(ROOT / "benchmarks" / "router_mock.py"), "--events", str(a.events)]
+    procs = [spawn([*mock, "--role", "prefill", "--port", str(pport)], prefill + "/health", "mock prefill"),
+             spawn([*mock, "--role", "decode", "--port", str(dport)], decode + "/health", "mock decode")]
+    results: dict[tuple[str, str, bool], list[Result]] = {(n, p, s): [] for n in ROUTERS for p, s in MODES}
     try:
-        for rep in range(ARGS.repeat):
-            for name in (["tandem", "sglang"] if rep % 2 == 0 else ["sglang", "tandem"]):
-                results[name].append(bench_router(name, f"http://127.0.0.1:{pport}", boot, f"http://127.0.0.1:{dport}"))
-                print(f"rep {rep + 1} {name}: " + ", ".join(f"{p}{' stream' if s else ''} {v[0]:.0f}" for (p, s), v in results[name][-1].items()), flush=True)
+        routers = {}
+        for name in ROUTERS:
+            port = free_port()
+            procs.append(spawn(router_cmd(name, port, prefill, boot, decode, a), f"http://127.0.0.1:{port}/readiness", name))
+            routers[name] = (procs[-1], port)
+        for rep in range(a.repeat):
+            for k, (path, stream) in enumerate(MODES):
+                for name in (ROUTERS if (rep + k) % 2 == 0 else ROUTERS[::-1]):
+                    results[name, path, stream].append(r := measure(*routers[name], procs[:2], path, stream, a))
+                    print(f"rep {rep + 1} {name:<6} {path}{' stream' if stream else ''}: {r.rps:.0f} req/s, "
+                          f"{r.cpu_us:.0f} us CPU/req", flush=True)
     finally:
-        stop(prefill)
-        stop(decode)
-    report(results)
+        for p in procs:
+            stop(p)
+    report(results, a, load_before)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=5.0, help="measured time per run")
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured time per run")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured time under the same load first")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--events", type=int, default=16, help="token events of a streamed answer")
-    parser.add_argument("--tandem-args", default="", help="extra `tandem router` flags")
+    parser.add_argument("--tandem-args", default="", help="extra `tandem router` flags, e.g. --processes 2")
     parser.add_argument("--sglang-args", default="", help="extra sglang-router flags")
-    ARGS = parser.parse_args()
-    main()
+    main(parser.parse_args())

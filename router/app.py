@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import os
+import sys
 from typing import AsyncIterator
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from common.wire.auth import bearer_matches
 from common.wire.body import read_limited
@@ -21,7 +23,9 @@ from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, json_response
-from router.metrics import RouterMetrics
+from router.metrics import REFRESH_S, RouterMetrics
+from router.processes import shared_dir, supervise
+from router.shared_workers import SharedWorkers
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -35,18 +39,23 @@ def create_router_app(config: RouterConfig) -> web.Application:
         workers.add(p.url, "prefill", p.bootstrap_port)
     for d in config.decode:
         workers.add(d, "decode")
-    admission = Admission(config.max_concurrent_requests)
-    metrics = RouterMetrics(workers, lambda: admission.in_flight)
+    shared = shared_dir()  # set when this is one of several router processes on the port
+    admission = Admission(math.ceil(config.max_concurrent_requests / config.processes) if shared else config.max_concurrent_requests)
+    metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     dispatcher = Dispatcher(config, workers, metrics, admission)
     app = web.Application(middlewares=[_guard(config.api_key)])
     app["workers"], app["dispatcher"] = workers, dispatcher
+    app["shared_workers"] = SharedWorkers(shared, workers) if shared else None
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=5)
         session = app["session"] = aiohttp.ClientSession(timeout=timeout)  # health checks and /v1/models
-        task = asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))
+        tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
+        if shared:
+            tasks += [asyncio.create_task(app["shared_workers"].follow(session)), asyncio.create_task(_refresh(metrics))]
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         for pool in dispatcher.pools.values():
             pool.close()
         await session.close()
@@ -57,6 +66,12 @@ def create_router_app(config: RouterConfig) -> web.Application:
     _add_status_routes(app, workers, metrics)
     _add_worker_routes(app, workers, config.max_request_bytes)
     return app
+
+
+async def _refresh(metrics: RouterMetrics) -> None:
+    while True:
+        metrics.refresh()
+        await asyncio.sleep(REFRESH_S)
 
 
 def _guard(api_key: str | None):
@@ -100,7 +115,7 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
         return json_response(error_body(f"not ready: {p} healthy prefill and {d} healthy decode workers", "overloaded_error", 503), 503)
 
     async def prometheus(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": "text/plain; version=0.0.4"})
+        return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     for path, handler in (("/v1/models", models), ("/health", health), ("/readiness", readiness), ("/metrics", prometheus)):
         app.router.add_get(path, handler)
@@ -120,6 +135,8 @@ def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes:
             w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"))
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port: {e}", param="body") from None
+        if app["shared_workers"]:
+            app["shared_workers"].publish(added=w)
         await workers.check_all(app["session"])
         return json_response(w.to_dict())
 
@@ -130,6 +147,8 @@ def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes:
             raise InvalidRequest("give the url of the worker to remove", param="url") from None
         if not workers.remove(url):
             return json_response(error_body(f"no worker {url}", "not_found_error", 404, "url"), 404)
+        if app["shared_workers"]:
+            app["shared_workers"].publish(removed=url.rstrip("/"))
         return json_response({"removed": url})
 
     app.router.add_get("/workers", list_workers)
@@ -137,8 +156,20 @@ def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes:
     app.router.add_delete("/workers", remove_worker)
 
 
-def serve_router(config: RouterConfig) -> None:
-    """Serve until SIGINT/SIGTERM; requests still running then get 5 s to end."""
+def serve_router(config: RouterConfig, argv: list[str]) -> None:
+    """Serve until SIGINT/SIGTERM (requests still running then get 5 s to end); with `--processes N`, start N
+    router processes on the port (`argv` are this command's flags) and supervise them."""
+    if config.processes > 1 and not shared_dir():
+        sys.exit(supervise(argv, config.processes))
     with contextlib.suppress(KeyboardInterrupt):
         web.run_app(create_router_app(config), host=config.host, port=config.port, access_log=None, print=None,
-                    handler_cancellation=True, shutdown_timeout=5)
+                    handler_cancellation=True, shutdown_timeout=5, reuse_port=bool(shared_dir()), loop=_event_loop())
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's where it is installed: a quarter less CPU per request than asyncio's (benchmarks/router_bench.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()

@@ -32,4 +32,6 @@ class RouterConfig(BaseSettings):
     request_timeout_s: float = Field(1800.0, gt=0, description="the longest one request may take end to end")
     max_concurrent_requests: int = Field(4096, ge=1, description="requests in flight beyond this are answered 429")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies are answered 413")
+    processes: int = Field(1, ge=1, description="router processes serving the port (SO_REUSEPORT), for more than "
+                           "one core; what they share is in router/processes.py")
     api_key: str | None = Field(None, validation_alias="TANDEM_API_KEY")

@@ -8,7 +8,8 @@ metrics count).
     connection dropped / reset mid-answer     502     names the worker + cause   no       yes
     timeout                                   502     names the worker + cause   no       no
     worker taken out of rotation (health)     502     names the worker + reason  no       (already out)
-    client went away                          499     -                          no       no
+
+A client that goes away is no UpstreamError: its handler is cancelled (router/dispatch.py counts it).
 """
 from __future__ import annotations
 
@@ -73,11 +74,6 @@ def connection_failed(worker: Worker, exc: BaseException, when: str) -> Upstream
 def worker_dead(worker: Worker) -> UpstreamError:
     message = f"request cancelled: {worker.down_reason}"
     return UpstreamError(502, error_body(message, "upstream_unavailable", 502), WORKER_DEAD, worker)
-
-
-def client_disconnected() -> UpstreamError:
-    body = error_body("client disconnected before the response was ready", "aborted", 499)
-    return UpstreamError(499, body, CLIENT_DISCONNECTED)
 
 
 async def send(resp: Response, worker: Worker) -> Response:

@@ -55,4 +55,4 @@ def run_router_cli(argv: list[str]) -> None:
 
     log = logging.getLogger("tandem.router")
     log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
-    serve_router(config)
+    serve_router(config, argv)

@@ -69,7 +69,8 @@ def serve(config: ServerConfig) -> None:
     )
     log.info("serving on http://%s:%d", config.host, config.port)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+        # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5, loop="asyncio")
     finally:
         engine.stop()
         log.info("stopped")
