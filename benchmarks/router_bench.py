@@ -4,6 +4,8 @@ decode workers (benchmarks/router_mock.py), 32 clients on keep-alive connections
     .venv/bin/python benchmarks/router_bench.py [--clients 32] [--seconds 4] [--repeat 5] [--events 16]
         [--tandem-args "--processes 2"] [--sglang-args "..."]
 
+Tandem's router runs one process per CPU by default (`--processes`), as sglang-router runs a thread per CPU.
+
 Both routers run side by side (idle while the other is measured); each repetition measures every mode on
 one router right after the other, in alternating order, so both see the same load from whatever else runs
 on the machine. Every answer is checked byte for byte against the decode's body (neither router changes it
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import shlex
@@ -171,7 +174,8 @@ def router_cmd(name: str, port: int, prefill: str, boot: int, decode: str, a: ar
 def report(results: dict[tuple[str, str, bool], list[Result]], a: argparse.Namespace, load_before: float) -> None:
     print(f"\n{a.clients} clients, {a.seconds:g} s per run after {a.warmup:g} s warm-up, {a.repeat} repetitions, "
           f"{a.events} SSE events per streamed answer; {os.cpu_count()} CPUs, load average {load_before:.1f} before "
-          f"and {os.getloadavg()[0]:.1f} after; tandem router {a.tandem_args or '(defaults)'}")
+          f"and {os.getloadavg()[0]:.1f} after; tandem router {a.tandem_args or '(defaults)'}, "
+          f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio loop (uvloop not installed)'}")
     print("CPU: microseconds of CPU time per request of the router (all its processes and threads) and of the two "
           "mock workers together; t|s = tandem|sglang")
     print(f"{'mode':<28} {'tandem req/s':>12} {'sglang req/s':>12} {'ratio':>6} {'router CPU t|s':>15} "
@@ -222,6 +226,6 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured time under the same load first")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--events", type=int, default=16, help="token events of a streamed answer")
-    parser.add_argument("--tandem-args", default="", help="extra `tandem router` flags, e.g. --processes 2")
+    parser.add_argument("--tandem-args", default=f"--processes {os.cpu_count()}", help="extra `tandem router` flags")
     parser.add_argument("--sglang-args", default="", help="extra sglang-router flags")
     main(parser.parse_args())

@@ -32,13 +32,13 @@ class ConnectionLost(ConnectionError):
 
 
 class Response:
-    """One request's answer: `status` and `headers` (lower-case names) once `send()` returned, then the body
-    through `read()` or `chunk()`. `fail(exc)` ends it from outside: every wait raises `exc` from then on."""
+    """One request's answer: `status` and `header(name)` once `send()` returned, then the body through `read()`
+    or `chunk()`. `fail(exc)` ends it from outside: every wait raises `exc` from then on."""
 
     def __init__(self, pool: Pool, data: bytes, timeout: float) -> None:
         self.pool, self.data, self.timeout = pool, data, timeout
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self.head = b""  # the answer's status line and headers
         self.complete = False
         self.error: BaseException | None = None
         self.conn: _Conn | None = None
@@ -97,11 +97,17 @@ class Response:
             self.conn.resume()
         return data
 
+    def header(self, name: str) -> str | None:
+        """A header's value (the first of its name), or None."""
+        value = _header_value(self.head.lower(), name.lower().encode())
+        return None if value is None else self.head[value[0] : value[1]].decode("latin-1").strip()
+
     def close(self) -> None:
-        """Done with this answer: an incomplete one closes its connection (aborting the request there)."""
+        """Done with this answer: an incomplete one closes its connection (aborting the request there), and
+        one not sent yet never will be."""
+        if not self.complete:
+            self.fail(ConnectionLost("closed before the answer was complete"))
         self._stop_timer()
-        if not self.complete and self.conn is not None:
-            self.conn.abort()
 
     def fail(self, exc: BaseException) -> None:
         """End the answer with `exc` (the first failure wins) and close its connection."""
@@ -134,8 +140,8 @@ class Response:
             self._timer = None
 
     # called by the connection
-    def _head(self, status: int, headers: dict[str, str]) -> None:
-        self.status, self.headers = status, headers
+    def _start(self, status: int, head: bytes) -> None:
+        self.status, self.head = status, head
         self._wake()
 
     def _feed(self, data: bytes) -> bool:
@@ -150,6 +156,16 @@ class Response:
         self.conn = None
         self._stop_timer()
         self._wake()
+
+
+def _header_value(low_head: bytes, name: bytes) -> tuple[int, int] | None:
+    """Where the value of header `name` lies in a lower-cased head: (start, end), or None without it."""
+    at = low_head.find(b"\r\n" + name + b":")
+    if at < 0:
+        return None
+    start = at + len(name) + 3
+    end = low_head.find(b"\r\n", start)
+    return start, len(low_head) if end < 0 else end
 
 
 class Pool:
@@ -237,6 +253,7 @@ class _Conn(asyncio.Protocol):
         try:
             self._parse()
         except (ValueError, IndexError) as e:
+            self.abort()
             self._lost(ConnectionLost(f"malformed HTTP answer: {e}"))
 
     def eof_received(self) -> bool:
@@ -252,8 +269,7 @@ class _Conn(asyncio.Protocol):
         resp, self.resp = self.resp, None
         if resp is None:
             return
-        if self.state == "until_close" and exc is None:
-            resp._feed(bytes(self.buf))
+        if self.state == "until_close" and exc is None:  # the close is the end of the body
             resp._end()
         else:
             why = f"{type(exc).__name__}: {exc}" if exc else "the worker closed the connection"
@@ -270,23 +286,24 @@ class _Conn(asyncio.Protocol):
             if len(self.buf) > MAX_HEAD_BYTES:
                 raise ValueError("head too large")
             return False
-        lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
+        head = bytes(self.buf[:end])
         del self.buf[: end + 4]
-        version, status = lines[0][:8], int(lines[0][9:12])
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        status = int(head[9:12])
         if 100 <= status < 200:
             return True  # an interim answer (100 Continue): the real one follows
-        connection = headers.get("connection", "").lower()
-        self.keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
+        low = head.lower()  # only the headers that frame the answer are looked at here: the rest on demand
+        connection, encoding, length = (_header_value(low, name) for name in (b"connection", b"transfer-encoding", b"content-length"))
+        close = connection is not None and b"close" in low[connection[0] : connection[1]]
+        self.keep_alive = not close if head.startswith(b"HTTP/1.1") else connection is not None and not close
         if status in (204, 304):
             self.state, self.remaining = "length", 0
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif encoding is not None and b"chunked" in low[encoding[0] : encoding[1]]:
             self.state = "chunk_size"
-        elif "content-length" in headers:
-            self.state, self.remaining = "length", int(headers["content-length"])
+        elif length is not None:
+            self.state, self.remaining = "length", int(low[length[0] : length[1]])
         else:
             self.state, self.keep_alive = "until_close", False
-        self.resp._head(status, headers)
+        self.resp._start(status, head)
         return True
 
     def _take(self, n: int) -> None:

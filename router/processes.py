@@ -26,7 +26,7 @@ import tempfile
 import time
 
 SHARED_DIR_ENV = "TANDEM_ROUTER_SHARED_DIR"  # set by the supervisor for the processes it starts
-EARLY_EXIT_S = 5.0  # a process that dies this soon after its start will not do better the next time
+EARLY_EXIT_S = 5.0  # a process that exits by itself this soon after its start would fail again
 
 log = logging.getLogger("tandem.router")
 
@@ -54,7 +54,7 @@ def supervise(argv: list[str], processes: int) -> int:
                 if proc.poll() is None:
                     continue
                 _forget(proc.pid, metrics_dir)
-                if time.monotonic() - started < EARLY_EXIT_S:
+                if proc.returncode >= 0 and time.monotonic() - started < EARLY_EXIT_S:  # not killed: failed to start
                     log.error("router process %d exited with %d at start; stopping", proc.pid, proc.returncode)
                     return proc.returncode or 1
                 log.warning("router process %d exited with %d; starting another", proc.pid, proc.returncode)

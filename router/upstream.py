@@ -86,7 +86,7 @@ async def send(resp: Response, worker: Worker) -> Response:
     if resp.status == 200:
         return resp
     raw = await read_all(resp, worker)
-    raise answered_error(worker, resp.status, raw, resp.headers.get("retry-after"))
+    raise answered_error(worker, resp.status, raw, resp.header("retry-after"))
 
 
 async def read_all(resp: Response, worker: Worker) -> bytes:

@@ -1,9 +1,14 @@
 """Router pieces without processes: config from flags and environment, worker health bookkeeping,
-SSE framing, upstream error bodies."""
+SSE framing, upstream error bodies, forwarded bodies, merged prompt logprobs."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
+from common.wire.sse import sse_event
+from router.dispatch import forward_bodies
+from router.logprobs import PromptLogprobs
 from router.pair_stream import SSEFramer
 from router.upstream import DECODE_FAILED, answered_error
 from router.workers import WorkerRegistry
@@ -77,3 +82,31 @@ def test_a_worker_error_body_passes_through_and_anything_else_is_wrapped():
     assert other.body == {"error": {"message": 'decode worker http://d:1 answered HTTP 404: {"detail": "Not Found"}',
                                     "type": "upstream_error", "code": 404, "param": None}}
     assert not other.retriable
+
+
+def test_forwarded_bodies_are_the_clients_bytes_plus_bootstrap_fields_which_win():
+    raw = b'{"text": "hi", "stream": true, "bootstrap_room": 1}  \n'
+    prefill, decode = forward_bodies(raw, json.loads(raw), {"bootstrap_host": "h", "bootstrap_room": 7})
+    assert decode.startswith(raw[: raw.rindex(b"}")])  # not re-encoded
+    assert json.loads(decode) == {"text": "hi", "stream": True, "bootstrap_room": 7, "bootstrap_host": "h"}
+    assert json.loads(prefill) == {"text": "hi", "stream": False, "bootstrap_room": 7, "bootstrap_host": "h"}
+    prefill, decode = forward_bodies(b"{}", {}, {"bootstrap_room": 7})
+    assert prefill == decode == b'{"bootstrap_room":7}'
+
+
+def test_prompt_logprobs_go_into_every_generate_event_and_the_first_completion_event_of_each_choice():
+    lps = [[None, 5, None], [-0.5, 6, None]]
+    gen = PromptLogprobs("/generate", json.dumps({"meta_info": {"input_token_logprobs": lps}}).encode())
+    events = gen.events(b'data: {"meta_info": {"input_token_logprobs": [[null, 5, null], [null, 6, null]]}, "index": 0}\n\n'
+                        b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n')
+    first, error, done = events.split(b"\n\n")[:3]
+    assert json.loads(first[6:])["meta_info"]["input_token_logprobs"] == lps
+    assert (error, done) == (b'data: {"error": {"message": "m"}}', b"data: [DONE]")
+    prefill = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, -0.5, -0.1], "top_logprobs": [None, {"a": -0.5}, {"b": -0.1}]}}],
+               "usage": {"prompt_tokens": 2}}
+    comp = PromptLogprobs("/v1/completions", json.dumps(prefill).encode())
+    first = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, None, -0.2], "top_logprobs": [None, {}, {"c": -0.2}]}}]}
+    later = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None], "top_logprobs": [{}]}}]}
+    merged = [json.loads(e[6:]) for e in comp.events(sse_event(first) + sse_event(later)).split(b"\n\n")[:2]]
+    assert merged[0]["choices"][0]["logprobs"] == {"token_logprobs": [None, -0.5, -0.2], "top_logprobs": [None, {"a": -0.5}, {"c": -0.2}]}
+    assert merged[1] == later  # the prompt came with the first event only
