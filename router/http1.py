@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from typing import Callable
 from urllib.parse import urlsplit
 
 from router.http1_conn import Connection, ConnectionLost, header_value
@@ -32,11 +33,14 @@ __all__ = ["ConnectFailed", "ConnectionLost", "Pool", "Response"]
 
 
 class Response:
-    """One request's answer: `status` and `header(name)` once `send()` returned, then the body through `read()`
-    or `chunk()`. `fail(exc)` ends it from outside: every wait raises `exc` from then on."""
+    """One request's answer. `start()` sends the request; `status` and `header(name)` are there once `send()`
+    returned, then the body through `read()` or `chunk()`; or `on_done(self)` is called once the answer is
+    complete or failed, with the body in `body()`. `fail(exc)` ends it from outside: every wait raises `exc`
+    from then on. A pooled connection that the worker closed before answering anything is replaced once (a
+    worker may close an idle connection just as it is reused; it never saw the request)."""
 
-    def __init__(self, pool: Pool, data: bytes, timeout: float) -> None:
-        self.pool, self.data, self.timeout = pool, data, timeout
+    def __init__(self, pool: Pool, data: bytes, timeout: float, on_done: Callable[[Response], None] | None = None):
+        self.pool, self.data, self.timeout, self.on_done = pool, data, timeout, on_done
         self.status = 0
         self.head = b""  # the answer's status line and headers
         self.complete = False
@@ -46,31 +50,21 @@ class Response:
         self._buffered = 0
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._connecting: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Send the request: now on a pooled connection, else as soon as a new one is made."""
+        if self.error is not None:  # failed before it was sent: send nothing
+            return
+        self._timer = asyncio.get_running_loop().call_later(self.timeout, self.fail, asyncio.TimeoutError())
+        if self.pool.idle:
+            self.pool.idle.pop().start(self)
+        else:
+            self._connecting = asyncio.ensure_future(self._connect())
 
     async def send(self) -> Response:
-        """Write the request and wait for the answer's status and headers. A pooled connection that the
-        worker closed before answering anything is replaced once: a worker may close an idle connection
-        just as it is reused, and then it never saw the request."""
-        if self.error is not None:  # failed before it was sent: send nothing
-            raise self.error
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.timeout, self.fail, asyncio.TimeoutError())
-        if self.pool.idle:
-            conn = self.pool.idle.pop()
-            try:
-                return await self._exchange(conn)
-            except ConnectionLost:
-                if not conn.nothing_received:
-                    raise
-                self.error, self._timer = None, loop.call_later(self.timeout, self.fail, asyncio.TimeoutError())
-        conn = await self.pool.connect()
-        if self.error is not None:  # failed from outside while connecting
-            self.pool.release(conn)
-            raise self.error
-        return await self._exchange(conn)
-
-    async def _exchange(self, conn: Connection) -> Response:
-        conn.start(self)
+        """Send the request and wait for the answer's status and headers."""
+        self.start()
         while not self.status:
             await self._wait()
         return self
@@ -90,11 +84,16 @@ class Response:
             if self.complete:
                 return b""
             await self._wait()
+        data = self.body()
+        if self.conn is not None:
+            self.conn.resume()
+        return data
+
+    def body(self) -> bytes:
+        """The body bytes not read yet (all of them, once complete)."""
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
-        if self.conn is not None:
-            self.conn.resume()
         return data
 
     def header(self, name: str) -> str | None:
@@ -115,9 +114,23 @@ class Response:
             return
         self.error = exc
         self._stop_timer()
+        if self._connecting is not None:
+            self._connecting.cancel()
         if self.conn is not None:
             self.conn.abort()
         self._wake()
+        self._done()
+
+    async def _connect(self) -> None:
+        try:
+            conn = await self.pool.connect()
+        except (ConnectFailed, asyncio.TimeoutError) as e:
+            self.fail(e)
+            return
+        if self.error is not None:  # failed from outside while connecting
+            self.pool.release(conn)
+            return
+        conn.start(self)
 
     async def _wait(self) -> None:
         if self.error is not None:
@@ -134,12 +147,22 @@ class Response:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _done(self) -> None:
+        if self.on_done is not None:
+            on_done, self.on_done = self.on_done, None
+            on_done(self)
+
     def _stop_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     # called by the connection
+    def _resend(self) -> None:
+        """The pooled connection closed before any byte of the answer: send again on a new one."""
+        self.conn = None
+        self._connecting = asyncio.ensure_future(self._connect())
+
     def _start(self, status: int, head: bytes) -> None:
         self.status, self.head = status, head
         self._wake()
@@ -156,6 +179,7 @@ class Response:
         self.conn = None
         self._stop_timer()
         self._wake()
+        self._done()
 
 
 class Pool:
@@ -169,11 +193,11 @@ class Pool:
         self.host_header = f"Host: {u.netloc}\r\n".encode()
         self.idle: list[Connection] = []
 
-    def post(self, path: str, body: bytes, timeout: float) -> Response:
-        """A POST of a JSON body, not yet sent: call `send()` on it."""
+    def post(self, path: str, body: bytes, timeout: float, on_done: Callable[[Response], None] | None = None) -> Response:
+        """A POST of a JSON body, not yet sent: call `send()` or `start()` on it."""
         head = (b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\n" + self.host_header +
                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
-        return Response(self, head + body, timeout)
+        return Response(self, head + body, timeout, on_done)
 
     async def connect(self) -> Connection:
         loop = asyncio.get_running_loop()

@@ -39,6 +39,7 @@ class Connection(asyncio.Protocol):
         self.remaining = 0
         self.keep_alive = True
         self.paused = False
+        self.requests = 0  # carried so far, this one included
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -47,6 +48,7 @@ class Connection(asyncio.Protocol):
         self.resp, resp.conn = resp, self
         self.nothing_received, self.state = True, "head"
         self.transport.write(resp.data)
+        self.requests += 1
 
     def resume(self) -> None:
         if self.paused and self.open:
@@ -85,6 +87,8 @@ class Connection(asyncio.Protocol):
             return
         if self.state == "until_close" and exc is None:  # the close is the end of the body
             resp._end()
+        elif self.requests > 1 and self.nothing_received and resp.error is None:
+            resp._resend()  # the worker closed it while idle, as we reused it
         else:
             why = f"{type(exc).__name__}: {exc}" if exc else "the worker closed the connection"
             resp.fail(exc if isinstance(exc, ConnectionLost) else ConnectionLost(why))

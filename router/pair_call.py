@@ -3,8 +3,8 @@
     client ──▶ router ──▶ prefill (same body, stream off)   : its failure ends the request
                       └─▶ decode  (same body)               : its answer goes back to the client
 
-Both halves start at once: the prefill half runs in a task of its own, the decode half is awaited by the
-handler. The first failure ends the call (`fail`): the prefill half's own error, or either worker taken
+Both halves start at once: the handler awaits the decode half, the prefill half reports its end itself
+(a callback, no task). The first failure ends the call (`fail`): the prefill half's own error, or either worker taken
 out of rotation (the prefill only until it has answered: from then on the request no longer depends on
 it). Ending the call makes the decode answer's waits raise that error and closes both connections, which
 aborts the request on the workers and frees its KV. A client that goes away cancels the handler, whose
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.http1 import Pool, Response
-from router.upstream import UpstreamError, read_all, send, worker_dead
+from router.upstream import UpstreamError, answer_error, send, worker_dead
 from router.workers import Worker
 
 
@@ -41,26 +41,25 @@ class PairCall:
                  timeout: float):
         self.pair, self.error, self.closed = pair, None, False
         self.decode = _pool(pools, pair.decode).post(path, decode_body, timeout)
-        self._prefill = _pool(pools, pair.prefill).post(path, prefill_body, timeout)
+        self._prefill = _pool(pools, pair.prefill).post(path, prefill_body, timeout, on_done=self._prefill_done)
         self.prefill_answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._prefill_task = asyncio.ensure_future(self._run_prefill())
         for w in (pair.prefill, pair.decode):
             w.calls.add(self)
             w.in_flight += 1
+        self._prefill.start()
 
     async def open_decode(self) -> Response:
         """The decode's answer once its headers arrived (an error status raises UpstreamError)."""
         return await send(self.decode, self.pair.decode)
 
-    async def _run_prefill(self) -> None:
-        try:
-            body = await read_all(await send(self._prefill, self.pair.prefill), self.pair.prefill)
-        except UpstreamError as e:
-            self.fail(e)
+    def _prefill_done(self, resp: Response) -> None:
+        error = answer_error(resp, self.pair.prefill)
+        if error is not None:
+            self.fail(error)
             return
         self.pair.prefill.calls.discard(self)
         if not self.prefill_answer.done():
-            self.prefill_answer.set_result(body)
+            self.prefill_answer.set_result(resp.body())
 
     def worker_down(self, worker: Worker) -> None:
         self.fail(worker_dead(worker))
@@ -81,7 +80,6 @@ class PairCall:
         if self.closed:
             return
         self.closed = True
-        self._prefill_task.cancel()
         self.decode.close()
         self._prefill.close()
         for w in (self.pair.prefill, self.pair.decode):

@@ -89,6 +89,17 @@ async def send(resp: Response, worker: Worker) -> Response:
     raise answered_error(worker, resp.status, raw, resp.header("retry-after"))
 
 
+def answer_error(resp: Response, worker: Worker) -> UpstreamError | None:
+    """What went wrong with a finished answer (complete or failed), or None for a complete 200."""
+    if isinstance(resp.error, UpstreamError):  # ended from outside: the call already has its error
+        return resp.error
+    if isinstance(resp.error, (ConnectionError, asyncio.TimeoutError)):
+        return connection_failed(worker, resp.error, "while answering" if resp.status else "before answering")
+    if resp.status != 200:
+        return answered_error(worker, resp.status, resp.body(), resp.header("retry-after"))
+    return None
+
+
 async def read_all(resp: Response, worker: Worker) -> bytes:
     """The whole body; the connection is closed if this does not finish (error or cancellation)."""
     try:
