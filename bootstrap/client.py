@@ -26,12 +26,17 @@ def register_prefill(bootstrap_url: str, info: dict[str, Any], secret: str | Non
             time.sleep(0.5)
 
 
-def lookup_prefill(bootstrap_url: str, engine_rank: int = 0, dp_group: int = 0, secret: str | None = None) -> dict[str, Any] | None:
-    """The registered entry, or None while that rank has not registered."""
-    r = httpx.get(f"{bootstrap_url}/route", params={"engine_rank": engine_rank, "target_dp_group": dp_group},
-                  headers=_headers(secret), timeout=5)
+def lookup_prefill(bootstrap_url: str, instance_id: str | None = None, secret: str | None = None) -> dict[str, Any] | None:
+    """The entry of prefill `instance_id` (None: of the registry's only rank-0 instance), or None while it
+    has not registered; RuntimeError naming the registry's answer otherwise."""
+    params = {"instance_id": instance_id} if instance_id else {"engine_rank": 0, "target_dp_group": 0}
+    r = httpx.get(f"{bootstrap_url}/route", params=params, headers=_headers(secret), timeout=5)
     if r.status_code == 404:
         return None
     if r.status_code != 200:
-        raise RuntimeError(f"bootstrap server {bootstrap_url} answered {r.status_code}: {r.text}")
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        raise RuntimeError(f"bootstrap server {bootstrap_url} answered {r.status_code}: {message}")
     return r.json()

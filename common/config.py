@@ -51,8 +51,10 @@ class ServerConfig(BaseSettings):
     cluster_secret: str | None = None
 
     # serving
+    watchdog_timeout_s: float = Field(300.0, gt=0, description="a scheduler step running longer than this makes /health answer 503")
     api_key: str | None = None
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long requests in flight may run on before they fail with a 503 and the server exits")
 
     @model_validator(mode="after")
     def _check(self) -> "ServerConfig":

@@ -1,12 +1,14 @@
-"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory."""
+"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (lookups on threads)."""
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.wire.kv_layout import kv_layout
 from decode_node.aux_pool import AuxPool
 from decode_node.peers import PeerDirectory
-from decode_node.scheduler import DecodeScheduler
+from decode_node.role import DecodeRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
@@ -14,7 +16,7 @@ from transfer.metrics import TransferCounters
 
 
 def build_decode_engine(config: ServerConfig) -> Engine:
-    def make_scheduler(engine: Engine) -> DecodeScheduler:
+    def make_role(engine: Engine) -> DecodeRole:
         aux = AuxPool(2 * config.max_running_requests + 16)
         args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
         manager = DecodeKVManager(args)
@@ -22,7 +24,8 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)
-        return DecodeScheduler(config, engine.runner, engine.kv, engine.output, kv_manager=manager, aux_pool=aux,
-                               peers=peers, vocab_size=engine.hf_config.vocab_size)
+        lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="peer-lookup")
+        return DecodeRole(engine.scheduler, manager, aux, lambda pairing: lookups.submit(peers.lookup, pairing),
+                          engine.hf_config.vocab_size, config)
 
-    return Engine(config, make_scheduler)
+    return Engine(config, make_role)

@@ -10,17 +10,19 @@ from bootstrap.client import register_prefill
 from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.wire.kv_layout import kv_layout
-from prefill_node.scheduler import PrefillScheduler
+from prefill_node.role import PrefillRole
+from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
 from transfer.metrics import TransferCounters
 from transfer.prefill_manager import PrefillKVManager
 
 log = logging.getLogger(__name__)
+REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minute
 
 
 def build_prefill_engine(config: ServerConfig) -> Engine:
-    def make_scheduler(engine: Engine) -> PrefillScheduler:
-        manager = PrefillKVManager(kv_args_from_pool(engine.kv_pool, config))
+    def make_role(engine: Engine) -> PrefillRole:
+        manager = PrefillKVManager(kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES))
         engine.metrics.registry.register(TransferCounters(manager))
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url
@@ -34,11 +36,11 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
         info = {"role": "Prefill", "instance_id": manager.instance_id, "tp_size": 1, "tp_rank": 0, "dp_size": 1,
                 "dp_rank": 0, "rank_ip": host, "rank_port": int(port), **kv_layout(engine.kv_pool, config.transfer_backend)}
         register_prefill(bootstrap_url, info, config.cluster_secret)
-        keep_registered(bootstrap_url, info, config.cluster_secret, config.heartbeat_interval_s)
+        keep_registered(bootstrap_url, info, config.cluster_secret, min(config.heartbeat_interval_s, REREGISTER_MAX_S))
         log.info("registered with bootstrap %s as %s (control endpoint %s)", bootstrap_url, manager.instance_id, manager.endpoint)
-        return PrefillScheduler(config, engine.runner, engine.kv, engine.output, kv_manager=manager)
+        return PrefillRole(engine.scheduler, manager, config)
 
-    return Engine(config, make_scheduler)
+    return Engine(config, make_role)
 
 
 def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval_s: float) -> None:

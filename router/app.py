@@ -2,16 +2,14 @@
 
 aiohttp rather than FastAPI: the router reads a few fields of each body and passes the rest through, so it
 needs no request models, and the lighter stack is most of its throughput (benchmarks/router_bench.py).
-Serve it with `serve_router` (tandem/router_cli.py): a client that goes away cancels its request's handler.
+router/serve.py serves it: a client that goes away cancels its request's handler, SIGTERM drains.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
-import sys
 from typing import AsyncIterator
 
 import aiohttp
@@ -19,38 +17,50 @@ from aiohttp import web
 
 from common.wire.auth import bearer_matches
 from common.wire.body import read_limited
+from common.wire.drain import Drain, refusal
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
+from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher, json_response
 from router.metrics import REFRESH_S, RouterMetrics
-from router.processes import shared_dir, supervise
+from router.processes import shared_dir
 from router.shared_workers import SharedWorkers
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
+# a draining router takes no new request, and fails /readiness so its Service stops sending any
+REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, "/readiness"})
 ROUTING_PARAMS = {404: "path", 405: "method"}  # what a routing error is about, for its `param`
 
 
-def create_router_app(config: RouterConfig) -> web.Application:
+def router_drain(config: RouterConfig) -> Drain:
+    return Drain(config.drain_timeout_s, REFUSED_WHILE_DRAINING)
+
+
+def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.Application:
+    """`drain`: the router's graceful stop (see router_drain); None in tests that never stop it."""
     workers = WorkerRegistry(config.health_failure_threshold, config.health_check_timeout_s)
     for p in config.prefill:
-        workers.add(p.url, "prefill", p.bootstrap_port)
+        workers.add(p.url, "prefill", p.bootstrap_port, p.bootstrap_host)
     for d in config.decode:
         workers.add(d, "decode")
+    discovery = Discovery(workers, targets_from_config(config))
     shared = shared_dir()  # set when this is one of several router processes on the port
     admission = Admission(math.ceil(config.max_concurrent_requests / config.processes) if shared else config.max_concurrent_requests)
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     dispatcher = Dispatcher(config, workers, metrics, admission)
-    app = web.Application(middlewares=[_guard(config.api_key)])
+    app = web.Application(middlewares=[_guard(config.api_key, drain)])
     app["workers"], app["dispatcher"] = workers, dispatcher
     app["shared_workers"] = SharedWorkers(shared, workers) if shared else None
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=5)
-        session = app["session"] = aiohttp.ClientSession(timeout=timeout)  # health checks and /v1/models
+        session = app["session"] = aiohttp.ClientSession(timeout=timeout)  # health checks, discovery, /v1/models
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
+        if discovery.targets:
+            tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         if shared:
             tasks += [asyncio.create_task(app["shared_workers"].follow(session)), asyncio.create_task(_refresh(metrics))]
         yield
@@ -74,14 +84,21 @@ async def _refresh(metrics: RouterMetrics) -> None:
         await asyncio.sleep(REFRESH_S)
 
 
-def _guard(api_key: str | None):
-    """The API key (Bearer; open paths need none) and every error as the JSON error body."""
+def _guard(api_key: str | None, drain: Drain | None):
+    """The API key (Bearer; open paths need none), the drain (refuses new work, counts what runs) and every
+    error as the JSON error body: one middleware, as each costs every request."""
 
     @web.middleware
     async def guard(request: web.Request, handler) -> web.StreamResponse:
-        if api_key and request.path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization", ""), api_key):
+        path = request.path
+        if api_key and path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization", ""), api_key):
             body = error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization")
             return json_response(body, 401)
+        if drain is not None and drain.draining and path in drain.refused:
+            body, headers = refusal()
+            return json_response(body, 503, headers)
+        if drain is not None:
+            drain.in_flight += 1
         try:
             return await handler(request)
         except TandemError as e:
@@ -89,8 +106,11 @@ def _guard(api_key: str | None):
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            message = f"{request.method} {request.path}: {e.reason}"
+            message = f"{request.method} {path}: {e.reason}"
             return json_response(error_body(message, "invalid_request_error", e.status, ROUTING_PARAMS.get(e.status)), e.status)
+        finally:
+            if drain is not None:
+                drain.in_flight -= 1
 
     return guard
 
@@ -132,9 +152,12 @@ def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes:
     async def add_worker(request: web.Request) -> web.Response:
         try:
             body = await body_of(request)
-            w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"))
+            if not isinstance(body.get("bootstrap_host"), (str, type(None))):
+                raise TypeError("bootstrap_host must be a string")
+            w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"), body.get("bootstrap_host"))
         except (ValueError, KeyError, TypeError) as e:
-            raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port: {e}", param="body") from None
+            raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
+                                 f"for a standalone registry): {e}", param="body") from None
         if app["shared_workers"]:
             app["shared_workers"].publish(added=w)
         await workers.check_all(app["session"])
@@ -154,22 +177,3 @@ def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes:
     app.router.add_get("/workers", list_workers)
     app.router.add_post("/workers", add_worker)
     app.router.add_delete("/workers", remove_worker)
-
-
-def serve_router(config: RouterConfig, argv: list[str]) -> None:
-    """Serve until SIGINT/SIGTERM (requests still running then get 5 s to end); with `--processes N`, start N
-    router processes on the port (`argv` are this command's flags) and supervise them."""
-    if config.processes > 1 and not shared_dir():
-        sys.exit(supervise(argv, config.processes))
-    with contextlib.suppress(KeyboardInterrupt):
-        web.run_app(create_router_app(config), host=config.host, port=config.port, access_log=None, print=None,
-                    handler_cancellation=True, shutdown_timeout=5, reuse_port=bool(shared_dir()), loop=_event_loop())
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's where it is installed: a quarter less CPU per request than asyncio's (benchmarks/router_bench.py)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()

@@ -37,11 +37,16 @@ def json_response(body: dict | bytes, status: int = 200, headers: dict[str, str]
     return web.Response(body=data, status=status, headers=headers, content_type="application/json")
 
 
-def forward_bodies(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> tuple[bytes, bytes]:
-    """(prefill body, decode body): the client's bytes plus `fields`; the prefill's does not stream."""
-    head = raw[: raw.rindex(b"}")] + (b"," if body else b"")
-    decode = head + COMPACT.encode(fields).encode()[1:]
-    return (decode[:-1] + b',"stream":false}' if body.get("stream") else decode), decode
+def forward_bodies(raw: bytes, body: dict[str, Any], forwarded: dict[str, Any]) -> tuple[bytes, bytes]:
+    """(prefill body, decode body) for `forwarded`, the client's `body` as the workers get it: the client's own
+    bytes `raw` with the fields `forwarded` adds or changes appended (encoded anew only when one of the
+    client's fields must go). The prefill's does not stream."""
+    if any(k not in forwarded for k in body):
+        decode = COMPACT.encode(forwarded).encode()
+    else:
+        extra = {k: v for k, v in forwarded.items() if k not in body or body[k] is not v}
+        decode = raw[: raw.rindex(b"}")] + (b"," if body else b"") + COMPACT.encode(extra).encode()[1:] if extra else raw
+    return (decode[: decode.rindex(b"}")] + b',"stream":false}' if body.get("stream") else decode), decode
 
 
 class Dispatcher:
@@ -106,7 +111,7 @@ class Dispatcher:
                         start: float) -> web.StreamResponse:
         """One attempt. An UpstreamError before anything reached the client leaves this with the call closed
         and the failure counted; once a stream started, failures become its last event."""
-        prefill_body, decode_body = forward_bodies(raw, body, with_bootstrap({}, pair.prefill))
+        prefill_body, decode_body = forward_bodies(raw, body, with_bootstrap(body, pair.prefill))
         call = PairCall(self.pools, pair, path, prefill_body, decode_body, self.config.request_timeout_s)
         logprobs: PromptLogprobs | None = None
         handed_to_stream = False

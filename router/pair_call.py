@@ -29,8 +29,12 @@ class Pair:
 
 
 def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
-    return body | {"bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
-                   "bootstrap_room": random.getrandbits(63)}
+    """The body both halves get: where the decode finds this prefill (its registry, and its instance
+    there when the prefill told us), and a fresh room id; whatever the client sent for these is replaced."""
+    fields = {"bootstrap_host": prefill.registry_host, "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": random.getrandbits(63)}
+    if prefill.instance_id:
+        fields["prefill_instance_id"] = prefill.instance_id
+    return {k: v for k, v in body.items() if k != "prefill_instance_id"} | fields
 
 
 class PairCall:

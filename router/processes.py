@@ -1,6 +1,7 @@
 """`tandem router --processes N`: N router processes serve one port (SO_REUSEPORT: the kernel spreads client
 connections over them), so the router is not bound to one core. The process started by the command only
-supervises them: it starts them, starts again one that dies, and stops them all on SIGTERM or SIGINT.
+supervises them: it starts them, starts again one that dies, and passes SIGTERM and SIGINT on to them
+(so the first SIGTERM drains them all, router/serve.py).
 
 What the processes share, and what each one derives on its own:
 
@@ -36,40 +37,58 @@ def shared_dir() -> str | None:
     return os.environ.get(SHARED_DIR_ENV)
 
 
-def supervise(argv: list[str], processes: int) -> int:
-    """Run `tandem router argv` in `processes` processes until told to stop; their exit status."""
+def supervise(argv: list[str], processes: int, stop_wait_s: float) -> int:
+    """Run `tandem router argv` in `processes` processes until they are stopped; the exit status. SIGTERM and
+    SIGINT go on to every process (the first SIGTERM drains them); a process still running `stop_wait_s`
+    after the first one is killed."""
     shared = tempfile.mkdtemp(prefix="tandem-router-")
     metrics_dir = os.path.join(shared, "metrics")
     os.mkdir(metrics_dir)
     env = os.environ | {SHARED_DIR_ENV: shared, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     cmd = [sys.executable, "-m", "tandem", "router", *argv]
-    stopping: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: stopping.append(signum))
     children = [(subprocess.Popen(cmd, env=env), time.monotonic()) for _ in range(processes)]
+    signals: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        signals.append(signum)
+        for proc, _ in children:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
     try:
-        while not stopping:
+        while not signals:
             time.sleep(0.2)
             for i, (proc, started) in enumerate(children):
-                if proc.poll() is None:
+                if proc.poll() is None or signals:
                     continue
                 _forget(proc.pid, metrics_dir)
                 if proc.returncode >= 0 and time.monotonic() - started < EARLY_EXIT_S:  # not killed: failed to start
                     log.error("router process %d exited with %d at start; stopping", proc.pid, proc.returncode)
+                    forward(signal.SIGINT, None)
                     return proc.returncode or 1
                 log.warning("router process %d exited with %d; starting another", proc.pid, proc.returncode)
                 children[i] = (subprocess.Popen(cmd, env=env), time.monotonic())
-        return 0
+        return _wait_all([proc for proc, _ in children], time.monotonic() + stop_wait_s)
     finally:
         for proc, _ in children:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in children:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> int:
+    """0 when every process exited with 0 by the deadline (the others are killed then), else 1."""
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            log.warning("router process %d still running; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+    return 0 if all(proc.returncode == 0 for proc in procs) else 1
 
 
 def _forget(pid: int, metrics_dir: str) -> None:

@@ -1,6 +1,8 @@
 """The workers added or removed at run time, shared by the router processes of one port (router/processes.py)
-through a JSON file. The process that takes a change (POST or DELETE /workers) applies it to its own list
-and to the file, under a lock; every process follows the file and applies what differs from its list."""
+through a JSON file: url -> the worker (added) or null (removed). The process that takes a change (POST or
+DELETE /workers) applies it to its own list and writes it into the file, under a lock; every process
+follows the file and applies the changes its list lacks. Workers given by flags or found by discovery are
+left alone unless a change names them."""
 from __future__ import annotations
 
 import asyncio
@@ -16,15 +18,10 @@ from router.workers import Worker, WorkerRegistry
 FOLLOW_INTERVAL_S = 0.5
 
 
-def _entry(w: Worker) -> dict[str, Any]:
-    return {"url": w.url, "role": w.role, "bootstrap_port": w.bootstrap_port}
-
-
 class SharedWorkers:
     def __init__(self, directory: str, registry: WorkerRegistry) -> None:
         self.path = os.path.join(directory, "workers.json")
         self.registry = registry
-        self.initial = [_entry(w) for w in registry.workers.values()]  # every process starts from the same flags
         self.seen: int | None = None  # mtime of the file last applied
 
     def publish(self, added: Worker | None = None, removed: str | None = None) -> None:
@@ -32,13 +29,13 @@ class SharedWorkers:
         the change, before the next await, so that following the file cannot undo it)."""
         with open(self.path + ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            gone = {removed, added.url if added else None}
-            current = self._read()
-            listed = [w for w in (self.initial if current is None else current) if w["url"] not in gone]
+            changes = self._read()
             if added is not None:
-                listed.append(_entry(added))
+                changes[added.url] = {"role": added.role, "bootstrap_port": added.bootstrap_port, "bootstrap_host": added.bootstrap_host}
+            if removed is not None:
+                changes[removed] = None
             with open(self.path + ".tmp", "w") as f:
-                json.dump(listed, f)
+                json.dump(changes, f)
             os.replace(self.path + ".tmp", self.path)
 
     async def follow(self, session: aiohttp.ClientSession) -> None:
@@ -51,19 +48,20 @@ class SharedWorkers:
                 continue
             if mtime != self.seen:
                 self.seen = mtime
-                await self._apply(self._read() or [], session)
+                await self._apply(self._read(), session)
 
-    async def _apply(self, listed: list[dict[str, Any]], session: aiohttp.ClientSession) -> None:
-        urls = {w["url"] for w in listed}
-        for url in [u for u in self.registry.workers if u not in urls]:
-            self.registry.remove(url)
-        added = [self.registry.add(w["url"], w["role"], w.get("bootstrap_port")) for w in listed
-                 if w["url"] not in self.registry.workers]
+    async def _apply(self, changes: dict[str, Any], session: aiohttp.ClientSession) -> None:
+        added = []
+        for url, w in changes.items():
+            if w is None:
+                self.registry.remove(url)
+            elif url not in self.registry.workers:
+                added.append(self.registry.add(url, w["role"], w["bootstrap_port"], w["bootstrap_host"]))
         await asyncio.gather(*(self.registry.check(session, w) for w in added))
 
-    def _read(self) -> list[dict[str, Any]] | None:
+    def _read(self) -> dict[str, Any]:
         try:
             with open(self.path) as f:
                 return json.load(f)
         except FileNotFoundError:
-            return None
+            return {}

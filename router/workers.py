@@ -2,7 +2,8 @@
 
 A worker taken out of rotation ends every request in flight on it at once: each registers in the
 worker's `calls` while it depends on the worker (see router/pair_call.py). A worker that passes a
-health check again is used again.
+health check again is used again. A draining worker (503 + X-Tandem-Draining on /health) leaves the
+rotation without ending its calls: it finishes, or fails, its requests itself.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 import aiohttp
+
+from common.wire.api import INSTANCE_HEADER
+from common.wire.drain import DRAINING_HEADER
 
 log = logging.getLogger("tandem.router")
 
@@ -28,9 +32,11 @@ class Worker:
     url: str
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None
+    bootstrap_host: str | None = None  # a standalone registry's; None: the prefill's own (its host)
     healthy: bool = False  # until its first health check passes
     failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
+    instance_id: str | None = None  # from its /health answer: which transfer instance it is right now
     calls: set[Call] = field(default_factory=set)  # requests in flight that end if this worker is taken out
     down_reason: str = ""
 
@@ -38,9 +44,14 @@ class Worker:
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
+    @property
+    def registry_host(self) -> str:
+        """Where a decode looks this prefill up: its standalone bootstrap registry, or itself."""
+        return self.bootstrap_host or self.host
+
     def to_dict(self) -> dict:
-        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
-                "failures": self.failures, "in_flight": self.in_flight}
+        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "bootstrap_host": self.bootstrap_host,
+                "healthy": self.healthy, "failures": self.failures, "in_flight": self.in_flight}
 
 
 class WorkerRegistry:
@@ -49,11 +60,11 @@ class WorkerRegistry:
         self.failure_threshold = failure_threshold
         self.check_timeout_s = check_timeout_s
 
-    def add(self, url: str, role: str, bootstrap_port: int | None = None) -> Worker:
+    def add(self, url: str, role: str, bootstrap_port: int | None = None, bootstrap_host: str | None = None) -> Worker:
         url = url.rstrip("/")
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
-        w = self.workers[url] = Worker(url, role, bootstrap_port)
+        w = self.workers[url] = Worker(url, role, bootstrap_port, bootstrap_host)
         return w
 
     def remove(self, url: str) -> bool:
@@ -84,10 +95,21 @@ class WorkerRegistry:
         for call in list(worker.calls):
             call.worker_down(worker)
 
+    def set_draining(self, worker: Worker) -> None:
+        """The worker is shutting down gracefully: out of rotation, but its requests in flight run on
+        (its calls are not ended; they end when the worker ends them)."""
+        if worker.healthy:
+            log.info("%s worker %s is draining; no new requests go to it", worker.role, worker.url)
+        worker.healthy = False
+
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
             async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)) as r:
+                worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
+                if r.status == 503 and r.headers.get(DRAINING_HEADER):
+                    self.set_draining(worker)
+                    return
                 self.mark(worker, r.status == 200, f"GET /health answered HTTP {r.status}")
         except asyncio.TimeoutError:
             self.mark(worker, False, f"GET /health timed out after {self.check_timeout_s:g} s")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     boot = sub.add_parser("bootstrap", help="run a standalone bootstrap server")
     boot.add_argument("--host", default="127.0.0.1")
     boot.add_argument("--port", type=int, default=8998)
-    boot.add_argument("--cluster-secret", default=None)
+    # from the environment too, as every server's, so a Kubernetes Secret can feed it without a flag
+    boot.add_argument("--cluster-secret", default=os.environ.get("TANDEM_CLUSTER_SECRET"), help="[env TANDEM_CLUSTER_SECRET]")
 
     ns = parser.parse_args(argv)
     if ns.command == "serve":

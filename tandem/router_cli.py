@@ -1,5 +1,6 @@
 """`tandem router --prefill URL [BOOTSTRAP_PORT] ... --decode URL ... --policy P --port 8000`
-(the same shape as sglang-router's PD mode). Every flag is also a `TANDEM_ROUTER_*` environment
+(the same shape as sglang-router's PD mode), or `--prefill-discovery HOST:PORT --decode-discovery
+HOST:PORT` to find the workers by DNS (router/discovery.py). Every flag is also a `TANDEM_ROUTER_*` environment
 variable (see router/config.py); a flag given on the command line wins."""
 from __future__ import annotations
 
@@ -11,25 +12,37 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from router.config import PrefillSpec, RouterConfig
+from router.config import PrefillSpec, RouterConfig, split_host_port
 from tandem.flags import add_model_flags
 
 
 def parse_prefill_args(groups: list[list[str]]) -> list[PrefillSpec]:
-    """`--prefill URL [PORT|none]` groups -> specs; the bootstrap port defaults to 8998."""
+    """`--prefill URL [BOOTSTRAP]` groups -> specs."""
     specs = []
     for g in groups:
         if not 1 <= len(g) <= 2:
-            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {g}")
-        port = 8998 if len(g) == 1 else (None if g[1].lower() == "none" else int(g[1]))
-        specs.append(PrefillSpec(url=g[0].rstrip("/"), bootstrap_port=port))
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none], got {g}")
+        host, port = parse_bootstrap(g[1] if len(g) == 2 else None)
+        specs.append(PrefillSpec(url=g[0].rstrip("/"), bootstrap_port=port, bootstrap_host=host))
     return specs
+
+
+def parse_bootstrap(arg: str | None) -> tuple[str | None, int | None]:
+    """The port of the prefill's own registry (default 8998), `none`, or HOST:PORT of the standalone
+    registry the prefill registered with -> (host or None for the prefill's own, port)."""
+    if arg is None:
+        return None, 8998
+    if arg.lower() == "none":
+        return None, None
+    if ":" in arg:
+        return split_host_port(arg)
+    return None, int(arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
     # flags not given stay absent (SUPPRESS), so the TANDEM_ROUTER_* environment can fill them
     p = argparse.ArgumentParser(prog="tandem router", argument_default=argparse.SUPPRESS)
-    p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
+    p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none]")
     p.add_argument("--decode", action="append", metavar="URL")
     add_model_flags(p, RouterConfig, skip=frozenset({"prefill", "decode"}))
     return p
@@ -51,7 +64,7 @@ def run_router_cli(argv: list[str]) -> None:
         config = config_from_args(argv)
     except (ValidationError, ValueError) as e:
         sys.exit(f"tandem router: {e}")
-    from router.app import serve_router
+    from router.serve import serve_router
 
     log = logging.getLogger("tandem.router")
     log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))

@@ -11,6 +11,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from common.config import ServerConfig
+from common.wire.drain import DrainingServer
 
 log = logging.getLogger("tandem")
 
@@ -37,6 +38,22 @@ def serve_from_args(ns: argparse.Namespace) -> None:
     serve(config)
 
 
+def exposure_warnings(config: ServerConfig) -> list[str]:
+    """What a server bound beyond loopback exposes without a cluster secret or an API key."""
+    if config.host in ("127.0.0.1", "localhost", "::1"):
+        return []
+    out = []
+    if config.cluster_secret is None and config.disagg_mode != "null":
+        out.append(f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
+                   "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
+                   "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
+                   "value on every node.")
+    if config.api_key is None:
+        out.append(f"listening on {config.host} WITHOUT --api-key: anyone who reaches port {config.port} can generate. "
+                   "Set --api-key (or TANDEM_API_KEY), or keep the port private.")
+    return out
+
+
 def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
@@ -55,13 +72,17 @@ def serve(config: ServerConfig) -> None:
     role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
     setup_logging(role)
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
+    for warning in exposure_warnings(config):
+        log.warning(warning)
     t0 = time.monotonic()
     engine = build_engine(config)
     engine.start()
     from common.server.app import create_app
+    from common.server.drain import engine_drain, fail_in_flight
 
-    app = create_app(engine)
-    counts = engine.kv.page_counts()
+    drain = engine_drain(engine)
+    app = create_app(engine, drain)
+    counts = engine.memory.page_counts()
     log.info(
         "ready in %.1f s: model %s (%d layers, context %d), KV %d pages x %d tokens, dtype %s, device %s, attention %s",
         time.monotonic() - t0, engine.model_name, engine.hf_config.num_hidden_layers, engine.context_len,
@@ -70,7 +91,9 @@ def serve(config: ServerConfig) -> None:
     log.info("serving on http://%s:%d", config.host, config.port)
     try:
         # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5, loop="asyncio")
+        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5,
+                                        loop="asyncio")
+        DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:
         engine.stop()
         log.info("stopped")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -82,6 +83,9 @@ def stop_all(children: list[Child]) -> None:
 
 def run_up(ns: argparse.Namespace) -> int:
     children = plan_children(ns)
+    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
+    for c in children:
+        c.env["TANDEM_CLUSTER_SECRET"] = secret  # in the environment, not argv: `ps` shows argv
     stopping = False
 
     def on_signal(signum, _frame) -> None:

@@ -24,8 +24,9 @@ def free_port() -> int:
 class ServerProcess:
     """A `python -m tandem <args>` child process; stop() kills it and its log is kept for failures."""
 
-    def __init__(self, args: list[str], port: int, name: str = "server", health: str = "/health"):
+    def __init__(self, args: list[str], port: int, name: str = "server", health: str = "/health", env: dict[str, str] | None = None):
         self.port = port
+        self.env = env or {}  # on top of this process's environment
         self.url = f"http://127.0.0.1:{port}"
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
@@ -35,7 +36,7 @@ class ServerProcess:
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
-        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
         return subprocess.Popen([sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def signal(self, sig: int) -> None:

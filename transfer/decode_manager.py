@@ -1,12 +1,14 @@
-"""Decode side of the control plane: registers with each prefill it needs, reads room statuses,
-pings the prefills its rooms wait on and fails those rooms when a prefill falls silent."""
+"""Decode side of the control plane: registers with each prefill it needs, accepts a room's status only
+from the prefill that owns the room, pings the prefills its rooms wait on and fails those rooms when a
+prefill falls silent."""
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
+from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
-from transfer.messages import BadMessage, Ping, Pong, Register, Status
+from transfer.messages import BadMessage, Envelope, Ping, Pong, Register, Status
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
@@ -15,29 +17,44 @@ log = logging.getLogger(__name__)
 class DecodeKVManager(KVManager):
     mode = "decode"
 
-    def __init__(self, args: KVArgs):
-        super().__init__(args)
+    def __init__(self, args: KVArgs, **kwargs):
+        super().__init__(args, **kwargs)
         self.backend.register(args.aux_ptr, args.aux_record_bytes * args.aux_slots)
+        self.table = DecodeRoomTable()
         self.registered_with: set[str] = set()  # prefill endpoints that know where to write
         self.on_peer_dead: list[Callable[[str], None]] = []
+        self.start()
 
-    def handle(self, msg: object) -> None:
+    @property
+    def rooms(self) -> dict[int, DecodeRoom]:
+        """The room table by room id (read-only use)."""
+        return self.table.rooms
+
+    def handle(self, msg: object, envelope: Envelope) -> None:
         if isinstance(msg, Status):
-            self._on_status(msg)
+            self._on_status(msg, envelope)
         elif isinstance(msg, Pong):
-            self.liveness.seen(msg.endpoint)
+            self.liveness.seen(msg.endpoint, envelope.sent_at)
         else:
             raise BadMessage(f"{type(msg).__name__} is not for a decode server")
 
-    def _on_status(self, msg: Status) -> None:
-        with self._lock:
-            room = self.rooms.get(msg.room)
-        if room is None or not room.owned:
+    def _on_status(self, msg: Status, envelope: Envelope) -> None:
+        room = self.table.get(msg.room)
+        if room is None:
             raise BadMessage(f"status for unknown room {msg.room}")
+        if envelope.sender != room.peer_id:
+            raise BadMessage(f"status for room {msg.room} from {envelope.sender}, not from its prefill {room.peer_id}")
         room.status_received = True
-        if room.peer is not None:
-            self.liveness.seen(room.peer)
+        self.liveness.seen(room.peer, envelope.sent_at)
         room.poll.advance(KVPoll.Success) if msg.ok else room.poll.fail(msg.reason)
+
+    # -- rooms (called by KVReceiver on the scheduler thread) ----------------------------------
+    def claim(self, room: int, peer: str, peer_id: str) -> DecodeRoom:
+        """A room waiting on prefill `peer_id` at control endpoint `peer`; DuplicateRoom if taken."""
+        return self.table.claim(room, peer, peer_id)
+
+    def forget(self, room: DecodeRoom) -> None:
+        self.table.forget(room)
 
     def register_with(self, endpoint: str) -> None:
         """Tell a prefill where this decode's buffers are (once per prefill process)."""
@@ -50,21 +67,24 @@ class DecodeKVManager(KVManager):
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> set[str]:
-        return {st.peer for _, st in self.rooms_snapshot()
-                if st.owned and st.peer and st.poll.state >= KVPoll.WaitingForInput and not st.status_received and not st.peer_dead}
+        """Prefills that may still write into a room of ours (also rooms already failed here)."""
+        return {r.peer for r in self.table.snapshot() if r.requested and not r.status_received and r.peer_dead_at is None}
 
     def ping(self, peers: set[str]) -> None:
         for peer in peers:
             self.send(peer, Ping(self.instance_id))
 
     def declare_dead(self, peer: str, silent_s: float) -> None:
+        """Fail the rooms waiting on `peer` and stop pinging it; their pages become reusable one interval
+        later (DecodeRoom.pages_reusable), once the prefill's write fence has closed."""
         reason = f"prefill {peer} answered no heartbeat for {silent_s:.1f} s (dead or frozen)"
         log.warning("%s: failing the rooms waiting on it", reason)
-        for _, st in self.rooms_snapshot():
-            if st.peer == peer and not st.status_received:
-                st.peer_dead = True
-                st.poll.fail(reason)
+        now = self.clock()
+        for room in self.table.snapshot():
+            if room.peer == peer and not room.status_received:
+                room.peer_dead_at = now
+                room.poll.fail(reason)
         self.registered_with.discard(peer)
-        self.drop_socket(peer)
+        self.control.drop(peer)
         for callback in self.on_peer_dead:
             callback(peer)

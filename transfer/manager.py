@@ -1,10 +1,12 @@
-"""KVManager: one per server process. Owns the transfer backend, the registered buffers, the ZMQ
-control sockets, the table of rooms and the heartbeat. PrefillKVManager and DecodeKVManager add what
-each role does with the messages it receives.
+"""KVManager: one per server process. Owns the transfer backend and its registered buffers, the
+control plane, the replay guard and the heartbeat; PrefillKVManager and DecodeKVManager add their
+room tables and what each role does with the messages it receives.
 
-Threads: `kv-recv` reads control messages; `kv-heartbeat` pings peers (decode) and declares silent
-peers dead (both roles); prefill adds one `kv-transfer` thread per decode peer. Errors end one room,
-never a thread.
+Threads (with threaded=True, the servers' mode): `kv-recv` reads control messages; `kv-heartbeat` pings
+peers (decode) and declares silent peers dead (both roles); prefill adds one `kv-transfer` thread per
+decode peer. An error ends one room or drops one message, never a thread. With threaded=False nothing
+runs on its own: a test delivers frames with `on_frame`, ticks the heartbeat with `heartbeat_tick` and
+runs transfer workers itself, on a clock it controls.
 """
 from __future__ import annotations
 
@@ -14,16 +16,16 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
-from dataclasses import dataclass, field
-
-import zmq
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from transfer.backends.base import make_backend
+from transfer.control_plane import ZmqControlPlane
 from transfer.liveness import Liveness
-from transfer.messages import BadMessage, Request, decode, encode
-from transfer.poll import PollState
+from transfer.messages import BadMessage, Envelope, ReplayGuard, open_frame
 
 log = logging.getLogger(__name__)
+ControlFactory = Callable[[str, Counter], Any]
 
 
 @dataclass
@@ -40,47 +42,44 @@ class KVArgs:
     on_cuda: bool = False
     secret: str | None = None
     aux_ptr: int = 0  # decode: where prefill writes aux records
-    aux_record_bytes: int = 0
+    aux_record_bytes: int = 0  # decode: one aux slot; prefill: the record it writes (0: not checked)
     aux_slots: int = 0
     kv_wait_timeout_s: float = 300.0
     transfer_timeout_s: float = 60.0
     heartbeat_interval_s: float = 5.0
     heartbeat_misses: int = 2
-
-
-@dataclass
-class RoomState:
-    poll: PollState = field(default_factory=PollState)
-    request: Request | None = None  # prefill: where the decode wants the KV
-    peer: str | None = None  # decode: the prefill's control endpoint
-    owned: bool = False  # a KVSender / KVReceiver of this process holds the room
-    status_received: bool = False  # decode: the prefill's final word arrived; nothing more will land
-    peer_dead: bool = False  # decode: the prefill was declared dead while this room waited on it
-    created: float = field(default_factory=time.monotonic)
+    max_queued_chunks: int = 4096  # prefill: chunks waiting per decode before a room fails
 
 
 class KVManager(ABC):
     mode: str
 
-    def __init__(self, args: KVArgs):
+    def __init__(self, args: KVArgs, control: ControlFactory | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, threaded: bool = True):
+        """`control(instance_id, counters)` builds the control plane (default: ZMQ on args.host)."""
         self.args = args
         self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
+        self.clock, self.threaded = clock, threaded
         self.backend = make_backend(args.backend, args.host, args.protocol, args.device, args.transfer_timeout_s)
         for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
             self.backend.register(ptr, nbytes, args.on_cuda)
         self.counters: Counter[str] = Counter()
-        self.rooms: dict[int, RoomState] = {}
-        self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses)
-        self._lock = threading.Lock()
-        self._ctx = zmq.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        port = self._pull.bind_to_random_port(f"tcp://{args.host}")
-        self.endpoint = f"tcp://{args.host}:{port}"
-        self._push: dict[str, zmq.Socket] = {}
+        self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses, clock, wall_clock)
+        self.replay = ReplayGuard(clock=wall_clock)
+        make = control or (lambda sender, counters: ZmqControlPlane(args.host, sender, args.secret, counters))
+        self.control = make(self.instance_id, self.counters)
+        self.endpoint: str = self.control.endpoint
         self._stop = threading.Event()
-        threading.Thread(target=self._recv_loop, name="kv-recv", daemon=True).start()
-        threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True).start()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._last_ping = float("-inf")
+
+    def start(self) -> None:
+        """Connect the control plane to on_frame and, in threaded mode, start the heartbeat thread; the
+        role's constructor calls this last."""
+        self.control.start(self.on_frame)
+        if self.threaded:
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
 
     @property
     def stopped(self) -> bool:
@@ -88,76 +87,39 @@ class KVManager(ABC):
 
     # -- control plane -------------------------------------------------------------------------
     def send(self, endpoint: str, msg: object) -> None:
-        with self._lock:
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._push[endpoint] = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.setsockopt(zmq.SNDHWM, 100000)
-                sock.connect(endpoint)
-            try:
-                sock.send(encode(msg, self.args.secret), flags=zmq.NOBLOCK)
-            except zmq.Again:  # the peer stopped reading long ago; the heartbeat will say so
-                self.counters["dropped_sends"] += 1
+        self.control.send(endpoint, msg)
 
-    def drop_socket(self, endpoint: str) -> None:
-        with self._lock:
-            sock = self._push.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
-
-    def _recv_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        while not self.stopped:
-            if not poller.poll(100):
-                continue
-            raw = self._pull.recv()
-            try:
-                self.handle(decode(raw, self.args.secret))
-            except BadMessage as e:
-                self.counters["rejected_messages"] += 1
-                log.warning("dropped a control message: %s", e)
-            except Exception:
-                self.counters["rejected_messages"] += 1
-                log.exception("control message handler failed")
+    def on_frame(self, raw: bytes) -> None:
+        """Verify one received frame (signature, fields, replay) and act on it; a bad one is counted."""
+        try:
+            msg, envelope = open_frame(raw, self.args.secret)
+            self.replay.check(envelope)
+            self.handle(msg, envelope)
+        except BadMessage as e:
+            self.counters["rejected_messages"] += 1
+            log.warning("dropped a control message: %s", e)
 
     @abstractmethod
-    def handle(self, msg: object) -> None:
-        """Act on one validated message; raise BadMessage for one this role does not accept."""
-
-    # -- rooms ---------------------------------------------------------------------------------
-    def claim(self, room: int) -> RoomState:
-        """The room's state, marked as held by a sender/receiver of this process (atomically, so a
-        concurrent abort cannot discard it as an orphan)."""
-        with self._lock:
-            state = self.rooms.setdefault(room, RoomState())
-            state.owned = True
-            return state
-
-    def forget(self, room: int) -> None:
-        with self._lock:
-            self.rooms.pop(room, None)
-
-    def rooms_snapshot(self) -> list[tuple[int, RoomState]]:
-        with self._lock:
-            return list(self.rooms.items())
+    def handle(self, msg: object, envelope: Envelope) -> None:
+        """Act on one verified message; raise BadMessage for one this role does not accept."""
 
     # -- heartbeat -----------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        interval = self.args.heartbeat_interval_s
-        last_ping = 0.0
-        while not self._stop.wait(min(interval / 4, 0.5)):
+        while not self._stop.wait(min(self.args.heartbeat_interval_s / 4, 0.5)):
             try:
-                watched = self.watched_peers()
-                if time.monotonic() - last_ping >= interval:
-                    last_ping = time.monotonic()
-                    self.ping(watched)
-                for peer, silent_s in self.liveness.silent(watched):
-                    self.counters["peers_declared_dead"] += 1
-                    self.declare_dead(peer, silent_s)
-            except Exception:
+                self.heartbeat_tick()
+            except Exception:  # one bad round must not stop the heartbeat for good
                 log.exception("heartbeat round failed")
+
+    def heartbeat_tick(self) -> None:
+        """Ping the peers rooms wait on (every half interval) and declare the silent ones dead."""
+        watched = self.watched_peers()
+        if self.clock() - self._last_ping >= self.args.heartbeat_interval_s / 2:
+            self._last_ping = self.clock()
+            self.ping(watched)
+        for peer, silent_s in self.liveness.silent(watched):
+            self.counters["peers_declared_dead"] += 1
+            self.declare_dead(peer, silent_s)
 
     @abstractmethod
     def watched_peers(self) -> set[str]:
@@ -170,8 +132,20 @@ class KVManager(ABC):
     def declare_dead(self, peer: str, silent_s: float) -> None:
         """Fail every room waiting on `peer`, silent for `silent_s` seconds."""
 
+    # -- health --------------------------------------------------------------------------------
+    def health_problem(self) -> str | None:
+        """Why this manager cannot do its job (a thread died), or None."""
+        if not self.threaded or self.stopped:
+            return None
+        if not self.control.alive:
+            return "the control-plane receive thread died"
+        if self._heartbeat_thread is not None and not self._heartbeat_thread.is_alive():
+            return "the heartbeat thread died"
+        return None
+
     def close(self) -> None:
         self._stop.set()
+        self.control.close()
         time.sleep(0.2)
         self.backend.close()
 

@@ -10,12 +10,20 @@ and counted.
     prefill -> decode  status    per room: ok or failed(reason), after the last write of that room
 
 Frame: msgpack [body, mac]; mac = HMAC-SHA256(cluster secret, body), empty without a secret, so the
-secret itself never crosses the wire.
+secret itself never crosses the wire. The signed body carries an envelope: the sender's instance id, a
+sequence number that grows with every frame the sender sends, and the wall-clock send time. A receiver
+drops a frame whose sequence number it has seen from that sender already (a replay), or that was sent
+outside REPLAY_WINDOW_S of its own clock (a replay of a sender it has forgotten, or clocks out of sync).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
+import threading
+import time
+import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +31,9 @@ import msgpack
 
 MAX_PAGES_PER_REQUEST = 1 << 22
 MAX_FRAME_BYTES = 64 << 20
+REPLAY_WINDOW_S = 300.0  # a frame older (or newer) than this by the receiver's clock is dropped
+MAX_SENDERS_REMEMBERED = 65536
+ENVELOPE = ("sender", "seq", "sent_at")
 
 
 class BadMessage(ValueError):
@@ -44,7 +55,7 @@ class Register:
 
 
 @dataclass
-class Request:
+class RoomRequest:
     room: int
     decode_id: str
     dst_pages: list[int]
@@ -75,7 +86,7 @@ class Status:
     reason: str
 
 
-KINDS = {"register": Register, "request": Request, "abort": Abort, "ping": Ping, "pong": Pong, "status": Status}
+KINDS = {"register": Register, "request": RoomRequest, "abort": Abort, "ping": Ping, "pong": Pong, "status": Status}
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "decode_id": (str,), "status_endpoint": (str,), "backend_address": (bytes,), "kv_ptrs": (list,),
     "bytes_per_page": (list,), "num_pages": (int,), "page_size": (int,), "aux_ptr": (int,),
@@ -88,13 +99,39 @@ def _mac(body: bytes, secret: str | None) -> bytes:
     return hmac.new(secret.encode(), body, hashlib.sha256).digest() if secret else b""
 
 
-def encode(msg: Any, secret: str | None) -> bytes:
+@dataclass(frozen=True)
+class Envelope:
+    sender: str  # the instance id of the sending KVManager
+    seq: int  # grows with every frame this sender sends
+    sent_at: float  # the sender's wall clock (time.time())
+
+
+_PROCESS_SENDER = f"process-{uuid.uuid4().hex[:12]}"
+_SEQ = itertools.count(1)
+
+
+def encode(msg: Any, secret: str | None, sender: str | None = None, seq: int | None = None,
+           sent_at: float | None = None) -> bytes:
+    """A signed frame. A message naming its decode (decode_id) is sent by that decode unless `sender`
+    says otherwise; `seq` defaults to this process's next sequence number, `sent_at` to now."""
     kind = next(k for k, cls in KINDS.items() if isinstance(msg, cls))
-    body = msgpack.packb({"type": kind, **asdict(msg)}, use_bin_type=True)
+    sender = sender or getattr(msg, "decode_id", None) or _PROCESS_SENDER
+    envelope = {"sender": sender, "seq": next(_SEQ) if seq is None else seq, "sent_at": time.time() if sent_at is None else sent_at}
+    body = msgpack.packb({"type": kind, **asdict(msg), **envelope}, use_bin_type=True)
     return msgpack.packb([body, _mac(body, secret)], use_bin_type=True)
 
 
+def next_seq() -> int:
+    return next(_SEQ)
+
+
 def decode(raw: bytes, secret: str | None) -> Any:
+    """The message of a signed frame (its envelope checked for shape, not for replay)."""
+    return open_frame(raw, secret)[0]
+
+
+def open_frame(raw: bytes, secret: str | None) -> tuple[Any, Envelope]:
+    """(message, envelope) of a frame whose signature, fields and ranges are valid; else BadMessage."""
     body = _verified_body(raw, secret)
     try:
         data = msgpack.unpackb(body, raw=False, strict_map_key=True)
@@ -103,6 +140,7 @@ def decode(raw: bytes, secret: str | None) -> Any:
     if not isinstance(data, dict) or data.get("type") not in KINDS:
         raise BadMessage("not a known message type")
     cls = KINDS[data.pop("type")]
+    envelope = {k: data.pop(k) for k in ENVELOPE if k in data}
     fields = cls.__dataclass_fields__
     if set(data) != set(fields):
         raise BadMessage(f"{cls.__name__} fields {sorted(map(str, data))} != {sorted(fields)}")
@@ -111,7 +149,41 @@ def decode(raw: bytes, secret: str | None) -> Any:
             raise BadMessage(f"{cls.__name__}.{name} has type {type(value).__name__}")
     msg = cls(**data)
     _check_ranges(msg)
-    return msg
+    return msg, _check_envelope(envelope)
+
+
+def _check_envelope(e: dict[str, Any]) -> Envelope:
+    sender, seq, sent_at = e.get("sender"), e.get("seq"), e.get("sent_at")
+    if not isinstance(sender, str) or not 0 < len(sender) <= 128:
+        raise BadMessage("envelope: sender must be a non-empty string")
+    if type(seq) is not int or not 0 <= seq < 2**63:
+        raise BadMessage("envelope: seq must be an int in [0, 2**63)")
+    if not isinstance(sent_at, float) or sent_at != sent_at:
+        raise BadMessage("envelope: sent_at must be a float")
+    return Envelope(sender, seq, sent_at)
+
+
+class ReplayGuard:
+    """Accepts each (sender, seq) once, in increasing order per sender, within REPLAY_WINDOW_S."""
+
+    def __init__(self, window_s: float = REPLAY_WINDOW_S, clock=time.time):
+        self.window_s, self.clock = window_s, clock
+        self._last: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, e: Envelope) -> None:
+        skew = self.clock() - e.sent_at
+        if abs(skew) > self.window_s:
+            raise BadMessage(f"frame from {e.sender} sent {skew:.0f} s from now (a replay, or clocks out of sync "
+                             f"by more than {self.window_s:.0f} s)")
+        with self._lock:
+            last = self._last.get(e.sender, -1)
+            if e.seq <= last:
+                raise BadMessage(f"frame {e.seq} from {e.sender} replayed (already saw {last})")
+            self._last[e.sender] = e.seq
+            self._last.move_to_end(e.sender)
+            if len(self._last) > MAX_SENDERS_REMEMBERED:
+                self._last.popitem(last=False)
 
 
 def _verified_body(raw: bytes, secret: str | None) -> bytes:
@@ -130,9 +202,9 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
 
 
 def _check_ranges(msg: Any) -> None:
-    if isinstance(msg, (Request, Abort, Status)) and not 0 <= msg.room < 2**63:
+    if isinstance(msg, (RoomRequest, Abort, Status)) and not 0 <= msg.room < 2**63:
         raise BadMessage("room out of range")
-    if isinstance(msg, Request):
+    if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):
             raise BadMessage("dst_pages must be a list of ints")
     if isinstance(msg, Register):

@@ -7,7 +7,8 @@ from prometheus_client.core import CounterMetricFamily
 
 from transfer.manager import KVManager
 
-EVENTS = ("chunks_sent", "bytes_sent", "rooms_succeeded", "rooms_failed", "peers_declared_dead", "rejected_messages", "dropped_sends")
+EVENTS = ("chunks_sent", "bytes_sent", "rooms_succeeded", "rooms_failed", "peers_declared_dead", "peers_refused",
+          "writes_fenced", "rejected_messages", "dropped_sends")
 
 
 class TransferCounters:

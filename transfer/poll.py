@@ -5,6 +5,10 @@ import enum
 import threading
 
 
+class DuplicateRoom(ValueError):
+    """A room id that another request of this server holds: client identifiers are not trusted."""
+
+
 class KVPoll(enum.IntEnum):
     Failed = 0
     Bootstrapping = 1

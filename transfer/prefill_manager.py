@@ -1,191 +1,174 @@
-"""Prefill side of the control plane: learns decode peers, accepts their per-room requests, answers
-pings and aborts, and runs one TransferWorker per decode.
+"""Prefill side of the control plane: learns decode peers (refusing one whose registered layout differs
+from ours), records their per-room requests, answers pings and aborts, and hands chunks to one
+TransferWorker per decode.
 
-Who sends a room's status: always that decode's TransferWorker (ok after the last write, failed after
-any write in flight), except for a room this process never started writing, which is answered at once.
+Who sends a room's status: always that decode's worker (ok after the last write, failed once no write of
+the room is in flight), except for a room this process never started writing, which is answered at once.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
-import time
-from contextlib import contextmanager
-from typing import Iterator
 
-from transfer.manager import KVArgs, KVManager, RoomState
-from transfer.messages import Abort, BadMessage, Ping, Pong, Register, Request, Status
-from transfer.runs import chunk_triples
-from transfer.transfer_worker import Chunk, FailureNotice, TransferWorker
+from transfer.kv_writer import KVWriter, layout_problem
+from transfer.manager import KVArgs, KVManager
+from transfer.messages import (
+    Abort,
+    BadMessage,
+    Envelope,
+    Ping,
+    Pong,
+    Register,
+    RoomRequest,
+    Status,
+)
+from transfer.poll import KVPoll
+from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
+from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
 
 log = logging.getLogger(__name__)
-ORPHAN_TTL_S = 600.0  # a decode's request for a room whose HTTP request never reached this prefill
-MAX_PIECES_PER_BATCH = 1024  # Mooncake's TCP transport fails on much larger batches of small pieces
+MAX_REFUSED_REMEMBERED = 1024
 
 
-class AuxStaging:
-    """Registered host memory that aux records are written from: one slot per write in flight, so
-    workers of different decodes never share a buffer."""
-
-    def __init__(self, backend, slots: int = 64, slot_bytes: int = 4096):
-        self.slot_bytes = slot_bytes
-        self.buffer = (ctypes.c_uint8 * (slots * slot_bytes))()
-        backend.register(ctypes.addressof(self.buffer), len(self.buffer))
-        self._free = list(range(slots))
-        self._available = threading.Semaphore(slots)
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def slot(self, record: bytes) -> Iterator[int]:
-        """The address of a slot holding `record`, for the duration of one write."""
-        if len(record) > self.slot_bytes:
-            raise ValueError(f"aux record of {len(record)} bytes exceeds the {self.slot_bytes}-byte staging slot")
-        self._available.acquire()
-        with self._lock:
-            index = self._free.pop()
-        try:
-            addr = ctypes.addressof(self.buffer) + index * self.slot_bytes
-            ctypes.memmove(addr, record, len(record))
-            yield addr
-        finally:
-            with self._lock:
-                self._free.append(index)
-            self._available.release()
+class FencedError(RuntimeError):
+    """Writing into this decode's memory is no longer safe (see transfer/liveness.py)."""
 
 
 class PrefillKVManager(KVManager):
     mode = "prefill"
 
-    def __init__(self, args: KVArgs):
-        super().__init__(args)
-        self.aux_staging = AuxStaging(self.backend)
-        self.peers: dict[str, Register] = {}  # decode instances that registered
-        self.workers: dict[str, TransferWorker] = {}
-        self.tombstones: dict[int, tuple[str, float]] = {}  # failed rooms already forgotten: reason, when
-        self._next_expiry = 0.0
+    def __init__(self, args: KVArgs, **kwargs):
+        super().__init__(args, **kwargs)
+        self.writer = KVWriter(self.backend, args.kv_ptrs, args.bytes_per_page, args.on_cuda)
+        self.peers: dict[str, Register] = {}  # decode instances that registered and fit our layout
+        self.refused: dict[str, tuple[Register, str]] = {}  # decode instances whose layout does not fit, and why
+        self.table = PrefillRoomTable(self.clock)
+        self.workers = WorkerPool(self._make_worker)
+        self.start()
+
+    def _make_worker(self, decode_id: str) -> TransferWorker:
+        return TransferWorker(decode_id, self._write, self._notify, self._mark_failed, self.args.max_queued_chunks, self.threaded)
 
     # -- messages ------------------------------------------------------------------------------
-    def handle(self, msg: object) -> None:
-        if isinstance(msg, Register):
-            self.backend.add_peer(msg.decode_id, msg.backend_address)
-            self.peers[msg.decode_id] = msg
-            self.liveness.seen(msg.decode_id)
-            return
-        if not isinstance(msg, (Request, Abort, Ping)):
+    def handle(self, msg: object, envelope: Envelope) -> None:
+        if not isinstance(msg, (Register, RoomRequest, Abort, Ping)):
             raise BadMessage(f"{type(msg).__name__} is not for a prefill server")
-        peer = self.peers.get(msg.decode_id)
-        if peer is None:
-            raise BadMessage(f"{type(msg).__name__} from unregistered decode {msg.decode_id}")
-        self.liveness.seen(msg.decode_id)
+        if msg.decode_id != envelope.sender:
+            raise BadMessage(f"{type(msg).__name__} names decode {msg.decode_id} but was sent by {envelope.sender}")
+        if isinstance(msg, Register):
+            return self._on_register(msg, envelope)
+        peer = self._peer(msg)
+        self.liveness.seen(msg.decode_id, envelope.sent_at)
         if isinstance(msg, Ping):
             self.send(peer.status_endpoint, Pong(self.endpoint))
-        elif isinstance(msg, Request):
+        elif isinstance(msg, RoomRequest):
             self._on_request(msg, peer)
         else:
             self._on_abort(msg, peer)
 
-    def _on_request(self, req: Request, peer: Register) -> None:
-        if any(not 1 <= p <= peer.num_pages for p in req.dst_pages) or not 0 <= req.aux_slot < peer.aux_slots:
-            raise BadMessage(f"room {req.room}: destination page or aux slot outside the decode's pool")
-        self._expire_orphans()
-        with self._lock:
-            tomb = self.tombstones.get(req.room)
-            room = None if tomb else self.rooms.setdefault(req.room, RoomState())
-            if room is not None and room.request is not None:
-                raise BadMessage(f"room {req.room} was requested twice")
-            if room is not None:
-                room.request = req
-        # this prefill already gave up on the room (forgotten or not): say so now, not after a timeout
-        reason = tomb[0] if tomb else room.poll.reason
-        if reason is not None:
-            self.send(peer.status_endpoint, Status(req.room, False, reason))
+    def _on_register(self, msg: Register, envelope: Envelope) -> None:
+        problem = layout_problem(self.args.bytes_per_page, self.args.page_size, self.args.aux_record_bytes, msg)
+        if problem is not None:
+            self.counters["peers_refused"] += 1
+            self.refused[msg.decode_id] = (msg, problem)
+            while len(self.refused) > MAX_REFUSED_REMEMBERED:
+                self.refused.pop(next(iter(self.refused)))
+            log.warning("refusing decode %s: %s", msg.decode_id, problem)
+            return
+        self.backend.add_peer(msg.decode_id, msg.backend_address)
+        self.peers[msg.decode_id] = msg
+        self.refused.pop(msg.decode_id, None)
+        self.liveness.seen(msg.decode_id, envelope.sent_at)
+
+    def _peer(self, msg: RoomRequest | Abort | Ping) -> Register:
+        peer = self.peers.get(msg.decode_id)
+        if peer is not None:
+            return peer
+        refused = self.refused.get(msg.decode_id)
+        if refused is not None and isinstance(msg, RoomRequest):  # tell it why, then count the refusal
+            self.send(refused[0].status_endpoint, Status(msg.room, False, f"prefill refused this decode's KV layout: {refused[1]}"))
+        raise BadMessage(f"{type(msg).__name__} from unregistered decode {msg.decode_id}")
+
+    def _on_request(self, msg: RoomRequest, peer: Register) -> None:
+        if any(not 1 <= p <= peer.num_pages for p in msg.dst_pages) or not 0 <= msg.aux_slot < peer.aux_slots:
+            raise BadMessage(f"room {msg.room}: destination page or aux slot outside the decode's pool")
+        try:
+            room, gave_up = self.table.on_request(msg)
+        except ValueError as e:
+            self.send(peer.status_endpoint, Status(msg.room, False, str(e)))
+            raise BadMessage(str(e)) from None
+        reason = gave_up or (room.poll.reason if room is not None else None)
+        if reason is not None:  # this prefill already gave up on the room: say so now, not after a timeout
+            self.send(peer.status_endpoint, Status(msg.room, False, reason))
 
     def _on_abort(self, msg: Abort, peer: Register) -> None:
-        with self._lock:
-            room = self.rooms.get(msg.room)
-            if room is not None and room.request is not None and room.request.decode_id != msg.decode_id:
-                raise BadMessage(f"abort of room {msg.room} from a decode that does not own it")
-            if room is not None and not room.owned:
-                del self.rooms[msg.room]  # nothing was ever written for it
-                room = None
-        if room is None:
+        room = self.table.get(msg.room)
+        if room is not None and room.request is not None and room.request.decode_id != msg.decode_id:
+            raise BadMessage(f"abort of room {msg.room} from a decode that does not own it")
+        if room is None or self.table.drop_unowned(msg.room):  # nothing was ever written for it
             self.send(peer.status_endpoint, Status(msg.room, False, f"aborted by decode: {msg.reason}"))
         else:
-            self.fail_room(msg.room, room, f"decode aborted: {msg.reason}")
+            self.fail_room(room, f"decode aborted: {msg.reason}")
 
-    def _expire_orphans(self) -> None:
-        now = time.monotonic()
-        if now < self._next_expiry:  # a sweep is O(rooms): at most one a second
-            return
-        self._next_expiry = now + 1.0
-        with self._lock:
-            for r, st in list(self.rooms.items()):
-                if not st.owned and now - st.created > ORPHAN_TTL_S:
-                    del self.rooms[r]
-            for r, (_, when) in list(self.tombstones.items()):
-                if now - when > ORPHAN_TTL_S:
-                    del self.tombstones[r]
+    # -- rooms (called by KVSender on the scheduler thread) ------------------------------------
+    @property
+    def rooms(self) -> dict[int, PrefillRoom]:
+        """The room table by room id (read-only use)."""
+        return self.table.rooms
 
-    def forget(self, room: int) -> None:
-        """Drop the room; a failed one leaves a tombstone so a late request for it is answered."""
-        with self._lock:
-            state = self.rooms.pop(room, None)
-            if state is not None and state.poll.reason is not None:
-                self.tombstones[room] = (state.poll.reason, time.monotonic())
+    def claim(self, room: int) -> PrefillRoom:
+        """The room for a local request; DuplicateRoom if another request holds it."""
+        return self.table.claim(room)
 
-    # -- rooms ---------------------------------------------------------------------------------
-    def fail_room(self, room_id: int, state: RoomState, reason: str) -> None:
-        """Fail the room; if a decode waits on it, its worker tells it after any write in flight."""
-        if state.poll.fail(reason):
-            self.counters["rooms_failed"] += 1
-            if state.request is not None:
-                self.enqueue(FailureNotice(room_id, state))
+    def forget(self, room: PrefillRoom) -> None:
+        self.table.forget(room)
 
-    def enqueue(self, item: Chunk | FailureNotice) -> None:
-        decode_id = item.state.request.decode_id
-        with self._lock:
-            worker = self.workers.get(decode_id)
-            if worker is None or not worker.alive:
-                worker = self.workers[decode_id] = TransferWorker(self, decode_id)
-            worker.queue.put(item)
+    def fail_room(self, room: PrefillRoom, reason: str) -> None:
+        """Fail the room; if a decode waits on it, its worker tells it once no write is in flight."""
+        if self._mark_failed(room, reason) and room.request is not None:
+            self.workers.owe_failure(room.request.decode_id, room)
 
-    def retire_worker_if_idle(self, worker: TransferWorker) -> bool:
-        with self._lock:
-            if not worker.queue.empty():
-                return False
-            worker.alive = False
-            if self.workers.get(worker.decode_id) is worker:
-                del self.workers[worker.decode_id]
-            return True
+    def enqueue(self, chunk: Chunk) -> None:
+        """Hand a chunk to its decode's worker (TransferQueueFull when that queue is full)."""
+        self.workers.submit(chunk.room.request.decode_id, chunk)
 
-    # -- data plane ----------------------------------------------------------------------------
-    def write_chunk(self, req: Request, src_pages: list[int], dst_pages: list[int], aux: bytes | None) -> None:
-        peer = self.peers[req.decode_id]
-        a = self.args
-        src, dst, nbytes = chunk_triples(a.kv_ptrs, peer.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
-        for i in range(0, len(src), MAX_PIECES_PER_BATCH):
-            end = i + MAX_PIECES_PER_BATCH
-            self.backend.write_batch(req.decode_id, src[i:end], dst[i:end], nbytes[i:end], a.on_cuda)
-        self.counters["bytes_sent"] += sum(nbytes)
-        if aux is not None:
-            if len(aux) != peer.aux_record_bytes:
-                raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
-            dst_aux = peer.aux_ptr + req.aux_slot * peer.aux_record_bytes
-            with self.aux_staging.slot(aux) as src_aux:
-                self.backend.write_batch(req.decode_id, [src_aux], [dst_aux], [len(aux)])
+    def _mark_failed(self, room: PrefillRoom, reason: str) -> bool:
+        if not room.poll.fail(reason):
+            return False
+        self.counters["rooms_failed"] += 1
+        return True
 
-    def send_status(self, req: Request, status: Status) -> None:
+    # -- data plane (on a worker) --------------------------------------------------------------
+    def _write(self, chunk: Chunk) -> None:
+        req = chunk.room.request
         peer = self.peers.get(req.decode_id)
+        if peer is None:
+            raise FencedError(f"decode {req.decode_id} is no longer registered")
+        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id))
+        self.counters["chunks_sent"] += 1
+        self.counters["bytes_sent"] = self.writer.bytes_sent
+
+    def _fence(self, decode_id: str) -> None:
+        problem = self.liveness.may_write_to(decode_id)
+        if problem is not None:
+            self.counters["writes_fenced"] += 1
+            raise FencedError(f"not writing: {problem}")
+
+    def _notify(self, room: PrefillRoom, ok: bool, reason: str) -> None:
+        if ok and not room.poll.advance(KVPoll.Success):
+            return  # failed while its last write ran: the failure is owed and follows
+        if ok:
+            self.counters["rooms_succeeded"] += 1
+        peer = self.peers.get(room.request.decode_id)
         if peer is not None:
-            self.send(peer.status_endpoint, status)
+            self.send(peer.status_endpoint, Status(room.room, ok, reason))
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> set[str]:
-        return {st.request.decode_id for _, st in self.rooms_snapshot() if st.owned and st.request and not st.poll.done}
+        return {r.request.decode_id for r in self.table.snapshot() if r.owned and r.request and not r.poll.done}
 
     def declare_dead(self, peer: str, silent_s: float) -> None:
         reason = f"decode {peer} sent no heartbeat for {silent_s:.1f} s (dead or frozen)"
         log.warning("%s: failing its rooms", reason)
-        for room_id, st in self.rooms_snapshot():
-            if st.owned and st.request is not None and st.request.decode_id == peer:
-                self.fail_room(room_id, st, reason)
+        for room in self.table.snapshot():
+            if room.owned and room.request is not None and room.request.decode_id == peer:
+                self.fail_room(room, reason)

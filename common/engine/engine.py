@@ -1,14 +1,14 @@
 """Builds model, pools and scheduler from one ServerConfig and runs the scheduler on its own thread.
 
-The HTTP side (asyncio) talks to it through `generate()` (an async stream of OutputEvents) and
-`run_on_scheduler()` (a function executed between two scheduler steps).
+The HTTP side (asyncio) talks to it through `generate()` (an async stream of OutputEvents),
+`run_on_scheduler()` (a function executed between two scheduler steps, as a Future) and
+`health_problem()` (why /health must answer 503, if it must).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import AsyncIterator, Callable, TypeVar
@@ -21,11 +21,13 @@ from common.config import ServerConfig
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor
-from common.engine.request import FinishReason, OutputEvent, Req
+from common.engine.request import OutputEvent, Req
+from common.engine.role import Role
 from common.engine.scheduler import Scheduler
+from common.engine.scheduler_thread import SchedulerThread
 from common.memory.allocator import PagedAllocator
 from common.memory.kv_pool import KVPool
-from common.memory.manager import KVCacheManager
+from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
@@ -35,15 +37,12 @@ from common.model.locate import display_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SchedulerFactory = Callable[["Engine"], Scheduler]
-
-
-def monolithic_scheduler(engine: "Engine") -> Scheduler:
-    return Scheduler(engine.config, engine.runner, engine.kv, engine.output)
+RoleFactory = Callable[["Engine"], Role]
 
 
 class Engine:
-    def __init__(self, config: ServerConfig, scheduler_factory: SchedulerFactory = monolithic_scheduler):
+    def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None):
+        """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic)."""
         self.config = config
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
@@ -60,7 +59,7 @@ class Engine:
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(config.num_pages, config.page_size, config.device)
         prefix = NoPrefixCache(allocator, config.page_size) if config.disable_radix_cache else RadixCache(allocator, config.page_size)
-        self.kv = KVCacheManager(req_pool, allocator, prefix, config.page_size)
+        self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         model = load_model(self.model_dir, self.hf_config, self.dtype, config.device)
         head_dim = head_dim_of(self.hf_config)
         attn = make_attention_backend(
@@ -68,10 +67,10 @@ class Engine:
         )
         self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.context_len, config.device, self.metrics)
-        self.scheduler = scheduler_factory(self)
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
+        if make_role is not None:
+            self.scheduler.role = make_role(self)
+        self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
 
     def _context_len(self) -> int:
@@ -92,48 +91,49 @@ class Engine:
 
     def _register_gauges(self) -> None:
         m, s = self.metrics, self.scheduler
-        m.gauge("tandem_num_running_reqs", "requests decoding", lambda: len(s.running))
-        m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.waiting))
+        m.gauge("tandem_num_running_reqs", "requests decoding", lambda: len(s.decode.running))
+        m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.prefill.waiting))
         m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.config.num_pages)
-        m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.kv.allocator.available_pages())
+        m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self.thread.start()
 
     def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        self.thread.stop()
 
-    def _loop(self) -> None:
-        sched = self.scheduler
-        while not self._stop:
-            try:
-                worked = sched.step()
-            except Exception as e:  # a bug must end the affected requests, not the server
-                log.exception("scheduler step failed")
-                self._fail_all(f"internal error in the scheduler: {e!r}")
-                worked = False
-            if not worked:
-                self._wake.wait(0.002 if sched.has_work() else 0.5)
-                self._wake.clear()
+    @property
+    def instance_id(self) -> str | None:
+        """The PD role's transfer instance id (what a router passes to decodes), or None."""
+        return self.scheduler.role.instance_id
 
-    def _fail_all(self, message: str) -> None:
+    def server_info(self) -> dict:
+        """What /get_server_info reports; runs on the scheduler thread and raises on a leak."""
         s = self.scheduler
-        for req in s.tracked_requests():
-            if not req.finished:
-                s.finish(req, FinishReason("abort", message=message, status=500))
+        return {
+            "config": self.config.model_dump(exclude={"api_key", "cluster_secret"}),
+            "model_path": str(self.model_dir),
+            "context_length": self.context_len,
+            "kv_pages": s.check_integrity().to_dict(),
+            "num_running_reqs": len(s.decode.running),
+            "num_waiting_reqs": len(s.prefill.waiting),
+            "num_retractions": s.decode.num_retractions,
+            "role": s.role.info(),
+        }
+
+    def health_problem(self) -> str | None:
+        """Why this server cannot serve right now (/health answers 503 with it), or None."""
+        return self.thread.health_problem() or self.scheduler.role.health_problem()
 
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:
         self.scheduler.submit(req)
-        self._wake.set()
+        self.thread.wake()
 
     def abort(self, req: Req, reason: str = "aborted by client", status: int = 499) -> None:
         self.scheduler.abort(req, reason, status)
-        self._wake.set()
+        self.thread.wake()
 
     def run_on_scheduler(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -144,12 +144,9 @@ class Engine:
             except Exception as e:
                 fut.set_exception(e)
 
-        self.scheduler.call(call)
-        self._wake.set()
+        self.scheduler.run_on_scheduler(call)
+        self.thread.wake()
         return fut
-
-    async def call(self, fn: Callable[[], T]) -> T:
-        return await asyncio.wrap_future(self.run_on_scheduler(fn))
 
     async def generate(self, req: Req) -> AsyncIterator[OutputEvent]:
         """Submit `req` and yield its events; leaving early (client gone) aborts it."""

@@ -4,14 +4,20 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from common.wire.api import Pairing
 from common.wire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued for prefill (also after retraction)
-    BOOTSTRAPPING = "bootstrapping"  # PD: waiting for the peer before any compute or transfer
+    PAIRING = "pairing"  # PD: waiting for the peer (decode pages reserved) before any compute or transfer
     TRANSFERRING = "transferring"  # PD: KV is moving between prefill and decode
     RUNNING = "running"  # prefilled; in the decode batch
     FINISHED = "finished"
@@ -44,7 +50,7 @@ class OutputEvent:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
 class Req:
     rid: str
     prompt_ids: list[int]
@@ -53,7 +59,7 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     sink: Callable[[OutputEvent], None] | None = None
-    bootstrap: dict[str, Any] | None = None  # PD: bootstrap_host / bootstrap_port / bootstrap_room
+    pairing: Pairing | None = None  # PD: how to find the peer and the room shared with it
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -64,18 +70,20 @@ class Req:
     finish: FinishReason | None = None
 
     # memory: tokens [0, cached_len) sit in locked radix-tree pages, [cached_len, kv_len) in pages this
-    # request owns; req_to_token[req_pool_idx, :kv_len] holds their KV slots.
+    # request owns; req_to_token[req_pool_idx, :kv_len] holds their KV slots, of which the first
+    # kv_computed_len hold KV a forward (or a transfer) wrote: only those may enter the prefix cache.
     req_pool_idx: int | None = None
     kv_len: int = 0
     cached_len: int = 0
-    last_node: Any = None
+    kv_computed_len: int = 0
+    last_node: Any = None  # the prefix cache's node locked for [0, cached_len)
     prefix_hit_len: int = 0  # cached tokens reused at the first prefill, reported to the client
     retractions: int = 0
 
     # runtime helpers, owned by the scheduler
-    detokenizer: Any = None
-    stop_matcher: Any = None
-    generator: Any = None
+    detokenizer: "IncrementalDetokenizer | None" = None
+    stop_matcher: "StopStringMatcher | None" = None
+    generator: "torch.Generator | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

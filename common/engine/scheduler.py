@@ -1,38 +1,46 @@
-"""Continuous batching: one `step()` = pick a batch, run it, commit its results.
+"""Continuous batching: one `step()` = take new work, let the role move its queues, pick a batch, run
+it, commit its results.
 
 Prefill has priority (as in SGLang): a step runs new/chunked prompts when any wait and fit, else one
-decode token for every running request. Roles (PD prefill / decode) extend this class through the
-hooks at the bottom; the monolithic server uses it as is.
+decode token for every running request. The scheduler composes a PrefillQueue, a DecodeBatch, the
+MemoryManager and a Role (PD prefill / decode; the base Role for a monolithic server).
+
+Failure is per request: an exception while handling one request ends that request with a 500 naming
+the cause; a batch whose forward fails ends the batch's requests, and the KV it was to write never
+enters the prefix cache (MemoryManager.release caches only computed KV). Every request leaves through
+finish(): out of every queue, the client answered, then its memory freed.
 """
 from __future__ import annotations
 
 import logging
 import queue
-from collections import deque
-from typing import Callable
+import time
+from typing import Callable, TypeVar
 
 from common.config import ServerConfig
+from common.engine.decode_batch import DecodeBatch
 from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.engine.output import OutputProcessor
+from common.engine.prefill_queue import PrefillQueue
 from common.engine.request import FinishReason, Req, ReqStatus
+from common.engine.role import Role
 from common.memory.errors import MemoryIntegrityError
-from common.memory.manager import KVCacheManager, PageCounts
+from common.memory.manager import MemoryManager, PageCounts
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Scheduler:
-    def __init__(self, config: ServerConfig, runner: ModelRunner | None, kv: KVCacheManager, output: OutputProcessor):
-        self.config = config
-        self.runner = runner
-        self.kv = kv
-        self.output = output
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.chunked: Req | None = None
+    def __init__(self, config: ServerConfig, runner: ModelRunner | None, memory: MemoryManager, output: OutputProcessor,
+                 role: Role | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config, self.runner, self.memory, self.output = config, runner, memory, output
+        self.clock = clock  # for the roles' timeouts; requests' arrival_time is on this clock
+        self.prefill = PrefillQueue(config, memory)
+        self.decode = DecodeBatch(config, memory, self.prefill)
+        self.role = role or Role()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self.num_retractions = 0
 
     # -- called from other threads -------------------------------------------------------------
     def submit(self, req: Req) -> None:
@@ -42,7 +50,7 @@ class Scheduler:
         """End `req` (the object, not its rid: clients may reuse rids) at the next step."""
         self.inbox.put(("abort", (req, reason, status)))
 
-    def call(self, fn: Callable[[], None]) -> None:
+    def run_on_scheduler(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between two steps."""
         self.inbox.put(("call", fn))
 
@@ -50,25 +58,12 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling round. Returns False when there was nothing to do."""
         self.drain_inbox()
-        self.poll_role_queues()
-        plan = self.schedule_prefill() or self.schedule_decode()
+        self.role.poll()
+        plan = self._next_plan()
         if plan is None:
             return False
-        try:
-            self.process_result(plan, self.runner.run(plan))
-        except Exception as e:  # the batch's requests may be in no queue now: answer them here
-            log.exception("a batch of %d requests failed", len(plan.reqs))
-            for req in plan.reqs:
-                if not req.finished:
-                    self.finish(req, FinishReason("abort", message=f"internal error running the batch: {e!r}", status=500))
+        self._run(plan)
         return True
-
-    def num_queued(self) -> int:
-        """Requests not yet running (read from other threads: an estimate)."""
-        return len(self.waiting) + len(self.role_requests())
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked) or self.role_has_work()
 
     def drain_inbox(self) -> None:
         while True:
@@ -77,184 +72,134 @@ class Scheduler:
             except queue.Empty:
                 return
             if kind == "add":
-                self._admit_or_fail(arg)
+                self.guarded(arg, "queueing the request", lambda: self.add_request(arg))
             elif kind == "abort":
-                self.abort_now(*arg)
+                req, reason, status = arg
+                self.abort_now(req, reason, status)
             else:
                 arg()
 
-    def _admit_or_fail(self, req: Req) -> None:
-        """A request that cannot even be queued still gets an answer (its client would wait forever)."""
-        try:
-            self.add_request(req)
-        except Exception as e:
-            log.exception("request %s could not be queued", req.rid)
-            if not req.finished:
-                self.finish(req, FinishReason("abort", message=f"internal error queueing the request: {e!r}", status=500))
-
     def add_request(self, req: Req) -> None:
         self.output.prepare(req)
-        self.waiting.append(req)
-
-    # -- prefill -------------------------------------------------------------------------------
-    def schedule_prefill(self) -> BatchPlan | None:
-        budget = self.config.max_prefill_tokens
-        plan = BatchPlan(ForwardMode.EXTEND, [], [], [], [])
-        if self.chunked is not None:
-            req, self.chunked = self.chunked, None
-            used = self._add_chunk(plan, req, budget)
-            if used == 0:
-                self.chunked = req  # wait for memory; admit nobody ahead of it
-                return None
-            budget -= used
-        while self.waiting and budget > 0 and self.chunked is None and self._has_room_for_another(plan):
-            req = self.waiting[0]
-            if req.req_pool_idx is None:
-                if not self.kv.can_admit():
-                    break
-                self._admit(req)
-            used = self._add_chunk(plan, req, budget)
-            if used == 0:
-                self.kv.release(req, cache=False)
-                break
-            self.waiting.popleft()
-            budget -= used
-        return plan if plan.reqs else None
-
-    def _admit(self, req: Req) -> None:
-        limit = len(req.fill_ids) - 1  # at least one token must run to produce logits
-        if req.logprob_start_len >= 0:
-            limit = min(limit, req.logprob_start_len)
-        self.kv.admit(req, 0 if self.config.disable_radix_cache else limit)
-        if not req.output_ids:
-            req.prefix_hit_len = req.cached_len
-
-    def _has_room_for_another(self, plan: BatchPlan) -> bool:
-        return len(self.running) + len(plan.reqs) + self.num_held_elsewhere() < self.config.max_running_requests
-
-    def _chunk_len(self, req: Req, budget: int) -> int:
-        """Tokens of the next chunk: all that remain, or a page-aligned piece within the budget."""
-        remaining = len(req.fill_ids) - req.kv_len
-        limit = budget
-        if self.config.chunked_prefill_enabled:
-            limit = min(limit, self.config.chunked_prefill_size)
-        if remaining <= limit:
-            return remaining
-        return limit - (req.kv_len + limit) % self.config.page_size
-
-    def _add_chunk(self, plan: BatchPlan, req: Req, budget: int) -> int:
-        """Add the next chunk of `req` to the plan if memory allows; returns its length or 0."""
-        n = self._chunk_len(req, budget)
-        is_last = n == len(req.fill_ids) - req.kv_len
-        reserve = min(req.params.max_new_tokens, 16) if is_last else 0  # room for the first decode steps
-        alone = not self.running and not plan.reqs
-        if n <= 0 or not (self.kv.can_extend(req, n + reserve) or (alone and self.kv.can_extend(req, n))):
-            return 0
-        plan.reqs.append(req)
-        plan.extend_lens.append(n)
-        plan.out_cache_locs.append(self.kv.extend(req, n))
-        plan.sample.append(is_last)
-        if not is_last:
-            self.chunked = req
-        return n
-
-    # -- decode --------------------------------------------------------------------------------
-    def schedule_decode(self) -> BatchPlan | None:
-        if not self.running:
-            return None
-        while len(self.running) > 1 and not self._decode_fits():
-            self.retract(self.running[-1])
-        if not self._decode_fits():
-            self.finish(self.running[0], FinishReason("abort", message="KV cache exhausted", status=503))
-            return None
-        reqs = list(self.running)
-        locs = [self.kv.extend(r, 1) for r in reqs]
-        return BatchPlan(ForwardMode.DECODE, reqs, [1] * len(reqs), locs, [True] * len(reqs))
-
-    def _decode_fits(self) -> bool:
-        page = self.config.page_size
-        need = sum(1 for r in self.running if r.kv_len % page == 0)
-        return need <= self.kv.available_pages()
-
-    def retract(self, req: Req) -> None:
-        """Give back a running request's KV (kept in the prefix cache) and queue it again."""
-        self.running.remove(req)
-        self.kv.release(req, cache=not self.config.disable_radix_cache)
-        req.status = ReqStatus.WAITING
-        req.retractions += 1
-        self.num_retractions += 1
-        self.waiting.appendleft(req)
-        log.info("retracted %s (%d output tokens) to free KV pages", req.rid, len(req.output_ids))
-
-    # -- results -------------------------------------------------------------------------------
-    def process_result(self, plan: BatchPlan, result: BatchResult) -> None:
-        for i, req in enumerate(plan.reqs):
-            if result.input_logprobs[i] is not None:
-                self.output.add_input_logprobs(req, plan.extend_lens[i], result.input_logprobs[i])
-            if req.finished:  # aborted while the batch ran
-                continue
-            if plan.mode == ForwardMode.EXTEND:
-                self.on_prefill_chunk(req, plan.extend_lens[i], last=plan.sample[i])
-            if not plan.sample[i]:
-                continue
-            if plan.mode == ForwardMode.EXTEND and not self.on_prefill_done(req, result, i):
-                continue
-            finish = self.output.commit_token(req, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-            if finish is not None:
-                self.finish(req, finish)
-            elif req.status != ReqStatus.RUNNING:
-                req.status = ReqStatus.RUNNING
-                self.running.append(req)
-
-    def finish(self, req: Req, reason: FinishReason) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self.kv.release(req, cache=not self.config.disable_radix_cache)
-        req.status = ReqStatus.FINISHED
-        self.output.finish(req, reason)
+        if not self.role.admit(req):
+            self.prefill.add(req)
 
     def abort_now(self, req: Req, reason: str, status: int) -> None:
         if not req.finished:
             self.finish(req, FinishReason("abort", message=reason, status=status))
 
+    def guarded(self, req: Req, what: str, fn: Callable[[], T]) -> T | None:
+        """`fn()` for `req`; if it raises, end `req` (only) with a 500 naming the cause and return None."""
+        try:
+            return fn()
+        except Exception as e:
+            log.exception("request %s: internal error %s", req.rid, what)
+            if not req.finished:
+                self.fail(req, f"internal error {what}: {e!r}", 500)
+            return None
+
+    def _next_plan(self) -> BatchPlan | None:
+        try:
+            plan = self.prefill.schedule(self._slots_left(), decode_idle=not self.decode.running)
+        except Exception as e:
+            victims = [*self.prefill.plan.reqs, *([self.prefill.considering] if self.prefill.considering else [])]
+            return self._fail_all(victims, f"internal error scheduling a prefill batch: {e!r}")
+        if plan is not None:
+            return plan
+        try:
+            plan = self.decode.schedule()
+        except Exception as e:
+            return self._fail_all(list(self.decode.running), f"internal error scheduling a decode batch: {e!r}")
+        if plan is None and self.decode.running:
+            self.fail(self.decode.running[0], "KV cache exhausted", 503)
+        return plan
+
+    def _slots_left(self) -> int:
+        held = sum(1 for r in self.role.requests() if r.req_pool_idx is not None)
+        return self.config.max_running_requests - len(self.decode.running) - held
+
+    def _fail_all(self, reqs: list[Req], message: str) -> None:
+        log.exception("%s (%d requests)", message, len(reqs))
+        for req in dict.fromkeys(reqs):
+            if not req.finished:
+                self.fail(req, message, 500)
+
+    def _run(self, plan: BatchPlan) -> None:
+        try:
+            result = self.runner.run(plan)
+        except Exception as e:  # the batch's requests are in no queue now: answer them here
+            self._fail_all(plan.reqs, f"internal error running the batch: {e!r}")
+            return
+        for i, req in enumerate(plan.reqs):
+            self.guarded(req, "committing the batch's results", lambda: self._commit(plan, result, i))
+
+    def _commit(self, plan: BatchPlan, result: BatchResult, i: int) -> None:
+        req = plan.reqs[i]
+        self.memory.mark_computed(req)
+        if result.input_logprobs[i] is not None:
+            self.output.add_input_logprobs(req, plan.extend_lens[i], result.input_logprobs[i])
+        if req.finished:
+            return
+        sampled = (result.token_ids[i], result.logprobs[i], result.top_logprobs[i]) if plan.sample[i] else None
+        if plan.mode == ForwardMode.EXTEND:
+            if self.role.on_computed(req, plan.extend_lens[i], sampled) or sampled is None:
+                return
+            if req.params.max_new_tokens == 0:  # a prefill-only request (scoring): no token
+                self.finish(req, FinishReason("length"))
+                return
+        finish = self.output.commit_token(req, *sampled)
+        if finish is not None:
+            self.finish(req, finish)
+        elif req.status != ReqStatus.RUNNING:
+            self.decode.add(req)
+
+    # -- the one exit --------------------------------------------------------------------------
+    def fail(self, req: Req, message: str, status: int = 502) -> None:
+        log.warning("request %s failed: %s", req.rid, message)
+        self.finish(req, FinishReason("abort", message=message, status=status))
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """Out of every queue, the client answered, then everything the request holds freed (now, or by
+        the role once no peer can write into its pages)."""
+        if req.finished:
+            return
+        self.prefill.remove(req)
+        self.decode.remove(req)
+        req.status = ReqStatus.FINISHED
+        try:
+            self.output.finish(req, reason)
+        except Exception:
+            log.exception("request %s: answering the client failed", req.rid)
+        free_now = True
+        try:
+            free_now = self.role.release(req, reason)
+        except Exception:
+            log.exception("request %s: releasing the role's resources failed", req.rid)
+        if free_now:
+            self.free(req)
+
+    def free(self, req: Req) -> None:
+        """Give back the memory of an ended request."""
+        self.memory.release(req)
+
+    # -- state ---------------------------------------------------------------------------------
+    def tracked_requests(self) -> list[Req]:
+        """Every request a queue of this scheduler or its role holds."""
+        return [*self.prefill.requests(), *self.decode.running, *self.role.requests()]
+
+    def num_queued(self) -> int:
+        """Requests not yet running (read from other threads: an estimate)."""
+        return len(self.prefill.waiting) + sum(1 for r in self.role.requests() if not r.finished)
+
+    def has_work(self) -> bool:
+        return bool(self.prefill.waiting or self.prefill.chunked or self.decode.running or self.role.requests())
+
     def check_integrity(self) -> PageCounts:
         """Raises on a leak of rows, pages or role resources; returns the page counts."""
-        counts = self.kv.check_integrity()
+        counts = self.memory.check_integrity()
         known = {id(r) for r in self.tracked_requests()}
-        strays = [r.rid for r in self.kv.live.values() if id(r) not in known]
+        strays = [r.rid for r in self.memory.live.values() if id(r) not in known]
         if strays:
             raise MemoryIntegrityError(f"rows held by requests no queue knows: {strays}")
+        self.role.check_integrity()
         return counts
-
-    def tracked_requests(self) -> list[Req]:
-        """Every request a queue of this scheduler holds (the role's queues included)."""
-        return [*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *self.role_requests()]
-
-    # -- role hooks (PD) -----------------------------------------------------------------------
-    def poll_role_queues(self) -> None:
-        """Move requests between the role's own queues and the scheduler's."""
-
-    def role_has_work(self) -> bool:
-        return False
-
-    def role_requests(self) -> list[Req]:
-        return []
-
-    def num_held_elsewhere(self) -> int:
-        """Requests holding a row outside `running` (e.g. waiting for a KV transfer)."""
-        return 0
-
-    def role_info(self) -> dict:
-        """What the role adds to /get_server_info."""
-        return {}
-
-    def on_prefill_chunk(self, req: Req, extend_len: int, last: bool) -> None:
-        """The KV of `extend_len` more tokens of `req` is now in the pool."""
-
-    def on_prefill_done(self, req: Req, result: BatchResult, index: int) -> bool:
-        """The whole prompt is in the pool and a token was sampled. False: the role takes the request."""
-        return True

@@ -1,12 +1,18 @@
 """Request rows, KV pages and the prefix cache behind one small interface for the scheduler.
 
-A request's KV slots, by token index (req_to_token[row, i]):
+A request's KV slots, by token index (req_to_token[row, i]), and who frees them:
 
-    [0, cached_len)          radix-tree pages, locked by req.last_node   -> unlocked by release()
-    [cached_len, kv_len)     pages the request owns                      -> release(): inserted into the
-                                                                            tree (duplicates and the partial
-                                                                            tail page are freed)
-    row itself               ReqToTokenPool row                          -> freed by release()
+    [0, cached_len)                 radix-tree pages, locked by req.last_node  -> release(): unlocked
+    [cached_len, computed)          pages the request owns, KV written         -> release(): whole pages into
+                                    (computed = req.kv_computed_len)              the tree (duplicates freed)
+    [computed rounded down to a page, kv_len)
+                                    pages the request owns, KV partial or not  -> release(): freed; never
+                                    written (a failed forward, a transfer that     cached, so the cache only
+                                    never arrived, a partial tail page)            holds KV that was computed
+    row itself                      ReqToTokenPool row                         -> release(): freed
+
+release() is the only way out, and every exit of a request ends in exactly one call (the scheduler's
+finish, or a role's deferred release once no peer can write into the pages).
 
 Invariant (check_integrity): free + evictable + locked + owned_by_requests == total pages.
 """
@@ -35,7 +41,7 @@ class PageCounts:
         return {"total": self.total, "free": self.free, "cached": self.evictable, "locked": self.locked, "in_use": self.owned}
 
 
-class KVCacheManager:
+class MemoryManager:
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedAllocator, prefix_cache: PrefixCache, page_size: int):
         self.req_pool = req_pool
         self.allocator = allocator
@@ -56,7 +62,18 @@ class KVCacheManager:
         self.prefix_cache.inc_lock_ref(match.last_node)
         n = len(match.slots)
         self.req_pool.req_to_token[row, :n] = match.slots.to(torch.int32)
-        req.last_node, req.cached_len, req.kv_len = match.last_node, n, n
+        req.last_node, req.cached_len, req.kv_len, req.kv_computed_len = match.last_node, n, n, n
+
+    def mark_computed(self, req: Req) -> None:
+        """The KV of all `req.kv_len` tokens is now written (a forward ran, or a transfer arrived)."""
+        req.kv_computed_len = req.kv_len
+
+    def page_ids(self, req: Req, start: int, end: int) -> list[int]:
+        """Ids of the pages holding tokens [start, end) of `req`; `start` must be page-aligned."""
+        if start % self.page_size:
+            raise ValueError(f"start {start} is not a multiple of the page size {self.page_size}")
+        slots = self.req_pool.req_to_token[req.req_pool_idx, start:end:self.page_size]
+        return (slots.to(torch.int64) // self.page_size).tolist()
 
     def available_pages(self) -> int:
         """Pages an allocation can get: free now, or cached and evictable."""
@@ -84,22 +101,18 @@ class KVCacheManager:
             raise RuntimeError(f"KV cache exhausted: need {pages} pages, {self.allocator.available_pages()} free")
 
     # -- release -----------------------------------------------------------------------------
-    def release(self, req: Req, cache: bool = True) -> None:
-        """Return everything `req` holds. With cache=True its computed KV stays in the prefix cache."""
+    def release(self, req: Req) -> None:
+        """Return everything `req` holds; whole pages of computed KV stay in the prefix cache."""
         row = req.req_pool_idx
         if row is None:
             return
         slots = self.req_pool.req_to_token[row, : req.kv_len].to(torch.int64)
-        tokens = req.fill_ids[: req.kv_len]
-        if cache:
-            self.prefix_cache.cache_finished_req(tokens, slots, req.last_node)
-        else:
-            if req.kv_len > req.cached_len:
-                self.allocator.free_slots(slots[req.cached_len :])
-            self.prefix_cache.dec_lock_ref(req.last_node)
+        keep = max(req.kv_computed_len // self.page_size * self.page_size, req.cached_len)
+        self.prefix_cache.cache_finished_req(req.fill_ids[:keep], slots[:keep], req.last_node)
+        self.allocator.free_slots(slots[keep:])
         self.req_pool.free(row)
         del self.live[row]
-        req.req_pool_idx, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
+        req.req_pool_idx, req.last_node, req.kv_len, req.cached_len, req.kv_computed_len = None, None, 0, 0, 0
 
     # -- accounting --------------------------------------------------------------------------
     def owned_pages(self, req: Req) -> int:

@@ -186,7 +186,7 @@ class RadixCache(PrefixCache):
             if node.lock_ref < 0 or (node.parent is not self.root and node.parent.lock_ref < node.lock_ref):
                 raise MemoryIntegrityError("a node is locked more than its parent")
             pages = self.allocator.pages_of(node.value)
-            if any(self.allocator._is_free[p] for p in pages) or seen.intersection(pages):
+            if any(self.allocator.is_free(p) for p in pages) or seen.intersection(pages):
                 raise MemoryIntegrityError("a cached page is also free, or cached twice")
             seen.update(pages)
             if node.lock_ref:

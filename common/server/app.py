@@ -1,6 +1,7 @@
 """The FastAPI app of every engine server (monolithic, prefill, decode): SGLang and OpenAI endpoints."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -21,9 +22,10 @@ from common.server.serving import (
     stream_choices,
     tokenize_text,
 )
-from common.wire.api import GenerateRequest, parse_body
+from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
 from common.wire.auth import ApiKeyGuard
 from common.wire.body import read_body
+from common.wire.drain import Drain, DrainGuard
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event, sse_response
 
@@ -33,10 +35,13 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 ROUTING_PARAMS = {404: "path", 405: "method"}
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
+    """`drain`: the server's graceful stop (common/server/drain.py); None in tests that never stop it."""
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.engine = engine
-    # outermost last: the counting guard sees the API key guard's 401s too
+    # outermost last: the counting guard sees the API key guard's 401s and the drain's 503s too
+    if drain is not None:
+        app.add_middleware(DrainGuard, drain=drain)
     app.add_middleware(ApiKeyGuard, api_key=engine.config.api_key, open_paths=OPEN_PATHS)
     app.add_middleware(CountingGuard, metrics=engine.metrics, open_paths=OPEN_PATHS)
     _install_error_handlers(app)
@@ -53,27 +58,27 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        """Liveness for routers and probes: 503 naming the cause when the scheduler cannot serve.
+        The header names this server's transfer instance (PD roles), which routers pass on."""
+        headers = {INSTANCE_HEADER: engine.instance_id} if engine.instance_id else None
+        problem = engine.health_problem()
+        if problem is not None:
+            return JSONResponse(error_body(problem, "unhealthy", 503), status_code=503, headers=headers)
+        return Response(status_code=200, headers=headers)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if engine.config.disagg_mode != "null":
+            # a prefill or decode cannot generate without its peer: its scheduler loop answering is the check
+            await asyncio.wrap_future(engine.run_on_scheduler(lambda: None))
+            return Response(status_code=200)
         gen = GenInput(new_rid("health-"), [engine.tokenizer.eos_token_id or 0], _one_token())
         await collect(engine, gen)
         return Response(status_code=200)
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        counts = (await engine.call(engine.scheduler.check_integrity)).to_dict()  # raises on a leak
-        return {
-            "config": engine.config.model_dump(exclude={"api_key", "cluster_secret"}),
-            "model_path": str(engine.model_dir),
-            "context_length": engine.context_len,
-            "kv_pages": counts,
-            "num_running_reqs": len(engine.scheduler.running),
-            "num_waiting_reqs": len(engine.scheduler.waiting),
-            "num_retractions": engine.scheduler.num_retractions,
-            "role": engine.scheduler.role_info(),
-        }
+        return await asyncio.wrap_future(engine.run_on_scheduler(engine.server_info))  # raises on a leak
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -115,7 +120,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
     gen = GenInput(
         rid=body.rid or new_rid(), prompt_ids=ids, params=body.sampling_params,
         return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-        logprob_start_len=body.logprob_start_len if body.return_logprob else -1, bootstrap=body.bootstrap,
+        logprob_start_len=body.logprob_start_len if body.return_logprob else -1, pairing=body.pairing,
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 
 from common.engine.engine import Engine
 from common.engine.request import FinishReason, OutputEvent, Req
+from common.wire.api import Pairing
 from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, TandemError
 from common.wire.sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ class GenInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    bootstrap: dict[str, Any] | None = None
+    pairing: Pairing | None = None
 
 
 @dataclass
@@ -83,11 +84,9 @@ def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str
 def make_reqs(gen: GenInput) -> list[Req]:
     reqs = []
     for i in range(gen.params.n):
-        params, bootstrap = gen.params, gen.bootstrap
+        params = gen.params
         if params.n > 1 and params.seed is not None:
             params = params.model_copy(update={"seed": params.seed + i})
-        if bootstrap is not None and i > 0:  # one room per choice; prefill and decode derive the same
-            bootstrap = bootstrap | {"bootstrap_room": (bootstrap["bootstrap_room"] + i) % 2**63}
         reqs.append(Req(
             rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
             prompt_ids=gen.prompt_ids,
@@ -95,7 +94,7 @@ def make_reqs(gen: GenInput) -> list[Req]:
             return_logprob=gen.return_logprob,
             top_logprobs_num=gen.top_logprobs_num,
             logprob_start_len=gen.logprob_start_len,
-            bootstrap=bootstrap,
+            pairing=gen.pairing.for_choice(i) if gen.pairing else None,
         ))
     return reqs
 

@@ -5,6 +5,7 @@ are 400 errors that name the field. Sampling parameters themselves are strict.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -13,20 +14,39 @@ from common.wire.body import dotted_path, parse_json_object
 from common.wire.errors import InvalidRequest
 from common.wire.sampling_params import SamplingParams
 
+INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """How one PD request finds its peer: the bootstrap registry the prefill registered with, the prefill
+    instance in it (None: the registry's only prefill) and the room both halves share."""
+
+    bootstrap_host: str | None
+    bootstrap_port: int | None
+    room: int
+    prefill_instance_id: str | None = None
+
+    def for_choice(self, index: int) -> "Pairing":
+        """Choice `index` of an n > 1 request gets room + index; prefill and decode derive the same."""
+        return replace(self, room=(self.room + index) % 2**63)
+
 
 class PDFields(BaseModel):
-    """Injected by the router (SGLang's PD convention); absent in monolithic use."""
+    """Injected by the router (SGLang's PD convention, plus the prefill's instance id); absent in
+    monolithic use."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-    bootstrap_host: str | None = None
+    bootstrap_host: str | None = Field(None, max_length=255)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
+    prefill_instance_id: str | None = Field(None, min_length=1, max_length=128)
 
     @property
-    def bootstrap(self) -> dict[str, Any] | None:
+    def pairing(self) -> Pairing | None:
         if self.bootstrap_room is None:
             return None
-        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port, "bootstrap_room": self.bootstrap_room}
+        return Pairing(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, self.prefill_instance_id)
 
 
 class GenerateRequest(PDFields):

@@ -65,7 +65,7 @@ def run_engine(model_dir, backend: str, page_size: int) -> tuple[list[list[int]]
         s.add_request(r)
         while s.step():
             pass
-    counts = engine.kv.check_integrity()
+    counts = engine.memory.check_integrity()
     assert counts.owned == 0 and counts.locked == 0
     gaps = [[top[0][1] - top[1][1] for top in r.output_top_logprobs] for r in reqs]
     return [r.output_ids for r in reqs], gaps

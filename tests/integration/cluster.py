@@ -15,6 +15,7 @@ class Cluster:
     decodes: list[ServerProcess] = field(default_factory=list)
     router: ServerProcess | None = None
     prefill_bootstrap_ports: list[int] = field(default_factory=list)
+    bootstrap: ServerProcess | None = None  # a standalone registry shared by every prefill, if any
 
     @property
     def url(self) -> str:
@@ -29,22 +30,28 @@ class Cluster:
             node.wait_idle()
 
     def stop(self) -> None:
-        for p in [self.router, *self.nodes]:
+        for p in [self.router, *self.nodes, self.bootstrap]:
             if p is not None:
                 p.stop()
 
 
 def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int = 1, flags: tuple[str, ...] = (),
                   decode_flags: tuple[str, ...] = (), policy: str = "round_robin", prefill_flags: tuple[str, ...] = (),
-                  router_flags: tuple[str, ...] = ()) -> Cluster:
+                  router_flags: tuple[str, ...] = (), standalone_bootstrap: bool = False) -> Cluster:
+    """Prefills (each with its embedded bootstrap registry, or all registered with one standalone
+    `tandem bootstrap`), decodes and a router, all ready."""
     c = Cluster()
     try:
         prefill_args = []
+        if standalone_bootstrap:
+            port = free_port()
+            c.bootstrap = ServerProcess(["bootstrap", "--port", str(port)], port, name="bootstrap").wait_ready(60)
         for i in range(n_prefill):
-            boot = free_port()
+            boot = c.bootstrap.port if c.bootstrap else free_port()
+            where = ("--bootstrap-url", c.bootstrap.url) if c.bootstrap else ("--bootstrap-port", str(boot))
             c.prefill_bootstrap_ports.append(boot)
             c.prefills.append(start_server("--disagg-mode", "prefill", "--transfer-backend", backend,
-                                           "--bootstrap-port", str(boot), *flags, *prefill_flags, name=f"prefill{i}"))
+                                           *where, *flags, *prefill_flags, name=f"prefill{i}"))
             prefill_args += ["--prefill", c.prefills[-1].url, str(boot)]
         for j in range(n_decode):
             c.decodes.append(start_server("--disagg-mode", "decode", "--transfer-backend", backend, *flags, *decode_flags, name=f"decode{j}"))

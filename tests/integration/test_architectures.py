@@ -39,7 +39,7 @@ def engine_tokens(path, prompts: list[list[int]], new: int, page_size: int) -> l
         engine.scheduler.add_request(r)
     while engine.scheduler.step():
         pass
-    counts = engine.kv.check_integrity()
+    counts = engine.memory.check_integrity()
     assert counts.owned == counts.locked == 0
     return [r.output_ids for r in reqs]
 

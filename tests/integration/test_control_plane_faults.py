@@ -15,7 +15,7 @@ from tests.conftest import ServerProcess, free_port, metric, record_fault, start
 from tests.integration.cluster import generate, start_router
 from tests.integration.faults import pages_held, wait_until
 from tests.integration.tiny_model import random_prompts
-from transfer.messages import Abort, Ping, Register, Request, Status, encode
+from transfer.messages import Abort, Ping, Register, RoomRequest, Status, encode
 
 SECRET = "test-cluster-secret"
 FLAGS = ("--page-size", "4", "--chunked-prefill-size", "32", "--heartbeat-interval-s", "0.5", "--transfer-timeout-s", "5")
@@ -120,12 +120,12 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
     ]
     to_prefill = garbage + [
         encode(fake, "wrong-secret"),  # an unknown process trying to register
-        encode(Request(5, "intruder", [1], 0), SECRET),  # a request from a decode that never registered
+        encode(RoomRequest(5, "intruder", [1], 0), SECRET),  # a request from a decode that never registered
         encode(Abort(5, "intruder", "x"), SECRET),
         encode(Register("intruder", "tcp://127.0.0.1:1", b"x", [0], [64], 8, 4, 1, 1, 1), SECRET),  # null pointers
         encode(fake, SECRET),  # a well-formed registration (a buggy decode that knows the secret) ...
-        encode(Request(6, "intruder", [9, 1], 0), SECRET),  # ... asking for pages outside its own pool
-        encode(Request(7, "intruder", [1], 5), SECRET),  # ... and an aux slot outside it
+        encode(RoomRequest(6, "intruder", [9, 1], 0), SECRET),  # ... asking for pages outside its own pool
+        encode(RoomRequest(7, "intruder", [1], 5), SECRET),  # ... and an aux slot outside it
     ]
     push(decode_ep, to_decode)
     push(prefill_ep, to_prefill)

@@ -76,11 +76,11 @@ def post(url: str, ids: list[int]) -> httpx.Response:
 
 
 def test_decode_memory_pressure_makes_prefill_wait_not_fail(setup, expected):
-    seen = {"prealloc": 0, "bootstrap_queue": 0}
+    seen = {"prealloc": 0, "awaiting_decode": 0}
 
     def watch() -> bool:
         seen["prealloc"] = max(seen["prealloc"], setup.patient.info()["role"]["prealloc"])
-        seen["bootstrap_queue"] = max(seen["bootstrap_queue"], setup.prefill.info()["role"]["bootstrap_queue"])
+        seen["awaiting_decode"] = max(seen["awaiting_decode"], setup.prefill.info()["role"]["awaiting_decode"])
         return seen["prealloc"] >= 2
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -89,7 +89,7 @@ def test_decode_memory_pressure_makes_prefill_wait_not_fail(setup, expected):
         results = [f.result() for f in futures]
     assert [r.status_code for r in results] == [200] * 4
     assert [r.json()["output_ids"] for r in results] == expected[:4]
-    assert seen["bootstrap_queue"] >= 2  # the prefill held them, without computing, until decode had room
+    assert seen["awaiting_decode"] >= 2  # the prefill held them, without computing, until decode had room
 
 
 def test_waiting_for_decode_memory_ends_at_the_configured_timeout(setup, expected):

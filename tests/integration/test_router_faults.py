@@ -377,7 +377,7 @@ def test_a_refused_connection_is_retried_on_another_decode(nodes, decode_killed_
     assert metric(router.url, "tandem_router_retries_total") == 2
     assert cancelled(router, "decode_failed") == 2
     record_fault("decode SIGKILLed, router not yet aware (refused)", "HTTP 200: retried on the other decode, exact tokens", None, 0, None)
-    assert worker(router, nodes.decode_short) == {"url": nodes.decode_short.url, "role": "decode", "bootstrap_port": None,
+    assert worker(router, nodes.decode_short) == {"url": nodes.decode_short.url, "role": "decode", "bootstrap_port": None, "bootstrap_host": None,
                                                   "healthy": False, "failures": 2, "in_flight": 0}
 
 

@@ -1,11 +1,14 @@
 """Mooncake (TCP) and NIXL (UCX) between two separate processes on 127.0.0.1: exact bytes, aux
-record, a prefill abort and a decode timeout."""
+record, a prefill abort and a decode timeout; an idle NIXL agent's CPU use."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.unit.test_transfer_protocol import AUX_BYTES, PAGE, Side, wait_for
 
 BACKENDS = ["mooncake", "nixl"]
@@ -102,3 +105,22 @@ def test_prefill_abort_reaches_the_decode_process(backend):
 def test_decode_times_out_when_prefill_never_sends(backend):
     out = run_pair(backend, "silent")
     assert out["state"] == 0 and "no KV arrived within 3 s" in out["reason"]
+
+
+IDLE_AGENT = """
+import os, time
+from transfer.backends.nixl import NixlBackend
+backend = NixlBackend()
+time.sleep(0.5)
+wall, cpu = time.monotonic(), time.process_time()
+time.sleep(2.0)
+print((time.process_time() - cpu) / (time.monotonic() - wall), flush=True)
+os._exit(0)  # a UCX agent can crash at interpreter exit
+"""
+
+
+def test_an_idle_nixl_agent_does_not_spin_a_core():
+    pytest.importorskip("nixl._api")
+    out = subprocess.run([sys.executable, "-c", IDLE_AGENT], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) < 0.1  # CPU seconds per second; its progress thread used to spin one core

@@ -64,7 +64,8 @@ def test_a_worker_leaves_rotation_at_the_threshold_ending_its_calls_and_returns_
     w.calls.add(later)
     registry.mark(w, False, "GET /health answered HTTP 500")
     assert later.ended_by == [] and call.ended_by == [call.ended_by[0]]  # one failure: still in rotation
-    assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "healthy": True, "failures": 1, "in_flight": 0}
+    assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "bootstrap_host": None,
+                           "healthy": True, "failures": 1, "in_flight": 0}
 
 
 def test_sse_framer_passes_whole_events_only_and_notices_done():
@@ -86,12 +87,16 @@ def test_a_worker_error_body_passes_through_and_anything_else_is_wrapped():
 
 def test_forwarded_bodies_are_the_clients_bytes_plus_bootstrap_fields_which_win():
     raw = b'{"text": "hi", "stream": true, "bootstrap_room": 1}  \n'
-    prefill, decode = forward_bodies(raw, json.loads(raw), {"bootstrap_host": "h", "bootstrap_room": 7})
-    assert decode.startswith(raw[: raw.rindex(b"}")])  # not re-encoded
-    assert json.loads(decode) == {"text": "hi", "stream": True, "bootstrap_room": 7, "bootstrap_host": "h"}
-    assert json.loads(prefill) == {"text": "hi", "stream": False, "bootstrap_room": 7, "bootstrap_host": "h"}
-    prefill, decode = forward_bodies(b"{}", {}, {"bootstrap_room": 7})
-    assert prefill == decode == b'{"bootstrap_room":7}'
+    body = json.loads(raw)
+    forwarded = body | {"bootstrap_host": "h", "bootstrap_room": 7}
+    prefill, decode = forward_bodies(raw, body, forwarded)
+    assert decode.startswith(raw[: raw.rindex(b"}")])  # not encoded anew
+    assert json.loads(decode) == forwarded and json.loads(prefill) == forwarded | {"stream": False}
+    assert forward_bodies(b"{}", {}, {"bootstrap_room": 7}) == (b'{"bootstrap_room":7}', b'{"bootstrap_room":7}')
+    # a field of the client's that must go (an instance id the router did not learn): encoded anew
+    body = {"text": "hi", "prefill_instance_id": "forged"}
+    prefill, decode = forward_bodies(json.dumps(body).encode(), body, {"text": "hi", "bootstrap_room": 7})
+    assert json.loads(decode) == json.loads(prefill) == {"text": "hi", "bootstrap_room": 7}
 
 
 def test_prompt_logprobs_go_into_every_generate_event_and_the_first_completion_event_of_each_choice():

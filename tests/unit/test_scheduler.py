@@ -11,7 +11,7 @@ from common.engine.output import OutputProcessor
 from common.engine.request import Req
 from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
-from common.memory.manager import KVCacheManager
+from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
@@ -44,7 +44,7 @@ def make(pages: int = 64, page_size: int = 4, radix: bool = True, **cfg) -> tupl
     config = ServerConfig(page_size=page_size, max_total_tokens=pages * page_size, **cfg)
     allocator = PagedAllocator(pages, page_size)
     cache = RadixCache(allocator, page_size) if radix else NoPrefixCache(allocator, page_size)
-    kv = KVCacheManager(ReqToTokenPool(config.max_running_requests + 2, 512, "cpu"), allocator, cache, page_size)
+    kv = MemoryManager(ReqToTokenPool(config.max_running_requests + 2, 512, "cpu"), allocator, cache, page_size)
     runner = FakeRunner()
     out = OutputProcessor(FakeTokenizer(), {999}, context_len=500, device="cpu")
     return Scheduler(config, runner, kv, out), runner
@@ -61,7 +61,7 @@ def run_until_idle(s: Scheduler, limit: int = 1000) -> None:
     for _ in range(limit):
         if not s.step():
             break
-        s.kv.check_integrity()
+        s.memory.check_integrity()
     assert not s.has_work()
 
 
@@ -80,7 +80,7 @@ def test_batch_of_requests_completes_with_exact_tokens_and_no_leak():
         assert r.finish.type == "length"
     assert runner.plans[0].mode == ForwardMode.EXTEND and len(runner.plans[0].reqs) == 4
     assert all(p.mode == ForwardMode.DECODE and len(p.reqs) == 4 for p in runner.plans[1:])
-    counts = s.kv.check_integrity()
+    counts = s.memory.check_integrity()
     assert counts.owned == counts.locked == 0 and counts.free + counts.evictable == 64
 
 
@@ -113,7 +113,7 @@ def test_retraction_under_memory_pressure_requeues_and_still_finishes_exactly():
     for r in reqs:
         s.add_request(r)
     run_until_idle(s)
-    assert s.num_retractions > 0
+    assert s.decode.num_retractions > 0
     for r in reqs:
         assert r.output_ids == expected_output(r.prompt_ids, 12)
 
@@ -126,14 +126,14 @@ def test_abort_at_any_stage_frees_everything(stage):
     s.add_request(r)
     if stage == "chunked":
         s.step()
-        assert s.chunked is r
+        assert s.prefill.chunked is r
     elif stage == "running":
-        while r not in s.running:
+        while r not in s.decode.running:
             s.step()
     s.abort_now(r, "client went away", 499)
     assert r.finish.type == "abort" and events[-1].finish.message == "client went away"
     run_until_idle(s)
-    counts = s.kv.check_integrity()
+    counts = s.memory.check_integrity()
     assert counts.owned == counts.locked == 0
 
 
@@ -145,7 +145,7 @@ def test_a_request_that_cannot_be_queued_still_gets_its_answer():
     s.submit(r)
     s.step()
     assert r.finish.type == "abort" and r.finish.status == 500 and events[-1].finish is r.finish
-    assert s.kv.check_integrity().owned == 0
+    assert s.memory.check_integrity().owned == 0
 
 
 @pytest.mark.parametrize("failing_step", [0, 3])  # the prefill forward, a decode forward
@@ -167,7 +167,7 @@ def test_a_failing_forward_ends_its_batch_with_an_error_and_the_server_goes_on(f
     run_until_idle(s)
     for r in (a, b):
         assert r.finish.type == "abort" and r.finish.status == 500 and "invalid multinomial" in r.finish.message
-    assert s.kv.check_integrity().owned == 0 and not s.running and s.chunked is None
+    assert s.memory.check_integrity().owned == 0 and not s.decode.running and s.prefill.chunked is None
     later = req("c", [4, 5], max_new=2)
     s.add_request(later)
     run_until_idle(s)
@@ -191,5 +191,5 @@ def test_without_radix_cache_every_page_returns_to_the_free_list():
     for i in range(3):
         s.add_request(req(f"r{i}", list(range(1, 20)), max_new=3))
     run_until_idle(s)
-    counts = s.kv.check_integrity()
+    counts = s.memory.check_integrity()
     assert counts.free == 64

@@ -11,7 +11,7 @@ import torch
 
 from transfer.decode_manager import DecodeKVManager
 from transfer.manager import KVArgs
-from transfer.messages import BadMessage, Register, Request, Status, decode, encode
+from transfer.messages import BadMessage, Register, RoomRequest, Status, decode, encode
 from transfer.poll import KVPoll, PollState
 from transfer.prefill_manager import PrefillKVManager
 from transfer.receiver import KVReceiver
@@ -49,7 +49,7 @@ def test_poll_state_only_moves_up_and_failed_wins():
 @pytest.mark.parametrize(
     "raw",
     [b"\x00garbage", msgpack.packb({"type": "request", "room": 1}), msgpack.packb({"type": "nope"}),
-     msgpack.packb([1, 2]), encode(Request(1, "d", [1, "x"], 0), None)[:-3],
+     msgpack.packb([1, 2]), encode(RoomRequest(1, "d", [1, "x"], 0), None)[:-3],
      msgpack.packb([msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""}), b""])[:-1]],
 )
 def test_garbage_and_truncated_messages_are_rejected(raw):

@@ -19,7 +19,8 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
-        """Copy every src range into the peer's dst range, synchronously, as one batch; raise on failure.
+        """Copy every src range into the peer's dst range and return when all have landed; raise on
+        failure. Any number of pieces: the backend splits them as its engine requires.
         on_device: both sides are GPU memory (KV on CUDA) rather than host memory (aux records)."""
 
     def close(self) -> None:

@@ -6,18 +6,47 @@ from __future__ import annotations
 import time
 import uuid
 
+import numpy as np
+
 from transfer.backends.base import TransferBackend
+
+# The UCX progress thread sleeps in poll() on the worker's event fd and wakes on every event; this is
+# only its fallback wake-up. nixl_agent hard-codes 0, and poll(0) spins one core per process forever.
+PROGRESS_WAKEUP_US = 1000
+# Waiting for a transfer: look at once, then sleep, doubling the pause up to the cap. A pause is about
+# as long as the wait so far, so a wait ends within about twice the transfer's time and 1 ms after it.
+FIRST_PAUSE_S, MAX_PAUSE_S = 20e-6, 1e-3
+
+
+def _make_agent(name: str):
+    """A nixl_agent with a UCX backend whose progress thread sleeps between events (see
+    PROGRESS_WAKEUP_US). The wrapper has no setting for that delay, so it is created without backends,
+    given a core agent built with the delay, and only then asked for UCX."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    from nixl._bindings import nixlAgent, nixlAgentConfig
+
+    # several threads use the agent: one transfer worker per decode peer, and the control thread
+    sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+    agent = nixl_agent(name, nixl_agent_config(backends=[], sync_mode=sync))
+    config = nixlAgentConfig()
+    config.useProgThread, config.syncMode, config.pthrDelay = True, sync.value, PROGRESS_WAKEUP_US
+    agent.agent = nixlAgent(name, config)
+    agent.create_backend("UCX")
+    return agent
+
+
+def _descs(addrs, nbytes, device_id: int) -> np.ndarray:
+    """The Nx3 (address, length, device) array NIXL turns into a descriptor list in one C++ call."""
+    out = np.empty((len(addrs), 3), dtype=np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = addrs, nbytes, device_id
+    return out
 
 
 class NixlBackend(TransferBackend):
     def __init__(self, timeout_s: float = 60.0) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
         self.timeout_s = timeout_s
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
-        # several threads use the agent: one transfer worker per decode peer, and the control thread
-        config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-        self.agent = nixl_agent(self.name, config)
+        self.agent = _make_agent(self.name)
         self.device_id = 0
         self.peers: dict[str, str] = {}
         self._registered = []
@@ -37,20 +66,26 @@ class NixlBackend(TransferBackend):
         if not src:
             return
         mem = "VRAM" if on_device else "DRAM"
-        local = self.agent.get_xfer_descs([(s, n, self.device_id) for s, n in zip(src, nbytes)], mem)
-        remote = self.agent.get_xfer_descs([(d, n, self.device_id) for d, n in zip(dst, nbytes)], mem)
-        handle = self.agent.initialize_xfer("WRITE", local, remote, self.peers[peer_id], b"")
+        local = self.agent.get_xfer_descs(_descs(src, nbytes, self.device_id), mem)
+        remote = self.agent.get_xfer_descs(_descs(dst, nbytes, self.device_id), mem)
+        handle = self.agent.initialize_xfer("WRITE", local, remote, self.peers[peer_id])
         try:
             if self.agent.transfer(handle) == "ERR":
                 raise RuntimeError("NIXL transfer could not start")
-            deadline = time.monotonic() + self.timeout_s
-            while (state := self.agent.check_xfer_state(handle)) == "PROC":
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"NIXL transfer of {len(src)} pieces did not finish in {self.timeout_s:g} s")
-            if state != "DONE":
-                raise RuntimeError(f"NIXL transfer ended in state {state}")
+            self._wait(handle, len(src))
         finally:
             self.agent.release_xfer_handle(handle)
+
+    def _wait(self, handle, pieces: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        pause = FIRST_PAUSE_S
+        while (state := self.agent.check_xfer_state(handle)) == "PROC":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NIXL transfer of {pieces} pieces did not finish in {self.timeout_s:g} s")
+            time.sleep(pause)  # the progress thread moves the data meanwhile; this thread only looks
+            pause = min(2 * pause, MAX_PAUSE_S)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer ended in state {state}")
 
     def close(self) -> None:
         for reg in self._registered:

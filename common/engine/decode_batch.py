@@ -1,0 +1,58 @@
+"""Requests generating tokens, and the next decode step: one token for each of them. When the pages
+their next tokens need do not fit, the newest requests are retracted (their KV kept in the prefix
+cache, the request queued for prefill again, recomputed later) until the rest fit."""
+from __future__ import annotations
+
+import logging
+
+from common.config import ServerConfig
+from common.engine.forward_batch import ForwardMode
+from common.engine.model_runner import BatchPlan
+from common.engine.prefill_queue import PrefillQueue
+from common.engine.request import Req, ReqStatus
+from common.memory.manager import MemoryManager
+
+log = logging.getLogger(__name__)
+
+
+class DecodeBatch:
+    def __init__(self, config: ServerConfig, memory: MemoryManager, prefill: PrefillQueue):
+        self.config, self.memory, self.prefill = config, memory, prefill
+        self.running: list[Req] = []
+        self.num_retractions = 0
+
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def remove(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+
+    def schedule(self) -> BatchPlan | None:
+        """One token for every running request, or None: nothing runs, or not even one fits (the
+        caller then ends `running[0]`)."""
+        if not self.running:
+            return None
+        while len(self.running) > 1 and not self._fits():
+            self.retract(self.running[-1])
+        if not self._fits():
+            return None
+        reqs = list(self.running)
+        locs = [self.memory.extend(r, 1) for r in reqs]
+        return BatchPlan(ForwardMode.DECODE, reqs, [1] * len(reqs), locs, [True] * len(reqs))
+
+    def _fits(self) -> bool:
+        page = self.config.page_size
+        need = sum(1 for r in self.running if r.kv_len % page == 0)
+        return need <= self.memory.available_pages()
+
+    def retract(self, req: Req) -> None:
+        """Give back a running request's KV (kept in the prefix cache) and queue it again."""
+        self.running.remove(req)
+        self.memory.release(req)
+        req.status = ReqStatus.WAITING
+        req.retractions += 1
+        self.num_retractions += 1
+        self.prefill.add_front(req)
+        log.info("retracted %s (%d output tokens) to free KV pages", req.rid, len(req.output_ids))

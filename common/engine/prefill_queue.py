@@ -1,0 +1,96 @@
+"""Requests whose prompt (or its rest) is still to be computed, and the choice of the next prefill
+batch: FIFO, a token budget per batch, page-aligned chunks of at most --chunked-prefill-size tokens, and
+memory checked before each chunk (a request admitted but not fitting is given back at once)."""
+from __future__ import annotations
+
+from collections import deque
+
+from common.config import ServerConfig
+from common.engine.forward_batch import ForwardMode
+from common.engine.model_runner import BatchPlan
+from common.engine.request import Req
+from common.memory.manager import MemoryManager
+
+
+class PrefillQueue:
+    def __init__(self, config: ServerConfig, memory: MemoryManager):
+        self.config, self.memory = config, memory
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None  # the request whose next chunk runs before anyone else's
+        self.plan: BatchPlan | None = None  # the plan schedule() is building (read when it raises)
+        self.considering: Req | None = None
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def add_front(self, req: Req) -> None:
+        self.waiting.appendleft(req)
+
+    def remove(self, req: Req) -> None:
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def requests(self) -> list[Req]:
+        return [*self.waiting, *([self.chunked] if self.chunked else [])]
+
+    def schedule(self, slots_left: int, decode_idle: bool) -> BatchPlan | None:
+        """The next prefill batch; `slots_left`: how many more requests may start running."""
+        budget = self.config.max_prefill_tokens
+        plan = self.plan = BatchPlan(ForwardMode.EXTEND, [], [], [], [])
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            used = self._add_chunk(plan, req, budget, decode_idle)
+            if used == 0:
+                self.chunked = req  # wait for memory; admit nobody ahead of it
+                return None
+            budget -= used
+        while self.waiting and budget > 0 and self.chunked is None and len(plan.reqs) < slots_left:
+            req = self.considering = self.waiting[0]
+            if req.req_pool_idx is None:
+                if not self.memory.can_admit():
+                    break
+                self._admit(req)
+            used = self._add_chunk(plan, req, budget, decode_idle)
+            if used == 0:
+                self.memory.release(req)
+                break
+            self.waiting.popleft()
+            budget -= used
+        self.considering = None
+        return plan if plan.reqs else None
+
+    def _admit(self, req: Req) -> None:
+        limit = len(req.fill_ids) - 1  # at least one token must run to produce logits
+        if req.logprob_start_len >= 0:
+            limit = min(limit, req.logprob_start_len)
+        self.memory.admit(req, 0 if self.config.disable_radix_cache else limit)
+        if not req.output_ids:
+            req.prefix_hit_len = req.cached_len
+
+    def _chunk_len(self, req: Req, budget: int) -> int:
+        """Tokens of the next chunk: all that remain, or a page-aligned piece within the budget."""
+        remaining = len(req.fill_ids) - req.kv_len
+        limit = budget
+        if self.config.chunked_prefill_enabled:
+            limit = min(limit, self.config.chunked_prefill_size)
+        if remaining <= limit:
+            return remaining
+        return limit - (req.kv_len + limit) % self.config.page_size
+
+    def _add_chunk(self, plan: BatchPlan, req: Req, budget: int, decode_idle: bool) -> int:
+        """Add the next chunk of `req` to the plan if memory allows; returns its length or 0."""
+        n = self._chunk_len(req, budget)
+        is_last = n == len(req.fill_ids) - req.kv_len
+        reserve = min(req.params.max_new_tokens, 16) if is_last else 0  # room for the first decode steps
+        alone = decode_idle and not plan.reqs
+        if n <= 0 or not (self.memory.can_extend(req, n + reserve) or (alone and self.memory.can_extend(req, n))):
+            return 0
+        plan.reqs.append(req)
+        plan.extend_lens.append(n)
+        plan.out_cache_locs.append(self.memory.extend(req, n))
+        plan.sample.append(is_last)
+        if not is_last:
+            self.chunked = req
+        return n

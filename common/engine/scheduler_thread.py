@@ -1,0 +1,80 @@
+"""The thread that runs Scheduler.step() in a loop, and its watchdog.
+
+The loop never dies of a bug: an exception that escapes a step (the scheduler already isolates errors
+per request) is logged, the requests the scheduler tracks are failed with its cause, and the loop goes
+on. `health_problem()` says when the scheduler cannot serve: its thread is gone, or one step has been
+running for longer than --watchdog-timeout-s (a stuck forward); /health then answers 503 with it, so a
+router takes the worker out of rotation.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from common.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerThread:
+    def __init__(self, scheduler: Scheduler, watchdog_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.scheduler = scheduler
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.clock = clock
+        self.step_started: float | None = None  # set while a step runs
+        self.died: BaseException | None = None
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # only something outside Exception gets here; say so on /health
+            self.died = e
+            log.critical("the scheduler thread died: %r", e, exc_info=e)
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._stop:
+            self.step_started = self.clock()
+            try:
+                worked = sched.step()
+            except Exception as e:  # a bug outside any one request: end what the scheduler holds
+                log.exception("scheduler step failed")
+                self._fail_tracked(f"internal error in the scheduler: {e!r}")
+                worked = False
+            self.step_started = None
+            if not worked:
+                self._wake.wait(0.002 if sched.has_work() else 0.5)
+                self._wake.clear()
+
+    def _fail_tracked(self, message: str) -> None:
+        for req in self.scheduler.tracked_requests():
+            try:
+                self.scheduler.abort_now(req, message, 500)
+            except Exception:
+                log.exception("request %s could not be failed", req.rid)
+
+    def health_problem(self) -> str | None:
+        if self.died is not None or (self._thread.ident is not None and not self._thread.is_alive() and not self._stop):
+            return f"the scheduler thread died: {self.died!r}"
+        started = self.step_started
+        if started is not None and self.clock() - started > self.watchdog_timeout_s:
+            return (f"a scheduler step has been running for {self.clock() - started:.0f} s "
+                    f"(over --watchdog-timeout-s {self.watchdog_timeout_s:g}): a stuck forward or transfer")
+        return None

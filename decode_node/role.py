@@ -1,0 +1,210 @@
+"""Decode role: find the request's prefill peer, pre-allocate a row, KV pages for the whole prompt and
+an aux slot, tell prefill where to write, wait for Success, commit the first token from the aux record
+and join the decode batch with no prefill forward.
+
+    prealloc --(row + pages + aux slot reserved, receiver.init)--> transferring --(Success)--> decode batch
+      nothing held (a room claimed)                               row + prompt KV + aux slot
+                                                                         |
+                                                     (failed / aborted before the prefill's status)
+                                                                         v
+                                    draining: the client already has its error; row, pages and aux slot
+                                    wait until no write of the prefill can land in them (its status
+                                    arrived, or one heartbeat interval after it was declared dead, see
+                                    transfer/decode_rooms.py), or --transfer-timeout-s, then are freed
+
+A request with max_new_tokens 0 needs nothing from a prefill: it ends at once with no tokens.
+
+Who frees what: every exit goes through Scheduler.finish -> release() here. Without a transfer in flight
+the row and pages go back at once (MemoryManager.release caches only KV marked computed, and a transfer
+that never completed marked none); with one, release() keeps them (draining) and _poll_drains frees
+them through Scheduler.free; the aux slot and the room go with the pages.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from common.config import ServerConfig
+from common.engine.request import FinishReason, Req, ReqStatus
+from common.engine.role import Role
+from common.engine.scheduler import Scheduler
+from common.memory.errors import MemoryIntegrityError
+from common.wire.api import Pairing
+from decode_node.aux_pool import AuxPool
+from decode_node.peers import Peer
+from transfer.aux_record import AuxRecord
+from transfer.decode_manager import DecodeKVManager
+from transfer.poll import DuplicateRoom, KVPoll
+from transfer.receiver import KVReceiver
+
+log = logging.getLogger(__name__)
+Lookup = Callable[[Pairing], "Future[Peer]"]
+
+
+@dataclass(eq=False)
+class Inbound:
+    """One request's transfer: where its prefill is, the room it waits on, its aux slot."""
+
+    lookup: "Future[Peer]"
+    receiver: KVReceiver | None = None
+    aux_slot: int | None = None
+    drain_deadline: float | None = None
+
+
+class DecodeRole(Role):
+    def __init__(self, scheduler: Scheduler, kv_manager: DecodeKVManager, aux_pool: AuxPool, lookup: Lookup,
+                 vocab_size: int, config: ServerConfig):
+        self.scheduler, self.kv_manager, self.aux_pool = scheduler, kv_manager, aux_pool
+        self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
+        self.instance_id = kv_manager.instance_id
+        self.prealloc: list[Req] = []
+        self.transferring: list[Req] = []
+        self.draining: list[Req] = []  # ended; their pages wait until no write can land in them
+        self.inbound: dict[Req, Inbound] = {}
+
+    def admit(self, req: Req) -> bool:
+        if req.pairing is None:
+            self.scheduler.fail(req, "a decode server needs bootstrap_host/port/room: send requests through the router", 400)
+        elif req.params.max_new_tokens == 0:
+            self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
+        else:
+            self.inbound[req] = Inbound(self.lookup(req.pairing))
+            req.status = ReqStatus.PAIRING
+            self.prealloc.append(req)
+        return True
+
+    # -- queues --------------------------------------------------------------------------------
+    def poll(self) -> None:
+        s = self.scheduler
+        for req in list(self.prealloc):
+            if s.guarded(req, "reserving memory", lambda: self._poll_prealloc(req)) is False:
+                break  # FIFO: wait for memory before reserving for later requests
+        for req in list(self.transferring):
+            s.guarded(req, "waiting for the KV", lambda: self._poll_transfer(req))
+        for req in list(self.draining):
+            self._poll_drain(req)
+
+    def _poll_prealloc(self, req: Req) -> bool:
+        """False while the request waits for memory."""
+        inb = self.inbound[req]
+        if self.scheduler.clock() - req.arrival_time > self.config.bootstrap_timeout_s:
+            self.scheduler.fail(req, f"could not reserve memory or reach the prefill peer within {self.config.bootstrap_timeout_s:g} s", 504)
+        elif inb.lookup.done():
+            if inb.lookup.exception() is not None:
+                self.scheduler.fail(req, f"prefill peer lookup failed: {inb.lookup.exception()}")
+            else:
+                return self._try_prealloc(req, inb, inb.lookup.result())
+        return True
+
+    def _try_prealloc(self, req: Req, inb: Inbound, peer: Peer) -> bool:
+        if inb.receiver is None:
+            try:
+                inb.receiver = KVReceiver(self.kv_manager, req.pairing.room, peer.endpoint, peer.instance_id)
+            except DuplicateRoom as e:
+                self.scheduler.fail(req, str(e), 409)
+                return True
+        memory, n = self.scheduler.memory, len(req.prompt_ids)
+        busy = len(self.scheduler.decode.running) + sum(1 for r in self.requests() if r.req_pool_idx is not None)
+        if busy >= self.config.max_running_requests or not memory.can_admit() or not self.aux_pool.can_alloc():
+            return False
+        memory.admit(req, 0)
+        if not memory.can_extend(req, n + min(req.params.max_new_tokens, 16)):
+            memory.release(req)
+            return False
+        memory.extend(req, n)
+        inb.aux_slot = self.aux_pool.alloc()
+        inb.receiver.init(memory.page_ids(req, 0, n), inb.aux_slot)
+        self.prealloc.remove(req)
+        req.status = ReqStatus.TRANSFERRING
+        self.transferring.append(req)
+        return True
+
+    def _poll_transfer(self, req: Req) -> None:
+        receiver = self.inbound[req].receiver
+        state = receiver.poll()
+        if state == KVPoll.Success:
+            self._commit_first_token(req)
+        elif state == KVPoll.Failed:
+            self.scheduler.fail(req, f"KV transfer failed: {receiver.failure_reason}")
+
+    def _poll_drain(self, req: Req) -> None:
+        inb = self.inbound[req]
+        reusable = inb.receiver.pages_reusable()
+        if reusable or self.scheduler.clock() > inb.drain_deadline:
+            if not reusable:
+                log.warning("room %d: no final status from prefill %s within %.0f s; reusing its pages",
+                            inb.receiver.room_id, inb.receiver.endpoint, self.config.transfer_timeout_s)
+            self.draining.remove(req)
+            self._drop_transfer_state(req)
+            self.scheduler.free(req)
+
+    def _commit_first_token(self, req: Req) -> None:
+        rec = AuxRecord.unpack(self.aux_pool.read(self.inbound[req].aux_slot))
+        problem = self._aux_problem(req, rec)
+        if problem is not None:
+            self.scheduler.fail(req, f"invalid aux record from prefill: {problem}", 502)
+            return
+        self.transferring.remove(req)
+        self._drop_transfer_state(req)
+        self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
+        req.prefix_hit_len = rec.cached_tokens
+        finish = self.scheduler.output.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
+        if finish is not None:
+            self.scheduler.finish(req, finish)
+        else:
+            self.scheduler.decode.add(req)
+
+    def _aux_problem(self, req: Req, rec: AuxRecord) -> str | None:
+        """What makes the record unusable, if anything: it must belong to this room and prompt, and
+        every token id must index the vocabulary before it reaches the model."""
+        room, n = req.pairing.room, len(req.prompt_ids)
+        if rec.room != room or rec.prompt_len != n:
+            return f"it is for room {rec.room} / {rec.prompt_len} tokens, expected {room} / {n}"
+        tokens = [rec.first_token] + [t for t, _ in rec.top_logprobs or []]
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            return f"token id outside the vocabulary of {self.vocab_size}"
+        if not 0 <= rec.cached_tokens <= n:
+            return f"cached_tokens {rec.cached_tokens} outside [0, {n}]"
+        return None
+
+    def _drop_transfer_state(self, req: Req) -> None:
+        inb = self.inbound.pop(req)
+        if inb.receiver is not None:
+            inb.receiver.release()  # drop the room from the manager's table
+        if inb.aux_slot is not None:
+            self.aux_pool.free(inb.aux_slot)
+
+    # -- exits ---------------------------------------------------------------------------------
+    def release(self, req: Req, reason: FinishReason) -> bool:
+        for q in (self.prealloc, self.transferring):
+            if req in q:
+                q.remove(req)
+        inb = self.inbound.get(req)
+        if inb is None:
+            return True
+        if inb.receiver is not None:
+            inb.receiver.abort(reason.message or "aborted")  # tells the prefill to stop writing
+            if not inb.receiver.pages_reusable():
+                inb.drain_deadline = self.scheduler.clock() + self.config.transfer_timeout_s
+                self.draining.append(req)
+                return False
+        self._drop_transfer_state(req)
+        return True
+
+    def requests(self) -> list[Req]:
+        return self.prealloc + self.transferring + self.draining
+
+    def check_integrity(self) -> None:
+        self.aux_pool.check_integrity(sum(1 for inb in self.inbound.values() if inb.aux_slot is not None))
+        if set(self.inbound) != {*self.prealloc, *self.transferring, *self.draining}:
+            raise MemoryIntegrityError("decode transfer state held by a request no queue of the role knows")
+
+    def info(self) -> dict:
+        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint,
+                "prealloc": len(self.prealloc), "transferring": len(self.transferring), "draining": len(self.draining),
+                "aux_slots_free": self.aux_pool.num_slots - sum(1 for i in self.inbound.values() if i.aux_slot is not None)}
+
+    def health_problem(self) -> str | None:
+        return self.kv_manager.health_problem()

@@ -1,0 +1,167 @@
+{{/* One engine role (prefill or decode): its `tandem serve` arguments and its pod template.
+Called with (dict "root" $ "component" "prefill"|"decode"). */}}
+
+{{- define "tandem.engine.args" -}}
+{{- $v := .root.Values -}}
+{{- $role := index $v .component -}}
+- serve
+- --disagg-mode
+- {{ .component }}
+- --host
+- 0.0.0.0
+- --port
+- {{ $v.engine.port | quote }}
+- --device
+- {{ $v.device }}
+- --model
+- {{ include "tandem.model.arg" .root | quote }}
+{{- $hfId := ternary ($v.model.hf.id | default "") "" (eq $v.model.source "hf") }}
+{{- with (default $hfId $v.model.servedModelName) }}
+- --served-model-name
+- {{ . | quote }}
+{{- end }}
+{{ include "tandem.transfer.args" .root }}
+{{- if eq .component "prefill" }}
+- --bootstrap-port
+- {{ $v.bootstrap.port | quote }}
+{{- if $v.bootstrap.standalone.enabled }}
+- --bootstrap-url
+- {{ printf "http://%s:%d" (include "tandem.serviceHost" (dict "root" .root "component" "bootstrap")) (int $v.bootstrap.port) }}
+{{- end }}
+{{- end }}
+- --drain-timeout-s
+- {{ $v.drain.timeoutSeconds | quote }}
+{{- range concat $v.engine.extraArgs $role.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* TANDEM_ADVERTISE_HOST: peers (the decode's control messages, the prefill's KV writes) reach this
+pod at its own address. */}}
+{{- define "tandem.engine.env" -}}
+{{- $v := .root.Values -}}
+- name: TANDEM_ADVERTISE_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{ include "tandem.clusterSecretEnv" .root }}
+{{ include "tandem.model.env" .root }}
+{{ include "tandem.transfer.env" .root }}
+{{- with (concat $v.engine.extraEnv (index $v .component).extraEnv) }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.engine.resources" -}}
+{{- $role := index .root.Values .component -}}
+{{- $user := deepCopy ($role.resources | default dict) -}}
+{{- $limits := merge (deepCopy ($user.limits | default dict)) (fromYaml (include "tandem.transfer.resources" .root)) -}}
+{{- if $limits -}}{{- $_ := set $user "limits" $limits -}}{{- end -}}
+{{- toYaml $user -}}
+{{- end -}}
+
+{{- define "tandem.engine.podSpec" -}}
+{{- $v := .root.Values -}}
+{{- $role := index $v .component -}}
+{{- with $v.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if $v.transfer.hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+terminationGracePeriodSeconds: {{ include "tandem.terminationGrace" .root }}
+{{- with $role.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with $v.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with (include "tandem.model.initContainers" .root | trim) }}
+initContainers:
+  {{- . | nindent 2 }}
+{{- end }}
+containers:
+  - name: {{ .component }}
+    image: {{ include "tandem.image" .root }}
+    imagePullPolicy: {{ $v.image.pullPolicy }}
+    command: ["tandem"]
+    args:
+      {{- include "tandem.engine.args" . | nindent 6 }}
+    env:
+      {{- fromYamlArray (include "tandem.engine.env" .) | toYaml | nindent 6 }}
+    ports:
+      - name: http
+        containerPort: {{ $v.engine.port }}
+      {{- if eq .component "prefill" }}
+      - name: bootstrap
+        containerPort: {{ $v.bootstrap.port }}
+      {{- end }}
+    {{- include "tandem.engine.probes" .root | nindent 4 }}
+    {{- include "tandem.preStop" .root | nindent 4 }}
+    {{- with (fromYaml (include "tandem.engine.resources" .)) }}
+    resources:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- $sc := deepCopy ($v.securityContext | default dict) }}
+    {{- if eq $v.transfer.protocol "rdma" }}
+    {{- /* RDMA registers (pins) the KV cache memory */}}
+    {{- $caps := deepCopy ($sc.capabilities | default dict) }}
+    {{- $_ := set $caps "add" (append ($caps.add | default list) "IPC_LOCK" | uniq) }}
+    {{- $_ := set $sc "capabilities" $caps }}
+    {{- end }}
+    {{- with $sc }}
+    securityContext:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- $mounts := list (dict "name" "dshm" "mountPath" "/dev/shm") }}
+    volumeMounts:
+      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
+{{- $shm := dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" $v.shm.sizeLimit) }}
+volumes:
+  {{- concat (list $shm) (fromYamlArray (include "tandem.model.volumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
+{{- with $role.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $role.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $role.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $role.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* startup on /health (the port opens only once the model is loaded), liveness /health, readiness
+/health_generate (the scheduler answers); a draining server fails both /health paths. */}}
+{{- define "tandem.engine.probes" -}}
+{{- $p := .Values.probes -}}
+startupProbe:
+  httpGet:
+    path: /health
+    port: http
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+livenessProbe:
+  httpGet:
+    path: /health
+    port: http
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+readinessProbe:
+  httpGet:
+    path: /health_generate
+    port: http
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+{{- end -}}

@@ -1,0 +1,297 @@
+"""A model-based test of the KV handoff: hypothesis drives a simulated prefill and decode (see
+kv_handoff_sim.py) through random interleavings of requests, prefill chunks, transfers, control
+messages delivered late, twice or never, aborts from either side, timeouts, heartbeats, frozen,
+killed and restarted peers. After every step it checks:
+
+- every pool's integrity: each page free, cached, or held by exactly one request (nothing freed twice:
+  the allocator raises on a double free);
+- no write lands in a page (or aux slot) that the written room does not own at that moment;
+- every KV slot the caches or requests count as computed holds exactly its token's KV;
+- every request that succeeded got exactly the tokens a monolithic server gives;
+
+and at the end, with every process running, that each request ended within its bound and every pool,
+room and queue is back to idle. Set TANDEM_MODEL_SEED to explore other schedules; a failure prints its
+example (and how to reproduce it).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from common.engine.request import Req
+from common.wire.api import Pairing
+from common.wire.sampling_params import SamplingParams
+from decode_node.peers import Peer
+from tests.unit.kv_handoff_sim import CONFIG, Clock, Network, Side, done_future
+
+BOUND_S = CONFIG.bootstrap_timeout_s + CONFIG.kv_wait_timeout_s + CONFIG.transfer_timeout_s + 30
+
+
+@dataclass(eq=False)
+class Pair:
+    """One client request as the router splits it: the same body to a prefill and a decode."""
+
+    prefill: Req
+    decode: Req
+    prefill_side: Side
+    decode_side: Side
+    finished_at: dict[str, float]
+
+    def ended(self, half: str) -> bool:
+        side, req = (self.prefill_side, self.prefill) if half == "prefill" else (self.decode_side, self.decode)
+        return req.finished or not side.alive  # a dead process's clients got an error from the router
+
+
+class KVHandoff(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.net = Network(self.clock)
+        self.prefill = self._new_prefill()
+        self.decode = self._new_decode()
+        self.pairs: list[Pair] = []
+        self.rooms = itertools.count(1)
+        self.bad_writes: list[str] = []
+
+    # -- the simulated cluster -------------------------------------------------------------------
+    def _new_prefill(self) -> Side:
+        side = Side(self.net, self.clock, "prefill")
+        real_write, side.writing = side.manager._write, None
+
+        def write(chunk):
+            side.writing = chunk.room.room
+            try:
+                real_write(chunk)
+            finally:
+                side.writing = None
+
+        side.manager._write = write
+        real_batch = side.manager.backend.write_batch
+        side.manager.backend.write_batch = lambda peer, src, dst, n, *a: self._checked_write(side, peer, dst, n, real_batch, src, *a)
+        return side
+
+    def _new_decode(self) -> Side:
+        return Side(self.net, self.clock, "decode", lookup=self._lookup)
+
+    def _lookup(self, pairing: Pairing):
+        p = self.prefill
+        if not p.alive or pairing.prefill_instance_id != p.manager.instance_id:
+            return done_future(error=RuntimeError(f"prefill {pairing.prefill_instance_id} is not registered"))
+        return done_future(Peer(p.manager.endpoint, p.manager.instance_id))
+
+    def _checked_write(self, side: Side, peer: str, dst: list[int], nbytes: list[int], real, src, *args) -> None:
+        dec = self.decode
+        if not dec.alive or peer != dec.manager.instance_id:
+            raise ConnectionError("the decode process is gone")
+        owner = self._decode_owners()
+        a = dec.manager.args
+        for d, n in zip(dst, nbytes):
+            if a.aux_ptr <= d < a.aux_ptr + a.aux_slots * a.aux_record_bytes:
+                targets = [("aux", (d - a.aux_ptr) // a.aux_record_bytes)]
+            else:
+                base = max(b for b in a.kv_ptrs if b <= d)
+                first = (d - base) // a.bytes_per_page[0]
+                targets = [("page", p) for p in range(first, first + n // a.bytes_per_page[0])]
+            for t in targets:
+                if owner.get(t) != side.writing:  # recorded: the worker would turn an exception into a room failure
+                    self.bad_writes.append(f"room {side.writing} wrote {t}, which room {owner.get(t)} owns")
+        real(peer, src, dst, nbytes, *args)
+
+    def _decode_owners(self) -> dict[tuple[str, int], int]:
+        """(page or aux slot) -> the room whose transfer may write it right now."""
+        owner: dict[tuple[str, int], int] = {}
+        role, memory = self.decode.sched.role, self.decode.memory
+        for req, inb in role.inbound.items():
+            if inb.receiver is not None and inb.receiver.room.requested and req.req_pool_idx is not None:
+                for page in memory.page_ids(req, 0, req.kv_len):
+                    owner[("page", page)] = inb.receiver.room_id
+                owner[("aux", inb.aux_slot)] = inb.receiver.room_id
+        return owner
+
+    def _sides(self) -> list[Side]:
+        return [self.prefill, self.decode]
+
+    # -- rules -------------------------------------------------------------------------------------
+    @precondition(lambda self: self.prefill.alive and self.decode.alive)
+    @rule(prompt_len=st.integers(1, 30), max_new=st.integers(0, 6), stream_first=st.booleans())
+    def new_request(self, prompt_len: int, max_new: int, stream_first: bool) -> None:
+        prompt = [(7 * len(self.pairs) + i) % 500 + 1 for i in range(prompt_len)]
+        pairing = Pairing("sim", 1, next(self.rooms), self.prefill.manager.instance_id)
+        pair = Pair(*(self._req(prompt, max_new, pairing) for _ in range(2)), self.prefill, self.decode, {})
+        for half, req, side in (("prefill", pair.prefill, self.prefill), ("decode", pair.decode, self.decode)):
+            req.sink = lambda ev, half=half: pair.finished_at.setdefault(half, self.clock.now) if ev.finish else None
+            side.sched.submit(req)
+        self.pairs.append(pair)
+
+    def _req(self, prompt: list[int], max_new: int, pairing: Pairing) -> Req:
+        req = Req("same-rid-for-all", prompt, SamplingParams(max_new_tokens=max_new, temperature=0), pairing=pairing)
+        req.arrival_time = self.clock.now
+        return req
+
+    @rule(which=st.sampled_from(["prefill", "decode"]))
+    def step(self, which: str) -> None:
+        side = getattr(self, which)
+        if side.runs:
+            side.sched.step()
+
+    @rule(which=st.sampled_from(["prefill", "decode"]))
+    def step_with_a_failing_forward(self, which: str) -> None:
+        side = getattr(self, which)
+        if side.runs:
+            side.runner.fail_next = True
+            side.sched.step()
+            side.runner.fail_next = False
+
+    @rule()
+    def run_transfers(self) -> None:
+        if self.prefill.runs:
+            self.prefill.run_transfers()
+
+    @rule(which=st.sampled_from(["prefill", "decode"]))
+    def heartbeat(self, which: str) -> None:
+        side = getattr(self, which)
+        if side.runs:
+            side.manager.heartbeat_tick()
+
+    @rule(data=st.data())
+    def deliver_a_frame(self, data) -> None:
+        ready = self.net.deliverable()
+        if ready:
+            self.net.deliver(data.draw(st.sampled_from(ready)))
+
+    @rule(data=st.data())
+    def lose_a_frame(self, data) -> None:
+        ready = self.net.deliverable()
+        if ready:
+            self.net.in_flight.pop(data.draw(st.sampled_from(ready)))
+
+    @rule(data=st.data())
+    def replay_a_frame(self, data) -> None:
+        if self.net.delivered:
+            self.net.replay(data.draw(st.integers(0, len(self.net.delivered) - 1)))
+
+    @rule(data=st.data(), half=st.sampled_from(["prefill", "decode"]))
+    def client_goes_away(self, data, half: str) -> None:
+        live = [p for p in self.pairs if not p.ended(half)]
+        if live:
+            pair = data.draw(st.sampled_from(live))
+            getattr(pair, f"{half}_side").sched.abort(getattr(pair, half), "client went away")
+
+    @rule()
+    def router_cancels_the_other_half(self) -> None:
+        for p in self.pairs:
+            for failed, other in (("prefill", "decode"), ("decode", "prefill")):
+                req = getattr(p, failed)
+                if (not getattr(p, f"{failed}_side").alive or (req.finished and req.finish.type == "abort")) and not p.ended(other):
+                    getattr(p, f"{other}_side").sched.abort(getattr(p, other), f"{failed} half failed")
+
+    @rule()
+    def a_round_of_everything(self) -> None:
+        """Every running process does one of each thing; frozen and dead ones nothing."""
+        self._one_round(only_running=True)
+
+    @rule()
+    def prefill_freezes_mid_transfer(self) -> None:
+        if self.prefill.runs and any(w.chunks for w in self.prefill.manager.workers.alive()):
+            self.prefill.freeze(True)
+
+    @rule(dt=st.sampled_from([0.3, 1.0, 2.5, 7.0, 25.0]))
+    def time_passes(self, dt: float) -> None:
+        self.clock.now += dt
+
+    @rule(which=st.sampled_from(["prefill", "decode"]), frozen=st.booleans())
+    def freeze_or_thaw(self, which: str, frozen: bool) -> None:
+        side = getattr(self, which)
+        if side.alive:
+            side.freeze(frozen)
+
+    @rule(which=st.sampled_from(["prefill", "decode"]))
+    def kill_and_restart(self, which: str) -> None:
+        getattr(self, which).kill()
+        setattr(self, which, self._new_prefill() if which == "prefill" else self._new_decode())
+
+    # -- invariants --------------------------------------------------------------------------------
+    @invariant()
+    def no_write_landed_in_a_page_its_room_does_not_own(self) -> None:
+        assert not self.bad_writes, self.bad_writes
+
+    @invariant()
+    def pools_are_intact(self) -> None:
+        for side in self._sides():
+            side.sched.check_integrity()
+
+    @invariant()
+    def computed_kv_holds_its_tokens(self) -> None:
+        for side in self._sides():
+            kv = side.buffers[0]
+            for node in side.memory.prefix_cache._nodes():
+                assert kv[node.value].tolist() == node.key, "the prefix cache holds KV that was not computed"
+            for req in side.sched.decode.running:
+                slots = side.memory.req_pool.req_to_token[req.req_pool_idx, : req.kv_computed_len].to(torch.int64)
+                assert kv[slots].tolist() == req.fill_ids[: req.kv_computed_len], f"request {req.pairing.room}: KV corrupted"
+
+    @invariant()
+    def successful_requests_have_the_monolithic_tokens(self) -> None:
+        for p in self.pairs:
+            r = p.decode
+            if r.finished and r.finish.type == "length":
+                assert r.output_ids == [(r.prompt_ids[-1] + i) % 1000 for i in range(1, r.params.max_new_tokens + 1)]
+
+    # -- the end: everything runs until quiet ------------------------------------------------------
+    def teardown(self) -> None:
+        start = self.clock.now
+        for side in self._sides():
+            side.freeze(False)
+        for _ in range(400):
+            self._one_round()
+            if all(p.ended("prefill") and p.ended("decode") for p in self.pairs) and self._idle():
+                break
+        for p in self.pairs:
+            for half in ("prefill", "decode"):
+                assert p.ended(half), f"room {p.prefill.pairing.room}: the {half} half never ended"
+                at = p.finished_at.get(half)
+                assert at is None or at <= max(start, getattr(p, half).arrival_time) + BOUND_S, f"{half} ended late"
+        assert self._idle(), "pools, rooms or queues not back to idle"
+        assert not self.bad_writes, self.bad_writes
+
+    def _one_round(self, only_running: bool = False) -> None:
+        """Frames delivered, transfers run, heartbeats, one scheduler step each (in that order, so chunks a
+        step queues wait for the next round), then half a second passes."""
+        while self.net.deliverable():
+            self.net.deliver(0)
+        sides = [s for s in self._sides() if s.runs or not only_running]
+        if self.prefill in sides:
+            self.prefill.run_transfers()
+        for side in sides:
+            side.manager.heartbeat_tick()
+            side.sched.step()
+        self.router_cancels_the_other_half()
+        self.clock.now += 0.5
+
+    def _idle(self) -> bool:
+        for side in self._sides():
+            counts = side.sched.check_integrity()
+            if counts.owned or counts.locked or side.sched.tracked_requests():
+                return False
+        dec_role, pre = self.decode.sched.role, self.prefill.manager
+        workers_busy = any(w.chunks or w.owed for w in pre.workers.alive())
+        owned_rooms = [r for r in pre.table.snapshot() if r.owned]
+        return not (dec_role.inbound or self.decode.manager.table.rooms or workers_busy or owned_rooms or self.net.deliverable())
+
+
+KVHandoff.TestCase.settings = settings(
+    max_examples=int(os.environ.get("TANDEM_MODEL_EXAMPLES", "1500")), stateful_step_count=50, deadline=None,
+    derandomize="TANDEM_MODEL_SEED" not in os.environ, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+if "TANDEM_MODEL_SEED" in os.environ:
+    from hypothesis import seed
+
+    KVHandoff.TestCase = seed(int(os.environ["TANDEM_MODEL_SEED"]))(KVHandoff.TestCase)
+TestKVHandoff = KVHandoff.TestCase

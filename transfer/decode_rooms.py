@@ -1,0 +1,60 @@
+"""The decode's table of rooms: one entry per request waiting for (or draining) a prefill's KV.
+
+When may a room's pages be reused? Only when no write of the prefill can land in them any more:
+
+    the room never asked the prefill for anything           -> at once
+    the prefill's final status arrived (it follows the last write of the room)   -> at once
+    the prefill was declared dead (it stopped answering pings; this decode stopped pinging it)
+                                                             -> one heartbeat interval + CLOCK_SLACK_S later,
+                                                                when the prefill's write fence has closed
+    none of these within --transfer-timeout-s               -> then, with a warning
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from transfer.liveness import CLOCK_SLACK_S
+from transfer.poll import DuplicateRoom, PollState
+
+
+@dataclass(eq=False)
+class DecodeRoom:
+    room: int
+    peer: str  # the prefill's control endpoint
+    peer_id: str  # the prefill's instance id: the only sender whose status this room accepts
+    poll: PollState = field(default_factory=PollState)
+    requested: bool = False  # the prefill was told where to write
+    status_received: bool = False  # the prefill's final word arrived; nothing more will land
+    peer_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
+
+    def pages_reusable(self, now: float, interval_s: float) -> bool:
+        if not self.requested or self.status_received:
+            return True
+        return self.peer_dead_at is not None and now >= self.peer_dead_at + interval_s + CLOCK_SLACK_S
+
+
+class DecodeRoomTable:
+    def __init__(self) -> None:
+        self.rooms: dict[int, DecodeRoom] = {}
+        self.lock = threading.Lock()
+
+    def claim(self, room: int, peer: str, peer_id: str) -> DecodeRoom:
+        with self.lock:
+            if room in self.rooms:
+                raise DuplicateRoom(f"bootstrap_room {room} is already in use on this decode server")
+            state = self.rooms[room] = DecodeRoom(room, peer, peer_id)
+            return state
+
+    def get(self, room: int) -> DecodeRoom | None:
+        with self.lock:
+            return self.rooms.get(room)
+
+    def forget(self, room: DecodeRoom) -> None:
+        with self.lock:
+            if self.rooms.get(room.room) is room:
+                del self.rooms[room.room]
+
+    def snapshot(self) -> list[DecodeRoom]:
+        with self.lock:
+            return list(self.rooms.values())

@@ -1,0 +1,82 @@
+"""The prefill's data plane: one chunk of a room's KV pages (and, on the last chunk, the aux record)
+written into the decode's registered memory through the transfer backend.
+
+Every write is checked against what the decode registered: page ids inside its pool (the control plane
+already refused requests outside it) and a layout identical to ours (checked once, at registration:
+see `layout_problem`), so a decode's claim can never make us write out of bounds.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from transfer.backends.base import TransferBackend
+from transfer.messages import Register, RoomRequest
+from transfer.runs import chunk_triples
+
+class AuxStaging:
+    """Registered host memory that aux records are written from: one slot per write in flight, so
+    workers of different decodes never share a buffer."""
+
+    def __init__(self, backend: TransferBackend, slots: int = 64, slot_bytes: int = 4096):
+        self.slot_bytes = slot_bytes
+        self.buffer = (ctypes.c_uint8 * (slots * slot_bytes))()
+        backend.register(ctypes.addressof(self.buffer), len(self.buffer))
+        self._free = list(range(slots))
+        self._available = threading.Semaphore(slots)
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def slot(self, record: bytes) -> Iterator[int]:
+        """The address of a slot holding `record`, for the duration of one write."""
+        if len(record) > self.slot_bytes:
+            raise ValueError(f"aux record of {len(record)} bytes exceeds the {self.slot_bytes}-byte staging slot")
+        self._available.acquire()
+        with self._lock:
+            index = self._free.pop()
+        try:
+            addr = ctypes.addressof(self.buffer) + index * self.slot_bytes
+            ctypes.memmove(addr, record, len(record))
+            yield addr
+        finally:
+            with self._lock:
+                self._free.append(index)
+            self._available.release()
+
+
+def layout_problem(mine_bytes_per_page: list[int], page_size: int, aux_record_bytes: int, peer: Register) -> str | None:
+    """Why we must never write into what `peer` registered (naming the field), or None when it fits."""
+    if peer.page_size != page_size:
+        return f"page_size: decode has {peer.page_size}, prefill has {page_size}"
+    if len(peer.kv_ptrs) != len(mine_bytes_per_page):
+        return f"kv_ptrs: decode registered {len(peer.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)}"
+    if peer.bytes_per_page != mine_bytes_per_page:
+        return f"bytes_per_page: decode has {peer.bytes_per_page[:4]}..., prefill has {mine_bytes_per_page[:4]}..."
+    if aux_record_bytes and peer.aux_record_bytes != aux_record_bytes:
+        return f"aux_record_bytes: decode has {peer.aux_record_bytes}, prefill writes {aux_record_bytes}"
+    return None
+
+
+class KVWriter:
+    def __init__(self, backend: TransferBackend, kv_ptrs: list[int], bytes_per_page: list[int], on_cuda: bool):
+        self.backend, self.kv_ptrs, self.bytes_per_page, self.on_cuda = backend, kv_ptrs, bytes_per_page, on_cuda
+        self.aux_staging = AuxStaging(backend)
+        self.bytes_sent = 0
+
+    def write(self, peer: Register, req: RoomRequest, src_pages: list[int], dst_pages: list[int], aux: bytes | None,
+              fence: Callable[[], None]) -> None:
+        """Pages first, then the aux record; raises on any failure of the backend. `fence()` runs before
+        each backend call and raises when the decode may no longer be written to."""
+        src, dst, nbytes = chunk_triples(self.kv_ptrs, peer.kv_ptrs, self.bytes_per_page, src_pages, dst_pages)
+        fence()
+        self.backend.write_batch(req.decode_id, src, dst, nbytes, self.on_cuda)  # one batch: each backend splits as it must
+        self.bytes_sent += sum(nbytes)
+        if aux is not None:
+            if len(aux) != peer.aux_record_bytes:
+                raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
+            dst_aux = peer.aux_ptr + req.aux_slot * peer.aux_record_bytes
+            fence()
+            with self.aux_staging.slot(aux) as src_aux:
+                self.backend.write_batch(req.decode_id, [src_aux], [dst_aux], [len(aux)])

@@ -1,0 +1,102 @@
+"""The prefill's table of rooms: one entry per room a decode asked for or a local request claimed,
+plus tombstones of rooms given up on, so a decode that asks late hears "failed" at once.
+
+A room appears when the decode's request arrives (unowned: no HTTP request here yet) or when this
+process's request claims it (owned), whichever comes first. A room id is the client's word (through the
+router, a random 63-bit number): a second claim of a room that is still held, or that failed recently,
+is refused (DuplicateRoom), so two requests can never share one decode's pages.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from transfer.messages import RoomRequest
+from transfer.poll import DuplicateRoom, PollState
+
+ORPHAN_TTL_S = 600.0  # a decode's request for a room whose HTTP request never reached this prefill
+SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass(eq=False)
+class PrefillRoom:
+    room: int
+    created: float
+    poll: PollState = field(default_factory=PollState)
+    request: RoomRequest | None = None  # where the decode wants the KV; None until it asked
+    owned: bool = False  # a KVSender of this process holds the room
+
+
+class PrefillRoomTable:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.tombstones: dict[int, tuple[str, float]] = {}  # failed rooms already forgotten: reason, when
+        self.lock = threading.Lock()
+        self._next_sweep = 0.0
+
+    def claim(self, room: int) -> PrefillRoom:
+        """The room, now held by a local request; DuplicateRoom if another request holds it."""
+        with self.lock:
+            state = self.rooms.get(room)
+            if (state is not None and state.owned) or room in self.tombstones:
+                raise DuplicateRoom(f"bootstrap_room {room} is already in use on this prefill server")
+            if state is None:
+                state = self.rooms[room] = PrefillRoom(room, self.clock())
+            state.owned = True
+            return state
+
+    def on_request(self, msg: RoomRequest) -> tuple[PrefillRoom | None, str | None]:
+        """Record a decode's request: (room, None), or (None, reason) if this prefill already gave up on
+        the room. Raises ValueError when another decode asked for the room first."""
+        self.sweep()
+        with self.lock:
+            tomb = self.tombstones.get(msg.room)
+            if tomb is not None:
+                return None, tomb[0]
+            state = self.rooms.setdefault(msg.room, PrefillRoom(msg.room, self.clock()))
+            if state.request is not None:
+                raise ValueError(f"room {msg.room} was requested twice")
+            state.request = msg
+            return state, None
+
+    def get(self, room: int) -> PrefillRoom | None:
+        with self.lock:
+            return self.rooms.get(room)
+
+    def drop_unowned(self, room: int) -> bool:
+        """Forget a room no local request holds (nothing was ever written for it)."""
+        with self.lock:
+            state = self.rooms.get(room)
+            if state is None or state.owned:
+                return False
+            del self.rooms[room]
+            return True
+
+    def forget(self, room: PrefillRoom) -> None:
+        """Drop the room; a failed one leaves a tombstone so a late request for it is answered."""
+        with self.lock:
+            if self.rooms.get(room.room) is room:
+                del self.rooms[room.room]
+                if room.poll.reason is not None:
+                    self.tombstones[room.room] = (room.poll.reason, self.clock())
+
+    def snapshot(self) -> list[PrefillRoom]:
+        with self.lock:
+            return list(self.rooms.values())
+
+    def sweep(self) -> None:
+        """Expire orphans and old tombstones; a sweep is O(rooms), so at most one a second."""
+        now = self.clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        with self.lock:
+            for r, st in list(self.rooms.items()):
+                if not st.owned and now - st.created > ORPHAN_TTL_S:
+                    del self.rooms[r]
+            for r, (_, when) in list(self.tombstones.items()):
+                if now - when > ORPHAN_TTL_S:
+                    del self.tombstones[r]
