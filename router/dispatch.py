@@ -132,7 +132,6 @@ class Dispatcher:
             self._count_failure(e)
             raise
         except asyncio.CancelledError:  # the client went away; closing the call aborts both halves
-            call.close()
             self._client_left(path, pair, start, "client disconnected before the response was ready")
             raise
         finally:
@@ -148,7 +147,6 @@ class Dispatcher:
                 await out.write(events)
             await out.write_eof()
         except (asyncio.CancelledError, ConnectionError) as e:  # the client went away
-            stream.call.close()
             self._client_left(path, stream.call.pair, start, "client disconnected mid-stream", status=200)
             if isinstance(e, asyncio.CancelledError):
                 raise

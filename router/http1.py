@@ -5,10 +5,10 @@ Why not aiohttp's client: it costs 80-100 µs of CPU per request on a 2-core mac
 and the router makes two requests per client request (benchmarks/router_bench.py has the numbers). Workers
 need none of what it adds (redirects, cookies, proxies, compression). Health checks still use aiohttp.
 
-Failures: `ConnectFailed` when no connection could be made (nothing reached the worker), `ConnectionLost`
-when the connection broke or the answer was malformed before it was complete, `asyncio.TimeoutError` past
-the request's deadline. An incomplete answer never goes back to the pool: closing it closes its
-connection, which aborts the request on the worker.
+Failures: `ConnectFailed` when no connection could be made within CONNECT_TIMEOUT_S (nothing reached the
+worker), `ConnectionLost` when the connection broke or the answer was malformed before it was complete,
+`asyncio.TimeoutError` past the request's deadline. An incomplete answer never goes back to the pool:
+closing it closes its connection, which aborts the request on the worker.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 class ConnectFailed(ConnectionError):
-    """No connection could be made (refused, unreachable, TLS failed): the worker got nothing."""
+    """No connection could be made (refused, unreachable, timed out, TLS failed): the worker got nothing."""
 
 
 __all__ = ["ConnectFailed", "ConnectionLost", "Pool", "Response"]

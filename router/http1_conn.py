@@ -119,6 +119,8 @@ class Connection(asyncio.Protocol):
             self.state = "chunk_size"
         elif length is not None:
             self.state, self.remaining = "length", int(low[length[0] : length[1]])
+            if self.remaining < 0:
+                raise ValueError("negative Content-Length")
         else:
             self.state, self.keep_alive = "until_close", False
         self.resp._start(status, head)

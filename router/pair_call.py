@@ -3,12 +3,12 @@
     client ──▶ router ──▶ prefill (same body, stream off)   : its failure ends the request
                       └─▶ decode  (same body)               : its answer goes back to the client
 
-Both halves start at once: the handler awaits the decode half, the prefill half reports its end itself
-(a callback, no task). The first failure ends the call (`fail`): the prefill half's own error, or either worker taken
-out of rotation (the prefill only until it has answered: from then on the request no longer depends on
-it). Ending the call makes the decode answer's waits raise that error and closes both connections, which
-aborts the request on the workers and frees its KV. A client that goes away cancels the handler, whose
-`close()` does the same. Nothing here polls, and there is no task per guard.
+Both halves start at once: the handler awaits the decode half, the prefill half reports its end by
+itself (a callback, no task). The first failure ends the call (`fail`): the prefill half's own error,
+or either worker taken out of rotation (the prefill only until it has answered: from then on the
+request no longer depends on it). Ending the call makes the decode answer's waits raise that error and
+closes both connections, which aborts the request on the workers and frees its KV. A client that goes
+away cancels the handler, whose `close()` does the same. Nothing here polls or runs a task of its own.
 """
 from __future__ import annotations
 
