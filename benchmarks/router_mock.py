@@ -91,8 +91,10 @@ class MockWorker:
     async def one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Answers one request; False when the connection is to be closed."""
         lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        if len(lines[0].split(" ")) < 2: print("BAD", lines, flush=True)
-        method, path = lines[0].split(" ")[:2]
+        request_line = lines[0].split(" ")
+        if len(request_line) != 3 or not request_line[2].startswith("HTTP/1."):
+            return False  # e.g. an HTTP/2 preface (sglang-router probes with one): HTTP/1 only here
+        method, path = request_line[:2]
         headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
         body = await reader.readexactly(int(headers.get("content-length", "0")))
         if method == "GET" and path in GET_BODIES:
