@@ -1,36 +1,45 @@
-"""The router's HTTP front (FastAPI): OpenAI + SGLang endpoints over PD pairs, health, workers, metrics."""
+"""The router's HTTP front (aiohttp.web): OpenAI + SGLang endpoints over PD pairs, health, workers, metrics.
+
+aiohttp rather than FastAPI: the router reads a few fields of each body and passes the rest through, so it
+needs no request models, and the lighter stack is most of its throughput (benchmarks/router_bench.py).
+router/serve.py serves it: a client that goes away cancels its request's handler, SIGTERM drains.
+"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import math
+import os
+from typing import AsyncIterator
 
 import aiohttp
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from aiohttp import web
 
-from common.wire.auth import ApiKeyGuard
-from common.wire.body import read_body
-from common.wire.drain import Drain, DrainGuard
+from common.wire.auth import bearer_matches
+from common.wire.body import read_limited
+from common.wire.drain import Drain, refusal
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery import Discovery, targets_from_config
-from router.dispatch import Dispatcher
-from router.metrics import RouterMetrics
+from router.dispatch import Dispatcher, json_response
+from router.metrics import REFRESH_S, RouterMetrics
+from router.processes import shared_dir
+from router.shared_workers import SharedWorkers
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
 # a draining router takes no new request, and fails /readiness so its Service stops sending any
 REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, "/readiness"})
+ROUTING_PARAMS = {404: "path", 405: "method"}  # what a routing error is about, for its `param`
 
 
 def router_drain(config: RouterConfig) -> Drain:
     return Drain(config.drain_timeout_s, REFUSED_WHILE_DRAINING)
 
 
-def create_router_app(config: RouterConfig, drain: Drain | None = None) -> FastAPI:
+def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.Application:
     """`drain`: the router's graceful stop (see router_drain); None in tests that never stop it."""
     workers = WorkerRegistry(config.health_failure_threshold, config.health_check_timeout_s)
     for p in config.prefill:
@@ -38,97 +47,133 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> FastA
     for d in config.decode:
         workers.add(d, "decode")
     discovery = Discovery(workers, targets_from_config(config))
-    admission = Admission(config.max_concurrent_requests)
-    metrics = RouterMetrics(workers, lambda: admission.in_flight)
+    shared = shared_dir()  # set when this is one of several router processes on the port
+    admission = Admission(math.ceil(config.max_concurrent_requests / config.processes) if shared else config.max_concurrent_requests)
+    metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     dispatcher = Dispatcher(config, workers, metrics, admission)
+    app = web.Application(middlewares=[_guard(config.api_key, drain)])
+    app["workers"], app["dispatcher"] = workers, dispatcher
+    app["shared_workers"] = SharedWorkers(shared, workers) if shared else None
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=5)
-        session = dispatcher.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        session = app["session"] = aiohttp.ClientSession(timeout=timeout)  # health checks, discovery, /v1/models
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
         if discovery.targets:
             tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
+        if shared:
+            tasks += [asyncio.create_task(app["shared_workers"].follow(session)), asyncio.create_task(_refresh(metrics))]
         yield
         for task in tasks:
             task.cancel()
+        for pool in dispatcher.pools.values():
+            pool.close()
         await session.close()
 
-    app = FastAPI(title="Tandem router", lifespan=lifespan)
-    app.state.workers = workers
-    if drain is not None:
-        app.add_middleware(DrainGuard, drain=drain)
-    app.add_middleware(ApiKeyGuard, api_key=config.api_key, open_paths=OPEN_PATHS)
-
-    @app.exception_handler(TandemError)
-    async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
-
+    app.cleanup_ctx.append(lifespan)
     for gen_path in GEN_PATHS:
-        app.add_api_route(gen_path, _bind(dispatcher, gen_path), methods=["POST"])
-    _add_status_routes(app, workers, metrics, dispatcher)
-    _add_worker_routes(app, workers, dispatcher, config.max_request_bytes)
+        app.router.add_post(gen_path, dispatcher.handle)
+    _add_status_routes(app, workers, metrics)
+    _add_worker_routes(app, workers, config.max_request_bytes)
     return app
 
 
-def _bind(dispatcher: Dispatcher, path: str):
-    async def handler(request: Request) -> Response:
-        return await dispatcher.handle(path, request)
+async def _refresh(metrics: RouterMetrics) -> None:
+    while True:
+        metrics.refresh()
+        await asyncio.sleep(REFRESH_S)
 
-    return handler
+
+def _guard(api_key: str | None, drain: Drain | None):
+    """The API key (Bearer; open paths need none), the drain (refuses new work, counts what runs) and every
+    error as the JSON error body: one middleware, as each costs every request."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler) -> web.StreamResponse:
+        path = request.path
+        if api_key and path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization", ""), api_key):
+            body = error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization")
+            return json_response(body, 401)
+        if drain is not None and drain.draining and path in drain.refused:
+            body, headers = refusal()
+            return json_response(body, 503, headers)
+        if drain is not None:
+            drain.in_flight += 1
+        try:
+            return await handler(request)
+        except TandemError as e:
+            return json_response(e.to_dict(), e.status, e.headers)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = f"{request.method} {path}: {e.reason}"
+            return json_response(error_body(message, "invalid_request_error", e.status, ROUTING_PARAMS.get(e.status)), e.status)
+        finally:
+            if drain is not None:
+                drain.in_flight -= 1
+
+    return guard
 
 
-def _add_status_routes(app: FastAPI, workers: WorkerRegistry, metrics: RouterMetrics, dispatcher: Dispatcher) -> None:
-    @app.get("/v1/models")
-    async def models() -> Response:
+def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: RouterMetrics) -> None:
+    async def models(request: web.Request) -> web.Response:
         for w in workers.healthy("decode"):
             try:
-                async with dispatcher.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return Response(await r.read(), r.status, media_type="application/json")
+                async with app["session"].get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return json_response(await r.read(), r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
-        return JSONResponse(error_body("no healthy decode worker", "overloaded_error", 503), 503, headers={"Retry-After": "1"})
+        return json_response(error_body("no healthy decode worker", "overloaded_error", 503), 503, {"Retry-After": "1"})
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
 
-    @app.get("/readiness")
-    async def readiness() -> Response:
+    async def readiness(request: web.Request) -> web.Response:
         p, d = len(workers.healthy("prefill")), len(workers.healthy("decode"))
         if p and d:
-            return JSONResponse({"status": "ready", "prefill": p, "decode": d})
-        return JSONResponse(error_body(f"not ready: {p} healthy prefill and {d} healthy decode workers", "overloaded_error", 503), 503)
+            return json_response({"status": "ready", "prefill": p, "decode": d})
+        return json_response(error_body(f"not ready: {p} healthy prefill and {d} healthy decode workers", "overloaded_error", 503), 503)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    for path, handler in (("/v1/models", models), ("/health", health), ("/readiness", readiness), ("/metrics", prometheus)):
+        app.router.add_get(path, handler)
 
 
-def _add_worker_routes(app: FastAPI, workers: WorkerRegistry, dispatcher: Dispatcher, max_bytes: int) -> None:
-    @app.get("/workers")
-    async def list_workers() -> dict:
-        return {"workers": [w.to_dict() for w in workers.workers.values()]}
+def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes: int) -> None:
+    async def body_of(request: web.Request) -> dict:
+        raw = await read_limited(request.headers.get("Content-Length"), request.content.iter_any(), max_bytes)
+        return json.loads(raw)
 
-    @app.post("/workers")
-    async def add_worker(request: Request) -> Response:
+    async def list_workers(request: web.Request) -> web.Response:
+        return json_response({"workers": [w.to_dict() for w in workers.workers.values()]})
+
+    async def add_worker(request: web.Request) -> web.Response:
         try:
-            body = json.loads(await read_body(request, max_bytes))
+            body = await body_of(request)
             if not isinstance(body.get("bootstrap_host"), (str, type(None))):
                 raise TypeError("bootstrap_host must be a string")
             w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"), body.get("bootstrap_host"))
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
                                  f"for a standalone registry): {e}", param="body") from None
-        await workers.check_all(dispatcher.session)
-        return JSONResponse(w.to_dict())
+        if app["shared_workers"]:
+            app["shared_workers"].publish(added=w)
+        await workers.check_all(app["session"])
+        return json_response(w.to_dict())
 
-    @app.delete("/workers")
-    async def remove_worker(request: Request) -> Response:
+    async def remove_worker(request: web.Request) -> web.Response:
         try:
-            url = str(json.loads(await read_body(request, max_bytes))["url"])
+            url = str((await body_of(request))["url"])
         except (ValueError, KeyError, TypeError):
             raise InvalidRequest("give the url of the worker to remove", param="url") from None
         if not workers.remove(url):
-            return JSONResponse(error_body(f"no worker {url}", "not_found_error", 404, "url"), 404)
-        return JSONResponse({"removed": url})
+            return json_response(error_body(f"no worker {url}", "not_found_error", 404, "url"), 404)
+        if app["shared_workers"]:
+            app["shared_workers"].publish(removed=url.rstrip("/"))
+        return json_response({"removed": url})
+
+    app.router.add_get("/workers", list_workers)
+    app.router.add_post("/workers", add_worker)
+    app.router.add_delete("/workers", remove_worker)

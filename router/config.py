@@ -49,6 +49,8 @@ class RouterConfig(BaseSettings):
     prefill_bootstrap_port: int = Field(8998, ge=1, le=65535, description="the bootstrap port of discovered prefills")
     prefill_bootstrap_host: str | None = Field(None, description="the standalone bootstrap registry discovered prefills registered with (default: each prefill's own address)")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long requests in flight may run on before the router exits")
+    processes: int = Field(1, ge=1, description="router processes serving the port (SO_REUSEPORT), for more than "
+                           "one core; what they share is in router/processes.py")
     api_key: str | None = Field(None, validation_alias="TANDEM_API_KEY")
 
     @field_validator("prefill_discovery", "decode_discovery")

@@ -1,36 +1,22 @@
-"""The router's Prometheus metrics (its own registry; /metrics labels every sample role="router").
-
-A worker's own role is the `worker_role` label: `role` is the process's (common/wire/prometheus.py)."""
+"""The router's Prometheus metrics (its own registry; /metrics labels every sample role="router", and a
+worker's own role is the `worker_role` label). With several router processes on one port
+(router/processes.py) they use prometheus_client's multiprocess mode: every process writes its values to
+files, /metrics of any process adds them up, and the gauges are refreshed twice a second."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
 from common.wire.prometheus import render
 from router.workers import WorkerRegistry
 
-
-class WorkerGauges:
-    """Each worker's load and health, read at scrape time (discovery adds and removes workers)."""
-
-    def __init__(self, workers: WorkerRegistry):
-        self.workers = workers
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ["worker", "worker_role"]
-        load = GaugeMetricFamily("tandem_router_worker_in_flight_requests", "requests in flight on each worker (its URL)", labels=labels)
-        healthy = GaugeMetricFamily("tandem_router_worker_healthy", "1 while the worker is in rotation, else 0", labels=labels)
-        for w in list(self.workers.workers.values()):
-            load.add_metric([w.url, w.role], w.in_flight)
-            healthy.add_metric([w.url, w.role], 1 if w.healthy else 0)
-        yield load
-        yield healthy
+REFRESH_S = 0.5
+WORKER_LABELS = ["worker", "worker_role"]
 
 
 class RouterMetrics:
-    def __init__(self, workers: WorkerRegistry, in_flight: Callable[[], int]) -> None:
+    def __init__(self, workers: WorkerRegistry, in_flight: Callable[[], int], multiprocess_dir: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("tandem_router_requests", "requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.upstream_errors = Counter("tandem_router_upstream_errors", "errors from workers", ["worker_role"], registry=r)
@@ -38,12 +24,38 @@ class RouterMetrics:
                                  "(prefill_failed, decode_failed, worker_dead, client_disconnected)", ["cause"], registry=r)
         self.retries = Counter("tandem_router_retries", "requests retried on another pair", registry=r)
         self.latency = Histogram("tandem_router_request_latency_seconds", "request latency", registry=r)
-        Gauge("tandem_router_in_flight_requests", "generation requests in flight", registry=r).set_function(in_flight)
-        healthy = Gauge("tandem_router_healthy_workers", "healthy workers by role", ["worker_role"], registry=r)
+        self.in_flight = Gauge("tandem_router_in_flight_requests", "generation requests in flight", registry=r,
+                               multiprocess_mode="livesum")
+        self.healthy = Gauge("tandem_router_healthy_workers", "healthy workers by role", ["worker_role"], registry=r,
+                             multiprocess_mode="livemax")
+        self.worker_load = Gauge("tandem_router_worker_in_flight_requests", "requests in flight on each worker (its URL)",
+                                 WORKER_LABELS, registry=r, multiprocess_mode="livesum")
+        self.worker_healthy = Gauge("tandem_router_worker_healthy", "1 while the worker is in rotation, else 0",
+                                    WORKER_LABELS, registry=r, multiprocess_mode="livemax")
+        self.multiprocess_dir = multiprocess_dir
+        self._read_in_flight, self._workers = in_flight, workers
+        self._shown: set[tuple[str, str]] = set()  # worker label sets exported, so vanished workers can be dropped
+
+    def refresh(self) -> None:
+        """Set the gauges to the current values (called when scraped, and twice a second in multiprocess
+        mode, where the scraping process cannot read ours)."""
+        self.in_flight.set(self._read_in_flight())
         for role in ("prefill", "decode"):
-            healthy.labels(role).set_function(lambda role=role: len(workers.healthy(role)))
-        r.register(WorkerGauges(workers))
+            self.healthy.labels(role).set(len(self._workers.healthy(role)))
+        current = {(w.url, w.role): w for w in list(self._workers.workers.values())}
+        for gone in self._shown - set(current):
+            self.worker_load.remove(*gone)
+            self.worker_healthy.remove(*gone)
+        for key, w in current.items():
+            self.worker_load.labels(*key).set(w.in_flight)
+            self.worker_healthy.labels(*key).set(1 if w.healthy else 0)
+        self._shown = set(current)
 
     def render(self) -> bytes:
-        """The text exposition of every metric, labelled role="router"."""
-        return render(self.registry, "router")
+        """The text exposition of every metric, of all processes in multiprocess mode."""
+        if self.multiprocess_dir is None:
+            self.refresh()
+            return render(self.registry, "router")
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, self.multiprocess_dir)
+        return render(registry, "router")

@@ -1,26 +1,25 @@
 """One request in flight at a (prefill, decode) pair.
 
-Both halves start at once. Guards run beside them: the prefill half itself (its failure ends the
-call; its success just stops being watched), one watchdog per worker that fires when the health loop
-takes the worker out of rotation (the prefill's only until the prefill half has answered), and, while nothing reached the client, one that polls for the
-client going away. `guarded(work)` awaits a piece of work unless a guard fails first; `close()`
-cancels everything left, and closing a worker's connection aborts the request there and frees its KV.
+    client ──▶ router ──▶ prefill (same body, stream off)   : its failure ends the request
+                      └─▶ decode  (same body)               : its answer goes back to the client
+
+Both halves start at once: the handler awaits the decode half, the prefill half reports its end by
+itself (a callback, no task). The first failure ends the call (`fail`): the prefill half's own error,
+or either worker taken out of rotation (the prefill only until it has answered: from then on the
+request no longer depends on it). Ending the call makes the decode answer's waits raise that error and
+closes both connections, which aborts the request on the workers and frees its KV. A client that goes
+away cancels the handler, whose `close()` does the same. Nothing here polls or runs a task of its own.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Any, Awaitable, Coroutine, NoReturn, TypeVar
+from typing import Any
 
-import aiohttp
-from starlette.requests import Request
-
-from router.upstream import client_disconnected, post, read_all, worker_dead
+from router.http1 import Pool, Response
+from router.upstream import UpstreamError, answer_error, send, worker_dead
 from router.workers import Worker
-
-T = TypeVar("T")
-CLIENT_POLL_S = 0.25
 
 
 @dataclass
@@ -39,84 +38,61 @@ def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
 
 
 class PairCall:
-    """Owns the tasks of one request at one pair; see the module docstring."""
+    """Owns both halves of one request at one pair; see the module docstring. `prefill_answer` resolves to
+    the prefill's body, or to the error that ended the call."""
 
-    def __init__(self, session: aiohttp.ClientSession, pair: Pair, path: str, body: dict[str, Any]):
-        self.pair = pair
-        self.closed = False
-        self.tasks: list[asyncio.Task] = []
-        self.prefill = self._spawn(_run_prefill(session, pair.prefill, path, body | {"stream": False}))
-        self.decode = self._spawn(post(session, pair.decode, path, body))
-        prefill_down = self._spawn(_fail_when_down(pair.prefill, pair.prefill.down))
-        self.guards = [self.prefill, prefill_down, self._spawn(_fail_when_down(pair.decode, pair.decode.down))]
-        # once the prefill half has answered, the request no longer depends on that worker
-        self.prefill.add_done_callback(lambda t: prefill_down.cancel() if not t.cancelled() and t.exception() is None else None)
-        pair.prefill.in_flight += 1
-        pair.decode.in_flight += 1
+    def __init__(self, pools: dict[str, Pool], pair: Pair, path: str, prefill_body: bytes, decode_body: bytes,
+                 timeout: float):
+        self.pair, self.error, self.closed = pair, None, False
+        self.decode = _pool(pools, pair.decode).post(path, decode_body, timeout)
+        self._prefill = _pool(pools, pair.prefill).post(path, prefill_body, timeout, on_done=self._prefill_done)
+        self.prefill_answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        for w in (pair.prefill, pair.decode):
+            w.calls.add(self)
+            w.in_flight += 1
+        self._prefill.start()
 
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.create_task(coro)
-        task.add_done_callback(_retrieve)
-        self.tasks.append(task)
-        return task
+    async def open_decode(self) -> Response:
+        """The decode's answer once its headers arrived (an error status raises UpstreamError)."""
+        return await send(self.decode, self.pair.decode)
 
-    def watch_client(self, request: Request) -> asyncio.Task:
-        """Guard against the client going away; cancel the returned task once the response is committed
-        (from then on the streaming response notices the client itself)."""
-        task = self._spawn(_fail_when_client_leaves(request))
-        self.guards.append(task)
-        return task
+    def _prefill_done(self, resp: Response) -> None:
+        error = answer_error(resp, self.pair.prefill)
+        if error is not None:
+            self.fail(error)
+            return
+        self.pair.prefill.calls.discard(self)
+        if not self.prefill_answer.done():
+            self.prefill_answer.set_result(resp.body())
 
-    async def guarded(self, work: Awaitable[T]) -> T:
-        """`work`'s result, unless a guard fails first: then `work` is cancelled and the guard's error raised."""
-        task = asyncio.ensure_future(work)
-        task.add_done_callback(_retrieve)
-        try:
-            while True:
-                self._raise_failed_guard()
-                if task.done():
-                    return task.result()
-                watching = {g for g in self.guards if not g.done()}
-                await asyncio.wait({task, *watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            task.cancel()
+    def worker_down(self, worker: Worker) -> None:
+        self.fail(worker_dead(worker))
 
-    def _raise_failed_guard(self) -> None:
-        for g in self.guards:
-            if g.done() and not g.cancelled() and g.exception() is not None:
-                raise g.exception()
+    def fail(self, error: UpstreamError) -> None:
+        """End the call with `error` (the first failure wins); the decode answer's waits raise it."""
+        if self.closed or self.error is not None:
+            return
+        self.error = error
+        self.decode.fail(error)
+        self._prefill.fail(error)
+        if not self.prefill_answer.done():
+            self.prefill_answer.set_exception(error)
+            self.prefill_answer.exception()  # seen: whoever awaits it gets it; nobody may, and that is fine
 
     def close(self) -> None:
-        """Cancel what still runs (idempotent); synchronous, so it is safe in any `finally`."""
+        """Let go of both halves (idempotent): an unfinished one has its connection closed."""
         if self.closed:
             return
         self.closed = True
-        for task in self.tasks:
-            task.cancel()
-        if self.decode.done() and not self.decode.cancelled() and self.decode.exception() is None:
-            self.decode.result().close()
-        self.pair.prefill.in_flight -= 1
-        self.pair.decode.in_flight -= 1
+        self.decode.close()
+        self._prefill.close()
+        for w in (self.pair.prefill, self.pair.decode):
+            w.calls.discard(self)
+            w.in_flight -= 1
 
 
-async def _run_prefill(session: aiohttp.ClientSession, worker: Worker, path: str, body: dict[str, Any]) -> bytes:
-    resp = await post(session, worker, path, body)
-    return await read_all(resp, worker)
-
-
-async def _fail_when_down(worker: Worker, down: asyncio.Event) -> NoReturn:
-    # `down` is the event current when the call started: a worker that recovers gets a fresh one
-    await down.wait()
-    raise worker_dead(worker)
-
-
-async def _fail_when_client_leaves(request: Request) -> NoReturn:
-    while not await request.is_disconnected():
-        await asyncio.sleep(CLIENT_POLL_S)
-    raise client_disconnected()
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """Mark a task's exception as seen: errors are read through guards, or are moot after close()."""
-    if not task.cancelled():
-        task.exception()
+def _pool(pools: dict[str, Pool], worker: Worker) -> Pool:
+    pool = pools.get(worker.url)
+    if pool is None:
+        pool = pools[worker.url] = Pool(worker.url)
+    return pool

@@ -7,14 +7,12 @@ lands in the middle of a half-relayed one.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
-
-import aiohttp
-from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from typing import AsyncIterator
 
 from common.wire.errors import error_body
 from common.wire.sse import DONE, sse_event
+from router.http1 import Response
+from router.logprobs import PromptLogprobs
 from router.pair_call import PairCall
 from router.upstream import DECODE_FAILED, UpstreamError, read_chunk
 
@@ -43,22 +41,20 @@ class SSEFramer:
 
 
 class PairStream:
-    """The client's stream of one call. After it ends, `error` holds what ended it early, if anything,
-    and `finished` says whether the client got its last byte (False: the client went away)."""
+    """The events of one call's decode stream, from its first bytes on. After they end, `error` holds what
+    ended them early, if anything."""
 
-    def __init__(self, call: PairCall, resp: aiohttp.ClientResponse, first: bytes):
-        self.call, self.resp, self.first = call, resp, first
+    def __init__(self, call: PairCall, resp: Response, first: bytes, logprobs: PromptLogprobs | None):
+        self.call, self.resp, self.first, self.logprobs = call, resp, first, logprobs
         self.error: UpstreamError | None = None
-        self.finished = False
 
     async def events(self) -> AsyncIterator[bytes]:
         try:
             async for whole in self._relay():
-                yield whole
+                yield self.logprobs.events(whole) if self.logprobs else whole
         except UpstreamError as e:
             self.error = e
             yield sse_error(e)
-        self.finished = True
 
     async def _relay(self) -> AsyncIterator[bytes]:
         framer, chunk, decode = SSEFramer(), self.first, self.call.pair.decode
@@ -66,24 +62,11 @@ class PairStream:
             if whole := framer.feed(chunk):
                 yield whole
             if not framer.saw_done:
-                chunk = await self.call.guarded(read_chunk(self.resp, decode))
+                chunk = await read_chunk(self.resp, decode)
         if not framer.saw_done:
             message = f"decode worker {decode.url} ended the stream without [DONE]"
             raise UpstreamError(502, error_body(message, "upstream_error", 502), DECODE_FAILED, decode)
-        # the client has its answer; the prefill has almost surely answered too
-        await asyncio.wait({self.call.prefill}, timeout=PREFILL_GRACE_S)
-
-
-class PairStreamResponse(StreamingResponse):
-    """Runs `on_close` once the response is over however it ended, also when the client left before the
-    body started (an async generator that never started would never run its own `finally`)."""
-
-    def __init__(self, stream: PairStream, on_close: Callable[[PairStream], None]):
-        super().__init__(stream.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.stream, self.on_close = stream, on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close(self.stream)
+        # the client has its answer; the prefill has almost surely answered too, and a finished answer
+        # keeps its connection for the next request
+        if not self.call.prefill_answer.done():
+            await asyncio.wait({self.call.prefill_answer}, timeout=PREFILL_GRACE_S)

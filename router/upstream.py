@@ -8,7 +8,8 @@ metrics count).
     connection dropped / reset mid-answer     502     names the worker + cause   no       yes
     timeout                                   502     names the worker + cause   no       no
     worker taken out of rotation (health)     502     names the worker + reason  no       (already out)
-    client went away                          499     -                          no       no
+
+A client that goes away is no UpstreamError: its handler is cancelled (router/dispatch.py counts it).
 """
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ import asyncio
 import json
 from typing import Any
 
-import aiohttp
-
 from common.wire.errors import error_body
+from router.http1 import ConnectFailed, Response
 from router.workers import Worker
 
 PREFILL_FAILED, DECODE_FAILED = "prefill_failed", "decode_failed"
@@ -63,7 +63,7 @@ def answered_error(worker: Worker, status: int, raw: bytes, retry_after: str | N
 
 def connection_failed(worker: Worker, exc: BaseException, when: str) -> UpstreamError:
     """A connection-level failure (refused, reset, dropped, timed out): 502 naming the worker and the cause."""
-    refused = isinstance(exc, aiohttp.ClientConnectorError)
+    refused = isinstance(exc, ConnectFailed)
     timed_out = isinstance(exc, asyncio.TimeoutError)
     what = "refused the connection" if refused else f"failed {when}"
     message = f"{worker.role} worker {worker.url} {what}: {describe(exc)}"
@@ -76,37 +76,43 @@ def worker_dead(worker: Worker) -> UpstreamError:
     return UpstreamError(502, error_body(message, "upstream_unavailable", 502), WORKER_DEAD, worker)
 
 
-def client_disconnected() -> UpstreamError:
-    body = error_body("client disconnected before the response was ready", "aborted", 499)
-    return UpstreamError(499, body, CLIENT_DISCONNECTED)
-
-
-async def post(session: aiohttp.ClientSession, worker: Worker, path: str, body: dict) -> aiohttp.ClientResponse:
-    """POST and return once the headers arrived; an error status or a failed connection raises UpstreamError.
-    Cancelling this closes the connection, which aborts the request on the worker."""
+async def send(resp: Response, worker: Worker) -> Response:
+    """Send the request and return once the answer's headers arrived; an error status or a failed connection
+    raises UpstreamError."""
     try:
-        resp = await session.post(worker.url + path, json=body)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        await resp.send()
+    except (ConnectionError, asyncio.TimeoutError) as e:
         raise connection_failed(worker, e, "before answering") from None
     if resp.status == 200:
         return resp
     raw = await read_all(resp, worker)
-    raise answered_error(worker, resp.status, raw, resp.headers.get("Retry-After"))
+    raise answered_error(worker, resp.status, raw, resp.header("retry-after"))
 
 
-async def read_all(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+def answer_error(resp: Response, worker: Worker) -> UpstreamError | None:
+    """What went wrong with a finished answer (complete or failed), or None for a complete 200."""
+    if isinstance(resp.error, UpstreamError):  # ended from outside: the call already has its error
+        return resp.error
+    if isinstance(resp.error, (ConnectionError, asyncio.TimeoutError)):
+        return connection_failed(worker, resp.error, "while answering" if resp.status else "before answering")
+    if resp.status != 200:
+        return answered_error(worker, resp.status, resp.body(), resp.header("retry-after"))
+    return None
+
+
+async def read_all(resp: Response, worker: Worker) -> bytes:
     """The whole body; the connection is closed if this does not finish (error or cancellation)."""
     try:
         return await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (ConnectionError, asyncio.TimeoutError) as e:
         raise connection_failed(worker, e, "while answering") from None
     finally:
         resp.close()  # after a complete read the connection is already back in the pool; this is a no-op then
 
 
-async def read_chunk(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+async def read_chunk(resp: Response, worker: Worker) -> bytes:
     """The next bytes of a streamed body; b"" at its end."""
     try:
-        return await resp.content.readany()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return await resp.chunk()
+    except (ConnectionError, asyncio.TimeoutError) as e:
         raise connection_failed(worker, e, "mid-stream") from None

@@ -1,15 +1,17 @@
 """The workers the router knows, their health (checked in the background) and load.
 
-A worker taken out of rotation sets its `down` event: every request in flight on it watches that
-event and ends at once (see router/pair_call.py). A worker that passes a health check again gets a
-fresh event and is used again. A draining worker (503 + X-Tandem-Draining on /health) leaves the
-rotation without setting `down`: it finishes, or fails, its requests itself.
+A worker taken out of rotation ends every request in flight on it at once: each registers in the
+worker's `calls` while it depends on the worker (see router/pair_call.py). A worker that passes a
+health check again is used again. A draining worker (503 + X-Tandem-Draining on /health) leaves the
+rotation without ending its calls: it finishes, or fails, its requests itself.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlparse
 
 import aiohttp
@@ -18,6 +20,11 @@ from common.wire.api import INSTANCE_HEADER
 from common.wire.drain import DRAINING_HEADER
 
 log = logging.getLogger("tandem.router")
+
+
+class Call(Protocol):
+    def worker_down(self, worker: Worker) -> None:
+        """End the request now: `worker` was taken out of rotation (its `down_reason` says why)."""
 
 
 @dataclass
@@ -30,10 +37,10 @@ class Worker:
     failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
     instance_id: str | None = None  # from its /health answer: which transfer instance it is right now
-    down: asyncio.Event = field(default_factory=asyncio.Event)
+    calls: set[Call] = field(default_factory=set)  # requests in flight that end if this worker is taken out
     down_reason: str = ""
 
-    @property
+    @functools.cached_property
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
@@ -78,20 +85,19 @@ class WorkerRegistry:
     def _recover(self, worker: Worker) -> None:
         if not worker.healthy:
             log.info("%s worker %s is healthy", worker.role, worker.url)
-        if worker.down.is_set():  # requests from now on watch a fresh event
-            worker.down, worker.down_reason = asyncio.Event(), ""
-        worker.failures, worker.healthy = 0, True
+        worker.failures, worker.healthy, worker.down_reason = 0, True, ""
 
     def _take_out(self, worker: Worker, failure: str) -> None:
         worker.healthy = False
         worker.down_reason = (f"{worker.role} worker {worker.url} failed health checks and was taken out of rotation "
                               f"({worker.failures} failures in a row; the last: {failure})")
-        log.warning("%s; ending its %d requests in flight", worker.down_reason, worker.in_flight)
-        worker.down.set()
+        log.warning("%s; ending its %d requests in flight", worker.down_reason, len(worker.calls))
+        for call in list(worker.calls):
+            call.worker_down(worker)
 
     def set_draining(self, worker: Worker) -> None:
         """The worker is shutting down gracefully: out of rotation, but its requests in flight run on
-        (its `down` event stays unset; they end when the worker ends them)."""
+        (its calls are not ended; they end when the worker ends them)."""
         if worker.healthy:
             log.info("%s worker %s is draining; no new requests go to it", worker.role, worker.url)
         worker.healthy = False

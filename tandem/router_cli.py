@@ -10,7 +10,6 @@ import os
 import sys
 from typing import Any
 
-import uvicorn
 from pydantic import ValidationError
 
 from router.config import PrefillSpec, RouterConfig, split_host_port
@@ -65,11 +64,8 @@ def run_router_cli(argv: list[str]) -> None:
         config = config_from_args(argv)
     except (ValidationError, ValueError) as e:
         sys.exit(f"tandem router: {e}")
-    from common.wire.drain import DrainingServer
-    from router.app import create_router_app, router_drain
+    from router.serve import serve_router
 
     log = logging.getLogger("tandem.router")
     log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
-    drain = router_drain(config)
-    app = create_router_app(config, drain)
-    DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5), drain).run()
+    serve_router(config, argv)

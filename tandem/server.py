@@ -93,7 +93,9 @@ def serve(config: ServerConfig) -> None:
     )
     log.info("serving on http://%s:%d", config.host, config.port)
     try:
-        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+        # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it
+        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5,
+                                        loop="asyncio")
         DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:
         engine.stop()

@@ -31,11 +31,19 @@ class BatchPlan:
 
 
 @dataclass
+class InputLogprobs:
+    """Of the prompt tokens one chunk predicted: each one's logprob and, when asked for, the top ones there."""
+
+    values: list[float]
+    tops: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
 class BatchResult:
     token_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
-    input_logprobs: list[list[float] | None]  # per request: logprobs of the prompt tokens this chunk predicted
+    input_logprobs: list[InputLogprobs | None]  # per request
 
 
 class ModelRunner:
@@ -105,15 +113,19 @@ class ModelRunner:
         return batch, spans
 
     @staticmethod
-    def _input_logprobs(req: Req, ext: int, logits: torch.Tensor) -> list[float]:
+    def _input_logprobs(req: Req, ext: int, logits: torch.Tensor) -> InputLogprobs:
         """Row j predicts the token after position kv_len - ext + j; keep those inside the prompt."""
         first_pos = req.kv_len - ext
         targets = [p + 1 for p in range(first_pos, req.kv_len) if p + 1 < len(req.prompt_ids)]
         if not targets:
-            return []
+            return InputLogprobs([])
         logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
         ids = torch.tensor([req.prompt_ids[t] for t in targets], device=logp.device)
-        return logp.gather(1, ids[:, None])[:, 0].tolist()
+        values = logp.gather(1, ids[:, None])[:, 0].tolist()
+        if req.top_logprobs_num <= 0:
+            return InputLogprobs(values)
+        top_vals, top_ids = logp.topk(req.top_logprobs_num, dim=-1)
+        return InputLogprobs(values, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())])
 
     @staticmethod
     def _sampling_row(req: Req) -> SamplingRow:

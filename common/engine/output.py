@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from common.engine.metrics import EngineMetrics
 from common.engine.request import FinishReason, OutputEvent, Req
+
+if TYPE_CHECKING:
+    from common.engine.model_runner import InputLogprobs
 
 log = logging.getLogger("tandem.request")
 
@@ -24,10 +28,22 @@ class OutputProcessor:
         req.stop_matcher = StopStringMatcher(p.stop or [], include_stop=p.no_stop_trim) if p.stop else None
         if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
             req.input_logprobs = [None] * len(req.prompt_ids)
+            if req.top_logprobs_num > 0:
+                req.input_top_logprobs = [None] * len(req.prompt_ids)
 
-    def add_input_logprobs(self, req: Req, extend_len: int, values: list[float]) -> None:
+    def add_input_logprobs(self, req: Req, extend_len: int, chunk: InputLogprobs) -> None:
         first = req.kv_len - extend_len + 1
-        req.input_logprobs[first : first + len(values)] = values
+        req.input_logprobs[first : first + len(chunk.values)] = chunk.values
+        if chunk.tops is not None and req.input_top_logprobs:
+            req.input_top_logprobs[first : first + len(chunk.tops)] = chunk.tops
+
+    @staticmethod
+    def input_meta(req: Req) -> dict:
+        """The prompt's logprobs (all known once the prompt ran), for the client's first event and its last."""
+        meta = {"input_token_logprobs": req.input_logprobs} if req.input_logprobs else {}
+        if req.input_top_logprobs:
+            meta["input_top_logprobs"] = req.input_top_logprobs
+        return meta
 
     def commit_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> FinishReason | None:
         """Append one sampled token, emit what the client may see now, and say whether `req` is done."""
@@ -50,7 +66,8 @@ class OutputProcessor:
             text += req.detokenizer.flush() if finish.type == "length" else ""
             if req.stop_matcher is not None and finish.type == "length":
                 text += req.stop_matcher.flush()
-        self._emit(req, OutputEvent(req.rid, [token], text, [logprob], [top]))
+        meta = self.input_meta(req) if len(req.output_ids) == 1 else {}
+        self._emit(req, OutputEvent(req.rid, [token], text, [logprob], [top], meta=meta))
         return finish
 
     def _token_finish(self, req: Req, token: int) -> FinishReason | None:
@@ -79,8 +96,7 @@ class OutputProcessor:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.prefix_hit_len,
         }
-        if req.input_logprobs:
-            meta["input_token_logprobs"] = req.input_logprobs
+        meta |= self.input_meta(req)
         now = time.monotonic()
         ttft = 1000 * (req.first_token_time - req.arrival_time) if req.first_token_time else float("nan")
         log.info("request %s: %s%s, prompt %d, cached %d, completion %d tokens, ttft %.1f ms, e2e %.1f ms",

@@ -63,7 +63,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)  # per prompt token; None for the first
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # when top_logprobs_num
     finish: FinishReason | None = None
 
     # memory: tokens [0, cached_len) sit in locked radix-tree pages, [cached_len, kv_len) in pages this

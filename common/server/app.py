@@ -139,9 +139,12 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
         if body.top_logprobs_num:
             meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top or []] for top in c.top_logprobs]
         if gen.logprob_start_len >= 0:
-            lps = c.meta.get("input_token_logprobs") or [None] * len(gen.prompt_ids)
-            start = gen.logprob_start_len
+            n, start = len(gen.prompt_ids), gen.logprob_start_len
+            lps = c.meta.get("input_token_logprobs") or [None] * n
             meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[start:], gen.prompt_ids[start:])]
+            if body.top_logprobs_num:
+                tops = c.meta.get("input_top_logprobs") or [None] * n
+                meta["input_top_logprobs"] = [None if top is None else [[lp, t, None] for t, lp in top] for top in tops[start:]]
     return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
 
 

@@ -1,6 +1,8 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)."""
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -43,8 +45,11 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), CompletionRequest)
         _check_model(engine, body)
         ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine, body.prompt, "prompt")
-        gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs)
-        return await _respond(engine, gen, body, "text_completion", _completion_choice, request)
+        echo_logprobs = body.echo and body.logprobs is not None  # the prompt's logprobs are computed only then
+        gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs, echo_logprobs)
+        echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)) if body.echo else None
+        make_choice = functools.partial(_completion_choice, echo=echo)
+        return await _respond(engine, gen, body, "text_completion", make_choice, request, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -72,21 +77,24 @@ def _apply_chat_template(engine: Engine, body: ChatCompletionRequest) -> list[in
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int | None, param: str, max_param: str, top: int | None) -> GenInput:
+def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int | None, param: str, max_param: str,
+               top: int | None, prompt_logprobs: bool = False) -> GenInput:
     if max_tokens is None:
         max_tokens = max(engine.context_len - len(ids), 0)
     gen = GenInput(
         rid=new_rid(), prompt_ids=ids, params=body.sampling_params(max_tokens, max_param),
         return_logprob=top is not None, top_logprobs_num=top or 0, pairing=body.pairing,
+        logprob_start_len=0 if prompt_logprobs else -1,
     )
     check_input(engine, gen, param, max_param)
     return gen
 
 
-async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice, request: Request) -> Response:
+async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice, request: Request,
+                   echo: str | None = None) -> Response:
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + gen.rid
     if body.stream:
-        return sse_response(_stream(engine, gen, body, kind, rid))
+        return sse_response(_stream(engine, gen, body, kind, rid, echo))
     choices = await collect(engine, gen, request)
     return JSONResponse({
         "id": rid, "object": kind, "created": created(), "model": engine.model_name,
@@ -95,8 +103,10 @@ async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, m
     })
 
 
-def _completion_choice(engine: Engine, c: Choice, gen: GenInput) -> dict[str, Any]:
-    return {"index": c.index, "text": c.text, "logprobs": _completion_logprobs(engine, c) if gen.return_logprob else None,
+def _completion_choice(engine: Engine, c: Choice, gen: GenInput, echo: str | None = None) -> dict[str, Any]:
+    """With `echo` (the prompt's text), the prompt comes first: in the text and, token by token, in the logprobs."""
+    logprobs = _completion_logprobs(engine, c, gen.prompt_ids if echo is not None else None) if gen.return_logprob else None
+    return {"index": c.index, "text": (echo or "") + c.text, "logprobs": logprobs,
             "finish_reason": FINISH.get(c.finish.type) if c.finish else None}
 
 
@@ -110,13 +120,23 @@ def _token_str(engine: Engine, token: int) -> str:
     return engine.tokenizer.convert_tokens_to_string([engine.tokenizer.convert_ids_to_tokens(token)])
 
 
-def _completion_logprobs(engine: Engine, c: Choice) -> dict[str, Any]:
-    tokens = [_token_str(engine, t) for t in c.output_ids]
+def _completion_logprobs(engine: Engine, c: Choice, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """OpenAI's logprobs of the choice's tokens, preceded by the prompt's when `prompt_ids` are given (the
+    first prompt token has no logprob and no top logprobs: nothing predicted it)."""
+    top_dict = lambda top: {_token_str(engine, t): lp for t, lp in top or []}  # noqa: E731
+    token_ids, token_logprobs, tops = c.output_ids, list(c.logprobs), [top_dict(top) for top in c.top_logprobs]
+    if prompt_ids is not None:
+        n = len(prompt_ids)
+        token_ids = prompt_ids + token_ids
+        token_logprobs = (c.meta.get("input_token_logprobs") or [None] * n) + token_logprobs
+        prompt_tops = c.meta.get("input_top_logprobs") or [None] * n
+        tops = [None] + [top_dict(top) for top in prompt_tops[1:]] + tops
+    tokens = [_token_str(engine, t) for t in token_ids]
     return {
         "tokens": tokens,
-        "token_logprobs": c.logprobs,
-        "top_logprobs": [{_token_str(engine, t): lp for t, lp in top or []} for top in c.top_logprobs],
-        "text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))],
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else [],
     }
 
 
@@ -129,11 +149,13 @@ def _chat_logprobs(engine: Engine, c: Choice) -> list[dict[str, Any]]:
             for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)]
 
 
-async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str) -> AsyncIterator[bytes]:
+async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None) -> AsyncIterator[bytes]:
+    """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
     base = {"id": rid, "object": chunk_kind, "created": created(), "model": engine.model_name}
     choices = [Choice(i) for i in range(gen.params.n)]
     is_chat = kind == "chat.completion"
+    to_echo = [echo] * gen.params.n
     if is_chat:
         for c in choices:
             yield sse_event(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
@@ -142,16 +164,16 @@ async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, ri
             c = choices[i]
             c.add(ev)
             raise_if_failed(ev.finish)
-            if not ev.text and ev.finish is None and not gen.return_logprob:
+            if not ev.text and ev.finish is None and not gen.return_logprob and to_echo[i] is None:
                 continue
             finish = FINISH.get(ev.finish.type) if ev.finish else None
-            part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs)
+            part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
             if is_chat:
                 lp = {"content": _chat_logprobs(engine, part)} if gen.return_logprob else None
                 choice = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "logprobs": lp, "finish_reason": finish}
             else:
-                lp = _completion_logprobs(engine, part) if gen.return_logprob else None
-                choice = {"index": i, "text": ev.text, "logprobs": lp, "finish_reason": finish}
+                choice = _completion_choice(engine, part, gen, to_echo[i]) | {"finish_reason": finish}
+                to_echo[i] = None
             yield sse_event(base | {"choices": [choice]})
         if body.stream_options and body.stream_options.include_usage:
             yield sse_event(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})

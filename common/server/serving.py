@@ -43,8 +43,10 @@ class Choice:
         self.output_ids += ev.token_ids
         self.logprobs += ev.logprobs
         self.top_logprobs += ev.top_logprobs
+        if ev.meta:  # the first token's event has the prompt's logprobs, the last one the counts too
+            self.meta = self.meta | ev.meta
         if ev.finish is not None:
-            self.finish, self.meta = ev.finish, ev.meta
+            self.finish = ev.finish
 
 
 def new_rid(prefix: str = "") -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
@@ -13,20 +13,25 @@ from common.wire.errors import InvalidRequest, PayloadTooLarge
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, or PayloadTooLarge (413) as soon as it passes `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
+    """The whole body of a Starlette request, or PayloadTooLarge (413) as soon as it passes `limit` bytes."""
+    return await read_limited(request.headers.get("content-length"), request.stream(), limit)
+
+
+async def read_limited(content_length: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """The body from its declared Content-Length (None when chunked) and its chunks, or PayloadTooLarge (413)
+    as soon as it passes `limit` bytes; any HTTP server's request fits this."""
+    if content_length is not None:
+        if not content_length.isdigit():
             raise InvalidRequest("the Content-Length header is not a number", param="content-length")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}", param="body")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+        if int(content_length) > limit:
+            raise PayloadTooLarge(f"request body of {content_length} bytes exceeds the limit of {limit}", param="body")
+    parts, size = [], 0
+    async for chunk in chunks:
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes", param="body")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def read_json_object(request: Request, limit: int) -> dict[str, Any]:

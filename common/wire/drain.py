@@ -43,6 +43,12 @@ class Drain:
         self.deadline = time.monotonic() + self.timeout_s
 
 
+def refusal() -> tuple[dict, dict[str, str]]:
+    """The JSON body and the headers of a draining server's 503."""
+    body = error_body("this server is shutting down and takes no new requests; retry on another server", "unavailable_error", 503)
+    return body, {"Retry-After": "1", DRAINING_HEADER: "1"}
+
+
 class DrainGuard:
     """ASGI middleware: counts requests in flight; while draining, refuses the drain's paths."""
 
@@ -54,9 +60,8 @@ class DrainGuard:
             await self.app(scope, receive, send)
             return
         if self.drain.draining and scope["path"] in self.drain.refused:
-            body = error_body("this server is shutting down and takes no new requests; retry on another server",
-                              "unavailable_error", 503)
-            await JSONResponse(body, 503, headers={"Retry-After": "1", DRAINING_HEADER: "1"})(scope, receive, send)
+            body, headers = refusal()
+            await JSONResponse(body, 503, headers=headers)(scope, receive, send)
             return
         self.drain.in_flight += 1
         try:

@@ -1,11 +1,14 @@
 """Router pieces without processes: config from flags and environment, worker health bookkeeping,
-SSE framing, upstream error bodies."""
+SSE framing, upstream error bodies, forwarded bodies, merged prompt logprobs."""
 from __future__ import annotations
 
-import asyncio
+import json
 
 import pytest
 
+from common.wire.sse import sse_event
+from router.dispatch import forward_bodies
+from router.logprobs import PromptLogprobs
 from router.pair_stream import SSEFramer
 from router.upstream import DECODE_FAILED, answered_error
 from router.workers import WorkerRegistry
@@ -31,24 +34,38 @@ def test_bad_values_are_refused(monkeypatch):
         config_from_args([])
 
 
-def test_a_worker_leaves_rotation_at_the_threshold_and_returns_with_a_fresh_down_event():
-    async def scenario() -> None:
-        registry = WorkerRegistry(failure_threshold=2)
-        w = registry.add("http://d:1/", "decode")
-        registry.mark(w, True)
-        first_event = w.down
-        registry.mark(w, False, "GET /health timed out after 2 s")
-        assert w.healthy and not first_event.is_set() and w.failures == 1
-        registry.mark(w, False, "GET /health timed out after 2 s")
-        assert not w.healthy and first_event.is_set() and registry.healthy("decode") == []
-        assert w.down_reason == ("decode worker http://d:1 failed health checks and was taken out of rotation "
-                                 "(2 failures in a row; the last: GET /health timed out after 2 s)")
-        registry.mark(w, True)
-        assert w.healthy and w.failures == 0 and w.down is not first_event and not w.down.is_set()
-        assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "bootstrap_host": None,
-                               "healthy": True, "failures": 0, "in_flight": 0}
+class RecordingCall:
+    """A request in flight, as the registry sees it: it only needs to be told when its worker goes down."""
 
-    asyncio.run(scenario())
+    def __init__(self) -> None:
+        self.ended_by: list[str] = []
+
+    def worker_down(self, worker) -> None:
+        self.ended_by.append(worker.down_reason)
+
+
+def test_a_worker_leaves_rotation_at_the_threshold_ending_its_calls_and_returns_when_healthy():
+    registry = WorkerRegistry(failure_threshold=2)
+    w = registry.add("http://d:1/", "decode")
+    registry.mark(w, True)
+    call = RecordingCall()
+    w.calls.add(call)
+    registry.mark(w, False, "GET /health timed out after 2 s")
+    assert w.healthy and call.ended_by == [] and w.failures == 1
+    registry.mark(w, False, "GET /health timed out after 2 s")
+    assert not w.healthy and registry.healthy("decode") == []
+    assert w.down_reason == ("decode worker http://d:1 failed health checks and was taken out of rotation "
+                             "(2 failures in a row; the last: GET /health timed out after 2 s)")
+    assert call.ended_by == [w.down_reason]
+    w.calls.discard(call)  # what the call does when it closes
+    registry.mark(w, True)
+    assert w.healthy and w.failures == 0 and w.down_reason == ""
+    later = RecordingCall()
+    w.calls.add(later)
+    registry.mark(w, False, "GET /health answered HTTP 500")
+    assert later.ended_by == [] and call.ended_by == [call.ended_by[0]]  # one failure: still in rotation
+    assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "bootstrap_host": None,
+                           "healthy": True, "failures": 1, "in_flight": 0}
 
 
 def test_sse_framer_passes_whole_events_only_and_notices_done():
@@ -66,3 +83,35 @@ def test_a_worker_error_body_passes_through_and_anything_else_is_wrapped():
     assert other.body == {"error": {"message": 'decode worker http://d:1 answered HTTP 404: {"detail": "Not Found"}',
                                     "type": "upstream_error", "code": 404, "param": None}}
     assert not other.retriable
+
+
+def test_forwarded_bodies_are_the_clients_bytes_plus_bootstrap_fields_which_win():
+    raw = b'{"text": "hi", "stream": true, "bootstrap_room": 1}  \n'
+    body = json.loads(raw)
+    forwarded = body | {"bootstrap_host": "h", "bootstrap_room": 7}
+    prefill, decode = forward_bodies(raw, body, forwarded)
+    assert decode.startswith(raw[: raw.rindex(b"}")])  # not encoded anew
+    assert json.loads(decode) == forwarded and json.loads(prefill) == forwarded | {"stream": False}
+    assert forward_bodies(b"{}", {}, {"bootstrap_room": 7}) == (b'{"bootstrap_room":7}', b'{"bootstrap_room":7}')
+    # a field of the client's that must go (an instance id the router did not learn): encoded anew
+    body = {"text": "hi", "prefill_instance_id": "forged"}
+    prefill, decode = forward_bodies(json.dumps(body).encode(), body, {"text": "hi", "bootstrap_room": 7})
+    assert json.loads(decode) == json.loads(prefill) == {"text": "hi", "bootstrap_room": 7}
+
+
+def test_prompt_logprobs_go_into_every_generate_event_and_the_first_completion_event_of_each_choice():
+    lps = [[None, 5, None], [-0.5, 6, None]]
+    gen = PromptLogprobs("/generate", json.dumps({"meta_info": {"input_token_logprobs": lps}}).encode())
+    events = gen.events(b'data: {"meta_info": {"input_token_logprobs": [[null, 5, null], [null, 6, null]]}, "index": 0}\n\n'
+                        b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n')
+    first, error, done = events.split(b"\n\n")[:3]
+    assert json.loads(first[6:])["meta_info"]["input_token_logprobs"] == lps
+    assert (error, done) == (b'data: {"error": {"message": "m"}}', b"data: [DONE]")
+    prefill = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, -0.5, -0.1], "top_logprobs": [None, {"a": -0.5}, {"b": -0.1}]}}],
+               "usage": {"prompt_tokens": 2}}
+    comp = PromptLogprobs("/v1/completions", json.dumps(prefill).encode())
+    first = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, None, -0.2], "top_logprobs": [None, {}, {"c": -0.2}]}}]}
+    later = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None], "top_logprobs": [{}]}}]}
+    merged = [json.loads(e[6:]) for e in comp.events(sse_event(first) + sse_event(later)).split(b"\n\n")[:2]]
+    assert merged[0]["choices"][0]["logprobs"] == {"token_logprobs": [None, -0.5, -0.2], "top_logprobs": [None, {"a": -0.5}, {"c": -0.2}]}
+    assert merged[1] == later  # the prompt came with the first event only
