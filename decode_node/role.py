@@ -70,7 +70,9 @@ class DecodeRole(Role):
         elif req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
-            self.inbound[req] = Inbound(self.lookup(req.pairing))
+            lookup = self.lookup(req.pairing)
+            lookup.add_done_callback(lambda _: req.timeline.mark("peer_found"))
+            self.inbound[req] = Inbound(lookup)
             req.status = ReqStatus.PAIRING
             self.prealloc.append(req)
         return True
@@ -101,7 +103,7 @@ class DecodeRole(Role):
     def _try_prealloc(self, req: Req, inb: Inbound, peer: Peer) -> bool:
         if inb.receiver is None:
             try:
-                inb.receiver = KVReceiver(self.kv_manager, req.pairing.room, peer.endpoint, peer.instance_id)
+                inb.receiver = KVReceiver(self.kv_manager, req.pairing.room, peer.endpoint, peer.instance_id, req.timeline.mark)
             except DuplicateRoom as e:
                 self.scheduler.fail(req, str(e), 409)
                 return True
@@ -114,6 +116,7 @@ class DecodeRole(Role):
             memory.release(req)
             return False
         memory.extend(req, n)
+        req.timeline.mark("pages_reserved")
         inb.aux_slot = self.aux_pool.alloc()
         inb.receiver.init(memory.page_ids(req, 0, n), inb.aux_slot)
         self.prealloc.remove(req)

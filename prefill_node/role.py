@@ -55,7 +55,7 @@ class PrefillRole(Role):
         if req.params.max_new_tokens == 0:
             return False  # nothing to hand over: computed here, answered here
         try:
-            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.pairing.room))
+            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.pairing.room, req.timeline.mark))
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True

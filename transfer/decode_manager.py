@@ -9,7 +9,7 @@ from typing import Callable
 from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import BadMessage, Envelope, Ping, Pong, Register, Status
-from transfer.poll import KVPoll
+from transfer.poll import KVPoll, Mark, no_mark
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,17 @@ class DecodeKVManager(KVManager):
         if envelope.sender != room.peer_id:
             raise BadMessage(f"status for room {msg.room} from {envelope.sender}, not from its prefill {room.peer_id}")
         room.status_received = True
+        room.mark("status_received")
         self.liveness.seen(room.peer, envelope.sent_at)
         room.poll.advance(KVPoll.Success) if msg.ok else room.poll.fail(msg.reason)
 
     # -- rooms (called by KVReceiver on the scheduler thread) ----------------------------------
-    def claim(self, room: int, peer: str, peer_id: str) -> DecodeRoom:
-        """A room waiting on prefill `peer_id` at control endpoint `peer`; DuplicateRoom if taken."""
-        return self.table.claim(room, peer, peer_id)
+    def claim(self, room: int, peer: str, peer_id: str, mark: Mark = no_mark) -> DecodeRoom:
+        """A room waiting on prefill `peer_id` at control endpoint `peer` (its request's timeline: `mark`);
+        DuplicateRoom if taken."""
+        room_state = self.table.claim(room, peer, peer_id)
+        room_state.mark = mark
+        return room_state
 
     def forget(self, room: DecodeRoom) -> None:
         self.table.forget(room)

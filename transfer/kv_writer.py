@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 from transfer.backends.base import TransferBackend
 from transfer.messages import Register, RoomRequest
+from transfer.poll import Mark, no_mark
 from transfer.runs import chunk_triples
 
 class AuxStaging:
@@ -66,13 +67,15 @@ class KVWriter:
         self.bytes_sent = 0
 
     def write(self, peer: Register, req: RoomRequest, src_pages: list[int], dst_pages: list[int], aux: bytes | None,
-              fence: Callable[[], None]) -> None:
+              fence: Callable[[], None], mark: Mark = no_mark) -> None:
         """Pages first, then the aux record; raises on any failure of the backend. `fence()` runs before
-        each backend call and raises when the decode may no longer be written to."""
+        each backend call and raises when the decode may no longer be written to; `mark` records each
+        write on the request's timeline."""
         src, dst, nbytes = chunk_triples(self.kv_ptrs, peer.kv_ptrs, self.bytes_per_page, src_pages, dst_pages)
         fence()
         self.backend.write_batch(req.decode_id, src, dst, nbytes, self.on_cuda)  # one batch: each backend splits as it must
         self.bytes_sent += sum(nbytes)
+        mark("chunk_written")
         if aux is not None:
             if len(aux) != peer.aux_record_bytes:
                 raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
@@ -80,3 +83,4 @@ class KVWriter:
             fence()
             with self.aux_staging.slot(aux) as src_aux:
                 self.backend.write_batch(req.decode_id, [src_aux], [dst_aux], [len(aux)])
+            mark("aux_written")

@@ -21,7 +21,7 @@ from transfer.messages import (
     RoomRequest,
     Status,
 )
-from transfer.poll import KVPoll
+from transfer.poll import KVPoll, Mark, no_mark
 from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
 from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
 
@@ -115,9 +115,9 @@ class PrefillKVManager(KVManager):
         """The room table by room id (read-only use)."""
         return self.table.rooms
 
-    def claim(self, room: int) -> PrefillRoom:
-        """The room for a local request; DuplicateRoom if another request holds it."""
-        return self.table.claim(room)
+    def claim(self, room: int, mark: Mark = no_mark) -> PrefillRoom:
+        """The room for a local request (its timeline: `mark`); DuplicateRoom if another request holds it."""
+        return self.table.claim(room, mark)
 
     def forget(self, room: PrefillRoom) -> None:
         self.table.forget(room)
@@ -143,7 +143,7 @@ class PrefillKVManager(KVManager):
         peer = self.peers.get(req.decode_id)
         if peer is None:
             raise FencedError(f"decode {req.decode_id} is no longer registered")
-        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id))
+        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id), chunk.room.mark)
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] = self.writer.bytes_sent
 
@@ -161,6 +161,7 @@ class PrefillKVManager(KVManager):
         peer = self.peers.get(room.request.decode_id)
         if peer is not None:
             self.send(peer.status_endpoint, Status(room.room, ok, reason))
+            room.mark("status_sent")
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> set[str]:

@@ -25,6 +25,7 @@ from common.engine.request import OutputEvent, Req
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
+from common.engine.timeline import report
 from common.memory.allocator import PagedAllocator
 from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
@@ -154,13 +155,18 @@ class Engine:
         events: asyncio.Queue[OutputEvent] = asyncio.Queue()
         req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         req.arrival_time = time.monotonic()
+        req.timeline.mark("arrival", req.arrival_time)
         self.submit(req)
-        finished = False
+        finished = streamed = False
         try:
             while not finished:
                 event = await events.get()
                 finished = event.finish is not None
+                if event.token_ids and not streamed:
+                    streamed = True
+                    req.timeline.mark("first_token_streamed")
                 yield event
         finally:
             if not finished:
                 self.abort(req)
+            report(req.rid, req.arrival_time, req.timeline, self.metrics.spans)

@@ -80,6 +80,7 @@ class Scheduler:
                 arg()
 
     def add_request(self, req: Req) -> None:
+        req.timeline.mark("admitted")
         self.output.prepare(req)
         if not self.role.admit(req):
             self.prefill.add(req)
@@ -125,11 +126,16 @@ class Scheduler:
                 self.fail(req, message, 500)
 
     def _run(self, plan: BatchPlan) -> None:
+        extend = plan.mode == ForwardMode.EXTEND
+        for req in plan.reqs if extend else ():
+            req.timeline.mark_once("prefill_start")
         try:
             result = self.runner.run(plan)
         except Exception as e:  # the batch's requests are in no queue now: answer them here
             self._fail_all(plan.reqs, f"internal error running the batch: {e!r}")
             return
+        for req in plan.reqs if extend else ():
+            req.timeline.mark("forward_done")
         for i, req in enumerate(plan.reqs):
             self.guarded(req, "committing the batch's results", lambda: self._commit(plan, result, i))
 
