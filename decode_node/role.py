@@ -59,6 +59,7 @@ class DecodeRole(Role):
         self.scheduler, self.kv_manager, self.aux_pool = scheduler, kv_manager, aux_pool
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
         self.instance_id = kv_manager.instance_id
+        kv_manager.wake_scheduler = scheduler.wake
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
         self.draining: list[Req] = []  # ended; their pages wait until no write can land in them
@@ -70,12 +71,17 @@ class DecodeRole(Role):
         elif req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
-            lookup = self.lookup(req.pairing)
-            lookup.add_done_callback(lambda _: req.timeline.mark("peer_found"))
+            lookup = self.lookup(req.pairing)  # done already when the peer directory knew the answer
+            lookup.add_done_callback(lambda _: self._peer_found(req))
             self.inbound[req] = Inbound(lookup)
             req.status = ReqStatus.PAIRING
             self.prealloc.append(req)
         return True
+
+    def _peer_found(self, req: Req) -> None:
+        """On the lookup's thread (or this one, for a cached answer)."""
+        req.timeline.mark("peer_found")
+        self.scheduler.wake()
 
     # -- queues --------------------------------------------------------------------------------
     def poll(self) -> None:

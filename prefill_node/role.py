@@ -43,6 +43,7 @@ class PrefillRole(Role):
     def __init__(self, scheduler: Scheduler, kv_manager: PrefillKVManager, config: ServerConfig):
         self.scheduler, self.kv_manager, self.config = scheduler, kv_manager, config
         self.instance_id = kv_manager.instance_id
+        kv_manager.wake_scheduler = scheduler.wake
         self.awaiting_decode: list[Req] = []  # no decode has reserved pages for these yet
         self.inflight: list[Req] = []  # prompt computed, KV on its way
         self.outbound: dict[Req, Outbound] = {}

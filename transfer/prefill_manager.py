@@ -135,6 +135,7 @@ class PrefillKVManager(KVManager):
         if not room.poll.fail(reason):
             return False
         self.counters["rooms_failed"] += 1
+        self.wake_scheduler()
         return True
 
     # -- data plane (on a worker) --------------------------------------------------------------
@@ -162,6 +163,7 @@ class PrefillKVManager(KVManager):
         if peer is not None:
             self.send(peer.status_endpoint, Status(room.room, ok, reason))
             room.mark("status_sent")
+        self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> set[str]:

@@ -130,11 +130,9 @@ class Engine:
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:
         self.scheduler.submit(req)
-        self.thread.wake()
 
     def abort(self, req: Req, reason: str = "aborted by client", status: int = 499) -> None:
         self.scheduler.abort(req, reason, status)
-        self.thread.wake()
 
     def run_on_scheduler(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -146,7 +144,6 @@ class Engine:
                 fut.set_exception(e)
 
         self.scheduler.run_on_scheduler(call)
-        self.thread.wake()
         return fut
 
     async def generate(self, req: Req) -> AsyncIterator[OutputEvent]:
