@@ -89,14 +89,31 @@ def breakdown(samples: list[Sample], lines: dict, length: int) -> list[tuple[str
     return sorted(((name, statistics.median(v)) for name, v in offsets.items()), key=lambda x: x[1])
 
 
+def outside_forward(sample: Sample, lines: dict) -> float | None:
+    """TTFT less the prompt's forward pass(es) (first start to last end, on the server that ran them):
+    what PD adds without the model's compute, which on a shared CPU varies more than the rest."""
+    for events in lines.get(sample["rid"], {}).values():
+        times = dict(events)  # the last occurrence of each event
+        start = next((at for name, at in events if name == "prefill_start"), None)
+        if start is not None and "forward_done" in times:
+            return sample["ttft"] - (times["forward_done"] - start)
+    return None
+
+
+def medians_ms(samples: list[Sample], length: int, value) -> float:
+    return statistics.median(1000 * v for s in samples if s["length"] == length and (v := value(s)) is not None)
+
+
 def report(results: dict[str, list[Sample]], lines: dict, lengths: list[int]) -> dict:
     table = []
-    print(f"\n{'prompt tokens':>13} {'monolithic ms':>14} {'PD ms':>8} {'PD/mono':>8} {'PD - mono ms':>13}   (median of {len(results['pd']) // len(lengths)})")
+    print(f"\n{'prompt tokens':>13} {'monolithic ms':>14} {'PD ms':>8} {'PD/mono':>8} {'PD - mono ms':>13}"
+          f" {'outside the forward: mono':>26} {'PD':>6} {'PD - mono':>10}   (ms, median of {len(results['pd']) // len(lengths)})")
     for length in lengths:
-        m = statistics.median(1000 * s["ttft"] for s in results["mono"] if s["length"] == length)
-        p = statistics.median(1000 * s["ttft"] for s in results["pd"] if s["length"] == length)
-        table.append({"length": length, "mono_ms": m, "pd_ms": p, "ratio": p / m, "added_ms": p - m})
-        print(f"{length:13d} {m:14.1f} {p:8.1f} {p / m:8.2f} {p - m:+13.1f}")
+        m, p = (medians_ms(results[name], length, lambda s: s["ttft"]) for name in ("mono", "pd"))
+        mo, po = (medians_ms(results[name], length, lambda s: outside_forward(s, lines)) for name in ("mono", "pd"))
+        table.append({"length": length, "mono_ms": m, "pd_ms": p, "ratio": p / m, "added_ms": p - m,
+                      "mono_outside_forward_ms": mo, "pd_outside_forward_ms": po, "added_outside_forward_ms": po - mo})
+        print(f"{length:13d} {m:14.1f} {p:8.1f} {p / m:8.2f} {p - m:+13.1f} {mo:26.1f} {po:6.1f} {po - mo:+10.1f}")
     steps = {}
     for length in lengths:
         for name in ("pd", "mono"):

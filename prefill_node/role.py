@@ -107,8 +107,8 @@ class PrefillRole(Role):
             return True
         token, logprob, top = sampled
         aux = AuxRecord(req.pairing.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top)
+        self._send(req, len(req.prompt_ids), aux=aux.pack())  # first: the decode's first token waits on it
         self.scheduler.output.commit_token(req, token, logprob, top)
-        self._send(req, len(req.prompt_ids), aux=aux.pack())
         req.status = ReqStatus.TRANSFERRING
         self.inflight.append(req)
         return True

@@ -45,8 +45,9 @@ class PairCall:
         self.pair = pair
         self.closed = False
         self.tasks: list[asyncio.Task] = []
-        self.prefill = self._spawn(_run_prefill(session, pair.prefill, path, body | {"stream": False}))
+        # the decode's request goes out first: the prefill's forward waits for the pages it reserves
         self.decode = self._spawn(post(session, pair.decode, path, body))
+        self.prefill = self._spawn(_run_prefill(session, pair.prefill, path, body | {"stream": False}))
         prefill_down = self._spawn(_fail_when_down(pair.prefill, pair.prefill.down))
         self.guards = [self.prefill, prefill_down, self._spawn(_fail_when_down(pair.decode, pair.decode.down))]
         # once the prefill half has answered, the request no longer depends on that worker
