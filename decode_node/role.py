@@ -72,15 +72,16 @@ class DecodeRole(Role):
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
             lookup = self.lookup(req.pairing)  # done already when the peer directory knew the answer
-            lookup.add_done_callback(lambda _: self._peer_found(req))
+            lookup.add_done_callback(lambda done: self._peer_found(req, done))
             self.inbound[req] = Inbound(lookup)
             req.status = ReqStatus.PAIRING
             self.prealloc.append(req)
         return True
 
-    def _peer_found(self, req: Req) -> None:
-        """On the lookup's thread (or this one, for a cached answer)."""
-        req.timeline.mark("peer_found")
+    def _peer_found(self, req: Req, lookup: "Future[Peer]") -> None:
+        """The lookup ended, on its thread (or this one, for a cached answer): the next step goes on."""
+        if lookup.exception() is None:
+            req.timeline.mark("peer_found")
         self.scheduler.wake()
 
     # -- queues --------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class Timeline:
 
     def offsets(self, t0: float) -> dict[str, float]:
         """Seconds from `t0` to the last occurrence of each event."""
-        return {name: at - t0 for name, at in self.events}
+        return {name: at - t0 for name, at in sorted(self.events, key=lambda e: e[1])}
 
 
 def report(rid: str, arrival: float, timeline: Timeline, histogram) -> None:
