@@ -26,11 +26,13 @@ def register_prefill(bootstrap_url: str, info: dict[str, Any], secret: str | Non
             time.sleep(0.5)
 
 
-def lookup_prefill(bootstrap_url: str, instance_id: str | None = None, secret: str | None = None) -> dict[str, Any] | None:
+def lookup_prefill(bootstrap_url: str, instance_id: str | None = None, secret: str | None = None,
+                   client: httpx.Client | None = None) -> dict[str, Any] | None:
     """The entry of prefill `instance_id` (None: of the registry's only rank-0 instance), or None while it
-    has not registered; RuntimeError naming the registry's answer otherwise."""
+    has not registered; RuntimeError naming the registry's answer otherwise. `client`: a keep-alive
+    client to ask through (default: a new connection)."""
     params = {"instance_id": instance_id} if instance_id else {"engine_rank": 0, "target_dp_group": 0}
-    r = httpx.get(f"{bootstrap_url}/route", params=params, headers=_headers(secret), timeout=5)
+    r = (client or httpx).get(f"{bootstrap_url}/route", params=params, headers=_headers(secret), timeout=5)
     if r.status_code == 404:
         return None
     if r.status_code != 200:

@@ -1,8 +1,17 @@
-"""Where is the prefill of a request? Bootstrap lookups, cached briefly, with the layout checked."""
+"""Where is the prefill of a request? Bootstrap lookups, cached briefly, with the layout checked.
+
+`find()` answers from the cache on the caller's thread when it can, so a request of steady traffic
+never waits for a lookup: an entry is served for CACHE_TTL_S after the lookup that made it, and once
+it is REFRESH_AFTER_S old the next request that uses it starts a new lookup in the background. So an
+entry in use stays fresh, and a bootstrap that stopped answering (or a prefill it no longer lists) is
+noticed within CACHE_TTL_S, as before: the first request after that waits for a lookup of its own,
+which fails with the registry's answer. Lookups run on a small thread pool, one at a time per entry.
+"""
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -12,8 +21,10 @@ from common.wire.api import Pairing
 from common.wire.kv_layout import layout_mismatch
 
 CACHE_TTL_S = 2.0
+REFRESH_AFTER_S = 1.0
 REGISTER_WAIT_S = 30.0
 INSTANCE_WAIT_S = 2.0
+Key = tuple[str | None, int | None, str | None]
 
 
 @dataclass(frozen=True)
@@ -22,20 +33,56 @@ class Peer:
     instance_id: str
 
 
+def _done(peer: Peer) -> "Future[Peer]":
+    fut: Future[Peer] = Future()
+    fut.set_result(peer)
+    return fut
+
+
 class PeerDirectory:
-    def __init__(self, layout: dict, secret: str | None):
+    def __init__(self, layout: dict, secret: str | None, workers: int = 4):
         self.layout = layout
         self.secret = secret
-        self._cache: dict[tuple[str | None, int | None, str | None], tuple[float, Peer]] = {}
+        self._cache: dict[Key, tuple[float, Peer]] = {}  # when the lookup answered, what it said
+        self._pending: dict[Key, Future[Peer]] = {}
+        self._generation = 0  # grows with every invalidate(): a lookup that started before it is not cached
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-lookup")
+        self._http = httpx.Client(timeout=5)  # keep-alive: a lookup is one round trip, not a new connection
 
-    def lookup(self, pairing: Pairing) -> Peer:
-        """Blocking (runs on a worker thread); waits a while for a prefill that has not registered yet."""
+    def find(self, pairing: Pairing) -> "Future[Peer]":
+        """The request's prefill: a done future from the cache, else the future of a lookup."""
         key = (pairing.bootstrap_host, pairing.bootstrap_port, pairing.prefill_instance_id)
         with self._lock:
             hit = self._cache.get(key)
-        if hit and time.monotonic() - hit[0] < CACHE_TTL_S:
-            return hit[1]
+            age = time.monotonic() - hit[0] if hit else float("inf")
+            if age >= CACHE_TTL_S:
+                return self._start(key, pairing)
+            if age >= REFRESH_AFTER_S:
+                self._start(key, pairing)  # refresh ahead, off this request's path
+            return _done(hit[1])
+
+    def _start(self, key: Key, pairing: Pairing) -> "Future[Peer]":
+        """The lookup of `key` in flight, or a new one (call with the lock held)."""
+        fut = self._pending.get(key)
+        if fut is None:
+            fut = self._pending[key] = self._pool.submit(self._refresh, key, pairing)
+        return fut
+
+    def _refresh(self, key: Key, pairing: Pairing) -> Peer:
+        generation = self._generation
+        try:
+            peer = self.lookup(pairing)
+            with self._lock:
+                if generation == self._generation:
+                    self._cache[key] = (time.monotonic(), peer)
+            return peer
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def lookup(self, pairing: Pairing) -> Peer:
+        """Blocking, uncached; waits a while for a prefill that has not registered yet."""
         url = f"http://{pairing.bootstrap_host}:{pairing.bootstrap_port}"
         # a named instance was healthy when the router picked it: if it is gone, it is not coming back
         deadline = time.monotonic() + (INSTANCE_WAIT_S if pairing.prefill_instance_id else REGISTER_WAIT_S)
@@ -47,14 +94,11 @@ class PeerDirectory:
         mismatch = layout_mismatch(self.layout, entry)
         if mismatch:
             raise RuntimeError(f"refusing prefill at {url}: {mismatch}")
-        peer = Peer(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])
-        with self._lock:
-            self._cache[key] = (time.monotonic(), peer)
-        return peer
+        return Peer(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])
 
     def _lookup(self, url: str, instance_id: str | None) -> dict | None:
         try:
-            return lookup_prefill(url, instance_id, self.secret)
+            return lookup_prefill(url, instance_id, self.secret, self._http)
         except httpx.HTTPError as e:
             raise RuntimeError(f"bootstrap server {url} unreachable: {e!r}") from None
 
@@ -62,3 +106,4 @@ class PeerDirectory:
         """Forget cached lookups that point at `endpoint` (its prefill was declared dead)."""
         with self._lock:
             self._cache = {k: v for k, v in self._cache.items() if v[1].endpoint != endpoint}
+            self._generation += 1

@@ -59,6 +59,7 @@ class DecodeRole(Role):
         self.scheduler, self.kv_manager, self.aux_pool = scheduler, kv_manager, aux_pool
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
         self.instance_id = kv_manager.instance_id
+        kv_manager.wake_scheduler = scheduler.wake
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
         self.draining: list[Req] = []  # ended; their pages wait until no write can land in them
@@ -70,10 +71,18 @@ class DecodeRole(Role):
         elif req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
-            self.inbound[req] = Inbound(self.lookup(req.pairing))
+            lookup = self.lookup(req.pairing)  # done already when the peer directory knew the answer
+            lookup.add_done_callback(lambda done: self._peer_found(req, done))
+            self.inbound[req] = Inbound(lookup)
             req.status = ReqStatus.PAIRING
             self.prealloc.append(req)
         return True
+
+    def _peer_found(self, req: Req, lookup: "Future[Peer]") -> None:
+        """The lookup ended, on its thread (or this one, for a cached answer): the next step goes on."""
+        if lookup.exception() is None:
+            req.timeline.mark("peer_found")
+        self.scheduler.wake()
 
     # -- queues --------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -101,7 +110,7 @@ class DecodeRole(Role):
     def _try_prealloc(self, req: Req, inb: Inbound, peer: Peer) -> bool:
         if inb.receiver is None:
             try:
-                inb.receiver = KVReceiver(self.kv_manager, req.pairing.room, peer.endpoint, peer.instance_id)
+                inb.receiver = KVReceiver(self.kv_manager, req.pairing.room, peer.endpoint, peer.instance_id, req.timeline.mark)
             except DuplicateRoom as e:
                 self.scheduler.fail(req, str(e), 409)
                 return True
@@ -114,6 +123,7 @@ class DecodeRole(Role):
             memory.release(req)
             return False
         memory.extend(req, n)
+        req.timeline.mark("pages_reserved")
         inb.aux_slot = self.aux_pool.alloc()
         inb.receiver.init(memory.page_ids(req, 0, n), inb.aux_slot)
         self.prealloc.remove(req)

@@ -1,7 +1,5 @@
-"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (lookups on threads)."""
+"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (cached lookups)."""
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 from common.config import ServerConfig
 from common.engine.engine import Engine
@@ -23,8 +21,6 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)
-        lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="peer-lookup")
-        return DecodeRole(engine.scheduler, manager, aux, lambda pairing: lookups.submit(peers.lookup, pairing),
-                          engine.hf_config.vocab_size, config)
+        return DecodeRole(engine.scheduler, manager, aux, peers.find, engine.hf_config.vocab_size, config)
 
     return Engine(config, make_role)

@@ -43,6 +43,7 @@ class PrefillRole(Role):
     def __init__(self, scheduler: Scheduler, kv_manager: PrefillKVManager, config: ServerConfig):
         self.scheduler, self.kv_manager, self.config = scheduler, kv_manager, config
         self.instance_id = kv_manager.instance_id
+        kv_manager.wake_scheduler = scheduler.wake
         self.awaiting_decode: list[Req] = []  # no decode has reserved pages for these yet
         self.inflight: list[Req] = []  # prompt computed, KV on its way
         self.outbound: dict[Req, Outbound] = {}
@@ -55,7 +56,7 @@ class PrefillRole(Role):
         if req.params.max_new_tokens == 0:
             return False  # nothing to hand over: computed here, answered here
         try:
-            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.pairing.room))
+            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.pairing.room, req.timeline.mark))
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True
@@ -106,8 +107,8 @@ class PrefillRole(Role):
             return True
         token, logprob, top = sampled
         aux = AuxRecord(req.pairing.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top)
+        self._send(req, len(req.prompt_ids), aux=aux.pack())  # first: the decode's first token waits on it
         self.scheduler.output.commit_token(req, token, logprob, top)
-        self._send(req, len(req.prompt_ids), aux=aux.pack())
         req.status = ReqStatus.TRANSFERRING
         self.inflight.append(req)
         return True

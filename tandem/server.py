@@ -24,7 +24,7 @@ def setup_logging(role: str) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-    for noisy in ("httpx", "aiohttp.access"):
+    for noisy in ("httpx", "httpcore", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

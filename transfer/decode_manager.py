@@ -9,7 +9,7 @@ from typing import Callable
 from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import BadMessage, Envelope, Ping, Pong, Register, Status
-from transfer.poll import DuplicateRoom, KVPoll
+from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class DecodeKVManager(KVManager):
         if envelope.sender != room.peer_id:
             raise BadMessage(f"status for room {msg.room} from {envelope.sender}, not from its prefill {room.peer_id}")
         room.status_received = True
+        room.mark("status_received")
         self.liveness.seen(room.peer, envelope.sent_at)
         if not msg.ok:
             self.fail_room(room, msg.reason, "peer_failed")
@@ -53,13 +54,16 @@ class DecodeKVManager(KVManager):
             self.metrics.latency.observe(self.clock() - room.requested_at)
 
     # -- rooms (called by KVReceiver on the scheduler thread) ----------------------------------
-    def claim(self, room: int, peer: str, peer_id: str) -> DecodeRoom:
-        """A room waiting on prefill `peer_id` at control endpoint `peer`; DuplicateRoom if taken."""
+    def claim(self, room: int, peer: str, peer_id: str, mark: Mark = no_mark) -> DecodeRoom:
+        """A room waiting on prefill `peer_id` at control endpoint `peer` (its request's timeline: `mark`);
+        DuplicateRoom if taken."""
         try:
-            return self.table.claim(room, peer, peer_id)
+            room_state = self.table.claim(room, peer, peer_id)
         except DuplicateRoom:
             self.metrics.failed("duplicate")
             raise
+        room_state.mark = mark
+        return room_state
 
     def fail_room(self, room: DecodeRoom, reason: str, cause: str) -> bool:
         """Fail the room, counted by `cause` (transfer.metrics.CAUSES); False if it had already ended."""

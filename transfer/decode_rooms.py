@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from transfer.liveness import CLOCK_SLACK_S
-from transfer.poll import DuplicateRoom, PollState
+from transfer.poll import DuplicateRoom, Mark, PollState, no_mark
 
 
 @dataclass(eq=False)
@@ -28,6 +28,7 @@ class DecodeRoom:
     requested_at: float | None = None  # when (the manager's clock), for the room's latency
     status_received: bool = False  # the prefill's final word arrived; nothing more will land
     peer_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
+    mark: Mark = no_mark  # the request's timeline
 
     def pages_reusable(self, now: float, interval_s: float) -> bool:
         if not self.requested or self.status_received:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 from transfer.backends.base import TransferBackend
 from transfer.messages import Register, RoomRequest
+from transfer.poll import Mark, no_mark
 from transfer.runs import chunk_triples
 
 class AuxStaging:
@@ -66,17 +67,33 @@ class KVWriter:
         self.bytes_sent = 0
 
     def write(self, peer: Register, req: RoomRequest, src_pages: list[int], dst_pages: list[int], aux: bytes | None,
-              fence: Callable[[], None]) -> None:
-        """Pages first, then the aux record; raises on any failure of the backend. `fence()` runs before
-        each backend call and raises when the decode may no longer be written to."""
+              fence: Callable[[], None], mark: Mark = no_mark) -> None:
+        """The pages and, on the last chunk, the aux record; raises on any failure of the backend. Host KV
+        goes out with the record in one batch (one round trip: the decode reads the record only after the
+        status, sent once the whole batch landed); device KV and the host record take a batch each.
+        `fence()` runs before each backend call and raises when the decode may no longer be written to;
+        `mark` records the writes on the request's timeline."""
         src, dst, nbytes = chunk_triples(self.kv_ptrs, peer.kv_ptrs, self.bytes_per_page, src_pages, dst_pages)
+        if aux is not None and not self.on_cuda:
+            self._write_with_aux(peer, req, aux, src, dst, nbytes, fence)
+            mark("chunk_written")
+            mark("aux_written")
+            return
         fence()
-        self.backend.write_batch(req.decode_id, src, dst, nbytes, self.on_cuda)  # one batch: each backend splits as it must
+        self.backend.write_batch(req.decode_id, src, dst, nbytes, self.on_cuda)  # each backend splits as it must
         self.bytes_sent += sum(nbytes)
+        mark("chunk_written")
         if aux is not None:
-            if len(aux) != peer.aux_record_bytes:
-                raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
-            dst_aux = peer.aux_ptr + req.aux_slot * peer.aux_record_bytes
+            self._write_with_aux(peer, req, aux, [], [], [], fence)
+            mark("aux_written")
+
+    def _write_with_aux(self, peer: Register, req: RoomRequest, aux: bytes, src: list[int], dst: list[int],
+                        nbytes: list[int], fence: Callable[[], None]) -> None:
+        """One host-memory batch: the pieces given, then the aux record into the room's slot."""
+        if len(aux) != peer.aux_record_bytes:
+            raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
+        with self.aux_staging.slot(aux) as src_aux:
             fence()
-            with self.aux_staging.slot(aux) as src_aux:
-                self.backend.write_batch(req.decode_id, [src_aux], [dst_aux], [len(aux)])
+            self.backend.write_batch(req.decode_id, [*src, src_aux], [*dst, peer.aux_ptr + req.aux_slot * peer.aux_record_bytes],
+                                     [*nbytes, len(aux)])
+        self.bytes_sent += sum(nbytes)

@@ -74,6 +74,9 @@ class KVManager(ABC):
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._last_ping = float("-inf")
+        # called from this manager's threads when a room may have moved (a message, a write's end, a
+        # peer declared dead): the role sets it to its scheduler's wake(), so no step waits on a timer
+        self.wake_scheduler: Callable[[], None] = lambda: None
 
     def start(self) -> None:
         """Connect the control plane to on_frame and, in threaded mode, start the heartbeat thread; the
@@ -97,6 +100,7 @@ class KVManager(ABC):
             msg, envelope = open_frame(raw, self.args.secret)
             self.replay.check(envelope)
             self.handle(msg, envelope)
+            self.wake_scheduler()
         except BadMessage as e:
             self.counters["rejected_messages"] += 1
             log.warning("dropped a control message: %s", e)
@@ -122,6 +126,7 @@ class KVManager(ABC):
         for peer, silent_s in self.liveness.silent(watched):
             self.counters["peers_declared_dead"] += 1
             self.declare_dead(peer, silent_s)
+            self.wake_scheduler()
 
     @abstractmethod
     def watched_peers(self) -> set[str]:

@@ -3,6 +3,13 @@ from __future__ import annotations
 
 import enum
 import threading
+from typing import Callable
+
+Mark = Callable[..., None]  # mark(event, at=None): a step of the room's request, for its timeline
+
+
+def no_mark(event: str, at: float | None = None) -> None:
+    """The timeline of a room no request follows (a decode's request that arrived first)."""
 
 
 class DuplicateRoom(ValueError):

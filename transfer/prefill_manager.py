@@ -21,7 +21,7 @@ from transfer.messages import (
     RoomRequest,
     Status,
 )
-from transfer.poll import DuplicateRoom, KVPoll
+from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
 from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
 from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
 
@@ -119,10 +119,10 @@ class PrefillKVManager(KVManager):
         """The room table by room id (read-only use)."""
         return self.table.rooms
 
-    def claim(self, room: int) -> PrefillRoom:
-        """The room for a local request; DuplicateRoom if another request holds it."""
+    def claim(self, room: int, mark: Mark = no_mark) -> PrefillRoom:
+        """The room for a local request (its timeline: `mark`); DuplicateRoom if another request holds it."""
         try:
-            return self.table.claim(room)
+            return self.table.claim(room, mark)
         except DuplicateRoom:
             self.metrics.failed("duplicate")
             raise
@@ -147,6 +147,7 @@ class PrefillKVManager(KVManager):
             return False
         self.counters["rooms_failed"] += 1
         self.metrics.failed(cause)
+        self.wake_scheduler()
         return True
 
     # -- data plane (on a worker) --------------------------------------------------------------
@@ -155,7 +156,7 @@ class PrefillKVManager(KVManager):
         peer = self.peers.get(req.decode_id)
         if peer is None:
             raise FencedError(f"decode {req.decode_id} is no longer registered")
-        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id))
+        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id), chunk.room.mark)
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] = self.writer.bytes_sent
 
@@ -174,6 +175,8 @@ class PrefillKVManager(KVManager):
         peer = self.peers.get(room.request.decode_id)
         if peer is not None:
             self.send(peer.status_endpoint, Status(room.room, ok, reason))
+            room.mark("status_sent")
+        self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> set[str]:

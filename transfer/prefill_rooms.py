@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from transfer.messages import RoomRequest
-from transfer.poll import DuplicateRoom, PollState
+from transfer.poll import DuplicateRoom, Mark, PollState, no_mark
 
 ORPHAN_TTL_S = 600.0  # a decode's request for a room whose HTTP request never reached this prefill
 SWEEP_INTERVAL_S = 1.0
@@ -27,7 +27,9 @@ class PrefillRoom:
     first_chunk_at: float | None = None  # when its first chunk was queued (the table's clock), for its latency
     poll: PollState = field(default_factory=PollState)
     request: RoomRequest | None = None  # where the decode wants the KV; None until it asked
+    requested_at: float | None = None  # when the decode's request arrived (the clock of the table)
     owned: bool = False  # a KVSender of this process holds the room
+    mark: Mark = no_mark  # the owning request's timeline
 
 
 class PrefillRoomTable:
@@ -38,15 +40,18 @@ class PrefillRoomTable:
         self.lock = threading.Lock()
         self._next_sweep = 0.0
 
-    def claim(self, room: int) -> PrefillRoom:
-        """The room, now held by a local request; DuplicateRoom if another request holds it."""
+    def claim(self, room: int, mark: Mark = no_mark) -> PrefillRoom:
+        """The room, now held by a local request whose timeline `mark` records the room's steps;
+        DuplicateRoom if another request holds it."""
         with self.lock:
             state = self.rooms.get(room)
             if (state is not None and state.owned) or room in self.tombstones:
                 raise DuplicateRoom(f"bootstrap_room {room} is already in use on this prefill server")
             if state is None:
                 state = self.rooms[room] = PrefillRoom(room, self.clock())
-            state.owned = True
+            state.owned, state.mark = True, mark
+            if state.requested_at is not None:
+                mark("room_request_received", state.requested_at)
             return state
 
     def on_request(self, msg: RoomRequest) -> tuple[PrefillRoom | None, str | None]:
@@ -60,7 +65,8 @@ class PrefillRoomTable:
             state = self.rooms.setdefault(msg.room, PrefillRoom(msg.room, self.clock()))
             if state.request is not None:
                 raise ValueError(f"room {msg.room} was requested twice")
-            state.request = msg
+            state.request, state.requested_at = msg, time.monotonic()
+            state.mark("room_request_received", state.requested_at)
             return state, None
 
     def get(self, room: int) -> PrefillRoom | None:

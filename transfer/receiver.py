@@ -6,17 +6,18 @@ from __future__ import annotations
 
 from transfer.decode_manager import DecodeKVManager
 from transfer.messages import Abort, RoomRequest
-from transfer.poll import KVPoll
+from transfer.poll import KVPoll, Mark, no_mark
 
 
 class KVReceiver:
-    def __init__(self, manager: DecodeKVManager, room: int, prefill_endpoint: str, prefill_id: str):
-        """Raises DuplicateRoom if another request of this server waits on `room`."""
+    def __init__(self, manager: DecodeKVManager, room: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark):
+        """Raises DuplicateRoom if another request of this server waits on `room`; `mark` records the
+        room's steps on the request's timeline."""
         self.manager = manager
         self.room_id = room
         self.endpoint = prefill_endpoint
         self.prefill_id = prefill_id
-        self.room = manager.claim(room, prefill_endpoint, prefill_id)
+        self.room = manager.claim(room, prefill_endpoint, prefill_id, mark)
         self.deadline: float | None = None
         self.abort_sent = False
 
@@ -24,6 +25,7 @@ class KVReceiver:
         m = self.manager
         m.register_with(self.endpoint)
         m.send(self.endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot))
+        self.room.mark("room_request_sent")
         self.room.requested, self.room.requested_at = True, m.clock()
         self.room.poll.advance(KVPoll.WaitingForInput)
         self.deadline = m.clock() + m.args.kv_wait_timeout_s

@@ -2,17 +2,18 @@
 and, with the last one, the aux record."""
 from __future__ import annotations
 
-from transfer.poll import KVPoll
+from transfer.poll import KVPoll, Mark, no_mark
 from transfer.prefill_manager import PrefillKVManager
 from transfer.transfer_worker import Chunk, TransferQueueFull
 
 
 class KVSender:
-    def __init__(self, manager: PrefillKVManager, room: int):
-        """Raises DuplicateRoom if another request of this server holds `room`."""
+    def __init__(self, manager: PrefillKVManager, room: int, mark: Mark = no_mark):
+        """Raises DuplicateRoom if another request of this server holds `room`; `mark` records the
+        room's steps on the request's timeline."""
         self.manager = manager
         self.room_id = room
-        self.room = manager.claim(room)
+        self.room = manager.claim(room, mark)
         self.offset = 0  # destination pages used by earlier chunks
 
     def poll(self) -> KVPoll:
@@ -37,6 +38,7 @@ class KVSender:
             return
         self.offset += len(src_pages)
         self.room.poll.advance(KVPoll.Transferring)
+        self.room.mark("chunk_queued")
         try:
             self.manager.enqueue(Chunk(self.room, src_pages, dst, aux if is_last else None))
         except TransferQueueFull as e:

@@ -25,6 +25,7 @@ from common.engine.request import OutputEvent, Req
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
+from common.engine.timeline import report
 from common.memory.allocator import PagedAllocator
 from common.memory.kv_pool import KVPool, kv_bytes_per_token
 from common.memory.manager import MemoryManager
@@ -148,11 +149,9 @@ class Engine:
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:
         self.scheduler.submit(req)
-        self.thread.wake()
 
     def abort(self, req: Req, reason: str = "aborted by client", status: int = 499) -> None:
         self.scheduler.abort(req, reason, status)
-        self.thread.wake()
 
     def run_on_scheduler(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -164,7 +163,6 @@ class Engine:
                 fut.set_exception(e)
 
         self.scheduler.run_on_scheduler(call)
-        self.thread.wake()
         return fut
 
     async def generate(self, req: Req) -> AsyncIterator[OutputEvent]:
@@ -173,13 +171,18 @@ class Engine:
         events: asyncio.Queue[OutputEvent] = asyncio.Queue()
         req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         req.arrival_time = time.monotonic()
+        req.timeline.mark("arrival", req.arrival_time)
         self.submit(req)
-        finished = False
+        finished = streamed = False
         try:
             while not finished:
                 event = await events.get()
                 finished = event.finish is not None
+                if event.token_ids and not streamed:
+                    streamed = True
+                    req.timeline.mark("first_token_streamed")
                 yield event
         finally:
             if not finished:
                 self.abort(req)
+            report(req.rid, req.arrival_time, req.timeline, self.metrics.spans)

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from common.wire.prometheus import render
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+SPAN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 REJECTED_NAME = "tandem_rejected_inputs"  # exposed as tandem_rejected_inputs_total
 REJECTED_DOC = "inputs rejected at a boundary (http: 4xx answers of the HTTP edge; control, bootstrap: see their owners)"
 
@@ -92,6 +93,8 @@ class EngineMetrics:
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "time between tokens", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.spans = Histogram("tandem_request_span_seconds", "seconds from a request's arrival to one step of it "
+                               "(span: the step, see common/engine/timeline.py)", ["span"], buckets=SPAN_BUCKETS, registry=r)
         self.rejected = RejectedInputs()
         r.register(self.rejected)
 

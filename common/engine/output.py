@@ -50,6 +50,7 @@ class OutputProcessor:
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
+            req.timeline.mark("first_token_committed", now)
             if self.metrics:
                 self.metrics.ttft.observe(now - req.arrival_time)
         elif self.metrics and req.last_token_time is not None:

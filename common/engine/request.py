@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from common.engine.timeline import Timeline
 from common.wire.api import Pairing
 from common.wire.sampling_params import SamplingParams
 
@@ -84,6 +85,7 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    timeline: Timeline = field(default_factory=Timeline)  # diagnostics: see common/engine/timeline.py
 
     @property
     def fill_ids(self) -> list[int]:

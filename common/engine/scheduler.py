@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import Callable, TypeVar
 
@@ -41,18 +42,27 @@ class Scheduler:
         self.decode = DecodeBatch(config, memory, self.prefill)
         self.role = role or Role()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.woken = threading.Event()  # set by wake(); the scheduler thread waits on it between steps
 
     # -- called from other threads -------------------------------------------------------------
+    def wake(self) -> None:
+        """Something a step would act on happened (a request, a peer's message, a transfer's end):
+        run the next step now instead of at the loop's next timeout."""
+        self.woken.set()
+
     def submit(self, req: Req) -> None:
         self.inbox.put(("add", req))
+        self.wake()
 
     def abort(self, req: Req, reason: str = "aborted by client", status: int = 499) -> None:
         """End `req` (the object, not its rid: clients may reuse rids) at the next step."""
         self.inbox.put(("abort", (req, reason, status)))
+        self.wake()
 
     def run_on_scheduler(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between two steps."""
         self.inbox.put(("call", fn))
+        self.wake()
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -80,6 +90,7 @@ class Scheduler:
                 arg()
 
     def add_request(self, req: Req) -> None:
+        req.timeline.mark("admitted")
         self.output.prepare(req)
         if not self.role.admit(req):
             self.prefill.add(req)
@@ -125,11 +136,16 @@ class Scheduler:
                 self.fail(req, message, 500)
 
     def _run(self, plan: BatchPlan) -> None:
+        extend = plan.mode == ForwardMode.EXTEND
+        for req in plan.reqs if extend else ():
+            req.timeline.mark_once("prefill_start")
         try:
             result = self.runner.run(plan)
         except Exception as e:  # the batch's requests are in no queue now: answer them here
             self._fail_all(plan.reqs, f"internal error running the batch: {e!r}")
             return
+        for req in plan.reqs if extend else ():
+            req.timeline.mark("forward_done")
         for i, req in enumerate(plan.reqs):
             self.guarded(req, "committing the batch's results", lambda: self._commit(plan, result, i))
 

@@ -1,5 +1,9 @@
 """The thread that runs Scheduler.step() in a loop, and its watchdog.
 
+Between steps with nothing to do the thread sleeps until Scheduler.wake() (a new request, an abort, a
+peer's control message, a transfer's end, a lookup done), or at the latest BUSY_POLL_S later while
+requests wait on something (only their deadlines need that), IDLE_POLL_S when none does.
+
 The loop never dies of a bug: an exception that escapes a step (the scheduler already isolates errors
 per request) is logged, the requests the scheduler tracks are failed with its cause, and the loop goes
 on. `health_problem()` says when the scheduler cannot serve: its thread is gone, or one step has been
@@ -16,6 +20,8 @@ from typing import Callable
 from common.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+BUSY_POLL_S = 0.02
+IDLE_POLL_S = 0.5
 
 
 class SchedulerThread:
@@ -25,7 +31,6 @@ class SchedulerThread:
         self.clock = clock
         self.step_started: float | None = None  # set while a step runs
         self.died: BaseException | None = None
-        self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
@@ -33,11 +38,11 @@ class SchedulerThread:
         self._thread.start()
 
     def wake(self) -> None:
-        self._wake.set()
+        self.scheduler.wake()
 
     def stop(self) -> None:
         self._stop = True
-        self._wake.set()
+        self.scheduler.wake()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
@@ -51,6 +56,7 @@ class SchedulerThread:
     def _loop(self) -> None:
         sched = self.scheduler
         while not self._stop:
+            sched.woken.clear()  # before the step: a wake() during it makes the wait below return at once
             self.step_started = self.clock()
             try:
                 worked = sched.step()
@@ -60,8 +66,7 @@ class SchedulerThread:
                 worked = False
             self.step_started = None
             if not worked:
-                self._wake.wait(0.002 if sched.has_work() else 0.5)
-                self._wake.clear()
+                sched.woken.wait(BUSY_POLL_S if sched.has_work() else IDLE_POLL_S)
 
     def _fail_tracked(self, message: str) -> None:
         for req in self.scheduler.tracked_requests():
