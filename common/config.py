@@ -44,7 +44,7 @@ class ServerConfig(BaseSettings):
     advertise_host: str | None = Field(None, description="address peers use to reach this server (default: --host)")
     bootstrap_port: int = Field(8998, ge=1, le=65535)
     bootstrap_url: str | None = Field(None, description="standalone bootstrap server for prefill to register with")
-    bootstrap_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for its peer to reserve memory")
+    pairing_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for its peer to reserve memory")
     kv_wait_timeout_s: float = Field(300.0, gt=0, description="decode: how long reserved pages wait for the prefill's KV")
     transfer_timeout_s: float = Field(60.0, gt=0, description="prefill: one batch write to a decode")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="decode pings each prefill it waits on; prefill watches the pings")

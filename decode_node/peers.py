@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from bootstrap.client import lookup_prefill
-from common.wire.api import Pairing
+from common.wire.api import Rendezvous
 from common.wire.kv_layout import layout_mismatch
 
 CACHE_TTL_S = 2.0
@@ -50,29 +50,29 @@ class PeerDirectory:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-lookup")
         self._http = httpx.Client(timeout=5)  # keep-alive: a lookup is one round trip, not a new connection
 
-    def find(self, pairing: Pairing) -> "Future[Peer]":
+    def find(self, rendezvous: Rendezvous) -> "Future[Peer]":
         """The request's prefill: a done future from the cache, else the future of a lookup."""
-        key = (pairing.bootstrap_host, pairing.bootstrap_port, pairing.prefill_instance_id)
+        key = (rendezvous.bootstrap_host, rendezvous.bootstrap_port, rendezvous.prefill_instance_id)
         with self._lock:
             hit = self._cache.get(key)
             age = time.monotonic() - hit[0] if hit else float("inf")
             if age >= CACHE_TTL_S:
-                return self._start(key, pairing)
+                return self._start(key, rendezvous)
             if age >= REFRESH_AFTER_S:
-                self._start(key, pairing)  # refresh ahead, off this request's path
+                self._start(key, rendezvous)  # refresh ahead, off this request's path
             return _done(hit[1])
 
-    def _start(self, key: Key, pairing: Pairing) -> "Future[Peer]":
+    def _start(self, key: Key, rendezvous: Rendezvous) -> "Future[Peer]":
         """The lookup of `key` in flight, or a new one (call with the lock held)."""
         fut = self._pending.get(key)
         if fut is None:
-            fut = self._pending[key] = self._pool.submit(self._refresh, key, pairing)
+            fut = self._pending[key] = self._pool.submit(self._refresh, key, rendezvous)
         return fut
 
-    def _refresh(self, key: Key, pairing: Pairing) -> Peer:
+    def _refresh(self, key: Key, rendezvous: Rendezvous) -> Peer:
         generation = self._generation
         try:
-            peer = self.lookup(pairing)
+            peer = self.lookup(rendezvous)
             with self._lock:
                 if generation == self._generation:
                     self._cache[key] = (time.monotonic(), peer)
@@ -81,14 +81,14 @@ class PeerDirectory:
             with self._lock:
                 self._pending.pop(key, None)
 
-    def lookup(self, pairing: Pairing) -> Peer:
+    def lookup(self, rendezvous: Rendezvous) -> Peer:
         """Blocking, uncached; waits a while for a prefill that has not registered yet."""
-        url = f"http://{pairing.bootstrap_host}:{pairing.bootstrap_port}"
+        url = f"http://{rendezvous.bootstrap_host}:{rendezvous.bootstrap_port}"
         # a named instance was healthy when the router picked it: if it is gone, it is not coming back
-        deadline = time.monotonic() + (INSTANCE_WAIT_S if pairing.prefill_instance_id else REGISTER_WAIT_S)
-        while (entry := self._lookup(url, pairing.prefill_instance_id)) is None:
+        deadline = time.monotonic() + (INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S)
+        while (entry := self._lookup(url, rendezvous.prefill_instance_id)) is None:
             if time.monotonic() > deadline:
-                what = f"prefill {pairing.prefill_instance_id}" if pairing.prefill_instance_id else "no prefill rank"
+                what = f"prefill {rendezvous.prefill_instance_id}" if rendezvous.prefill_instance_id else "no prefill rank"
                 raise RuntimeError(f"{what} registered at bootstrap {url} within {REGISTER_WAIT_S:.0f} s")
             time.sleep(0.2)
         mismatch = layout_mismatch(self.layout, entry)

@@ -31,7 +31,7 @@ from common.engine.request import FinishReason, Req, ReqStatus
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.memory.errors import MemoryIntegrityError
-from common.wire.api import Pairing
+from common.wire.api import Rendezvous
 from decode_node.aux_pool import AuxPool
 from decode_node.peers import Peer
 from transfer.aux_record import AuxRecord
@@ -40,7 +40,7 @@ from transfer.poll import DuplicateRoom, KVPoll
 from transfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
-Lookup = Callable[[Pairing], "Future[Peer]"]
+Lookup = Callable[[Rendezvous], "Future[Peer]"]
 
 
 @dataclass(eq=False)
@@ -66,12 +66,12 @@ class DecodeRole(Role):
         self.inbound: dict[Req, Inbound] = {}
 
     def admit(self, req: Req) -> bool:
-        if req.pairing is None:
+        if req.rendezvous is None:
             self.scheduler.fail(req, "a decode server needs bootstrap_host/port/room: send requests through the router", 400)
         elif req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
-            lookup = self.lookup(req.pairing)  # done already when the peer directory knew the answer
+            lookup = self.lookup(req.rendezvous)  # done already when the peer directory knew the answer
             lookup.add_done_callback(lambda done: self._peer_found(req, done))
             self.inbound[req] = Inbound(lookup)
             req.status = ReqStatus.PAIRING
@@ -98,8 +98,8 @@ class DecodeRole(Role):
     def _poll_prealloc(self, req: Req) -> bool:
         """False while the request waits for memory."""
         inb = self.inbound[req]
-        if self.scheduler.clock() - req.arrival_time > self.config.bootstrap_timeout_s:
-            self.scheduler.fail(req, f"could not reserve memory or reach the prefill peer within {self.config.bootstrap_timeout_s:g} s", 504)
+        if self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
+            self.scheduler.fail(req, f"could not reserve memory or reach the prefill peer within {self.config.pairing_timeout_s:g} s", 504)
         elif inb.lookup.done():
             if inb.lookup.exception() is not None:
                 self.scheduler.fail(req, f"prefill peer lookup failed: {inb.lookup.exception()}")
@@ -110,7 +110,7 @@ class DecodeRole(Role):
     def _try_prealloc(self, req: Req, inb: Inbound, peer: Peer) -> bool:
         if inb.receiver is None:
             try:
-                inb.receiver = KVReceiver(self.kv_manager, req.pairing.room, peer.endpoint, peer.instance_id, req.timeline.mark)
+                inb.receiver = KVReceiver(self.kv_manager, req.rendezvous.room, peer.endpoint, peer.instance_id, req.timeline.mark)
             except DuplicateRoom as e:
                 self.scheduler.fail(req, str(e), 409)
                 return True
@@ -169,7 +169,7 @@ class DecodeRole(Role):
     def _aux_problem(self, req: Req, rec: AuxRecord) -> str | None:
         """What makes the record unusable, if anything: it must belong to this room and prompt, and
         every token id must index the vocabulary before it reaches the model."""
-        room, n = req.pairing.room, len(req.prompt_ids)
+        room, n = req.rendezvous.room, len(req.prompt_ids)
         if rec.room != room or rec.prompt_len != n:
             return f"it is for room {rec.room} / {rec.prompt_len} tokens, expected {room} / {n}"
         tokens = [rec.first_token] + [t for t, _ in rec.top_logprobs or []]

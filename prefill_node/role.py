@@ -50,13 +50,13 @@ class PrefillRole(Role):
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, req: Req) -> bool:
-        if req.pairing is None:
+        if req.rendezvous is None:
             self.scheduler.fail(req, "a prefill server needs bootstrap_room: send requests through the router", 400)
             return True
         if req.params.max_new_tokens == 0:
             return False  # nothing to hand over: computed here, answered here
         try:
-            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.pairing.room, req.timeline.mark))
+            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.rendezvous.room, req.timeline.mark))
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True
@@ -77,9 +77,9 @@ class PrefillRole(Role):
             self.scheduler.fail(req, f"decode peer failed before the transfer: {sender.failure_reason}")
         elif state >= KVPoll.WaitingForInput:
             self._start_prefill(req, sender)
-        elif self.scheduler.clock() - req.arrival_time > self.config.bootstrap_timeout_s:
-            self.scheduler.fail(req, f"no decode server reserved memory for room {req.pairing.room} "
-                                     f"within {self.config.bootstrap_timeout_s:g} s", 504)
+        elif self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
+            self.scheduler.fail(req, f"no decode server reserved memory for room {req.rendezvous.room} "
+                                     f"within {self.config.pairing_timeout_s:g} s", 504)
 
     def _start_prefill(self, req: Req, sender: KVSender) -> None:
         need = -(-len(req.prompt_ids) // self.config.page_size)
@@ -106,7 +106,7 @@ class PrefillRole(Role):
             self._send(req, req.kv_len, aux=None)
             return True
         token, logprob, top = sampled
-        aux = AuxRecord(req.pairing.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top)
+        aux = AuxRecord(req.rendezvous.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top)
         self._send(req, len(req.prompt_ids), aux=aux.pack())  # first: the decode's first token waits on it
         self.scheduler.output.commit_token(req, token, logprob, top)
         req.status = ReqStatus.TRANSFERRING

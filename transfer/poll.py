@@ -18,7 +18,7 @@ class DuplicateRoom(ValueError):
 
 class KVPoll(enum.IntEnum):
     Failed = 0
-    Bootstrapping = 1
+    Pairing = 1
     WaitingForInput = 2
     Transferring = 3
     Success = 4
@@ -27,7 +27,7 @@ class KVPoll(enum.IntEnum):
 class PollState:
     """State only moves up; Failed wins and is final. Safe to read from any thread."""
 
-    def __init__(self, state: KVPoll = KVPoll.Bootstrapping):
+    def __init__(self, state: KVPoll = KVPoll.Pairing):
         self.state = state
         self.reason: str | None = None
         self._lock = threading.Lock()

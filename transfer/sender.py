@@ -17,7 +17,7 @@ class KVSender:
         self.offset = 0  # destination pages used by earlier chunks
 
     def poll(self) -> KVPoll:
-        if self.room.poll.state == KVPoll.Bootstrapping and self.room.request is not None:
+        if self.room.poll.state == KVPoll.Pairing and self.room.request is not None:
             self.room.poll.advance(KVPoll.WaitingForInput)
         return self.room.poll.state
 

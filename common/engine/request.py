@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from common.engine.timeline import Timeline
-from common.wire.api import Pairing
+from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     sink: Callable[[OutputEvent], None] | None = None
-    pairing: Pairing | None = None  # PD: how to find the peer and the room shared with it
+    rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

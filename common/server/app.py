@@ -120,7 +120,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
     gen = GenInput(
         rid=body.rid or new_rid(), prompt_ids=ids, params=body.sampling_params,
         return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-        logprob_start_len=body.logprob_start_len if body.return_logprob else -1, pairing=body.pairing,
+        logprob_start_len=body.logprob_start_len if body.return_logprob else -1, rendezvous=body.rendezvous,
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen

@@ -83,7 +83,7 @@ def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int
         max_tokens = max(engine.context_len - len(ids), 0)
     gen = GenInput(
         rid=new_rid(), prompt_ids=ids, params=body.sampling_params(max_tokens, max_param),
-        return_logprob=top is not None, top_logprobs_num=top or 0, pairing=body.pairing,
+        return_logprob=top is not None, top_logprobs_num=top or 0, rendezvous=body.rendezvous,
         logprob_start_len=0 if prompt_logprobs else -1,
     )
     check_input(engine, gen, param, max_param)

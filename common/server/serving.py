@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 from common.engine.engine import Engine
 from common.engine.request import FinishReason, OutputEvent, Req
-from common.wire.api import Pairing
+from common.wire.api import Rendezvous
 from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, TandemError
 from common.wire.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ class GenInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    pairing: Pairing | None = None
+    rendezvous: Rendezvous | None = None
 
 
 @dataclass
@@ -94,7 +94,7 @@ def make_reqs(gen: GenInput) -> list[Req]:
             return_logprob=gen.return_logprob,
             top_logprobs_num=gen.top_logprobs_num,
             logprob_start_len=gen.logprob_start_len,
-            pairing=gen.pairing.for_choice(i) if gen.pairing else None,
+            rendezvous=gen.rendezvous.for_choice(i) if gen.rendezvous else None,
         ))
     return reqs
 

@@ -18,7 +18,7 @@ INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its tran
 
 
 @dataclass(frozen=True)
-class Pairing:
+class Rendezvous:
     """How one PD request finds its peer: the bootstrap registry the prefill registered with, the prefill
     instance in it (None: the registry's only prefill) and the room both halves share."""
 
@@ -27,7 +27,7 @@ class Pairing:
     room: int
     prefill_instance_id: str | None = None
 
-    def for_choice(self, index: int) -> "Pairing":
+    def for_choice(self, index: int) -> "Rendezvous":
         """Choice `index` of an n > 1 request gets room + index; prefill and decode derive the same."""
         return replace(self, room=(self.room + index) % 2**63)
 
@@ -43,10 +43,10 @@ class PDFields(BaseModel):
     prefill_instance_id: str | None = Field(None, min_length=1, max_length=128)
 
     @property
-    def pairing(self) -> Pairing | None:
+    def rendezvous(self) -> Rendezvous | None:
         if self.bootstrap_room is None:
             return None
-        return Pairing(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, self.prefill_instance_id)
+        return Rendezvous(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, self.prefill_instance_id)
 
 
 class GenerateRequest(PDFields):

@@ -30,7 +30,7 @@ class Setup:
         self.prefill = start_server("--disagg-mode", "prefill", "--bootstrap-port", str(self.boot), "--max-queued-requests", "12",
                                     *common, name="ov-prefill")
         self.patient = start_server("--disagg-mode", "decode", *common, *SMALL_DECODE, name="ov-decode-patient")
-        self.hasty = start_server("--disagg-mode", "decode", *common, *SMALL_DECODE, "--bootstrap-timeout-s", "0.3", name="ov-decode-hasty")
+        self.hasty = start_server("--disagg-mode", "decode", *common, *SMALL_DECODE, "--pairing-timeout-s", "0.3", name="ov-decode-hasty")
         for n in self.nodes:
             n.wait_ready()
         self.to_patient, self.to_hasty = self._router(self.patient), self._router(self.hasty)

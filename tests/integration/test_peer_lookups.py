@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from common.wire.api import Pairing
+from common.wire.api import Rendezvous
 from decode_node.peers import CACHE_TTL_S, REFRESH_AFTER_S, Peer, PeerDirectory
 from tests.conftest import ServerProcess, free_port
 
@@ -39,12 +39,12 @@ def counted(peers: PeerDirectory) -> list[float]:
 def test_lookups_refresh_in_the_background_and_a_dead_bootstrap_is_noticed(bootstrap):
     peers = PeerDirectory(LAYOUT, None)
     calls = counted(peers)
-    pairing = Pairing("127.0.0.1", bootstrap.port, 7, INSTANCE)
+    rendezvous = Rendezvous("127.0.0.1", bootstrap.port, 7, INSTANCE)
     want = Peer("tcp://127.0.0.1:5555", INSTANCE)
-    assert peers.find(pairing).result(10) == want and len(calls) == 1
+    assert peers.find(rendezvous).result(10) == want and len(calls) == 1
     start = time.monotonic()
     while time.monotonic() - start < 2 * CACHE_TTL_S:  # steady traffic, past two cache lifetimes
-        found = peers.find(pairing)
+        found = peers.find(rendezvous)
         assert found.done() and found.result() == want, "a request waited for a lookup"
         time.sleep(0.05)
     refreshes = len(calls) - 1
@@ -52,6 +52,6 @@ def test_lookups_refresh_in_the_background_and_a_dead_bootstrap_is_noticed(boots
 
     bootstrap.signal(signal.SIGKILL)
     time.sleep(CACHE_TTL_S + 0.1)  # no traffic meanwhile: the next request must ask, and learns why it cannot
-    found = peers.find(pairing)
+    found = peers.find(rendezvous)
     with pytest.raises(RuntimeError, match=f"bootstrap server http://127.0.0.1:{bootstrap.port} unreachable"):
         found.result(10)

@@ -31,7 +31,7 @@ from transfer.prefill_manager import PrefillKVManager
 VOCAB, EOS = 1000, 999
 SECRET = "sim-secret"
 CONFIG = ServerConfig(page_size=4, max_total_tokens=4 * 40, max_running_requests=6, chunked_prefill_size=8,
-                      bootstrap_timeout_s=30, kv_wait_timeout_s=30, transfer_timeout_s=20, heartbeat_interval_s=2,
+                      pairing_timeout_s=30, kv_wait_timeout_s=30, transfer_timeout_s=20, heartbeat_interval_s=2,
                       heartbeat_misses=2)
 NUM_PAGES = CONFIG.max_total_tokens // CONFIG.page_size
 

@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from common.engine.request import Req
-from common.wire.api import Pairing
+from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 from decode_node.peers import Peer
 from tests.unit.kv_handoff_sim import CONFIG, Clock, Network, Side, done_future
 
-BOUND_S = CONFIG.bootstrap_timeout_s + CONFIG.kv_wait_timeout_s + CONFIG.transfer_timeout_s + 30
+BOUND_S = CONFIG.pairing_timeout_s + CONFIG.kv_wait_timeout_s + CONFIG.transfer_timeout_s + 30
 
 
 @dataclass(eq=False)
@@ -79,10 +79,10 @@ class KVHandoff(RuleBasedStateMachine):
     def _new_decode(self) -> Side:
         return Side(self.net, self.clock, "decode", lookup=self._lookup)
 
-    def _lookup(self, pairing: Pairing):
+    def _lookup(self, rendezvous: Rendezvous):
         p = self.prefill
-        if not p.alive or pairing.prefill_instance_id != p.manager.instance_id:
-            return done_future(error=RuntimeError(f"prefill {pairing.prefill_instance_id} is not registered"))
+        if not p.alive or rendezvous.prefill_instance_id != p.manager.instance_id:
+            return done_future(error=RuntimeError(f"prefill {rendezvous.prefill_instance_id} is not registered"))
         return done_future(Peer(p.manager.endpoint, p.manager.instance_id))
 
     def _checked_write(self, side: Side, peer: str, dst: list[int], nbytes: list[int], real, src, *args) -> None:
@@ -122,15 +122,15 @@ class KVHandoff(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(1, 30), max_new=st.integers(0, 6), stream_first=st.booleans())
     def new_request(self, prompt_len: int, max_new: int, stream_first: bool) -> None:
         prompt = [(7 * len(self.pairs) + i) % 500 + 1 for i in range(prompt_len)]
-        pairing = Pairing("sim", 1, next(self.rooms), self.prefill.manager.instance_id)
-        pair = Pair(*(self._req(prompt, max_new, pairing) for _ in range(2)), self.prefill, self.decode, {})
+        rendezvous = Rendezvous("sim", 1, next(self.rooms), self.prefill.manager.instance_id)
+        pair = Pair(*(self._req(prompt, max_new, rendezvous) for _ in range(2)), self.prefill, self.decode, {})
         for half, req, side in (("prefill", pair.prefill, self.prefill), ("decode", pair.decode, self.decode)):
             req.sink = lambda ev, half=half: pair.finished_at.setdefault(half, self.clock.now) if ev.finish else None
             side.sched.submit(req)
         self.pairs.append(pair)
 
-    def _req(self, prompt: list[int], max_new: int, pairing: Pairing) -> Req:
-        req = Req("same-rid-for-all", prompt, SamplingParams(max_new_tokens=max_new, temperature=0), pairing=pairing)
+    def _req(self, prompt: list[int], max_new: int, rendezvous: Rendezvous) -> Req:
+        req = Req("same-rid-for-all", prompt, SamplingParams(max_new_tokens=max_new, temperature=0), rendezvous=rendezvous)
         req.arrival_time = self.clock.now
         return req
 
@@ -234,7 +234,7 @@ class KVHandoff(RuleBasedStateMachine):
                 assert kv[node.value].tolist() == node.key, "the prefix cache holds KV that was not computed"
             for req in side.sched.decode.running:
                 slots = side.memory.req_pool.req_to_token[req.req_pool_idx, : req.kv_computed_len].to(torch.int64)
-                assert kv[slots].tolist() == req.fill_ids[: req.kv_computed_len], f"request {req.pairing.room}: KV corrupted"
+                assert kv[slots].tolist() == req.fill_ids[: req.kv_computed_len], f"request {req.rendezvous.room}: KV corrupted"
 
     @invariant()
     def successful_requests_have_the_monolithic_tokens(self) -> None:
@@ -254,7 +254,7 @@ class KVHandoff(RuleBasedStateMachine):
                 break
         for p in self.pairs:
             for half in ("prefill", "decode"):
-                assert p.ended(half), f"room {p.prefill.pairing.room}: the {half} half never ended"
+                assert p.ended(half), f"room {p.prefill.rendezvous.room}: the {half} half never ended"
                 at = p.finished_at.get(half)
                 assert at is None or at <= max(start, getattr(p, half).arrival_time) + BOUND_S, f"{half} ended late"
         assert self._idle(), "pools, rooms or queues not back to idle"

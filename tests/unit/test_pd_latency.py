@@ -73,6 +73,9 @@ def test_a_room_request_a_transfer_end_and_a_status_each_wake_their_scheduler():
     prefill_woken, decode_woken = woken(prefill), woken(dec)
     sender = KVSender(prefill.manager, 31)
     receiver = KVReceiver(dec.manager, 31, prefill.manager.endpoint, prefill.manager.instance_id)
+    dec.manager.register_with(prefill.manager.endpoint)  # its own frame (which wakes too): out of the way first
+    wait_for(lambda: dec.manager.instance_id in prefill.manager.peers)
+    prefill_woken.clear()
     receiver.init([2, 3], aux_slot=1)
     assert prefill_woken.wait(5), "the decode's room request did not wake the prefill's scheduler"
     assert sender.poll() == KVPoll.WaitingForInput  # the wake comes after the room was updated

@@ -122,7 +122,7 @@ def test_loopback_room_moves_exact_pages_and_aux():
         buf.copy_(torch.arange(buf.numel(), dtype=torch.float32).view_as(buf) + 1000 * i)
     sender = KVSender(prefill.manager, 77)
     receiver = KVReceiver(dec.manager, 77, prefill.manager.endpoint, prefill.manager.instance_id)
-    assert sender.poll() == KVPoll.Bootstrapping
+    assert sender.poll() == KVPoll.Pairing
     receiver.init([9, 3, 4], aux_slot=2)
     wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
     assert sender.num_dst_pages == 3
