@@ -55,7 +55,6 @@ class DecodeBatch:
         self.running.remove(req)
         self.memory.release(req)
         req.status = ReqStatus.WAITING
-        req.retractions += 1
         self.num_retractions += 1
         self.prefill.add_front(req)
         log.info("retracted %s (%d output tokens) to free KV pages", req.rid, len(req.output_ids))

@@ -30,7 +30,3 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return int(self.seq_lens.shape[0])
-
-    @property
-    def prefix_lens(self) -> torch.Tensor:
-        return self.seq_lens - self.extend_lens

@@ -165,9 +165,6 @@ class RadixCache(PrefixCache):
     def locked_pages(self) -> int:
         return self._locked
 
-    def total_pages(self) -> int:
-        return self._evictable + self._locked
-
     # -- checks ----------------------------------------------------------------------------------
     def _nodes(self) -> list[TreeNode]:
         out, stack = [], list(self.root.children.values())

@@ -34,11 +34,6 @@ async def read_limited(content_length: str | None, chunks: AsyncIterator[bytes],
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
-    """`read_body` then `parse_json_object`."""
-    return parse_json_object(await read_body(request, limit))
-
-
 # A JSON escape of a UTF-16 surrogate: the only way a string the tokenizer and the JSON encoder
 # cannot handle (a lone surrogate) gets into a request, so only bodies with one are searched.
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

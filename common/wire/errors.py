@@ -28,11 +28,6 @@ class InvalidRequest(TandemError):
     type = "invalid_request_error"
 
 
-class Unauthorized(TandemError):
-    status = 401
-    type = "authentication_error"
-
-
 class NotFound(TandemError):
     status = 404
     type = "not_found_error"
@@ -52,18 +47,6 @@ class Overloaded(TandemError):
 class RequestAborted(TandemError):
     status = 499
     type = "aborted"
-
-
-class KVTransferError(TandemError):
-    """The KV cache of one request could not be moved between prefill and decode."""
-
-    status = 502
-    type = "kv_transfer_error"
-
-    def __init__(self, room: int, reason: str):
-        super().__init__(f"KV transfer for room {room} failed: {reason}")
-        self.room = room
-        self.reason = reason
 
 
 def error_body(message: str, type: str, code: int, param: str | None = None) -> dict:
