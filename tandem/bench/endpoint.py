@@ -24,6 +24,11 @@ class Endpoint:
     token_ids: bool  # send prompts as token ids (exact lengths) rather than text
     ignore_eos: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None  # its name in the table, the JSON and the plots [default: base_url]
+
+    @property
+    def name(self) -> str:
+        return self.label or self.base_url
 
     @property
     def url(self) -> str:

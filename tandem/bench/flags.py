@@ -83,6 +83,8 @@ def _endpoint_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the endpoint under test")
     g.add_argument("--compare", metavar="URL", default=None,
                    help="a second endpoint: the same requests at the same arrival times, ratios side by side")
+    g.add_argument("--label", default=None, help="the endpoint's name in the table, JSON and plots [default: --base-url]")
+    g.add_argument("--compare-label", default=None, help="the --compare endpoint's name [default: its URL]")
     g.add_argument("--model", default=None, help="model name sent in requests [default: the first of GET /v1/models]")
     g.add_argument("--tokenizer", default="builtin",
                    help="'builtin', a directory with tokenizer.json, a .gguf file or a Hub name: makes the prompts' token ids")

@@ -29,12 +29,12 @@ def make_plans(ns: argparse.Namespace, workload: Workload) -> list[Plan]:
 
 
 async def _measure(ns: argparse.Namespace, plans: list[Plan], probe: BenchRequest) -> list[RunResult]:
-    urls = [ns.base_url] + ([ns.compare] if ns.compare else [])
+    targets = [(ns.base_url, ns.label)] + ([(ns.compare, ns.compare_label)] if ns.compare else [])
     async with make_session(ns.api_key, ns.request_timeout_s) as session:
         endpoints = []
-        for url in urls:
+        for url, label in targets:
             wanted = Endpoint(url, ns.backend, ns.model, token_ids=ns.backend != "openai-chat",
-                              ignore_eos=not ns.disable_ignore_eos, extra=ns.extra_request_body)
+                              ignore_eos=not ns.disable_ignore_eos, extra=ns.extra_request_body, label=label)
             endpoints.append(await connect(session, wanted, probe))
         return await sweep(session, endpoints, plans, ns.max_concurrency, dict(ns.goodput), not ns.disable_tqdm)
 

@@ -22,19 +22,19 @@ def _color(runs: list[RunResult], run: RunResult, shade: float | None = None):
     """The run's endpoint's colormap, at `shade` or at the run's rank among the rates."""
     import matplotlib
 
-    urls = list(dict.fromkeys(r.endpoint.base_url for r in runs))
+    names = list(dict.fromkeys(r.endpoint.name for r in runs))
     rates = sorted(set(r.request_rate for r in runs))
-    cmap = matplotlib.colormaps[COLORMAPS[urls.index(run.endpoint.base_url) % len(COLORMAPS)]]
+    cmap = matplotlib.colormaps[COLORMAPS[names.index(run.endpoint.name) % len(COLORMAPS)]]
     return cmap(shade if shade is not None else 0.4 + 0.6 * (rates.index(run.request_rate) + 1) / len(rates))
 
 
 def _percentile_panel(ax, runs: list[RunResult], name: str) -> None:
-    for url in dict.fromkeys(r.endpoint.base_url for r in runs):
-        mine = sorted((r for r in runs if r.endpoint.base_url == url), key=_x)
+    for endpoint in dict.fromkeys(r.endpoint.name for r in runs):
+        mine = sorted((r for r in runs if r.endpoint.name == endpoint), key=_x)
         for q in PERCENTILES:
             ys = [r.summary[f"p{q}_{name}_ms"] for r in mine]
             ax.plot([_x(r) for r in mine], [np.nan if y is None else y for y in ys], STYLES[q],
-                    marker="o", color=_color(runs, mine[0], 0.8), label=f"{url} p{q}")
+                    marker="o", color=_color(runs, mine[0], 0.8), label=f"{endpoint} p{q}")
     ax.set_xlabel("request rate (req/s; 'inf' runs at the rate achieved)")
     ax.set_ylabel(f"{name.upper()} (ms)")
     ax.set_title(f"{name.upper()} percentiles vs request rate")
@@ -48,7 +48,7 @@ def _cdf_panel(ax, runs: list[RunResult], name: str) -> None:
         if values.size:
             rate = "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}"
             ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
-                    color=_color(runs, run), label=f"{run.endpoint.base_url} @ {rate} req/s")
+                    color=_color(runs, run), label=f"{run.endpoint.name} @ {rate} req/s")
     ax.set_xlabel(f"{name.upper()} (ms)")
     ax.set_ylabel("fraction of " + ("requests" if name == "ttft" else "token gaps"))
     ax.set_title(f"{name.upper()} CDF")

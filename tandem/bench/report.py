@@ -32,7 +32,7 @@ def rate_label(rate: float) -> str | float:
 def record(run: RunResult, details: bool) -> dict[str, Any]:
     """One run as JSON: where, how, and its numbers (plus each request's with --output-details)."""
     ep = run.endpoint
-    rec = {"base_url": ep.base_url, "backend": ep.backend, "model": ep.model,
+    rec = {"label": ep.name, "base_url": ep.base_url, "backend": ep.backend, "model": ep.model,
            "prompt_format": "token_ids" if ep.token_ids else "text", "request_rate": rate_label(run.request_rate),
            "max_concurrency": run.max_concurrency, "num_prompts": len(run.outputs)} | run.summary
     if details:
@@ -81,7 +81,7 @@ def print_table(records: list[dict[str, Any]], compared: dict[str, Any] | None =
     """One run, or two side by side with their ratio: the runs of one request rate."""
     first = records[0]
     print(f"\n=== request rate {first['request_rate']} req/s, max concurrency {first['max_concurrency'] or '-'} ===")
-    header = [""] + [r["base_url"] for r in records] + (["ratio"] if compared else [])
+    header = [""] + [r["label"] for r in records] + (["ratio"] if compared else [])
     width = max(16, *(len(h) + 2 for h in header[1:]))
     print(f"{header[0]:<34}" + "".join(f"{h:>{width}}" for h in header[1:]))
     for label, key in ROWS:
@@ -91,7 +91,7 @@ def print_table(records: list[dict[str, Any]], compared: dict[str, Any] | None =
         print(f"{label:<34}" + "".join(f"{c:>{width}}" for c in cells))
     for r in records:
         if "first_error" in r:
-            print(f"{r['base_url']}: first error: {r['first_error']}")
+            print(f"{r['label']}: first error: {r['first_error']}")
 
 
 def print_report(doc: dict[str, Any]) -> None:

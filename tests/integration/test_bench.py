@@ -48,8 +48,8 @@ def test_counts_are_what_was_asked(server: ServerProcess, tmp_path, backend):
                      "--random-output-len", "5", "--max-concurrency", "3", "--request-rate", "20", "--seed", "11",
                      "--goodput", "ttft:60000", "itl:60000")
     [run] = doc["runs"]
-    assert (run["base_url"], run["backend"], run["model"], run["request_rate"], run["max_concurrency"]) == (
-        server.url, backend, "SmolLM2-135M-Instruct", 20.0, 3)
+    assert (run["label"], run["base_url"], run["backend"], run["model"], run["request_rate"], run["max_concurrency"]) == (
+        server.url, server.url, backend, "SmolLM2-135M-Instruct", 20.0, 3)
     assert (run["num_prompts"], run["completed"], run["failed"], run["total_output_tokens"]) == (6, 6, 0, 30)
     if backend == "openai-chat":  # text in a chat template: the server counts more tokens than the 24 asked
         assert run["prompt_format"] == "text" and run["total_input_tokens"] > 6 * 24
@@ -70,14 +70,15 @@ def test_compare_and_plot_a_sweep_of_a_prefix_cache_against_none(server: ServerP
     try:
         png = tmp_path / "bench.png"
         doc = bench_json(tmp_path, "--backend", "sglang", "--base-url", server.url, "--compare", plain.url,
+                         "--label", "radix", "--compare-label", "no-cache",
                          "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
                          "--gsp-system-prompt-len", "64", "--gsp-question-len", "16", "--gsp-output-len", "3",
                          "--max-concurrency", "1", "--request-rate", "16", "inf", "--seed", "12", "--plot", str(png))
     finally:
         plain.stop()
     runs = doc["runs"]
-    assert [(r["base_url"], r["request_rate"]) for r in runs] == [(server.url, 16.0), (plain.url, 16.0),
-                                                                    (server.url, "inf"), (plain.url, "inf")]
+    assert [(r["label"], r["base_url"], r["request_rate"]) for r in runs] == [
+        ("radix", server.url, 16.0), ("no-cache", plain.url, 16.0), ("radix", server.url, "inf"), ("no-cache", plain.url, "inf")]
     for r in runs:
         assert (r["completed"], r["failed"], r["total_input_tokens"], r["total_output_tokens"]) == (6, 0, 6 * 80, 6 * 3)
         assert_latencies_make_sense(r)
