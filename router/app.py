@@ -7,7 +7,6 @@ router/serve.py serves it: a client that goes away cancels its request's handler
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 from typing import AsyncIterator
@@ -16,11 +15,12 @@ import aiohttp
 from aiohttp import web
 
 from common.wire.auth import bearer_matches
+from common.wire.api import parse_body
 from common.wire.body import read_limited
 from common.wire.drain import Drain, refusal
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerChange
 from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher, json_response
 from router.metrics import REFRESH_S, RouterMetrics
@@ -142,32 +142,26 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
 
 
 def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes: int) -> None:
-    async def body_of(request: web.Request) -> dict:
+    async def body_of(request: web.Request) -> WorkerChange:
         raw = await read_limited(request.headers.get("Content-Length"), request.content.iter_any(), max_bytes)
-        return json.loads(raw)
+        return parse_body(raw, WorkerChange)
 
     async def list_workers(request: web.Request) -> web.Response:
         return json_response({"workers": [w.to_dict() for w in workers.workers.values()]})
 
     async def add_worker(request: web.Request) -> web.Response:
-        try:
-            body = await body_of(request)
-            if not isinstance(body.get("bootstrap_host"), (str, type(None))):
-                raise TypeError("bootstrap_host must be a string")
-            w = workers.add(str(body["url"]), str(body["role"]), body.get("bootstrap_port"), body.get("bootstrap_host"))
-        except (ValueError, KeyError, TypeError) as e:
-            raise InvalidRequest(f"give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
-                                 f"for a standalone registry): {e}", param="body") from None
+        change = await body_of(request)
+        if change.role is None:
+            raise InvalidRequest("give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
+                                 "for a standalone registry)", param="role")
+        w = workers.add(change.url, change.role, change.bootstrap_port, change.bootstrap_host)
         if app["shared_workers"]:
             app["shared_workers"].publish(added=w)
         await workers.check_all(app["session"])
         return json_response(w.to_dict())
 
     async def remove_worker(request: web.Request) -> web.Response:
-        try:
-            url = str((await body_of(request))["url"])
-        except (ValueError, KeyError, TypeError):
-            raise InvalidRequest("give the url of the worker to remove", param="url") from None
+        url = (await body_of(request)).url
         if not workers.remove(url):
             return json_response(error_body(f"no worker {url}", "not_found_error", 404, "url"), 404)
         if app["shared_workers"]:

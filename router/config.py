@@ -14,7 +14,17 @@ class PrefillSpec(BaseModel):
     url: str
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     # the bootstrap registry this prefill registered with, when it is not the prefill's own (a standalone one)
-    bootstrap_host: str | None = None
+    bootstrap_host: str | None = Field(None, min_length=1, max_length=255)
+
+
+class WorkerChange(BaseModel):
+    """The body of `POST /workers` (url and role; a prefill's bootstrap port, and host for a standalone
+    registry) or of `DELETE /workers` (url only)."""
+
+    url: str = Field(pattern=r"^https?://[^\s/]+/?$", max_length=2048)
+    role: Literal["prefill", "decode"] | None = None
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_host: str | None = Field(None, min_length=1, max_length=255)
 
 
 def split_host_port(value: str) -> tuple[str, int]:

@@ -60,22 +60,25 @@ class Dispatcher:
         self.counters: dict[tuple[str, int], Any] = {}  # (path, status) -> its requests counter
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """The body is read (within its deadline) before the request takes an admission slot, so clients
+        that send slowly cannot hold the slots."""
         path, start = request.path, time.monotonic()
-        if not self.admission.try_enter():
-            limit = self.admission.limit
-            body = error_body(f"the router has {limit} requests in flight, its limit; retry later", "overloaded_error", 429)
-            return self._reply(path, json_response(body, 429, {"Retry-After": "1"}), None, start)
-        try:
-            return await self._handle_admitted(path, request, start)
-        finally:
-            self.admission.leave()
-
-    async def _handle_admitted(self, path: str, request: web.Request, start: float) -> web.StreamResponse:
         try:
             raw = await read_limited(request.headers.get("Content-Length"), request.content.iter_any(), self.config.max_request_bytes)
             body = parse_json_object(raw)
         except TandemError as e:
             return self._reply(path, json_response(e.to_dict(), e.status, e.headers), None, start)
+        if not self.admission.try_enter():
+            limit = self.admission.limit
+            error = error_body(f"the router has {limit} requests in flight, its limit; retry later", "overloaded_error", 429)
+            return self._reply(path, json_response(error, 429, {"Retry-After": "1"}), None, start)
+        try:
+            return await self._handle_admitted(path, request, raw, body, start)
+        finally:
+            self.admission.leave()
+
+    async def _handle_admitted(self, path: str, request: web.Request, raw: bytes, body: dict[str, Any],
+                               start: float) -> web.StreamResponse:
         key = _prompt_key(body) if self.config.policy == "cache_aware" else ""
         exclude: set[str] = set()
         error: UpstreamError | None = None

@@ -168,11 +168,12 @@ class Response:
         self._wake()
 
     def _feed(self, data: bytes) -> bool:
-        """Buffer body bytes; False when the reader is this far behind and reading should pause."""
+        """Buffer body bytes; False when a reader of chunks is this far behind and reading should pause (an
+        answer collected whole for `on_done` has no reader to resume it: it never pauses)."""
         self._chunks.append(data)
         self._buffered += len(data)
         self._wake()
-        return self._buffered < HIGH_WATER
+        return self.on_done is not None or self._buffered < HIGH_WATER
 
     def _end(self) -> None:
         self.complete = True

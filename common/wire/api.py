@@ -1,18 +1,20 @@
 """Request bodies of the client HTTP API (SGLang /generate and OpenAI), validated with pydantic.
 
 Unknown top-level fields are ignored (OpenAI clients send many); wrong types and out-of-range values
-are 400 errors that name the field. Sampling parameters themselves are strict.
+are 400 errors that name the field. Sampling parameters themselves are strict, and so are the fields a
+router reads too (stream, return_logprob, logprob_start_len, echo, logprobs): "false" or 1 would mean one
+thing to the router and another to the worker.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from common.wire.body import dotted_path, parse_json_object
 from common.wire.errors import InvalidRequest
-from common.wire.sampling_params import SamplingParams
+from common.wire.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
 
@@ -53,10 +55,10 @@ class GenerateRequest(PDFields):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    stream: bool = False
-    return_logprob: bool = False
+    stream: StrictBool = False
+    return_logprob: StrictBool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    logprob_start_len: int = Field(-1, ge=-1)
+    logprob_start_len: StrictInt = Field(-1, ge=-1)
     rid: str | None = Field(None, max_length=256)
 
 
@@ -72,10 +74,10 @@ class OpenAIBase(PDFields):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
     n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -104,7 +106,7 @@ class CompletionRequest(OpenAIBase):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
 
 
 class ChatMessage(BaseModel):
@@ -125,7 +127,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 

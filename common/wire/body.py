@@ -3,13 +3,17 @@ JSON object whose strings are valid Unicode. Shared by the engine servers, the r
 registry; torch-free."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
-from common.wire.errors import InvalidRequest, PayloadTooLarge
+from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge
+
+# A body still arriving after this is cut off (408): a client trickling bytes holds no slot for long.
+BODY_TIMEOUT_S = 30.0
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -17,9 +21,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     return await read_limited(request.headers.get("content-length"), request.stream(), limit)
 
 
-async def read_limited(content_length: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:
+async def read_limited(content_length: str | None, chunks: AsyncIterator[bytes], limit: int,
+                       timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The body from its declared Content-Length (None when chunked) and its chunks, or PayloadTooLarge (413)
-    as soon as it passes `limit` bytes; any HTTP server's request fits this."""
+    as soon as it passes `limit` bytes, or BodyTimeout (408) when it is not all there within `timeout_s`;
+    any HTTP server's request fits this."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_limited(content_length, chunks, limit)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s", param="body") from None
+
+
+async def _read_limited(content_length: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:
     if content_length is not None:
         if not content_length.isdigit():
             raise InvalidRequest("the Content-Length header is not a number", param="content-length")

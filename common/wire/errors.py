@@ -38,6 +38,11 @@ class PayloadTooLarge(TandemError):
     type = "invalid_request_error"
 
 
+class BodyTimeout(TandemError):
+    status = 408
+    type = "invalid_request_error"
+
+
 class Overloaded(TandemError):
     status = 503
     type = "overloaded_error"

@@ -4,6 +4,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: the detokenizer tries each of its prefixes on every token
+MAX_STOP_TOKEN_IDS = 256
 # Below this the sampler's logits / temperature can overflow float32; treat it as greedy, like vLLM.
 GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -24,7 +26,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -51,6 +53,8 @@ class SamplingParams(BaseModel):
             raise ValueError("stop must be a string or a list of strings")
         if len(v) > MAX_STOP_STRINGS or any(s == "" for s in v):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return v
 
     @property

@@ -179,6 +179,12 @@ def test_router_workers_can_be_added_and_removed_at_run_time(cluster, prompts, e
         assert generate(url, prompts[0])["output_ids"] == expected[0]
         assert httpx.request("DELETE", url + "/workers", json={"url": cluster.decodes[0].url}, timeout=5).status_code == 200
         assert httpx.get(url + "/readiness", timeout=5).status_code == 503
-        assert httpx.post(url + "/workers", json={"role": "decode"}, timeout=5).status_code == 400
+        for bad, param in (({"role": "decode"}, "url"), ([], "body"), ({"url": "not a url", "role": "decode"}, "url"),
+                           ({"url": "http://h:1", "role": "router"}, "role"), ({"url": "http://h:1"}, "role"),
+                           ({"url": "http://h:1", "role": "prefill", "bootstrap_port": "x"}, "bootstrap_port"),
+                           ({"url": "http://h:1", "role": "prefill", "bootstrap_host": ["a"]}, "bootstrap_host")):
+            r = httpx.post(url + "/workers", json=bad, timeout=5)
+            assert (r.status_code, r.json()["error"]["param"]) == (400, param), (bad, r.text)
+        assert len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 1
     finally:
         router.stop()

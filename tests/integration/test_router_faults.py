@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -292,6 +293,30 @@ def test_requests_beyond_the_concurrency_limit_get_429(nodes, routers, monkeypat
                                         "type": "overloaded_error", "code": 429, "param": None}}
     wait_until(lambda: metric(router.url, "tandem_router_in_flight_requests") == 0, 10, "the stream's slot to be given back")
     assert generate(router, PROMPT)["output_ids"] == reference
+
+
+def test_a_client_sending_its_body_slowly_holds_no_admission_slot(nodes, routers, monkeypatch, reference):
+    """The body is read before the request is admitted: with a limit of 1, a client that sent its headers
+    and half its body does not make the next request a 429."""
+    monkeypatch.setenv("TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS", "1")
+    router = routers([nodes.decode])
+    with closing(socket.create_connection(("127.0.0.1", router.port), timeout=10)) as slow:
+        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"input_ids\": [1,")
+        time.sleep(0.2)
+        assert generate(router, PROMPT)["output_ids"] == reference
+
+
+@pytest.mark.parametrize(("path", "field", "value"), [("/generate", "stream", "false"), ("/generate", "return_logprob", "yes"),
+                                                     ("/generate", "logprob_start_len", "0"), ("/v1/completions", "echo", 1),
+                                                     ("/v1/completions", "stream", 0)])
+def test_fields_the_router_reads_must_have_their_json_type(nodes, routers, path, field, value):
+    """stream, echo, return_logprob, logprob_start_len: a value a lax parser would coerce ("false", 1) means
+    one thing to the router and another to the worker, so the workers refuse it, naming the field, and the
+    router passes that 400 on."""
+    router = routers([nodes.decode])
+    body = gen_body(PROMPT) if path == "/generate" else {"prompt": PROMPT, "max_tokens": 4}
+    r = httpx.post(router.url + path, json=body | {field: value}, timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, field), r.text
 
 
 def test_body_over_the_limit_gets_413_with_content_length_or_chunked(nodes, routers):

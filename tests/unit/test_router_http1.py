@@ -190,3 +190,25 @@ def test_fail_from_outside_ends_the_wait_and_closes_the_connection():
     script.saw_close = False
     run(script, client)
     assert script.saw_close
+
+
+def test_an_answer_collected_for_on_done_larger_than_the_read_buffer_completes():
+    """The prefill's half is collected whole through on_done (nobody reads chunks to resume a paused
+    connection): a 3 MiB answer, several times the high-water mark, arrives complete."""
+    big = b"x" * (3 << 20)
+
+    async def script(reader, writer, _):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big))
+        for i in range(0, len(big), 64 << 10):
+            writer.write(big[i : i + (64 << 10)])
+            await writer.drain()
+
+    async def client(pool, _):
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        resp = pool.post("/generate", b"{}", 5.0, on_done=lambda r: done.set_result((r.status, r.error, r.body())))
+        resp.start()
+        status, error, body = await done
+        assert (status, error, len(body), body == big) == (200, None, len(big), True)
+
+    run(script, client)
