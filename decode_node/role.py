@@ -114,6 +114,9 @@ class DecodeRole(Role):
             except DuplicateRoom as e:
                 self.scheduler.fail(req, str(e), 409)
                 return True
+        if inb.receiver.failure_reason is not None:  # failed before it was requested: its prefill was declared dead
+            self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
+            return True
         memory, n = self.scheduler.memory, len(req.prompt_ids)
         busy = len(self.scheduler.decode.running) + sum(1 for r in self.requests() if r.req_pool_idx is not None)
         if busy >= self.config.max_running_requests or not memory.can_admit() or not self.aux_pool.can_alloc():
@@ -125,7 +128,7 @@ class DecodeRole(Role):
         memory.extend(req, n)
         req.timeline.mark("pages_reserved")
         inb.aux_slot = self.aux_pool.alloc()
-        inb.receiver.init(memory.page_ids(req, 0, n), inb.aux_slot)
+        inb.receiver.init(memory.page_ids(req, 0, n), inb.aux_slot)  # sends nothing if the room failed meanwhile: the next poll ends it
         self.prealloc.remove(req)
         req.status = ReqStatus.TRANSFERRING
         self.transferring.append(req)

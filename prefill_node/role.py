@@ -67,8 +67,9 @@ class PrefillRole(Role):
     def poll(self) -> None:
         for req in list(self.awaiting_decode):
             self.scheduler.guarded(req, "waiting for the decode", lambda: self._poll_awaiting(req))
-        for req in list(self.inflight):
-            self.scheduler.guarded(req, "waiting for the transfer", lambda: self._poll_inflight(req))
+        awaiting = set(self.awaiting_decode)
+        for req in [r for r in self.outbound if r not in awaiting]:  # being computed, or its KV in flight
+            self.scheduler.guarded(req, "sending its KV", lambda: self._poll_sending(req))
 
     def _poll_awaiting(self, req: Req) -> None:
         sender = self.outbound[req].sender
@@ -90,13 +91,15 @@ class PrefillRole(Role):
         req.status = ReqStatus.WAITING
         self.scheduler.prefill.add(req)
 
-    def _poll_inflight(self, req: Req) -> None:
+    def _poll_sending(self, req: Req) -> None:
+        """A room that failed ends its request at once, also one whose prompt is still being computed (its
+        remaining chunks would go nowhere)."""
         sender = self.outbound[req].sender
         state = sender.poll()
-        if state == KVPoll.Success:
-            self.scheduler.finish(req, FinishReason("length"))
-        elif state == KVPoll.Failed:
+        if state == KVPoll.Failed:
             self.scheduler.fail(req, f"KV transfer failed: {sender.failure_reason}")
+        elif state == KVPoll.Success and req in self.inflight:
+            self.scheduler.finish(req, FinishReason("length"))
 
     # -- sending -------------------------------------------------------------------------------
     def on_computed(self, req: Req, extend_len: int, sampled: Sampled | None) -> bool:

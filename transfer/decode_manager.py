@@ -102,7 +102,8 @@ class DecodeKVManager(KVManager):
         now = self.clock()
         for room in self.table.snapshot():
             if room.peer == peer and not room.status_received:
-                room.peer_dead_at = now
+                if room.requested:  # its pages come back once the prefill's write fence has closed
+                    room.peer_dead_at = now
                 self.fail_room(room, reason, "peer_dead")
         self.registered_with.discard(peer)
         self.control.drop(peer)

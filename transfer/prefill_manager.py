@@ -76,6 +76,8 @@ class PrefillKVManager(KVManager):
                 self.refused.pop(next(iter(self.refused)))
             log.warning("refusing decode %s: %s", msg.decode_id, problem)
             return
+        if msg.decode_id in self.peers:  # it declared this prefill dead: it will reuse the pages of its rooms here
+            self._fail_rooms_of(msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead")
         self.backend.add_peer(msg.decode_id, msg.backend_address)
         self.peers[msg.decode_id] = msg
         self.refused.pop(msg.decode_id, None)
@@ -108,6 +110,8 @@ class PrefillKVManager(KVManager):
         room = self.table.get(msg.room)
         if room is not None and room.request is not None and room.request.decode_id != msg.decode_id:
             raise BadMessage(f"abort of room {msg.room} from a decode that does not own it")
+        if room is None and self.table.gave_up(msg.room):
+            return  # failed and forgotten here: its worker sends the status after the room's last write
         if room is None or self.table.drop_unowned(msg.room):  # nothing was ever written for it
             self.send(peer.status_endpoint, Status(msg.room, False, f"aborted by decode: {msg.reason}"))
         else:
@@ -156,12 +160,14 @@ class PrefillKVManager(KVManager):
         peer = self.peers.get(req.decode_id)
         if peer is None:
             raise FencedError(f"decode {req.decode_id} is no longer registered")
-        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id), chunk.room.mark)
+        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id, chunk.room), chunk.room.mark)
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] = self.writer.bytes_sent
 
-    def _fence(self, decode_id: str) -> None:
+    def _fence(self, decode_id: str, room: PrefillRoom) -> None:
         problem = self.liveness.may_write_to(decode_id)
+        if problem is None and room.poll.state == KVPoll.Failed:
+            problem = f"room {room.room} failed: {room.poll.reason}"
         if problem is not None:
             self.counters["writes_fenced"] += 1
             raise FencedError(f"not writing: {problem}")
@@ -185,6 +191,9 @@ class PrefillKVManager(KVManager):
     def declare_dead(self, peer: str, silent_s: float) -> None:
         reason = f"decode {peer} sent no heartbeat for {silent_s:.1f} s (dead or frozen)"
         log.warning("%s: failing its rooms", reason)
+        self._fail_rooms_of(peer, reason, "peer_dead")
+
+    def _fail_rooms_of(self, decode_id: str, reason: str, cause: str) -> None:
         for room in self.table.snapshot():
-            if room.owned and room.request is not None and room.request.decode_id == peer:
-                self.fail_room(room, reason, "peer_dead")
+            if room.owned and room.request is not None and room.request.decode_id == decode_id:
+                self.fail_room(room, reason, cause)

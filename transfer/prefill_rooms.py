@@ -73,6 +73,11 @@ class PrefillRoomTable:
         with self.lock:
             return self.rooms.get(room)
 
+    def gave_up(self, room: int) -> bool:
+        """The room failed here and was forgotten (a tombstone remains)."""
+        with self.lock:
+            return room in self.tombstones
+
     def drop_unowned(self, room: int) -> bool:
         """Forget a room no local request holds (nothing was ever written for it)."""
         with self.lock:

@@ -21,7 +21,11 @@ class KVReceiver:
         self.deadline: float | None = None
         self.abort_sent = False
 
-    def init(self, dst_pages: list[int], aux_slot: int) -> None:
+    def init(self, dst_pages: list[int], aux_slot: int) -> bool:
+        """Ask the prefill to write into `dst_pages`; False, sending nothing, if the room already failed (its
+        prefill was declared dead while the request waited for memory): the caller fails the request."""
+        if self.room.poll.state == KVPoll.Failed:
+            return False
         m = self.manager
         m.register_with(self.endpoint)
         m.send(self.endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot))
@@ -29,6 +33,7 @@ class KVReceiver:
         self.room.requested, self.room.requested_at = True, m.clock()
         self.room.poll.advance(KVPoll.WaitingForInput)
         self.deadline = m.clock() + m.args.kv_wait_timeout_s
+        return True
 
     def poll(self) -> KVPoll:
         s = self.room.poll

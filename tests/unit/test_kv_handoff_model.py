@@ -295,3 +295,25 @@ if "TANDEM_MODEL_SEED" in os.environ:
 
     KVHandoff.TestCase = seed(int(os.environ["TANDEM_MODEL_SEED"]))(KVHandoff.TestCase)
 TestKVHandoff = KVHandoff.TestCase
+
+
+def test_a_prefill_stops_computing_a_prompt_whose_room_failed():
+    """A 30-token prompt computed 8 tokens a step: once its room fails (here the decode aborted it), the
+    prefill request ends at its next step instead of computing the rest of the prompt for nobody."""
+    m = KVHandoff()
+    m.new_request(prompt_len=30, max_new=2, stream_first=False)
+    pair = m.pairs[0]
+    for _ in range(20):
+        if 0 < pair.prefill.kv_len < 30:
+            break
+        m._one_round()
+    computed = pair.prefill.kv_len
+    assert 0 < computed < 30 and not pair.prefill.finished
+    m.decode.sched.abort(pair.decode, "client went away")
+    m.decode.sched.step()  # the decode ends its half and tells the prefill
+    while m.net.deliverable():
+        m.net.deliver(0)
+    m.prefill.sched.step()
+    assert pair.prefill.finished  # one step after the failure, with 8 of 30 tokens computed (not 16, unfinished)
+    assert "KV transfer failed" in pair.prefill.finish.message
+    m.teardown()  # every half ended, every pool back to idle

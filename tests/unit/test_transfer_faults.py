@@ -148,3 +148,49 @@ def test_a_decode_request_from_an_unregistered_decode_names_it():
     prefill = Side("prefill")
     prefill.manager.on_frame(encode(RoomRequest(5, "stranger", [1], 0), None))
     assert prefill.manager.counters["rejected_messages"] == 1
+
+
+def test_a_decode_abort_of_a_room_the_prefill_failed_and_forgot_waits_for_the_write_in_flight():
+    """The prefill request ended (room failed, forgotten, tombstoned) while a write of it still runs; the
+    decode's abort arrives then: its status must still come after that write, not at once."""
+    prefill, dec = Side("prefill"), Side("decode")
+    entered, release = block_writes_to(prefill, dec.manager.instance_id)
+    sender, receiver = start_room(prefill, dec, 23, [1, 2])
+    sender.send([1], is_last=False, aux=None)
+    assert entered.wait(5)
+    sender.abort("prefill request aborted")
+    sender.release()
+    receiver.abort("the router cancelled the decode half")
+    time.sleep(0.3)
+    assert not receiver.writes_settled  # the write may still land: the pages are not reusable yet
+    release.set()
+    wait_for(lambda: receiver.writes_settled)
+
+
+def test_a_decode_that_registers_again_has_given_up_on_its_rooms_there():
+    """A decode registers again only after it declared this prefill dead (it will reuse those rooms' pages):
+    the prefill fails them at once, so a prefill that was frozen writes nothing more into them, although
+    the decode's new frames make its write fence fresh again."""
+    prefill, dec = Side("prefill"), Side("decode")
+    sender, _ = start_room(prefill, dec, 98, [1])
+    dec.manager.registered_with.discard(prefill.manager.endpoint)  # as declare_dead does
+    later = KVReceiver(dec.manager, 99, prefill.manager.endpoint, prefill.manager.instance_id)
+    later.init([2], aux_slot=1)  # a new room: a new register first, then its request
+    wait_for(lambda: sender.poll() == KVPoll.Failed)
+    assert "registered again" in sender.failure_reason
+    sender.send([3], is_last=True, aux=bytes(AUX_BYTES))  # the old room's KV, computed late
+    time.sleep(0.2)
+    assert dec.page(0, 1).abs().sum() == 0
+
+
+def test_a_room_that_failed_before_it_was_requested_is_never_requested():
+    """A request waiting for decode memory when its prefill is declared dead: its room fails, and it is not
+    requested later (which would open the prefill's fence and free its pages on a stale timer)."""
+    prefill, dec = Side("prefill"), Side("decode", heartbeat_s=0.2)
+    _, first = start_room(prefill, dec, 60, [1])
+    waiting = KVReceiver(dec.manager, 61, prefill.manager.endpoint, prefill.manager.instance_id)
+    prefill.manager.close()
+    wait_for(lambda: first.poll() == KVPoll.Failed, timeout=5)
+    assert waiting.poll() == KVPoll.Failed and waiting.room.peer_dead_at is None
+    assert waiting.init([2], aux_slot=1) is False
+    assert not waiting.room.requested and waiting.pages_reusable()
