@@ -161,7 +161,7 @@ def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:
     url = f"http://{ns.host}:{ns.port}"
     print(f"\n[up] Tandem is serving on {url} (OpenAI-compatible). Try:\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
+          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
           f"[up] press Ctrl-C to stop\n", flush=True)
     while not stopping():
         for c in children:
