@@ -21,7 +21,7 @@ class DecodeKVManager(KVManager):
         super().__init__(args, **kwargs)
         self.backend.register(args.aux_ptr, args.aux_record_bytes * args.aux_slots)
         self.table = DecodeRoomTable()
-        self.registered_with: set[str] = set()  # prefill endpoints that know where to write
+        self.registered_with: dict[str, str] = {}  # prefill endpoint -> the instance there that knows where to write
         self.on_peer_dead: list[Callable[[str], None]] = []
         self.start()
 
@@ -76,14 +76,15 @@ class DecodeKVManager(KVManager):
     def forget(self, room: DecodeRoom) -> None:
         self.table.forget(room)
 
-    def register_with(self, endpoint: str) -> None:
-        """Tell a prefill where this decode's buffers are (once per prefill process)."""
-        if endpoint in self.registered_with:
+    def register_with(self, endpoint: str, prefill_id: str) -> None:
+        """Tell a prefill where this decode's buffers are (once per prefill process: a prefill restarted at
+        the same endpoint is a new instance and hears it again)."""
+        if self.registered_with.get(endpoint) == prefill_id:
             return
         a = self.args
         self.send(endpoint, Register(self.instance_id, self.endpoint, self.backend.address(), a.kv_ptrs, a.bytes_per_page,
                                      a.num_pages, a.page_size, a.aux_ptr, a.aux_record_bytes, a.aux_slots))
-        self.registered_with.add(endpoint)
+        self.registered_with[endpoint] = prefill_id
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> set[str]:
@@ -105,7 +106,7 @@ class DecodeKVManager(KVManager):
                 if room.requested:  # its pages come back once the prefill's write fence has closed
                     room.peer_dead_at = now
                 self.fail_room(room, reason, "peer_dead")
-        self.registered_with.discard(peer)
+        self.registered_with.pop(peer, None)
         self.control.drop(peer)
         for callback in self.on_peer_dead:
             callback(peer)

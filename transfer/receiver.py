@@ -27,7 +27,7 @@ class KVReceiver:
         if self.room.poll.state == KVPoll.Failed:
             return False
         m = self.manager
-        m.register_with(self.endpoint)
+        m.register_with(self.endpoint, self.prefill_id)
         m.send(self.endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot))
         self.room.mark("room_request_sent")
         self.room.requested, self.room.requested_at = True, m.clock()

@@ -73,7 +73,7 @@ def test_a_room_request_a_transfer_end_and_a_status_each_wake_their_scheduler():
     prefill_woken, decode_woken = woken(prefill), woken(dec)
     sender = KVSender(prefill.manager, 31)
     receiver = KVReceiver(dec.manager, 31, prefill.manager.endpoint, prefill.manager.instance_id)
-    dec.manager.register_with(prefill.manager.endpoint)  # its own frame (which wakes too): out of the way first
+    dec.manager.register_with(prefill.manager.endpoint, prefill.manager.instance_id)  # its own frame (which wakes too): out of the way first
     wait_for(lambda: dec.manager.instance_id in prefill.manager.peers)
     prefill_woken.clear()
     receiver.init([2, 3], aux_slot=1)

@@ -173,7 +173,7 @@ def test_a_decode_that_registers_again_has_given_up_on_its_rooms_there():
     the decode's new frames make its write fence fresh again."""
     prefill, dec = Side("prefill"), Side("decode")
     sender, _ = start_room(prefill, dec, 98, [1])
-    dec.manager.registered_with.discard(prefill.manager.endpoint)  # as declare_dead does
+    dec.manager.registered_with.pop(prefill.manager.endpoint)  # as declare_dead does
     later = KVReceiver(dec.manager, 99, prefill.manager.endpoint, prefill.manager.instance_id)
     later.init([2], aux_slot=1)  # a new room: a new register first, then its request
     wait_for(lambda: sender.poll() == KVPoll.Failed)
@@ -194,3 +194,14 @@ def test_a_room_that_failed_before_it_was_requested_is_never_requested():
     assert waiting.poll() == KVPoll.Failed and waiting.room.peer_dead_at is None
     assert waiting.init([2], aux_slot=1) is False
     assert not waiting.room.requested and waiting.pages_reusable()
+
+
+def test_a_prefill_restarted_at_the_same_endpoint_is_registered_with_again():
+    """Registration is per prefill instance, not per endpoint: a new process that got the old one's
+    address hears where this decode's buffers are before its first room request."""
+    dec = Side("decode")
+    sent: list[object] = []
+    dec.manager.send = lambda endpoint, msg: sent.append(msg)
+    for prefill_id in ("prefill-a", "prefill-a", "prefill-b"):
+        dec.manager.register_with("tcp://127.0.0.1:5555", prefill_id)
+    assert [type(m).__name__ for m in sent] == ["Register", "Register"]
