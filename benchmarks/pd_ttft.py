@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.pd_vs_monolithic import chunk_arrivals  # noqa: E402
 from common.engine.timeline import parse  # noqa: E402
 from tests.conftest import ServerProcess, start_server  # noqa: E402
 from tests.integration.cluster import start_cluster  # noqa: E402
@@ -36,15 +37,8 @@ def first_token(client: httpx.Client, url: str, rid: str, ids: list[int]) -> Sam
     """Stream one request; the client's send time and the arrival of its first token (time.monotonic())."""
     body = {"rid": rid, "input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
-    send = time.monotonic()
-    first = None
-    with client.stream("POST", url + "/generate", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                if "error" in json.loads(line[6:]):
-                    raise RuntimeError(line)
-                first = first or time.monotonic()
+    send, arrivals = chunk_arrivals(client, url, body)
+    first = arrivals[0]
     return {"rid": rid, "length": len(ids), "send": send, "first": first, "ttft": first - send}
 
 

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -25,19 +26,25 @@ from tests.integration.cluster import start_cluster  # noqa: E402
 FLAGS = ("--page-size", "16", "--chunked-prefill-size", "512", "--max-total-tokens", "65536")
 
 
-def stream_times(url: str, ids: list[int], max_tokens: int) -> list[float]:
-    """Arrival time of every streamed chunk, relative to the request start."""
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}, "stream": True}
-    t0 = time.perf_counter()
-    times = []
-    with httpx.stream("POST", url + "/generate", json=body, timeout=600) as r:
+def chunk_arrivals(client: Any, url: str, body: dict) -> tuple[float, list[float]]:
+    """Stream `body` to `url`/generate through `client` (httpx or an httpx.Client): the send time and the
+    arrival time of every streamed chunk (time.monotonic(), the clock of the servers' timelines)."""
+    send, arrivals = time.monotonic(), []
+    with client.stream("POST", url + "/generate", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 if "error" in json.loads(line[6:]):
                     raise RuntimeError(line)
-                times.append(time.perf_counter() - t0)
-    return times
+                arrivals.append(time.monotonic())
+    return send, arrivals
+
+
+def stream_times(url: str, ids: list[int], max_tokens: int) -> list[float]:
+    """Arrival time of every streamed chunk, relative to the request start."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}, "stream": True}
+    send, arrivals = chunk_arrivals(httpx, url, body)
+    return [t - send for t in arrivals]
 
 
 def ttft(url: str, rng: random.Random, length: int, repeat: int) -> float:

@@ -1,139 +1,25 @@
 """The router survives faults: a failing half cancels the other, a dead worker ends its requests, a
-refusing worker is retried around, clients that leave cancel both halves, and overload and oversized
-bodies are refused. Real processes, real HTTP; every surviving node ends with no KV page held.
-
-Workers shared by the module: `prefill` with a context of 512 tokens, `decode` with the model's, and
-`decode_short` with 256, so a 600-token prompt fails on the prefill half only and a 300-token prompt
-on the decode half only. Each test starts its own router (under a second) with the flags it needs.
+refusing worker is retried around, clients that leave cancel both halves. Real processes, real HTTP;
+every surviving node ends with no KV page held (the workers: tests/integration/router_nodes.py).
 """
 from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, free_port, metric, record_fault, start_server
-from tests.integration.cluster import start_router
+from tests.conftest import ServerProcess, metric, record_fault
 from tests.integration.faults import RawClient, wait_until
-
-FLAGS = ("--transfer-backend", "mooncake", "--page-size", "16", "--chunked-prefill-size", "64")
-PROMPT = list(range(500, 520))
-OVER_PREFILL = list(range(1000, 1600))  # 600 tokens: more than the prefill's context
-OVER_DECODE_SHORT = list(range(1000, 1300))  # 300 tokens: more than decode_short's context
-LONG_RUN = 400  # new tokens: a request that runs for many seconds on this machine
-NO_HEALTH_CHECKS = ("--health-check-interval-s", "600")  # only the check at start-up
-FAST_HEALTH = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "0.5", "--health-failure-threshold", "2")
-
-
-@dataclass
-class Nodes:
-    prefill: ServerProcess
-    decode: ServerProcess
-    decode_short: ServerProcess
-    bootstrap_port: int
-
-    def all(self) -> list[ServerProcess]:
-        return [self.prefill, self.decode, self.decode_short]
-
-
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[Nodes]:
-    boot = free_port()
-    servers: list[ServerProcess] = []
-    try:
-        servers.append(start_server("--disagg-mode", "prefill", "--bootstrap-port", str(boot), *FLAGS, "--context-length", "512", name="rf-prefill"))
-        servers.append(start_server("--disagg-mode", "decode", *FLAGS, name="rf-decode"))
-        servers.append(start_server("--disagg-mode", "decode", *FLAGS, "--context-length", "256", name="rf-decode-short"))
-        for s in servers:
-            s.wait_ready()
-        yield Nodes(*servers, bootstrap_port=boot)
-    finally:
-        for s in servers:
-            s.stop()
-
-
-@pytest.fixture
-def routers(nodes) -> Iterator[Callable[..., ServerProcess]]:
-    """Starts routers over the prefill and the given decodes for one test, and stops them after it."""
-    started: list[ServerProcess] = []
-
-    def start(decodes: list[ServerProcess], *flags: str) -> ServerProcess:
-        started.append(router_over(nodes, decodes, *flags, name=f"rf-router{len(started)}"))
-        return started[-1]
-
-    yield start
-    for r in started:
-        r.stop()
-
-
-@pytest.fixture(autouse=True)
-def idle_after(nodes) -> Iterator[None]:
-    yield
-    for node in nodes.all():
-        if node.proc.poll() is None:
-            node.wait_idle()
-
-
-@pytest.fixture(scope="module")
-def reference(nodes) -> list[int]:
-    """Greedy output of PROMPT through a healthy pair, before any fault."""
-    router = router_over(nodes, [nodes.decode], name="rf-reference")
-    try:
-        return generate(router, PROMPT)["output_ids"]
-    finally:
-        router.stop()
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-def router_over(nodes: Nodes, decodes: list[ServerProcess], *flags: str, name: str) -> ServerProcess:
-    return start_router([(nodes.prefill, nodes.bootstrap_port)], decodes, *flags, policy="round_robin", name=name)
-
-
-def gen_body(ids: list[int], max_new: int = 8, stream: bool = False) -> dict[str, Any]:
-    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, "stream": stream}
-
-
-def generate(router: ServerProcess, ids: list[int], max_new: int = 8) -> dict:
-    r = httpx.post(router.url + "/generate", json=gen_body(ids, max_new), timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def aborted(node: ServerProcess) -> float:
-    return metric(node.url, "tandem_requests_finished_total", reason="abort")
-
-
-def served(node: ServerProcess) -> float:
-    return metric(node.url, "tandem_requests_total", endpoint="/generate", status="200")
-
-
-def cancelled(router: ServerProcess, cause: str) -> float:
-    return metric(router.url, "tandem_router_cancelled_requests_total", cause=cause)
-
-
-def worker(router: ServerProcess, node: ServerProcess) -> dict:
-    workers = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
-    return next(w for w in workers if w["url"] == node.url)
-
-
-def sse_data(lines: Iterator[str]) -> Iterator[Any]:
-    """The `data:` payloads of an SSE stream, parsed; "[DONE]" as is."""
-    for line in lines:
-        if line.startswith("data: "):
-            yield "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
-
-
-def context_error(tokens: int, context: int, param: str) -> dict:
-    return {"error": {"message": f"{param} has {tokens} tokens; this server's context length is {context}",
-                      "type": "invalid_request_error", "code": 400, "param": param}}
+from tests.integration.router_nodes import (  # noqa: F401  (fixtures)
+    FAST_HEALTH, LONG_RUN, NO_HEALTH_CHECKS, OVER_DECODE_SHORT, OVER_PREFILL, PROMPT, aborted, cancelled, context_error,
+    gen_body, generate, idle_after, nodes, reference, router_over, routers, served, sse_data, worker,
+)
 
 
 # -- a failing half cancels the other ------------------------------------------------------------
@@ -277,72 +163,6 @@ def test_prefill_failing_health_checks_ends_its_requests(nodes, routers, referen
     back = wait_until(lambda: worker(router, nodes.prefill)["healthy"], 10, "the prefill to be healthy again")
     assert generate(router, PROMPT)["output_ids"] == reference
     record_fault("prefill SIGSTOP before the request (1P1D)", f"HTTP 502: {error['message'][:60]}", took, 0, back)
-
-
-# -- overload, oversized bodies, the API key ----------------------------------------------------------
-
-def test_requests_beyond_the_concurrency_limit_get_429(nodes, routers, monkeypatch, reference):
-    monkeypatch.setenv("TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS", "1")  # the environment variable, not the flag
-    router = routers([nodes.decode])
-    with httpx.stream("POST", router.url + "/generate", json=gen_body(PROMPT, LONG_RUN, stream=True), timeout=60) as r:
-        events = sse_data(r.iter_lines())  # kept: dropping the iterator would close the stream
-        assert next(events)["output_ids"] == reference[:1]
-        refused = httpx.post(router.url + "/generate", json=gen_body(PROMPT), timeout=10)
-    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
-    assert refused.json() == {"error": {"message": "the router has 1 requests in flight, its limit; retry later",
-                                        "type": "overloaded_error", "code": 429, "param": None}}
-    wait_until(lambda: metric(router.url, "tandem_router_in_flight_requests") == 0, 10, "the stream's slot to be given back")
-    assert generate(router, PROMPT)["output_ids"] == reference
-
-
-def test_a_client_sending_its_body_slowly_holds_no_admission_slot(nodes, routers, monkeypatch, reference):
-    """The body is read before the request is admitted: with a limit of 1, a client that sent its headers
-    and half its body does not make the next request a 429."""
-    monkeypatch.setenv("TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS", "1")
-    router = routers([nodes.decode])
-    with closing(socket.create_connection(("127.0.0.1", router.port), timeout=10)) as slow:
-        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"input_ids\": [1,")
-        time.sleep(0.2)
-        assert generate(router, PROMPT)["output_ids"] == reference
-
-
-@pytest.mark.parametrize(("path", "field", "value"), [("/generate", "stream", "false"), ("/generate", "return_logprob", "yes"),
-                                                     ("/generate", "logprob_start_len", "0"), ("/v1/completions", "echo", 1),
-                                                     ("/v1/completions", "stream", 0)])
-def test_fields_the_router_reads_must_have_their_json_type(nodes, routers, path, field, value):
-    """stream, echo, return_logprob, logprob_start_len: a value a lax parser would coerce ("false", 1) means
-    one thing to the router and another to the worker, so the workers refuse it, naming the field, and the
-    router passes that 400 on."""
-    router = routers([nodes.decode])
-    body = gen_body(PROMPT) if path == "/generate" else {"prompt": PROMPT, "max_tokens": 4}
-    r = httpx.post(router.url + path, json=body | {field: value}, timeout=30)
-    assert (r.status_code, r.json()["error"]["param"]) == (400, field), r.text
-
-
-def test_body_over_the_limit_gets_413_with_content_length_or_chunked(nodes, routers):
-    router = routers([nodes.decode], "--max-request-bytes", "1024")
-    body = json.dumps(gen_body(list(range(400)))).encode()
-    assert len(body) > 1024
-    declared = httpx.post(router.url + "/generate", content=body, headers={"content-type": "application/json"}, timeout=10)
-    assert declared.status_code == 413
-    assert declared.json()["error"] == {"message": f"request body of {len(body)} bytes exceeds the limit of 1024",
-                                        "type": "invalid_request_error", "code": 413, "param": "body"}
-    chunked = httpx.post(router.url + "/generate", content=iter([body[:600], body[600:]]), timeout=10)
-    assert "content-length" not in chunked.request.headers and chunked.request.headers["transfer-encoding"] == "chunked"
-    assert chunked.status_code == 413
-    assert chunked.json()["error"] == {"message": "request body exceeds the limit of 1024 bytes",
-                                       "type": "invalid_request_error", "code": 413, "param": "body"}
-    assert metric(router.url, "tandem_router_requests_total", endpoint="/generate", status="413") == 2
-
-
-def test_api_key_is_required_except_on_open_paths(nodes, routers, reference):
-    router = routers([nodes.decode], "--api-key", "sesame")
-    r = httpx.post(router.url + "/generate", json=gen_body(PROMPT), timeout=10)
-    assert r.status_code == 401 and r.json()["error"]["param"] == "authorization"
-    assert httpx.get(router.url + "/workers", timeout=10).status_code == 401
-    assert httpx.get(router.url + "/metrics", timeout=10).status_code == 200
-    ok = httpx.post(router.url + "/generate", json=gen_body(PROMPT), headers={"authorization": "Bearer sesame"}, timeout=60)
-    assert ok.status_code == 200 and ok.json()["output_ids"] == reference
 
 
 # -- a killed decode (these run last: one kill, one restart) -----------------------------------------

@@ -88,24 +88,24 @@ def queue_full(prefill: Side, dec: Side) -> None:
     wait_for(lambda: [r.poll() for _, r in rooms] == [KVPoll.Success, KVPoll.Success, KVPoll.Failed])
 
 
-def worker_died(prefill: Side, dec: Side) -> None:
-    def write_batch(*args, **kwargs):
-        raise Fatal("the engine binding crashed")
+def write_raising(name: str, error: BaseException) -> Callable[[Side, Side], None]:
+    """The scenario `name`: the backend's write raises `error` (a Fatal kills the transfer thread)."""
 
-    prefill.manager.backend.write_batch = write_batch
-    sender, receiver = start_room(prefill, dec, 1, [1])
-    sender.send([1], is_last=True, aux=AUX)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed and receiver.writes_settled)
+    def scenario(prefill: Side, dec: Side) -> None:
+        def write_batch(*args, **kwargs):
+            raise error
+
+        prefill.manager.backend.write_batch = write_batch
+        sender, receiver = start_room(prefill, dec, 1, [1])
+        sender.send([1], is_last=True, aux=AUX)
+        wait_for(lambda: receiver.poll() == KVPoll.Failed and receiver.writes_settled)
+
+    scenario.__name__ = name
+    return scenario
 
 
-def transfer_error(prefill: Side, dec: Side) -> None:
-    def write_batch(*args, **kwargs):
-        raise RuntimeError("connection reset by peer")
-
-    prefill.manager.backend.write_batch = write_batch
-    sender, receiver = start_room(prefill, dec, 1, [1])
-    sender.send([1], is_last=True, aux=AUX)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed and receiver.writes_settled)
+worker_died = write_raising("worker_died", Fatal("the engine binding crashed"))
+transfer_error = write_raising("transfer_error", RuntimeError("connection reset by peer"))
 
 
 def fenced(prefill: Side, dec: Side) -> None:

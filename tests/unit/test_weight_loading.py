@@ -35,23 +35,26 @@ def test_bf16_load_equals_transformers_weights_cast_to_bf16(tmp_path, monkeypatc
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
+def save_edited(path, edit) -> None:
+    """A tied checkpoint whose tensors `edit(state)` changed in place."""
+    save(path, tied=True)
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors")
+
+
 def test_a_missing_tensor_is_named(tmp_path):
-    save(tmp_path, tied=True)
-    path = tmp_path / "model.safetensors"
-    state = load_file(path)
-    del state["model.norm.weight"]
-    save_file(state, path)
+    save_edited(tmp_path, lambda state: state.pop("model.norm.weight"))
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
         load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
 
 
 def test_a_wrong_shape_or_quantized_dtype_is_named(tmp_path):
-    save(tmp_path, tied=True)
-    path = tmp_path / "model.safetensors"
-    state = load_file(path)
-    state["model.norm.weight"] = torch.ones(65)
-    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
-    save_file(state, path)
+    def edit(state):
+        state["model.norm.weight"] = torch.ones(65)
+        state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+
+    save_edited(tmp_path, edit)
     with pytest.raises(ValueError, match=r"wrong shape \['model.norm.weight'\].*dtypes \['I8'\]"):
         load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
 
