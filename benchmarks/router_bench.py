@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,17 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.router_mock import bodies  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 PROMPT = "Summarise the following text in one sentence. " * 10
 MODES = [("/generate", False), ("/generate", True), ("/v1/chat/completions", False), ("/v1/chat/completions", True)]
 ROUTERS = ("tandem", "sglang")
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_request(port: int, path: str, stream: bool) -> bytes:

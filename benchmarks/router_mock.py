@@ -15,6 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.wire.sse import DONE, sse_event  # noqa: E402
+
 
 def generate_result(n: int, index: bool = False) -> dict:
     """The body of /generate after `n` tokens (each streamed event carries the cumulative result)."""
@@ -37,18 +43,11 @@ def chat_result(n: int) -> dict:
             "usage": {"prompt_tokens": 32, "completion_tokens": n, "total_tokens": 32 + n}}
 
 
-def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"
-
-
 def bodies(tokens: int) -> dict[tuple[str, bool], list[bytes]]:
     """(path, streaming) -> the pieces of the answer body, in write order."""
     compact = lambda o: json.dumps(o, separators=(",", ":")).encode()  # noqa: E731
-    gen_events = [sse(generate_result(i, index=True)) for i in range(1, tokens + 1)]
-    chat_events = [sse(chat_chunk(" tok", None)) for _ in range(tokens - 1)] + [sse(chat_chunk(" tok", "length"))]
+    gen_events = [sse_event(generate_result(i, index=True)) for i in range(1, tokens + 1)]
+    chat_events = [sse_event(chat_chunk(" tok", None)) for _ in range(tokens - 1)] + [sse_event(chat_chunk(" tok", "length"))]
     return {
         ("/generate", False): [compact(generate_result(tokens))],
         ("/generate", True): [*gen_events, DONE],

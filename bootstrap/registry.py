@@ -133,7 +133,7 @@ class Registry:
         """The one instance holding this rank; RegistrationError (409) when several do."""
         found = [e for e in self.live_entries() if (e["tp_rank"], e["dp_rank"]) == (rank, dp)]
         if len(found) > 1:
-            ids = ", ".join(sorted(e["instance_id"] or f"{e['rank_ip']}:{e['rank_port']}" for e in found))
+            ids = ", ".join(sorted(instance_key(e) for e in found))
             raise RegistrationError("instance_id", f"{len(found)} prefill instances hold rank {rank} of dp group {dp} "
                                     f"({ids}): name one with instance_id (routers send prefill_instance_id)", 409)
         return found[0] if found else None

@@ -28,8 +28,8 @@ from bootstrap.registry import (
     parse_ranks,
     validate_registration,
 )
-from common.wire.body import load_json_object
-from common.wire.errors import InvalidRequest, error_body
+from common.wire.body import load_json_object, read_limited
+from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, error_body
 from common.wire.prometheus import render
 
 log = logging.getLogger("tandem.bootstrap")
@@ -44,9 +44,9 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 
 async def _read_json(request: web.Request) -> Any:
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RegistrationError("body", f"must be at most {MAX_BODY_BYTES} bytes", 413) from None
+        raw = await read_limited(request.headers.get("Content-Length"), request.content.iter_any(), MAX_BODY_BYTES)
+    except (PayloadTooLarge, BodyTimeout) as e:  # 413, or 408 for a body still arriving after its deadline
+        raise RegistrationError("body", e.message, e.status) from None
     try:
         return load_json_object(raw)
     except InvalidRequest as e:

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from common.wire.auth import bearer_matches
+from common.wire.auth import bearer_matches, unauthorized
 from common.wire.api import parse_body
 from common.wire.body import read_limited
 from common.wire.drain import Drain, refusal
@@ -92,8 +92,7 @@ def _guard(api_key: str | None, drain: Drain | None):
     async def guard(request: web.Request, handler) -> web.StreamResponse:
         path = request.path
         if api_key and path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization", ""), api_key):
-            body = error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization")
-            return json_response(body, 401)
+            return json_response(unauthorized(), 401)
         if drain is not None and drain.draining and path in drain.refused:
             body, headers = refusal()
             return json_response(body, 503, headers)

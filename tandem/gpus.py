@@ -7,6 +7,7 @@ use the fraction one process alone would.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -36,10 +37,12 @@ def visible_gpus() -> list[str]:
 
 
 def base_fraction(extra: list[str]) -> float:
-    """--mem-fraction-static from the flags passed to every server, else its default."""
-    if FRACTION_FLAG in extra and extra.index(FRACTION_FLAG) + 1 < len(extra):
-        return float(extra[extra.index(FRACTION_FLAG) + 1])
-    return ServerConfig.model_fields["mem_fraction_static"].default
+    """--mem-fraction-static as every server would read it: from the flags passed to all of them (either
+    spelling), else TANDEM_MEM_FRACTION_STATIC, else its default."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(FRACTION_FLAG, type=float, default=os.environ.get("TANDEM_MEM_FRACTION_STATIC"))
+    value = parser.parse_known_args(extra)[0].mem_fraction_static
+    return float(value) if value is not None else ServerConfig.model_fields["mem_fraction_static"].default
 
 
 def plan_gpus(engines: list[EngineChild], gpus: list[str], fraction: float) -> list[str]:

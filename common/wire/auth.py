@@ -19,11 +19,15 @@ class ApiKeyGuard:
         if scope["type"] != "http" or not self.api_key or scope["path"] in self.open_paths or self._allowed(scope):
             await self.app(scope, receive, send)
             return
-        body = error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization")
-        await JSONResponse(body, 401)(scope, receive, send)
+        await JSONResponse(unauthorized(), 401)(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
         return bearer_matches(Headers(scope=scope).get("authorization", ""), self.api_key)
+
+
+def unauthorized() -> dict:
+    """The 401 body of a request without the right key (servers, router)."""
+    return error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization")
 
 
 def bearer_matches(header: str, key: str) -> bool:

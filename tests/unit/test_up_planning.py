@@ -83,3 +83,12 @@ def test_every_cluster_gets_its_own_random_secret_through_the_environment(monkey
     assert all(a not in " ".join(c.argv) for c in first)
     monkeypatch.setenv("TANDEM_CLUSTER_SECRET", "given-by-the-operator")
     assert secrets_of(children()[0]) == {"given-by-the-operator"}
+
+
+def test_the_base_fraction_is_read_as_the_servers_read_it(monkeypatch):
+    monkeypatch.delenv("TANDEM_MEM_FRACTION_STATIC", raising=False)
+    assert base_fraction(["--port", "1"]) == 0.85
+    assert base_fraction(["--mem-fraction-static", "0.5"]) == 0.5
+    assert base_fraction(["--mem-fraction-static=0.6", "--dtype", "bfloat16"]) == 0.6
+    monkeypatch.setenv("TANDEM_MEM_FRACTION_STATIC", "0.7")
+    assert base_fraction([]) == 0.7 and base_fraction(["--mem-fraction-static=0.4"]) == 0.4
