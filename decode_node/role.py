@@ -118,8 +118,7 @@ class DecodeRole(Role):
             self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
             return True
         memory, n = self.scheduler.memory, len(req.prompt_ids)
-        busy = len(self.scheduler.decode.running) + sum(1 for r in self.requests() if r.req_pool_idx is not None)
-        if busy >= self.config.max_running_requests or not memory.can_admit() or not self.aux_pool.can_alloc():
+        if self.scheduler.slots_left() <= 0 or not memory.can_admit() or not self.aux_pool.can_alloc():
             return False
         memory.admit(req, 0)
         if not memory.can_extend(req, n + min(req.params.max_new_tokens, 16)):

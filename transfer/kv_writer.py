@@ -64,11 +64,12 @@ class KVWriter:
     def __init__(self, backend: TransferBackend, kv_ptrs: list[int], bytes_per_page: list[int], on_cuda: bool):
         self.backend, self.kv_ptrs, self.bytes_per_page, self.on_cuda = backend, kv_ptrs, bytes_per_page, on_cuda
         self.aux_staging = AuxStaging(backend)
-        self.bytes_sent = 0
+        self.page_bytes = sum(bytes_per_page)  # one page across every KV buffer
 
     def write(self, peer: Register, req: RoomRequest, src_pages: list[int], dst_pages: list[int], aux: bytes | None,
-              fence: Callable[[], None], mark: Mark = no_mark) -> None:
-        """The pages and, on the last chunk, the aux record; raises on any failure of the backend. Host KV
+              fence: Callable[[], None], mark: Mark = no_mark) -> int:
+        """The pages and, on the last chunk, the aux record; returns the KV bytes written, raises on any
+        failure of the backend. Host KV
         goes out with the record in one batch (one round trip: the decode reads the record only after the
         status, sent once the whole batch landed); device KV and the host record take a batch each.
         `fence()` runs before each backend call and raises when the decode may no longer be written to;
@@ -78,14 +79,14 @@ class KVWriter:
             self._write_with_aux(peer, req, aux, src, dst, nbytes, fence)
             mark("chunk_written")
             mark("aux_written")
-            return
+            return len(src_pages) * self.page_bytes
         fence()
         self.backend.write_batch(req.decode_id, src, dst, nbytes, self.on_cuda)  # each backend splits as it must
-        self.bytes_sent += sum(nbytes)
         mark("chunk_written")
         if aux is not None:
             self._write_with_aux(peer, req, aux, [], [], [], fence)
             mark("aux_written")
+        return len(src_pages) * self.page_bytes
 
     def _write_with_aux(self, peer: Register, req: RoomRequest, aux: bytes, src: list[int], dst: list[int],
                         nbytes: list[int], fence: Callable[[], None]) -> None:
@@ -96,4 +97,3 @@ class KVWriter:
             fence()
             self.backend.write_batch(req.decode_id, [*src, src_aux], [*dst, peer.aux_ptr + req.aux_slot * peer.aux_record_bytes],
                                      [*nbytes, len(aux)])
-        self.bytes_sent += sum(nbytes)

@@ -160,9 +160,10 @@ class PrefillKVManager(KVManager):
         peer = self.peers.get(req.decode_id)
         if peer is None:
             raise FencedError(f"decode {req.decode_id} is no longer registered")
-        self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, lambda: self._fence(req.decode_id, chunk.room), chunk.room.mark)
+        fence = lambda: self._fence(req.decode_id, chunk.room)  # noqa: E731
+        written = self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark)
         self.counters["chunks_sent"] += 1
-        self.counters["bytes_sent"] = self.writer.bytes_sent
+        self.counters["bytes_sent"] += written
 
     def _fence(self, decode_id: str, room: PrefillRoom) -> None:
         problem = self.liveness.may_write_to(decode_id)

@@ -4,19 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def group_contiguous_runs(src_pages, dst_pages) -> list[tuple[int, int, int]]:
-    """[(src_start, dst_start, length)] for maximal runs where both page ids advance by one."""
-    src = np.asarray(src_pages, dtype=np.int64)
-    dst = np.asarray(dst_pages, dtype=np.int64)
-    if src.shape != dst.shape:
-        raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
-    if src.size == 0:
-        return []
-    starts, lengths = _runs(src, dst)
-    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
-
-
 def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of the maximal runs where both page ids advance by one."""
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [src.size])))
@@ -24,9 +13,12 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def chunk_triples(src_bases, dst_bases, bytes_per_page, src_pages, dst_pages) -> tuple[list[int], list[int], list[int]]:
-    """Triples for every buffer (all K layers, then all V layers) and every contiguous run."""
+    """Triples for every buffer (all K layers, then all V layers) and every run of pages contiguous on both
+    sides."""
     src = np.asarray(src_pages, dtype=np.int64)
     dst = np.asarray(dst_pages, dtype=np.int64)
+    if src.shape != dst.shape:
+        raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
     if src.size == 0:
         return [], [], []
     starts, lengths = _runs(src, dst)

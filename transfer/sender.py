@@ -12,7 +12,6 @@ class KVSender:
         """Raises DuplicateRoom if another request of this server holds `room`; `mark` records the
         room's steps on the request's timeline."""
         self.manager = manager
-        self.room_id = room
         self.room = manager.claim(room, mark)
         self.offset = 0  # destination pages used by earlier chunks
 

@@ -38,11 +38,11 @@ class DecodeBatch:
         if not self.running:
             return None
         batch = self.tensors.prepare(self.running)
-        while len(self.running) > 1 and not self._fits(batch):
+        while not self._fits(batch):
+            if len(self.running) == 1:
+                return None
             self.retract(self.running[-1])
             batch = self.tensors.prepare(self.running)
-        if not self._fits(batch):
-            return None
         locs = self.memory.extend_decode(batch.reqs, batch.req_pool_indices, batch.positions, batch.seq_lens)
         n = len(batch.reqs)
         return BatchPlan(ForwardMode.DECODE, batch.reqs, [1] * n, [locs], [True] * n, decode=batch)

@@ -12,7 +12,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -26,7 +25,6 @@ class IncrementalDetokenizer:
             return ""
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
         return delta
 
     def flush(self) -> str:
@@ -35,7 +33,6 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self.prefix_offset :])
         delta = new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += delta
         return delta
 
 
@@ -44,7 +41,6 @@ class StopStringMatcher:
         self.stops = stops
         self.include_stop = include_stop
         self.held = ""
-        self.matched: str | None = None
 
     def feed(self, delta: str) -> tuple[str, str | None]:
         """Returns (text safe to emit now, the stop string if one just matched)."""
@@ -52,7 +48,7 @@ class StopStringMatcher:
         hits = [(buf.find(s), s) for s in self.stops if s in buf]
         if hits:
             pos, stop = min(hits)
-            self.held, self.matched = "", stop
+            self.held = ""
             return buf[:pos] + (stop if self.include_stop else ""), stop
         keep = max((self._partial(buf, s) for s in self.stops), default=0)
         self.held = buf[len(buf) - keep :] if keep else ""

@@ -25,10 +25,6 @@ class BatchPlan:
     sample: list[bool]  # False for a prefill chunk that is not the request's last
     decode: DecodeTensors | None = None  # DECODE: the kept batch tensors (out_cache_locs holds its one slot tensor)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
 
 @dataclass
 class InputLogprobs:

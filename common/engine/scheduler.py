@@ -111,7 +111,7 @@ class Scheduler:
 
     def _next_plan(self) -> BatchPlan | None:
         try:
-            plan = self.prefill.schedule(self._slots_left(), decode_idle=not self.decode.running)
+            plan = self.prefill.schedule(self.slots_left(), decode_idle=not self.decode.running)
         except Exception as e:
             victims = [*self.prefill.plan.reqs, *([self.prefill.considering] if self.prefill.considering else [])]
             return self._fail_all(victims, f"internal error scheduling a prefill batch: {e!r}")
@@ -125,7 +125,8 @@ class Scheduler:
             self.fail(self.decode.running[0], "KV cache exhausted", 503)
         return plan
 
-    def _slots_left(self) -> int:
+    def slots_left(self) -> int:
+        """Request rows still free: --max-running-requests less the running batch and the rows the role holds."""
         held = sum(1 for r in self.role.requests() if r.req_pool_idx is not None)
         return self.config.max_running_requests - len(self.decode.running) - held
 

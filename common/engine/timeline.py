@@ -49,8 +49,8 @@ class Timeline:
 
 def report(rid: str, arrival: float, timeline: Timeline, histogram) -> None:
     """Log the timeline (DEBUG) and observe each event's offset from `arrival` in `histogram` (labelled by span)."""
-    events = sorted(timeline.events, key=lambda e: e[1])
     if log.isEnabledFor(logging.DEBUG):
+        events = sorted(timeline.events, key=lambda e: e[1])
         steps = " ".join(f"{name}=+{1000 * (at - arrival):.2f}" for name, at in events)
         log.debug("timeline rid=%s t0=%.6f %s", rid, arrival, steps)
     if histogram is not None:

@@ -15,7 +15,7 @@ from transfer.messages import BadMessage, Register, RoomRequest, Status, decode,
 from transfer.poll import KVPoll, PollState
 from transfer.prefill_manager import PrefillKVManager
 from transfer.receiver import KVReceiver
-from transfer.runs import chunk_triples, group_contiguous_runs
+from transfer.runs import chunk_triples
 from transfer.sender import KVSender
 
 PAGE, LAYERS, PAGES = 4, 2, 16
@@ -23,10 +23,12 @@ AUX_BYTES = 32
 
 
 def test_runs_group_pages_contiguous_on_both_sides():
-    assert group_contiguous_runs([1, 2, 3, 7, 8], [10, 11, 12, 13, 20]) == [(1, 10, 3), (7, 13, 1), (8, 20, 1)]
-    assert group_contiguous_runs([], []) == []
+    """One buffer at address 0 with one byte per page: each triple is (src page, dst page, run length)."""
+    src, dst, nbytes = chunk_triples([0], [0], [1], [1, 2, 3, 7, 8], [10, 11, 12, 13, 20])
+    assert list(zip(src, dst, nbytes)) == [(1, 10, 3), (7, 13, 1), (8, 20, 1)]
+    assert chunk_triples([0], [0], [1], [], []) == ([], [], [])
     with pytest.raises(ValueError):
-        group_contiguous_runs([1], [1, 2])
+        chunk_triples([0], [0], [1], [1], [1, 2])
 
 
 def test_chunk_triples_cover_every_buffer_and_run():
