@@ -9,19 +9,17 @@ stops at once.
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 import time
 
 from aiohttp import web
 
-from common.wire.drain import FLUSH_S, Drain
+from common.wire.drain import FLUSH_S
 from router.app import create_router_app, router_drain
 from router.config import RouterConfig
 from router.processes import shared_dir, supervise
 
-log = logging.getLogger("tandem.router")
 TICK_S = 0.1
 
 
@@ -43,33 +41,13 @@ async def _serve(config: RouterConfig) -> None:
     await web.TCPSite(runner, config.host, config.port, reuse_port=bool(shared_dir())).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, _on_sigterm, drain, stop)
+    loop.add_signal_handler(signal.SIGTERM, lambda: drain.on_sigterm() or stop.set())
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    try:
-        while not stop.is_set() and not _drained(drain):
+    try:  # at the deadline the router has nothing of its own to end: exiting cancels what is left
+        while not stop.is_set() and not (drain.draining and drain.next_step(time.monotonic()) == "exit"):
             await asyncio.sleep(TICK_S)
     finally:
         await runner.cleanup()
-
-
-def _on_sigterm(drain: Drain, stop: asyncio.Event) -> None:
-    if drain.draining:
-        stop.set()
-        return
-    log.info("SIGTERM: draining; %d requests in flight get up to %g s", drain.in_flight, drain.timeout_s)
-    drain.start()
-
-
-def _drained(drain: Drain) -> bool:
-    if not drain.draining:
-        return False
-    if drain.in_flight == 0:
-        log.info("drained: no request in flight; exiting")
-        return True
-    if time.monotonic() >= drain.deadline + FLUSH_S:
-        log.warning("%d requests still in flight %g s after SIGTERM; exiting anyway", drain.in_flight, drain.timeout_s + FLUSH_S)
-        return True
-    return False
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

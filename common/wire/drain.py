@@ -34,6 +34,7 @@ class Drain:
         self.refused = refused
         self.in_flight = 0  # HTTP requests being served (a streamed answer counts until its last byte)
         self.deadline: float | None = None
+        self._ended = False  # the requests left at the deadline were ended
 
     @property
     def draining(self) -> bool:
@@ -41,6 +42,29 @@ class Drain:
 
     def start(self) -> None:
         self.deadline = time.monotonic() + self.timeout_s
+
+    def on_sigterm(self) -> bool:
+        """The first SIGTERM starts draining (True); a later one means stop now (False)."""
+        if self.draining:
+            return False
+        log.info("SIGTERM: draining; %d requests in flight get up to %g s", self.in_flight, self.timeout_s)
+        self.start()
+        return True
+
+    def next_step(self, now: float) -> str | None:
+        """While draining: "exit" once nothing is in flight or FLUSH_S after the deadline, "end_requests"
+        once at the deadline (the server ends what is left, so its clients get an error), else None."""
+        if self.in_flight == 0:
+            log.info("drained: no request in flight; exiting")
+            return "exit"
+        if now >= self.deadline + FLUSH_S:
+            log.warning("%d requests still in flight; exiting anyway", self.in_flight)
+            return "exit"
+        if now >= self.deadline and not self._ended:
+            self._ended = True
+            log.warning("%d requests still in flight after %g s; ending them", self.in_flight, self.timeout_s)
+            return "end_requests"
+        return None
 
 
 def refusal() -> tuple[dict, dict[str, str]]:
@@ -77,30 +101,16 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.drain = drain
         self.on_timeout = on_timeout
-        self.flush_until: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or self.drain.draining:
+        if sig != signal.SIGTERM or not self.drain.on_sigterm():
             super().handle_exit(sig, frame)
-            return
-        log.info("SIGTERM: draining; %d requests in flight get up to %g s", self.drain.in_flight, self.drain.timeout_s)
-        self.drain.start()
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain.draining and not self.should_exit:
-            await self._drain_tick()
-        return await super().on_tick(counter)
-
-    async def _drain_tick(self) -> None:
-        now = time.monotonic()
-        if self.drain.in_flight == 0:
-            log.info("drained: no request in flight; exiting")
-            self.should_exit = True
-        elif self.flush_until is None and now >= self.drain.deadline:
-            log.warning("%d requests still in flight after %g s; ending them", self.drain.in_flight, self.drain.timeout_s)
-            self.flush_until = now + FLUSH_S
-            if self.on_timeout is not None:
+            step = self.drain.next_step(time.monotonic())
+            if step == "exit":
+                self.should_exit = True
+            elif step == "end_requests" and self.on_timeout is not None:
                 await self.on_timeout()
-        elif self.flush_until is not None and now >= self.flush_until:
-            log.warning("%d requests still in flight; exiting anyway", self.drain.in_flight)
-            self.should_exit = True
+        return await super().on_tick(counter)
