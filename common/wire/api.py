@@ -86,6 +86,12 @@ class OpenAIBase(PDFields):
     skip_special_tokens: bool = True
     user: str | None = None
 
+    @field_validator("stream", "echo", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_false(cls, v: Any) -> Any:
+        """OpenAI's API takes null for these booleans (the router reads null as false too)."""
+        return False if v is None else v
+
     def sampling_params(self, max_new_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
         """The engine's parameters; values OpenAI's ranges allow but the engine does not are a 400
         naming the request's own field (`max_tokens_param` for the engine's max_new_tokens)."""
@@ -127,7 +133,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = False  # OpenAI's API takes null: none
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 

@@ -81,3 +81,15 @@ def test_api_key_is_required_except_on_open_paths(nodes, routers, reference):
     assert httpx.get(router.url + "/metrics", timeout=10).status_code == 200
     ok = httpx.post(router.url + "/generate", json=gen_body(PROMPT), headers={"authorization": "Bearer sesame"}, timeout=60)
     assert ok.status_code == 200 and ok.json()["output_ids"] == reference
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", {"prompt": PROMPT, "echo": None, "logprobs": None}),
+                                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": None})])
+def test_openai_booleans_may_be_null_as_in_openais_api(nodes, routers, path, body):
+    """null for stream, echo and logprobs is what OpenAI's API takes for "not set": the same answer as without them."""
+    router = routers([nodes.decode])
+    base = {"max_tokens": 4, "temperature": 0}
+    plain = httpx.post(router.url + path, json=base | {k: v for k, v in body.items() if v is not None}, timeout=60)
+    nulls = httpx.post(router.url + path, json=base | body | {"stream": None}, timeout=60)
+    assert (plain.status_code, nulls.status_code) == (200, 200), nulls.text
+    assert nulls.json()["choices"] == plain.json()["choices"]
