@@ -1,7 +1,7 @@
 """CUDA attention with FlashInfer's paged prefill/decode kernels, reading the pool's pages in place.
 
-The pool's per-layer buffer [(num_pages + 1) * page_size, H, D] is viewed as
-[num_pages + 1, page_size, H, D] (FlashInfer's NHD paged layout); page ids come from req_to_token.
+The page-major pool gives each layer as a [num_pages + 1, page_size, H, D] view strided across pages
+(FlashInfer's NHD paged layout; its kernels take the page stride); page ids come from req_to_token.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class FlashInferAttention(AttentionBackend):
         super().__init__(kv_pool, num_q_heads, head_dim, scaling)
         import flashinfer
 
-        device = kv_pool.k_buffers[0].device
+        device = kv_pool.buffer.device
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         group = num_q_heads // kv_pool.kv_heads
@@ -42,6 +42,7 @@ class FlashInferAttention(AttentionBackend):
     def init_forward(self, batch: ForwardBatch) -> None:
         indptr, indices, last_len = self._page_table(batch)
         pool = self.kv_pool
+        self._out = pool.locate(batch.out_cache_loc)
         common = dict(sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)
         if batch.mode == ForwardMode.DECODE:
             self.decode.plan(indptr, indices, last_len, self.num_q_heads, pool.kv_heads, self.head_dim, self.page_size,
@@ -54,9 +55,8 @@ class FlashInferAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         pool = self.kv_pool
-        pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        shape = (-1, self.page_size, pool.kv_heads, self.head_dim)
-        cache = (pool.get_k(layer_id).view(shape), pool.get_v(layer_id).view(shape))
+        pool.set_kv(layer_id, self._out, k, v)
+        cache = (pool.k_pages(layer_id), pool.v_pages(layer_id))
         q = q.to(pool.dtype).contiguous()
         wrapper = self.decode if batch.mode == ForwardMode.DECODE else self.prefill
         return wrapper.run(q, cache)

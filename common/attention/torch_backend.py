@@ -10,12 +10,13 @@ from common.engine.forward_batch import ForwardBatch, ForwardMode
 
 class TorchAttention(AttentionBackend):
     def init_forward(self, batch: ForwardBatch) -> None:
-        rows = batch.req_pool_indices
+        rows, pool = batch.req_pool_indices, self.kv_pool
+        self._out = pool.locate(batch.out_cache_loc)
         if batch.mode == ForwardMode.DECODE:
             max_len = int(batch.seq_lens.max())
             table = batch.req_to_token[rows, :max_len].long()
             valid = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens.to(table.device)[:, None]
-            self._kv_index = torch.where(valid, table, 0)  # slot 0 is the padding page
+            self._kv_at = pool.locate(torch.where(valid, table, 0))  # slot 0 is the padding page
             # no mask when every row is full length: the same SDPA kernel as transformers' (bit-equal outputs)
             self._decode_mask = None if int(batch.seq_lens.min()) == max_len else valid[:, None, None, :]  # [B, 1, 1, S]
             return
@@ -25,25 +26,24 @@ class TorchAttention(AttentionBackend):
             kv_index = batch.req_to_token[rows[i], :seq_len].long()
             q_pos = torch.arange(seq_len - ext, seq_len, device=kv_index.device)
             mask = None if ext == seq_len else torch.arange(seq_len, device=kv_index.device)[None, :] <= q_pos[:, None]
-            self._extend.append((start, ext, kv_index, mask))
+            self._extend.append((start, ext, pool.locate(kv_index), mask))
             start += ext
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         pool = self.kv_pool
-        pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_k(layer_id), pool.get_v(layer_id)
+        pool.set_kv(layer_id, self._out, k, v)
         if batch.mode == ForwardMode.DECODE:
-            keys = k_buf[self._kv_index].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
-            vals = v_buf[self._kv_index].transpose(1, 2).to(q.dtype)
+            keys = pool.k_at(layer_id, self._kv_at).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+            vals = pool.v_at(layer_id, self._kv_at).transpose(1, 2).to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys, vals, attn_mask=self._decode_mask, scale=self.scaling, enable_gqa=True
             )
             return out[:, :, 0, :]
         out = torch.empty_like(q)
-        for start, ext, kv_index, mask in self._extend:
+        for start, ext, kv_at, mask in self._extend:
             # 4-d like transformers': SDPA's 3-d path rounds bf16 differently
-            keys = k_buf[kv_index].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
-            vals = v_buf[kv_index].transpose(0, 1)[None].to(q.dtype)
+            keys = pool.k_at(layer_id, kv_at).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
+            vals = pool.v_at(layer_id, kv_at).transpose(0, 1)[None].to(q.dtype)
             qi = q[start : start + ext].transpose(0, 1)[None]  # [1, Hq, E, D]
             oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True)
             out[start : start + ext] = oi[0].transpose(0, 1)

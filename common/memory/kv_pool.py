@@ -1,11 +1,19 @@
-"""Per-layer contiguous K and V buffers; page 0 is padding that is never allocated.
+"""The KV pool, page-major: one buffer holding, page after page, every layer's K and V of that page.
 
-    k_buffers[layer]: [(num_pages + 1) * page_size, kv_heads, head_dim]   (same for v_buffers)
-    page p holds token slots [p * page_size, (p + 1) * page_size); usable pages are 1..num_pages
+    buffer: [num_pages + 1, num_layers, 2 (K, V), page_size, kv_heads, head_dim]
+    page p holds token slots [p * page_size, (p + 1) * page_size); usable pages are 1..num_pages; page 0
+    is padding that is never allocated
+
+A run of consecutive pages is one contiguous byte range across every layer, so the transfer engine moves
+it as one piece (a layer-major pool needs 2 x num_layers pieces per run: SGLang's "page_first" host
+layout makes the same choice). Attention reads a layer through `k_pages(layer)`: a strided
+[num_pages + 1, page_size, kv_heads, head_dim] view (FlashInfer's NHD paged layout, page stride
+num_layers x 2 x page_size x kv_heads x head_dim).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +25,13 @@ class BufferInfo:
     data_ptr: int
     nbytes: int
     bytes_per_page: int
+
+
+class SlotIndex(NamedTuple):
+    """Token slots as (page, offset in page): how the page-major pool is indexed."""
+
+    page: torch.Tensor
+    offset: torch.Tensor
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -43,33 +58,43 @@ class KVPool:
             raise ValueError(f"KVPool: dtype must be a torch.dtype, got {dtype!r}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
-        shape = ((num_pages + 1) * page_size, kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_pages + 1, num_layers, 2, page_size, kv_heads, head_dim)
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self._k = [self.buffer[:, layer, 0] for layer in range(num_layers)]
+        self._v = [self.buffer[:, layer, 1] for layer in range(num_layers)]
 
-    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k/v [n, kv_heads, head_dim] into slots loc [n] of one layer."""
-        self.k_buffers[layer][loc] = k.to(self.dtype)
-        self.v_buffers[layer][loc] = v.to(self.dtype)
+    def locate(self, slots: torch.Tensor) -> SlotIndex:
+        """Token slots (any shape) as page and offset, computed once per forward and used by every layer."""
+        return SlotIndex(torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size)
 
-    def get_k(self, layer: int) -> torch.Tensor:
-        return self.k_buffers[layer]
+    def set_kv(self, layer: int, at: SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k/v [n, kv_heads, head_dim] into the n slots `at` of one layer."""
+        self._k[layer][at.page, at.offset] = k.to(self.dtype)
+        self._v[layer][at.page, at.offset] = v.to(self.dtype)
 
-    def get_v(self, layer: int) -> torch.Tensor:
-        return self.v_buffers[layer]
+    def k_at(self, layer: int, at: SlotIndex) -> torch.Tensor:
+        """One layer's K of the slots `at`: [*at.shape, kv_heads, head_dim] (a copy)."""
+        return self._k[layer][at.page, at.offset]
+
+    def v_at(self, layer: int, at: SlotIndex) -> torch.Tensor:
+        return self._v[layer][at.page, at.offset]
+
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """One layer's K as a [num_pages + 1, page_size, kv_heads, head_dim] view (strided across pages)."""
+        return self._k[layer]
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        return self._v[layer]
 
     @property
     def bytes_per_page(self) -> int:
-        """One page of one layer's K (or V)."""
-        return self.page_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+        """One page: K and V of page_size tokens across every layer, contiguous."""
+        return self.buffer[0].numel() * self.buffer.element_size()
 
     @property
     def total_bytes(self) -> int:
-        return 2 * self.num_layers * (self.num_pages + 1) * self.bytes_per_page
+        return (self.num_pages + 1) * self.bytes_per_page
 
     def buffer_infos(self) -> list[BufferInfo]:
-        """All K layers, then all V layers (SGLang's order): what a transfer engine registers."""
-        return [
-            BufferInfo(b.data_ptr(), b.numel() * b.element_size(), self.bytes_per_page)
-            for b in self.k_buffers + self.v_buffers
-        ]
+        """What a transfer engine registers: the one buffer."""
+        return [BufferInfo(self.buffer.data_ptr(), self.total_bytes, self.bytes_per_page)]

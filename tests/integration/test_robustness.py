@@ -166,7 +166,7 @@ def test_a_decode_registering_another_layout_is_refused_with_the_field_named(clu
     ctx = zmq.Context.instance()
     inbox = ctx.socket(zmq.PULL)
     port = inbox.bind_to_random_port("tcp://127.0.0.1")
-    liar = Register("liar", f"tcp://127.0.0.1:{port}", b"127.0.0.1:1", [4096] * 4, [64] * 4, 8, 4, 4096, 188, 2)
+    liar = Register("liar", f"tcp://127.0.0.1:{port}", b"127.0.0.1:1", [4096], [64], 8, 4, 4096, 188, 2)
     out = ctx.socket(zmq.PUSH)
     out.connect(endpoint)
     refused_before = metric(prefill.url, "tandem_kv_transfer_events_total", event="peers_refused")

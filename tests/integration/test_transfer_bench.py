@@ -32,11 +32,11 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 def test_transfer_bench_finishes_and_reports_both_backends():
     for module in ("mooncake.engine", "nixl._api"):
         pytest.importorskip(module)
-    done = run_bench("--backends", "nixl", "mooncake", "--cases", CASE, "--repeat", "2")
+    done = run_bench("--backends", "nixl", "mooncake", "--cases", CASE, "--repeat", "2", "--layouts", "page-major")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if CASE in line and "done" not in line]
     assert [r[0] for r in rows] == ["nixl", "mooncake"], done.stdout
     for r in rows:
-        mib, pieces, *speeds = r[3:]
-        assert mib == "90.0" and pieces == "7680"  # 60 buffers x 128 pages, none adjacent at the decode
+        mib, pieces, *speeds = r[4:]
+        assert r[3] == "page-major" and mib == "90.0" and pieces == "128"  # one piece per page, none adjacent at the decode
         assert all(float(x) > 0 for x in speeds), r

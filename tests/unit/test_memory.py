@@ -8,7 +8,7 @@ import torch
 
 from common.memory.allocator import PagedAllocator
 from common.memory.errors import MemoryIntegrityError
-from common.memory.kv_pool import KVPool
+from common.memory.kv_pool import BufferInfo, KVPool
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 
@@ -59,18 +59,25 @@ def test_allocator_raises_when_exhausted():
 
 
 # -- pools -------------------------------------------------------------------------------------
-def test_kv_pool_layout_and_buffer_infos():
+def test_kv_pool_is_page_major_and_one_buffer():
     pool = KVPool(num_layers=3, num_pages=5, page_size=4, kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
-    assert pool.k_buffers[0].shape == (24, 2, 8)
-    infos = pool.buffer_infos()
-    assert len(infos) == 6
-    assert infos[0].data_ptr == pool.k_buffers[0].data_ptr() and infos[3].data_ptr == pool.v_buffers[0].data_ptr()
-    assert all(i.nbytes == 24 * 2 * 8 * 4 and i.bytes_per_page == 4 * 2 * 8 * 4 for i in infos)
-    loc = torch.tensor([4, 9])
+    page_bytes = 3 * 2 * 4 * 2 * 8 * 4  # layers x (K, V) x page_size x heads x dim x fp32
+    assert pool.bytes_per_page == page_bytes and pool.total_bytes == 6 * page_bytes
+    assert pool.buffer_infos() == [BufferInfo(pool.buffer.data_ptr(), 6 * page_bytes, page_bytes)]
+    assert pool.k_pages(1).shape == (6, 4, 2, 8)
+    loc = torch.tensor([4, 9])  # page 1 offset 0, page 2 offset 1
     k = torch.randn(2, 2, 8)
-    pool.set_kv(1, loc, k, -k)
-    assert torch.equal(pool.get_k(1)[loc], k) and torch.equal(pool.get_v(1)[loc], -k)
-    assert pool.get_k(0).abs().sum() == 0
+    at = pool.locate(loc)
+    assert at.page.tolist() == [1, 2] and at.offset.tolist() == [0, 1]
+    pool.set_kv(1, at, k, -k)
+    assert torch.equal(pool.k_at(1, at), k) and torch.equal(pool.v_at(1, at), -k)
+    assert torch.equal(pool.k_pages(1)[2, 1], k[1]) and pool.k_pages(0).abs().sum() == 0
+    # every byte of page 2 lies in [2 * page_bytes, 3 * page_bytes) of the buffer: one transfer piece
+    flat = pool.buffer.view(-1)
+    per_page = page_bytes // 4
+    assert torch.equal(flat[2 * per_page:3 * per_page].view(3, 2, 4, 2, 8)[1, 0, 1], k[1])
+    assert torch.equal(flat[2 * per_page:3 * per_page].view(3, 2, 4, 2, 8)[1, 1, 1], -k[1])
+    assert flat[:per_page].abs().sum() == 0 and flat[3 * per_page:].abs().sum() == 0
 
 
 def test_req_to_token_pool_alloc_free_and_exhaustion():
