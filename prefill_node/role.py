@@ -1,10 +1,14 @@
-"""Prefill role: a request waits until a decode has reserved pages for it, is prefilled (in chunks) by
-the scheduler, streams each chunk's KV pages to the decode, sends the aux record with the last chunk,
-and waits in `inflight` until the transfer is done; then its KV stays in the radix cache.
+"""Prefill role: a request is prefilled (in chunks) by the scheduler as soon as it arrives, while its
+decode reserves pages; each computed chunk's KV pages go to the decode once it has said where (its room
+request), the aux record with the last chunk; then the request waits in `inflight` until the transfer
+is done, and its KV stays in the radix cache.
 
-    awaiting_decode --(decode sent page ids)--> scheduler's prefill queue --(prompt computed)--> inflight --> done
-       no row, no KV                           row + KV, chunks sent as computed                 row + KV until
-                                                                                                  Success/Failed
+    scheduler's prefill queue --(prompt computed)--> inflight --(room Success/Failed)--> done
+      row + KV; each chunk sent once paired          row + KV; the rest sent once paired
+
+Pairing overlaps the forward (vLLM's NIXL connector also computes first): the prefill does not wait
+for the decode's round trip before computing. A request whose decode has not asked for its room within
+--pairing-timeout-s fails with 504, freeing what it holds.
 
 A request with max_new_tokens 0 needs no decode: it is computed like a monolithic one, no room.
 
@@ -33,10 +37,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Outbound:
-    """One request's transfer: its sender and how many prompt tokens' pages it queued so far."""
+    """One request's transfer: its sender, how far its prompt is computed and how much of that is queued,
+    and the aux record until it is queued (with the last pages)."""
 
     sender: KVSender
+    paired: bool = False  # the decode said where the pages go
+    computed_tokens: int = 0
     sent_tokens: int = 0
+    aux: bytes | None = None
 
 
 class PrefillRole(Role):
@@ -44,8 +52,7 @@ class PrefillRole(Role):
         self.scheduler, self.kv_manager, self.config = scheduler, kv_manager, config
         self.instance_id = kv_manager.instance_id
         kv_manager.wake_scheduler = scheduler.wake
-        self.awaiting_decode: list[Req] = []  # no decode has reserved pages for these yet
-        self.inflight: list[Req] = []  # prompt computed, KV on its way
+        self.inflight: list[Req] = []  # prompt computed, KV on its way (or waiting for the decode to pair)
         self.outbound: dict[Req, Outbound] = {}
 
     # -- admission -----------------------------------------------------------------------------
@@ -60,68 +67,66 @@ class PrefillRole(Role):
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True
-        req.status = ReqStatus.PAIRING
-        self.awaiting_decode.append(req)
-        return True
+        return False  # computed at once, while the decode reserves its pages
 
     def poll(self) -> None:
-        for req in list(self.awaiting_decode):
-            self.scheduler.guarded(req, "waiting for the decode", lambda: self._poll_awaiting(req))
-        awaiting = set(self.awaiting_decode)
-        for req in [r for r in self.outbound if r not in awaiting]:  # being computed, or its KV in flight
-            self.scheduler.guarded(req, "sending its KV", lambda: self._poll_sending(req))
+        for req in list(self.outbound):
+            self.scheduler.guarded(req, "sending its KV", lambda: self._poll_room(req))
 
-    def _poll_awaiting(self, req: Req) -> None:
-        sender = self.outbound[req].sender
-        state = sender.poll()
+    def _poll_room(self, req: Req) -> None:
+        """A room that failed ends its request at once, also one whose prompt is still being computed (its
+        remaining chunks would go nowhere)."""
+        out = self.outbound.get(req)
+        if out is None:
+            return
+        state = out.sender.poll()
         if state == KVPoll.Failed:
-            self.scheduler.fail(req, f"decode peer failed before the transfer: {sender.failure_reason}")
-        elif state >= KVPoll.WaitingForInput:
-            self._start_prefill(req, sender)
-        elif self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
+            what = "KV transfer failed" if out.paired else "decode peer failed before the transfer"
+            self.scheduler.fail(req, f"{what}: {out.sender.failure_reason}")
+        elif state == KVPoll.Success and req in self.inflight:
+            self.scheduler.finish(req, FinishReason("length"))
+        elif not out.paired and state >= KVPoll.WaitingForInput:
+            self._flush(req, out)
+        elif not out.paired and self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
             self.scheduler.fail(req, f"no decode server reserved memory for room {req.rendezvous.room} "
                                      f"within {self.config.pairing_timeout_s:g} s", 504)
 
-    def _start_prefill(self, req: Req, sender: KVSender) -> None:
-        need = -(-len(req.prompt_ids) // self.config.page_size)
-        self.awaiting_decode.remove(req)
-        if sender.num_dst_pages != need:
-            self.scheduler.fail(req, f"decode reserved {sender.num_dst_pages} pages, the prompt needs {need}", 500)
-            return
-        req.status = ReqStatus.WAITING
-        self.scheduler.prefill.add(req)
-
-    def _poll_sending(self, req: Req) -> None:
-        """A room that failed ends its request at once, also one whose prompt is still being computed (its
-        remaining chunks would go nowhere)."""
-        sender = self.outbound[req].sender
-        state = sender.poll()
-        if state == KVPoll.Failed:
-            self.scheduler.fail(req, f"KV transfer failed: {sender.failure_reason}")
-        elif state == KVPoll.Success and req in self.inflight:
-            self.scheduler.finish(req, FinishReason("length"))
-
     # -- sending -------------------------------------------------------------------------------
     def on_computed(self, req: Req, extend_len: int, sampled: Sampled | None) -> bool:
-        if req not in self.outbound:
+        out = self.outbound.get(req)
+        if out is None:
             return False
-        if sampled is None:  # a middle chunk; the last one goes with the aux record, once the first token is known
-            self._send(req, req.kv_len, aux=None)
+        out.computed_tokens = req.kv_len if sampled is None else len(req.prompt_ids)
+        if sampled is not None:  # the last chunk goes with the aux record, once the first token is known
+            token, logprob, top = sampled
+            out.aux = AuxRecord(req.rendezvous.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top).pack()
+        self._flush(req, out)  # first: the decode's first token waits on it
+        if sampled is None or req.finished:
             return True
-        token, logprob, top = sampled
-        aux = AuxRecord(req.rendezvous.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top)
-        self._send(req, len(req.prompt_ids), aux=aux.pack())  # first: the decode's first token waits on it
         self.scheduler.output.commit_token(req, token, logprob, top)
         req.status = ReqStatus.TRANSFERRING
         self.inflight.append(req)
         return True
 
-    def _send(self, req: Req, upto: int, aux: bytes | None) -> None:
-        """Queue the pages holding tokens [sent, upto) of `req`; `upto` is page-aligned except at the end."""
-        out = self.outbound[req]
-        pages = self.scheduler.memory.page_ids(req, out.sent_tokens, upto)
-        out.sent_tokens = upto
+    def _flush(self, req: Req, out: Outbound) -> None:
+        """Queue the pages of tokens computed but not yet queued (page-aligned but at the prompt's end),
+        with the aux record once the prompt is complete; nothing until the decode has said where."""
+        if not out.paired and (out.sender.poll() < KVPoll.WaitingForInput or not self._pair(req, out)):
+            return
+        if out.sent_tokens == out.computed_tokens and out.aux is None:
+            return
+        pages = self.scheduler.memory.page_ids(req, out.sent_tokens, out.computed_tokens)
+        aux, out.aux, out.sent_tokens = out.aux, None, out.computed_tokens
         out.sender.send(pages, is_last=aux is not None, aux=aux)
+
+    def _pair(self, req: Req, out: Outbound) -> bool:
+        """The decode asked for the room: True if its pages fit the prompt, else the request fails."""
+        need = -(-len(req.prompt_ids) // self.config.page_size)
+        if out.sender.num_dst_pages != need:
+            self.scheduler.fail(req, f"decode reserved {out.sender.num_dst_pages} pages, the prompt needs {need}", 500)
+            return False
+        out.paired = True
+        return True
 
     # -- exits ---------------------------------------------------------------------------------
     def release(self, req: Req, reason: FinishReason) -> bool:
@@ -130,23 +135,23 @@ class PrefillRole(Role):
             if reason.type == "abort":
                 out.sender.abort(reason.message or "aborted")
             out.sender.release()  # drop the room from the manager's table
-        for q in (self.awaiting_decode, self.inflight):
-            if req in q:
-                q.remove(req)
+        if req in self.inflight:
+            self.inflight.remove(req)
         return True
 
     def requests(self) -> list[Req]:
-        return self.awaiting_decode + self.inflight
+        return list(self.inflight)
 
     def check_integrity(self) -> None:
-        if any(req.finished for req in self.outbound) or not {*self.awaiting_decode, *self.inflight} <= set(self.outbound):
+        if any(req.finished for req in self.outbound) or not set(self.inflight) <= set(self.outbound):
             raise MemoryIntegrityError("a prefill room is held by a finished request, or a queued request has none")
 
     def info(self) -> dict:
         return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint, **self.queue_depths()}
 
     def queue_depths(self) -> dict[str, int]:
-        return {"awaiting_decode": len(self.awaiting_decode), "inflight": len(self.inflight)}
+        """awaiting_decode: requests whose decode has not said where their KV goes (computing or computed)."""
+        return {"awaiting_decode": sum(1 for out in list(self.outbound.values()) if not out.paired), "inflight": len(self.inflight)}
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued for prefill (also after retraction)
-    PAIRING = "pairing"  # PD: waiting for the peer (decode pages reserved) before any compute or transfer
+    PAIRING = "pairing"  # decode: waiting to reserve pages and reach the prefill, before any compute
     TRANSFERRING = "transferring"  # PD: KV is moving between prefill and decode
     RUNNING = "running"  # prefilled; in the decode batch
     FINISHED = "finished"

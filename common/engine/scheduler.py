@@ -43,6 +43,8 @@ class Scheduler:
         self.role = role or Role()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.woken = threading.Event()  # set by wake(); the scheduler thread waits on it between steps
+        self._live = 0  # requests submitted and not finished (any thread reads it: see num_queued)
+        self._live_lock = threading.Lock()
 
     # -- called from other threads -------------------------------------------------------------
     def wake(self) -> None:
@@ -51,6 +53,8 @@ class Scheduler:
         self.woken.set()
 
     def submit(self, req: Req) -> None:
+        with self._live_lock:
+            self._live += 1
         self.inbox.put(("add", req))
         self.wake()
 
@@ -183,6 +187,8 @@ class Scheduler:
         self.prefill.remove(req)
         self.decode.remove(req)
         req.status = ReqStatus.FINISHED
+        with self._live_lock:
+            self._live -= 1
         try:
             self.output.finish(req, reason)
         except Exception:
@@ -205,8 +211,9 @@ class Scheduler:
         return [*self.prefill.requests(), *self.decode.running, *self.role.requests()]
 
     def num_queued(self) -> int:
-        """Requests not yet running (read from other threads: an estimate)."""
-        return len(self.prefill.waiting) + sum(1 for r in self.role.requests() if not r.finished)
+        """Requests submitted, not finished and not in the decode batch: in the inbox, waiting for or in
+        a prefill forward, or in the role's queues (read from other threads)."""
+        return self._live - len(self.decode.running)
 
     def has_work(self) -> bool:
         return bool(self.prefill.waiting or self.prefill.chunked or self.decode.running or self.role.requests())

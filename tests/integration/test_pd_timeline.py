@@ -15,11 +15,12 @@ from tests.integration.faults import wait_until
 
 FLAGS = ("--page-size", "16", "--chunked-prefill-size", "32")
 N = 3
-# (earlier, later): each pair in protocol order, "half.event"; both halves run on this host's monotonic clock
+# (earlier, later): each pair in protocol order, "half.event"; both halves run on this host's monotonic clock.
+# The prefill computes while the decode pairs: only its chunks wait for the room request.
 ORDER = [
     ("decode.arrival", "decode.admitted"), ("decode.admitted", "decode.peer_found"),
     ("decode.peer_found", "decode.pages_reserved"), ("decode.pages_reserved", "prefill.room_request_received"),
-    ("prefill.admitted", "prefill.prefill_start"), ("prefill.room_request_received", "prefill.prefill_start"),
+    ("prefill.admitted", "prefill.prefill_start"), ("prefill.room_request_received", "prefill.chunk_queued"),
     ("prefill.prefill_start", "prefill.forward_done"), ("prefill.forward_done", "prefill.chunk_queued"),
     ("prefill.chunk_queued", "prefill.chunk_written"), ("prefill.chunk_written", "prefill.aux_written"),
     ("prefill.aux_written", "decode.status_received"), ("decode.status_received", "decode.first_token_committed"),

@@ -315,5 +315,21 @@ def test_a_prefill_stops_computing_a_prompt_whose_room_failed():
         m.net.deliver(0)
     m.prefill.sched.step()
     assert pair.prefill.finished  # one step after the failure, with 8 of 30 tokens computed (not 16, unfinished)
-    assert "KV transfer failed" in pair.prefill.finish.message
+    assert "decode aborted: client went away" in pair.prefill.finish.message
     m.teardown()  # every half ended, every pool back to idle
+
+
+def test_a_prefill_computes_its_prompt_while_the_decode_pairs():
+    """The prefill computes the whole prompt before the decode's room request reaches it (no frame is
+    delivered), holding its pages but queueing none; once the request is in, the pages and the aux
+    record go out and the decode's tokens are exact."""
+    m = KVHandoff()
+    m.new_request(prompt_len=30, max_new=2, stream_first=False)
+    pair, role = m.pairs[0], m.prefill.sched.role
+    for _ in range(6):  # 8 tokens a step
+        m.prefill.sched.step()
+    assert pair.prefill.kv_len == 30 and pair.prefill in role.inflight and not pair.prefill.finished
+    assert role.queue_depths() == {"awaiting_decode": 1, "inflight": 1}
+    assert role.outbound[pair.prefill].sent_tokens == 0 and not any(w.chunks for w in m.prefill.manager.workers.alive())
+    m.teardown()  # the decode pairs, the KV moves, every pool back to idle
+    assert pair.decode.finish.type == "length" and pair.decode.output_ids == [31, 32]
