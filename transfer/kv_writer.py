@@ -52,7 +52,8 @@ def layout_problem(mine_bytes_per_page: list[int], page_size: int, aux_record_by
     if peer.page_size != page_size:
         return f"page_size: decode has {peer.page_size}, prefill has {page_size}"
     if len(peer.kv_ptrs) != len(mine_bytes_per_page):
-        return f"kv_ptrs: decode registered {len(peer.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)}"
+        return (f"kv_ptrs: decode registered {len(peer.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)} "
+                "(a page-major pool registers one: run one Tandem version on both)")
     if peer.bytes_per_page != mine_bytes_per_page:
         return f"bytes_per_page: decode has {peer.bytes_per_page[:4]}..., prefill has {mine_bytes_per_page[:4]}..."
     if aux_record_bytes and peer.aux_record_bytes != aux_record_bytes:
