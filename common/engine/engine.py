@@ -165,11 +165,12 @@ class Engine:
         self.scheduler.run_on_scheduler(call)
         return fut
 
-    async def generate(self, req: Req) -> AsyncIterator[OutputEvent]:
-        """Submit `req` and yield its events; leaving early (client gone) aborts it."""
+    async def generate(self, req: Req, stream: bool = True) -> AsyncIterator[OutputEvent]:
+        """Submit `req` and yield its events (with `stream` False, all of them once it ended); leaving
+        early (client gone) aborts it."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[OutputEvent] = asyncio.Queue()
-        req.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        req.sink = event_sink(loop, events, stream)
         req.arrival_time = time.monotonic()
         req.timeline.mark("arrival", req.arrival_time)
         self.submit(req)
@@ -186,3 +187,19 @@ class Engine:
             if not finished:
                 self.abort(req)
             report(req.rid, req.arrival_time, req.timeline, self.metrics.spans)
+
+
+def event_sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, stream: bool) -> Callable[[OutputEvent], None]:
+    """How the scheduler thread hands a request's events to its HTTP handler: each at once when it
+    streams; otherwise all together with the last one, so a JSON answer wakes the event loop once per
+    request instead of once per token (a thread switch and a syscall each)."""
+    if stream:
+        return lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+    held: list[OutputEvent] = []
+
+    def hold(ev: OutputEvent) -> None:
+        held.append(ev)
+        if ev.finish is not None:  # the last event of a request
+            loop.call_soon_threadsafe(lambda: [events.put_nowait(e) for e in held])
+
+    return hold

@@ -99,17 +99,18 @@ def make_reqs(gen: GenInput) -> list[Req]:
     return reqs
 
 
-async def stream_choices(engine: Engine, gen: GenInput) -> AsyncIterator[tuple[int, OutputEvent]]:
-    """Run the `n` requests of `gen` concurrently; yield (choice index, event) as they come."""
+async def stream_choices(engine: Engine, gen: GenInput, stream: bool = True) -> AsyncIterator[tuple[int, OutputEvent]]:
+    """Run the `n` requests of `gen` concurrently; yield (choice index, event) as they come (with `stream`
+    False, each request's events once it ended)."""
     reqs = make_reqs(gen)
     if len(reqs) == 1:
-        async for ev in engine.generate(reqs[0]):
+        async for ev in engine.generate(reqs[0], stream):
             yield 0, ev
         return
     merged: asyncio.Queue[tuple[int, OutputEvent | None]] = asyncio.Queue()
 
     async def pump(i: int, req: Req) -> None:
-        async for ev in engine.generate(req):
+        async for ev in engine.generate(req, stream):
             await merged.put((i, ev))
         await merged.put((i, None))
 
@@ -144,7 +145,7 @@ async def collect(engine: Engine, gen: GenInput, request: Any = None) -> list[Ch
 
 async def _collect(engine: Engine, gen: GenInput) -> list[Choice]:
     choices = [Choice(i) for i in range(gen.params.n)]
-    async for i, ev in stream_choices(engine, gen):
+    async for i, ev in stream_choices(engine, gen, stream=False):
         choices[i].add(ev)
     for c in choices:
         raise_if_failed(c.finish)
