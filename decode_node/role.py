@@ -205,6 +205,9 @@ class DecodeRole(Role):
         self._drop_transfer_state(req)
         return True
 
+    def memory_returning(self) -> bool:
+        return bool(self.draining)
+
     def requests(self) -> list[Req]:
         return self.prealloc + self.transferring + self.draining
 

@@ -33,6 +33,12 @@ class Role:
         complete. True if the role takes the request over from here."""
         return False
 
+    def memory_returning(self) -> bool:
+        """Whether pages of ended requests come back soon with no one's action (a decode's draining
+        rooms, each within its bound): the scheduler then waits for them rather than failing a running
+        request that the pool cannot fit."""
+        return False
+
     def release(self, req: Req, reason: FinishReason) -> bool:
         """`req` ended: free the role's resources for it. False if its memory must outlive it (a peer may
         still write into its pages); the role then frees it later through Scheduler.free()."""

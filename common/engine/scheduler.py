@@ -125,7 +125,7 @@ class Scheduler:
             plan = self.decode.schedule()
         except Exception as e:
             return self._fail_all(list(self.decode.running), f"internal error scheduling a decode batch: {e!r}")
-        if plan is None and self.decode.running:
+        if plan is None and self.decode.running and not self.role.memory_returning():
             self.fail(self.decode.running[0], "KV cache exhausted", 503)
         return plan
 

@@ -9,6 +9,7 @@ from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan, BatchResult
 from common.engine.output import OutputProcessor
 from common.engine.request import Req
+from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
@@ -193,3 +194,43 @@ def test_without_radix_cache_every_page_returns_to_the_free_list():
     run_until_idle(s)
     counts = s.memory.check_integrity()
     assert counts.free == 64
+
+
+class PagesElsewhere(Role):
+    """Holds `pages` of the pool outside any request, as a decode's draining rooms do, and gives them
+    back at its `give_back_at`-th poll; says they are coming back only when `returning`."""
+
+    def __init__(self, s: Scheduler, pages: int, give_back_at: int, returning: bool):
+        self.s, self.held, self.give_back_at, self.returning, self.polls = s, s.memory.allocator.alloc(pages), give_back_at, returning, 0
+
+    def poll(self) -> None:
+        self.polls += 1
+        if self.held and self.polls >= self.give_back_at:
+            self.s.memory.allocator.free(self.held)
+            self.held = []
+
+    def memory_returning(self) -> bool:
+        return self.returning and bool(self.held)
+
+
+@pytest.mark.parametrize("returning", [True, False])
+def test_a_request_the_pool_cannot_fit_waits_for_pages_coming_back_else_fails_503(returning):
+    """One running request needs a third page while two of the four are held elsewhere: it waits when
+    they are on their way back (a decode's draining rooms) and then finishes exactly; otherwise it
+    fails with 503 at once, as nothing would free them."""
+    s, _ = make(pages=4, page_size=4)
+    s.role = PagesElsewhere(s, 2, give_back_at=30, returning=returning)
+    r = req("r", list(range(1, 8)), max_new=8)
+    s.add_request(r)
+    for _ in range(60):
+        s.step()
+        if r.finished:
+            break
+    if returning:
+        assert r.finish.type == "length" and r.output_ids == expected_output(r.prompt_ids, 8)
+        assert s.role.polls >= 30  # it waited for them
+    else:
+        assert r.finish.type == "abort" and r.finish.status == 503 and "KV cache exhausted" in r.finish.message
+        assert s.role.polls < 30
+        s.memory.allocator.free(s.role.held)
+    s.memory.check_integrity()
