@@ -118,7 +118,8 @@ class DecodeRole(Role):
             self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
             return True
         memory, n = self.scheduler.memory, len(req.prompt_ids)
-        if self.scheduler.slots_left() <= 0 or not memory.can_admit() or not self.aux_pool.can_alloc():
+        starved = self.scheduler.starved_since is not None  # returning pages go to the running batch first
+        if starved or self.scheduler.slots_left() <= 0 or not memory.can_admit() or not self.aux_pool.can_alloc():
             return False
         memory.admit(req, 0)
         if not memory.can_extend(req, n + min(req.params.max_new_tokens, 16)):

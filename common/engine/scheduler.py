@@ -43,6 +43,7 @@ class Scheduler:
         self.role = role or Role()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.woken = threading.Event()  # set by wake(); the scheduler thread waits on it between steps
+        self.starved_since: float | None = None  # since when no running request fits the pool (None: they fit)
         self._live = 0  # requests submitted and not finished (any thread reads it: see num_queued)
         self._live_lock = threading.Lock()
 
@@ -125,9 +126,21 @@ class Scheduler:
             plan = self.decode.schedule()
         except Exception as e:
             return self._fail_all(list(self.decode.running), f"internal error scheduling a decode batch: {e!r}")
-        if plan is None and self.decode.running and not self.role.memory_returning():
-            self.fail(self.decode.running[0], "KV cache exhausted", 503)
+        self._check_starved(plan)
         return plan
+
+    def _check_starved(self, plan: BatchPlan | None) -> None:
+        """Not even one running request fits the pool: wait while the role has pages on their way back
+        (at most --transfer-timeout-s; the role reserves no new pages meanwhile), else end it with 503."""
+        if plan is not None or not self.decode.running:
+            self.starved_since = None
+            return
+        now = self.clock()
+        if self.starved_since is None:
+            self.starved_since = now
+        if not self.role.memory_returning() or now - self.starved_since > self.config.transfer_timeout_s:
+            self.starved_since = None
+            self.fail(self.decode.running[0], "KV cache exhausted", 503)
 
     def slots_left(self) -> int:
         """Request rows still free: --max-running-requests less the running batch and the rows the role holds."""

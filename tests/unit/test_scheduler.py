@@ -234,3 +234,23 @@ def test_a_request_the_pool_cannot_fit_waits_for_pages_coming_back_else_fails_50
         assert s.role.polls < 30
         s.memory.allocator.free(s.role.held)
     s.memory.check_integrity()
+
+
+def test_waiting_for_pages_coming_back_ends_at_the_transfer_timeout():
+    """Pages said to be on their way back that never come: the running request ends with 503 once
+    --transfer-timeout-s has passed, not never."""
+    s, _ = make(pages=4, page_size=4, transfer_timeout_s=1)
+    now = [0.0]
+    s.clock = lambda: now[0]
+    s.role = PagesElsewhere(s, 2, give_back_at=10**9, returning=True)
+    r = req("r", list(range(1, 8)), max_new=8)
+    s.add_request(r)
+    for _ in range(40):
+        s.step()
+        now[0] += 0.1
+        if r.finished:
+            break
+    assert r.finish.status == 503 and "KV cache exhausted" in r.finish.message
+    assert 1.0 < now[0] <= 1.5 and s.starved_since is None
+    s.memory.allocator.free(s.role.held)
+    s.memory.check_integrity()
