@@ -1,9 +1,13 @@
 """Decode role: find the request's prefill peer, pre-allocate a row, KV pages for the whole prompt and
-an aux slot, tell prefill where to write, wait for Success, commit the first token from the aux record
-and join the decode batch with no prefill forward.
+an aux slot, tell prefill where to write, commit the first token as soon as the prefill sends its aux
+record ahead of the KV (FirstToken), wait for Success and join the decode batch with no prefill forward.
+The same record comes with the KV: it must equal the one sent ahead; if that one was lost, the first
+token is committed from it at Success. A first token that ends the request ends it at Success, so the
+prefill's writes finish normally.
 
     prealloc --(row + pages + aux slot reserved, receiver.init)--> transferring --(Success)--> decode batch
       nothing held (a room claimed)                               row + prompt KV + aux slot
+                                                                  first token streamed on FirstToken
                                                                          |
                                                      (failed / aborted before the prefill's status)
                                                                          v
@@ -51,6 +55,8 @@ class Inbound:
     receiver: KVReceiver | None = None
     aux_slot: int | None = None
     drain_deadline: float | None = None
+    committed_ahead: bytes | None = None  # the aux record whose first token was committed before the KV landed
+    finish_ahead: FinishReason | None = None  # that token ended the request: it ends once the KV is in
 
 
 class DecodeRole(Role):
@@ -135,12 +141,57 @@ class DecodeRole(Role):
         return True
 
     def _poll_transfer(self, req: Req) -> None:
-        receiver = self.inbound[req].receiver
-        state = receiver.poll()
+        inb = self.inbound[req]
+        state = inb.receiver.poll()
         if state == KVPoll.Success:
-            self._commit_first_token(req)
+            self._kv_arrived(req, inb)
         elif state == KVPoll.Failed:
-            self.scheduler.fail(req, f"KV transfer failed: {receiver.failure_reason}")
+            self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
+        elif inb.committed_ahead is None and inb.receiver.first_record is not None:
+            self._commit_ahead(req, inb, inb.receiver.first_record)
+
+    def _commit_ahead(self, req: Req, inb: Inbound, raw: bytes) -> None:
+        """The first token, sent ahead of the KV: to the client now; the request joins the decode batch
+        (or, when this token ended it, ends) once the KV has landed."""
+        rec = self._valid_record(req, raw)
+        if rec is None:
+            return
+        inb.committed_ahead = raw
+        req.prefix_hit_len = rec.cached_tokens
+        inb.finish_ahead = self.scheduler.output.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
+
+    def _kv_arrived(self, req: Req, inb: Inbound) -> None:
+        raw = self.aux_pool.read(inb.aux_slot)
+        if inb.committed_ahead is not None and raw != inb.committed_ahead:
+            self.scheduler.fail(req, "invalid aux record from prefill: it differs from the one sent ahead of the KV", 502)
+            return
+        rec = self._valid_record(req, raw) if inb.committed_ahead is None else None
+        if inb.committed_ahead is None and rec is None:
+            return
+        self.transferring.remove(req)
+        self._drop_transfer_state(req)
+        self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
+        finish = inb.finish_ahead
+        if rec is not None:
+            req.prefix_hit_len = rec.cached_tokens
+            finish = self.scheduler.output.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
+        if finish is not None:
+            self.scheduler.finish(req, finish)
+        else:
+            self.scheduler.decode.add(req)
+
+    def _valid_record(self, req: Req, raw: bytes) -> AuxRecord | None:
+        """The aux record, or None after failing the request (502) when it is unusable."""
+        try:
+            rec = AuxRecord.unpack(raw)
+        except ValueError as e:
+            problem: str | None = str(e)
+        else:
+            problem = self._aux_problem(req, rec)
+        if problem is not None:
+            self.scheduler.fail(req, f"invalid aux record from prefill: {problem}", 502)
+            return None
+        return rec
 
     def _poll_drain(self, req: Req) -> None:
         inb = self.inbound[req]
@@ -152,22 +203,6 @@ class DecodeRole(Role):
             self.draining.remove(req)
             self._drop_transfer_state(req)
             self.scheduler.free(req)
-
-    def _commit_first_token(self, req: Req) -> None:
-        rec = AuxRecord.unpack(self.aux_pool.read(self.inbound[req].aux_slot))
-        problem = self._aux_problem(req, rec)
-        if problem is not None:
-            self.scheduler.fail(req, f"invalid aux record from prefill: {problem}", 502)
-            return
-        self.transferring.remove(req)
-        self._drop_transfer_state(req)
-        self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
-        req.prefix_hit_len = rec.cached_tokens
-        finish = self.scheduler.output.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
-        if finish is not None:
-            self.scheduler.finish(req, finish)
-        else:
-            self.scheduler.decode.add(req)
 
     def _aux_problem(self, req: Req, rec: AuxRecord) -> str | None:
         """What makes the record unusable, if anything: it must belong to this room and prompt, and

@@ -8,7 +8,7 @@ from typing import Callable
 
 from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
-from transfer.messages import BadMessage, Envelope, Ping, Pong, Register, Status
+from transfer.messages import BadMessage, Envelope, FirstToken, Ping, Pong, Register, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
 
 log = logging.getLogger(__name__)
@@ -33,17 +33,24 @@ class DecodeKVManager(KVManager):
     def handle(self, msg: object, envelope: Envelope) -> None:
         if isinstance(msg, Status):
             self._on_status(msg, envelope)
+        elif isinstance(msg, FirstToken):
+            self._room_of(msg.room, envelope, "first token").first_record = msg.record
         elif isinstance(msg, Pong):
             self.liveness.seen(msg.endpoint, envelope.sent_at)
         else:
             raise BadMessage(f"{type(msg).__name__} is not for a decode server")
 
-    def _on_status(self, msg: Status, envelope: Envelope) -> None:
-        room = self.table.get(msg.room)
+    def _room_of(self, room_id: int, envelope: Envelope, what: str) -> DecodeRoom:
+        """The room a prefill's message is about; BadMessage unless that prefill owns it."""
+        room = self.table.get(room_id)
         if room is None:
-            raise BadMessage(f"status for unknown room {msg.room}")
+            raise BadMessage(f"{what} for unknown room {room_id}")
         if envelope.sender != room.peer_id:
-            raise BadMessage(f"status for room {msg.room} from {envelope.sender}, not from its prefill {room.peer_id}")
+            raise BadMessage(f"{what} for room {room_id} from {envelope.sender}, not from its prefill {room.peer_id}")
+        return room
+
+    def _on_status(self, msg: Status, envelope: Envelope) -> None:
+        room = self._room_of(msg.room, envelope, "status")
         room.status_received = True
         room.mark("status_received")
         self.liveness.seen(room.peer, envelope.sent_at)

@@ -28,6 +28,7 @@ class DecodeRoom:
     requested_at: float | None = None  # when (the manager's clock), for the room's latency
     status_received: bool = False  # the prefill's final word arrived; nothing more will land
     peer_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
+    first_record: bytes | None = None  # the aux record sent ahead of the KV (FirstToken), if it came
     mark: Mark = no_mark  # the request's timeline
 
     def pages_reusable(self, now: float, interval_s: float) -> bool:

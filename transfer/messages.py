@@ -86,12 +86,22 @@ class Status:
     reason: str
 
 
-KINDS = {"register": Register, "request": RoomRequest, "abort": Abort, "ping": Ping, "pong": Pong, "status": Status}
+@dataclass
+class FirstToken:
+    """The room's aux record (first sampled token), sent as soon as it is known, ahead of the KV: the
+    decode may stream the token before the pages land; the same record still comes with the KV."""
+
+    room: int
+    record: bytes
+
+
+KINDS = {"register": Register, "request": RoomRequest, "abort": Abort, "ping": Ping, "pong": Pong, "status": Status,
+         "first_token": FirstToken}
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "decode_id": (str,), "status_endpoint": (str,), "backend_address": (bytes,), "kv_ptrs": (list,),
     "bytes_per_page": (list,), "num_pages": (int,), "page_size": (int,), "aux_ptr": (int,),
     "aux_record_bytes": (int,), "aux_slots": (int,), "room": (int,), "dst_pages": (list,),
-    "aux_slot": (int,), "reason": (str,), "ok": (bool,), "endpoint": (str,),
+    "aux_slot": (int,), "reason": (str,), "ok": (bool,), "endpoint": (str,), "record": (bytes,),
 }
 
 
@@ -202,7 +212,7 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
 
 
 def _check_ranges(msg: Any) -> None:
-    if isinstance(msg, (RoomRequest, Abort, Status)) and not 0 <= msg.room < 2**63:
+    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room < 2**63:
         raise BadMessage("room out of range")
     if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):

@@ -15,6 +15,7 @@ from transfer.messages import (
     Abort,
     BadMessage,
     Envelope,
+    FirstToken,
     Ping,
     Pong,
     Register,
@@ -139,6 +140,14 @@ class PrefillKVManager(KVManager):
         tells it once no write is in flight."""
         if self._mark_failed(room, reason, cause) and room.request is not None:
             self.workers.owe_failure(room.request.decode_id, room)
+
+    def announce_first_token(self, room: PrefillRoom, record: bytes) -> None:
+        """Send the room's aux record to its decode now, ahead of the KV that carries it too: the decode
+        streams the first token without waiting for the write."""
+        peer = self.peers.get(room.request.decode_id)
+        if peer is not None:
+            self.send(peer.status_endpoint, FirstToken(room.room, record))
+            room.mark("first_token_sent")
 
     def enqueue(self, chunk: Chunk) -> None:
         """Hand a chunk to its decode's worker (TransferQueueFull when that queue is full)."""

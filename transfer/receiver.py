@@ -42,6 +42,11 @@ class KVReceiver:
         return s.state
 
     @property
+    def first_record(self) -> bytes | None:
+        """The aux record the prefill sent ahead of the KV, once it arrived (None before, or if it was lost)."""
+        return self.room.first_record
+
+    @property
     def failure_reason(self) -> str | None:
         return self.room.poll.reason
 

@@ -9,8 +9,8 @@ event (to its last occurrence, for events that repeat, such as a chunk written).
 Events, in the order a request meets them:
 
     every role  arrival, admitted, prefill_start, forward_done, first_token_committed, first_token_streamed
-    PD prefill  room_request_received (the decode's page ids), chunk_queued, chunk_written, aux_written,
-                status_sent
+    PD prefill  room_request_received (the decode's page ids), first_token_sent (its aux record, ahead of
+                the KV), chunk_queued, chunk_written, aux_written, status_sent
     PD decode   peer_found, pages_reserved, room_request_sent, status_received
 
 The log line carries the arrival as an absolute time.monotonic() value, so that on one host the

@@ -16,15 +16,16 @@ from tests.integration.faults import wait_until
 FLAGS = ("--page-size", "16", "--chunked-prefill-size", "32")
 N = 3
 # (earlier, later): each pair in protocol order, "half.event"; both halves run on this host's monotonic clock.
-# The prefill computes while the decode pairs: only its chunks wait for the room request.
+# The prefill computes while the decode pairs: only its chunks wait for the room request. The first token
+# goes to the decode ahead of the KV, so the decode may stream it before the status arrives.
 ORDER = [
     ("decode.arrival", "decode.admitted"), ("decode.admitted", "decode.peer_found"),
     ("decode.peer_found", "decode.pages_reserved"), ("decode.pages_reserved", "prefill.room_request_received"),
     ("prefill.admitted", "prefill.prefill_start"), ("prefill.room_request_received", "prefill.chunk_queued"),
     ("prefill.prefill_start", "prefill.forward_done"), ("prefill.forward_done", "prefill.chunk_queued"),
     ("prefill.chunk_queued", "prefill.chunk_written"), ("prefill.chunk_written", "prefill.aux_written"),
-    ("prefill.aux_written", "decode.status_received"), ("decode.status_received", "decode.first_token_committed"),
-    ("decode.first_token_committed", "decode.first_token_streamed"),
+    ("prefill.aux_written", "decode.status_received"), ("prefill.first_token_sent", "decode.first_token_committed"),
+    ("prefill.forward_done", "prefill.first_token_sent"), ("decode.first_token_committed", "decode.first_token_streamed"),
 ]
 
 
@@ -62,7 +63,7 @@ def test_both_halves_log_their_steps_in_protocol_order_and_count_them(cluster):
         steps |= {f"decode.{k}": v for k, v in timeline_of(decode, rid).items()}
         for earlier, later in ORDER:
             assert steps[earlier] <= steps[later], (rid, earlier, later, steps)
-    for server, spans in ((prefill, ("room_request_received", "prefill_start", "chunk_written", "aux_written")),
+    for server, spans in ((prefill, ("room_request_received", "prefill_start", "first_token_sent", "chunk_written", "aux_written")),
                           (decode, ("peer_found", "pages_reserved", "room_request_sent", "status_received", "first_token_streamed"))):
         for span in spans:
             assert metric(server.url, "tandem_request_span_seconds_count", span=span) == N, (server.name, span)

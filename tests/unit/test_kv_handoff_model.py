@@ -19,12 +19,13 @@ import itertools
 import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.engine.request import Req
+from common.engine.request import Req, ReqStatus
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 from decode_node.peers import Peer
@@ -333,3 +334,27 @@ def test_a_prefill_computes_its_prompt_while_the_decode_pairs():
     assert role.outbound[pair.prefill].sent_tokens == 0 and not any(w.chunks for w in m.prefill.manager.workers.alive())
     m.teardown()  # the decode pairs, the KV moves, every pool back to idle
     assert pair.decode.finish.type == "length" and pair.decode.output_ids == [31, 32]
+
+
+@pytest.mark.parametrize("max_new", [3, 1])
+def test_the_decode_streams_the_first_token_before_the_kv_lands(max_new):
+    """The prefill sends its aux record ahead of the KV: with no transfer run yet, the decode has already
+    committed the first token (the client has it) but not joined the batch; once the KV lands the
+    request goes on with exact tokens. A first token that ends the request (max_new 1) ends it only
+    then, and the prefill's half ends normally (no abort of a room still being written)."""
+    m = KVHandoff()
+    m.new_request(prompt_len=10, max_new=max_new, stream_first=False)
+    pair = m.pairs[0]
+    for _ in range(10):  # frames delivered, both schedulers step; the transfer worker never runs
+        while m.net.deliverable():
+            m.net.deliver(0)
+        m.decode.sched.step()
+        m.prefill.sched.step()
+        if pair.decode.output_ids:
+            break
+    assert pair.decode.output_ids == [11] and not pair.decode.finished
+    assert pair.decode.status == ReqStatus.TRANSFERRING and pair.decode not in m.decode.sched.decode.running
+    assert not m.decode.manager.rooms[pair.decode.rendezvous.room].status_received
+    m.teardown()
+    assert pair.decode.finish.type == "length" and pair.decode.output_ids == list(range(11, 11 + max_new))
+    assert pair.prefill.finish.type == "length"
