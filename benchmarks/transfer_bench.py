@@ -53,8 +53,6 @@ def make_buffers(layout: str, device: str, layers: int, heads: int, dim: int, pa
 
 
 def make_manager(mode: str, backend: str, device: str, layout: str, layers: int, heads: int, dim: int, pages: int, aux):
-    import torch
-
     from transfer.decode_manager import DecodeKVManager
     from transfer.manager import KVArgs
     from transfer.prefill_manager import PrefillKVManager

@@ -55,7 +55,7 @@ class Inbound:
     receiver: KVReceiver | None = None
     aux_slot: int | None = None
     drain_deadline: float | None = None
-    committed_ahead: bytes | None = None  # the aux record whose first token was committed before the KV landed
+    committed_ahead: bytes | None = None  # the aux record whose first token was committed (ahead of the KV, or with it)
     finish_ahead: FinishReason | None = None  # that token ended the request: it ends once the KV is in
 
 
@@ -148,11 +148,11 @@ class DecodeRole(Role):
         elif state == KVPoll.Failed:
             self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
         elif inb.committed_ahead is None and inb.receiver.first_record is not None:
-            self._commit_ahead(req, inb, inb.receiver.first_record)
+            self._commit_first_token(req, inb, inb.receiver.first_record)
 
-    def _commit_ahead(self, req: Req, inb: Inbound, raw: bytes) -> None:
-        """The first token, sent ahead of the KV: to the client now; the request joins the decode batch
-        (or, when this token ended it, ends) once the KV has landed."""
+    def _commit_first_token(self, req: Req, inb: Inbound, raw: bytes) -> None:
+        """Stream the first token of the aux record `raw` (sent ahead of the KV, or the one that came with
+        it); the request joins the decode batch, or ends when this token ended it, once the KV is in."""
         rec = self._valid_record(req, raw)
         if rec is None:
             return
@@ -162,21 +162,18 @@ class DecodeRole(Role):
 
     def _kv_arrived(self, req: Req, inb: Inbound) -> None:
         raw = self.aux_pool.read(inb.aux_slot)
-        if inb.committed_ahead is not None and raw != inb.committed_ahead:
+        if inb.committed_ahead is None:  # the record sent ahead was lost: the first token comes from this one
+            self._commit_first_token(req, inb, raw)
+            if req.finished:
+                return
+        elif raw != inb.committed_ahead:
             self.scheduler.fail(req, "invalid aux record from prefill: it differs from the one sent ahead of the KV", 502)
-            return
-        rec = self._valid_record(req, raw) if inb.committed_ahead is None else None
-        if inb.committed_ahead is None and rec is None:
             return
         self.transferring.remove(req)
         self._drop_transfer_state(req)
         self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
-        finish = inb.finish_ahead
-        if rec is not None:
-            req.prefix_hit_len = rec.cached_tokens
-            finish = self.scheduler.output.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
-        if finish is not None:
-            self.scheduler.finish(req, finish)
+        if inb.finish_ahead is not None:
+            self.scheduler.finish(req, inb.finish_ahead)
         else:
             self.scheduler.decode.add(req)
 

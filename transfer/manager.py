@@ -31,7 +31,7 @@ ControlFactory = Callable[[str, Counter], Any]
 
 @dataclass
 class KVArgs:
-    kv_ptrs: list[int]  # all K layers, then all V layers
+    kv_ptrs: list[int]  # the registered KV buffers (one: the page-major pool)
     kv_nbytes: list[int]
     bytes_per_page: list[int]
     num_pages: int

@@ -13,8 +13,8 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def chunk_triples(src_bases, dst_bases, bytes_per_page, src_pages, dst_pages) -> tuple[list[int], list[int], list[int]]:
-    """Triples for every buffer (all K layers, then all V layers) and every run of pages contiguous on both
-    sides."""
+    """Triples for every registered buffer and every run of pages contiguous on both sides (with the
+    page-major pool: one buffer, one triple per run)."""
     src = np.asarray(src_pages, dtype=np.int64)
     dst = np.asarray(dst_pages, dtype=np.int64)
     if src.shape != dst.shape:
