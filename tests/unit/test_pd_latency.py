@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import pytest
 
@@ -62,17 +63,20 @@ def test_a_waiting_request_does_not_make_the_scheduler_poll_and_a_wake_moves_it_
     assert held.output_ids == expected_output([3, 4, 5], 3) and held.finish.type == "length"
 
 
-def woken(side: Side) -> threading.Event:
+def woken(side: Side, once: Callable[[], bool] = lambda: True) -> threading.Event:
+    """Set when the side's manager wakes its scheduler while `once()` holds (a frame wakes it after acting on it)."""
     event = threading.Event()
-    side.manager.wake_scheduler = event.set
+    side.manager.wake_scheduler = lambda: once() and event.set()
     return event
 
 
 def test_a_room_request_a_transfer_end_and_a_status_each_wake_their_scheduler():
     prefill, dec = Side("prefill"), Side("decode")
-    prefill_woken, decode_woken = woken(prefill), woken(dec)
     sender = KVSender(prefill.manager, 31)
     receiver = KVReceiver(dec.manager, 31, prefill.manager.endpoint, prefill.manager.instance_id)
+    prefill_woken = woken(prefill)
+    # the first token comes ahead of the status and wakes the decode too: this waits for the status's wake
+    decode_woken = woken(dec, lambda: receiver.room.status_received)
     dec.manager.register_with(prefill.manager.endpoint, prefill.manager.instance_id)  # its own frame (which wakes too): out of the way first
     wait_for(lambda: dec.manager.instance_id in prefill.manager.peers)
     prefill_woken.clear()
@@ -84,7 +88,7 @@ def test_a_room_request_a_transfer_end_and_a_status_each_wake_their_scheduler():
     assert prefill_woken.wait(5), "the end of the transfer did not wake the prefill's scheduler"
     assert sender.poll() == KVPoll.Success
     assert decode_woken.wait(5), "the prefill's status did not wake the decode's scheduler"
-    assert receiver.poll() == KVPoll.Success
+    assert receiver.poll() == KVPoll.Success and receiver.first_record == bytes(range(AUX_BYTES))
 
 
 def test_the_last_chunk_goes_out_with_its_aux_record_in_one_batch():
