@@ -10,6 +10,15 @@ Pairing overlaps the forward (vLLM's NIXL connector also computes first): the pr
 for the decode's round trip before computing. A request whose decode has not asked for its room within
 --pairing-timeout-s fails with 504, freeing what it holds.
 
+Computing ahead is bounded, else two requests can wait on each other across the pair: the decode
+reserved Y's pages and waits for Y's KV before it can reserve X's, while the prefill computed X first and
+X's unsendable KV holds the pages Y needs. Requests computed ahead of their pairing hold at most the pool
+less one longest request (the context length) and all rows but one, so a paired request always gets
+memory once the paired ones before it have sent their KV. Past that bound a request is `deferred`: it
+holds nothing and joins the prefill queue when its decode pairs (SGLang's order).
+
+    deferred --(decode paired, or the bound has room)--> prefill queue (computed ahead while unpaired)
+
 A request with max_new_tokens 0 needs no decode: it is computed like a monolithic one, no room.
 
 Who frees what: every exit goes through Scheduler.finish -> release() here (the sender is told to stop,
@@ -53,7 +62,10 @@ class PrefillRole(Role):
         self.instance_id = kv_manager.instance_id
         kv_manager.wake_scheduler = scheduler.wake
         self.inflight: list[Req] = []  # prompt computed, KV on its way (or waiting for the decode to pair)
+        self.deferred: list[Req] = []  # not computing until their decode pairs: the bound on computing ahead is reached
+        self.ahead: dict[Req, int] = {}  # computing or computed while unpaired -> the pages it may take
         self.outbound: dict[Req, Outbound] = {}
+        self.ahead_page_limit = scheduler.memory.page_counts().total - self._pages(scheduler.output.context_len)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, req: Req) -> bool:
@@ -67,11 +79,29 @@ class PrefillRole(Role):
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True
-        return False  # computed at once, while the decode reserves its pages
+        self.deferred.append(req)
+        self._start_deferred()  # computed at once, while the decode reserves its pages, if the bound has room
+        return True
 
     def poll(self) -> None:
         for req in list(self.outbound):
             self.scheduler.guarded(req, "sending its KV", lambda: self._poll_room(req))
+        self._start_deferred()
+
+    def _start_deferred(self) -> None:
+        """Queue for prefill every deferred request whose decode paired, and each unpaired one (in order)
+        that the bound on computing ahead still has room for."""
+        for req in list(self.deferred):
+            if not self.outbound[req].paired:
+                pages = self._pages(len(req.prompt_ids) + min(req.params.max_new_tokens, 16))  # PrefillQueue's reserve
+                if sum(self.ahead.values()) + pages > self.ahead_page_limit or len(self.ahead) + 2 > self.config.max_running_requests:
+                    continue
+                self.ahead[req] = pages
+            self.deferred.remove(req)
+            self.scheduler.prefill.add(req)
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.config.page_size)
 
     def _poll_room(self, req: Req) -> None:
         """A room that failed ends its request at once, also one whose prompt is still being computed (its
@@ -126,6 +156,7 @@ class PrefillRole(Role):
             self.scheduler.fail(req, f"decode reserved {out.sender.num_dst_pages} pages, the prompt needs {need}", 500)
             return False
         out.paired = True
+        self.ahead.pop(req, None)
         return True
 
     # -- exits ---------------------------------------------------------------------------------
@@ -135,23 +166,27 @@ class PrefillRole(Role):
             if reason.type == "abort":
                 out.sender.abort(reason.message or "aborted")
             out.sender.release()  # drop the room from the manager's table
-        if req in self.inflight:
-            self.inflight.remove(req)
+        for queue in (self.inflight, self.deferred):
+            if req in queue:
+                queue.remove(req)
+        self.ahead.pop(req, None)
         return True
 
     def requests(self) -> list[Req]:
-        return list(self.inflight)
+        return self.inflight + self.deferred
 
     def check_integrity(self) -> None:
-        if any(req.finished for req in self.outbound) or not set(self.inflight) <= set(self.outbound):
+        if any(req.finished for req in self.outbound) or not {*self.inflight, *self.deferred, *self.ahead} <= set(self.outbound):
             raise MemoryIntegrityError("a prefill room is held by a finished request, or a queued request has none")
 
     def info(self) -> dict:
         return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint, **self.queue_depths()}
 
     def queue_depths(self) -> dict[str, int]:
-        """awaiting_decode: requests whose decode has not said where their KV goes (computing or computed)."""
-        return {"awaiting_decode": sum(1 for out in list(self.outbound.values()) if not out.paired), "inflight": len(self.inflight)}
+        """awaiting_decode: requests whose decode has not said where their KV goes (deferred, computing or
+        computed); deferred: of those, the ones not computing until it does."""
+        return {"awaiting_decode": sum(1 for out in list(self.outbound.values()) if not out.paired),
+                "inflight": len(self.inflight), "deferred": len(self.deferred)}
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

@@ -36,8 +36,8 @@ class KVSender:
             self.abort(f"chunk of {len(src_pages)} pages overruns the {self.num_dst_pages} reserved by decode", "overrun")
             return
         self.offset += len(src_pages)
-        if is_last and aux is not None:
-            self.manager.announce_first_token(self.room, aux)
+        if is_last and aux is not None and self.room.poll.state != KVPoll.Failed:
+            self.manager.announce_first_token(self.room, aux)  # first, so it goes out before the status can
         self.room.poll.advance(KVPoll.Transferring)
         self.room.mark("chunk_queued")
         try:

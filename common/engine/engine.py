@@ -113,7 +113,7 @@ class Engine:
         m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
         m.gauge("tandem_kv_pages_used", "KV pages requests hold (total = free + cached + used)",
                 lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached())
-        m.labelled_gauges("tandem_pd_queue_requests", "requests in the PD role's queues (prefill: awaiting_decode, "
+        m.labelled_gauges("tandem_pd_queue_requests", "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
                           "inflight; decode: prealloc, transferring, draining)", "queue", lambda: s.role.queue_depths())
 
     # -- lifecycle -----------------------------------------------------------------------------

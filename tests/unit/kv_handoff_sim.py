@@ -34,6 +34,7 @@ CONFIG = ServerConfig(page_size=4, max_total_tokens=4 * 40, max_running_requests
                       pairing_timeout_s=30, kv_wait_timeout_s=30, transfer_timeout_s=20, heartbeat_interval_s=2,
                       heartbeat_misses=2)
 NUM_PAGES = CONFIG.max_total_tokens // CONFIG.page_size
+CONTEXT_LEN = 64  # a prefill computes ahead of pairing in all but 16 of the 40 pages
 
 
 class Clock:
@@ -141,7 +142,7 @@ class Side:
         allocator = PagedAllocator(NUM_PAGES, c.page_size)
         self.memory = MemoryManager(ReqToTokenPool(c.max_running_requests + 8, 200, "cpu"), allocator,
                                     RadixCache(allocator, c.page_size), c.page_size)
-        output = OutputProcessor(FakeTokenizer(), {EOS}, context_len=190)
+        output = OutputProcessor(FakeTokenizer(), {EOS}, context_len=CONTEXT_LEN)
         self.runner = KVRunner(self.buffers)
         self.sched = Scheduler(c, self.runner, self.memory, output, clock=clock)
         make_control = lambda sender, counters: FakeControlPlane(net, sender)  # noqa: E731
