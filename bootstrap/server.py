@@ -28,12 +28,15 @@ from bootstrap.registry import (
     parse_ranks,
     validate_registration,
 )
-from common.wire.body import load_json_object, read_limited
-from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, error_body
+from common.wire.body import ARRIVAL_TIMEOUT_S, load_json_object, read_limited
+from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, UnsupportedEncoding, error_body
 from common.wire.prometheus import render
 
 log = logging.getLogger("tandem.bootstrap")
 
+# a connection with no complete request head this long after it opened (or after its previous answer) is
+# closed; bodies are read as sent (a compressed one is refused: common/wire/body.py)
+SERVER_ARGS = {"keepalive_timeout": ARRIVAL_TIMEOUT_S, "auto_decompress": False}
 STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}
 
 
@@ -44,9 +47,9 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 
 async def _read_json(request: web.Request) -> Any:
     try:
-        raw = await read_limited(request.headers.get("Content-Length"), request.content.iter_any(), MAX_BODY_BYTES)
-    except (PayloadTooLarge, BodyTimeout) as e:  # 413, or 408 for a body still arriving after its deadline
-        raise RegistrationError("body", e.message, e.status) from None
+        raw = await read_limited(request.headers, request.content.iter_any(), MAX_BODY_BYTES)
+    except (PayloadTooLarge, BodyTimeout, UnsupportedEncoding) as e:  # 413; 408: a body still arriving after its deadline; 415
+        raise RegistrationError(e.param or "body", e.message, e.status) from None
     try:
         return load_json_object(raw)
     except InvalidRequest as e:
@@ -130,7 +133,7 @@ def run_bootstrap(host: str, port: int, secret: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [bootstrap] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     log.info("bootstrap server on http://%s:%d", host, port)
-    web.run_app(make_app(Registry(secret)), host=host, port=port, print=None)
+    web.run_app(make_app(Registry(secret)), host=host, port=port, print=None, **SERVER_ARGS)
 
 
 def start_in_thread(host: str, port: int, secret: str | None) -> Registry:
@@ -143,7 +146,7 @@ def start_in_thread(host: str, port: int, secret: str | None) -> Registry:
     def run() -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        runner = web.AppRunner(make_app(registry))
+        runner = web.AppRunner(make_app(registry), **SERVER_ARGS)
         try:
             loop.run_until_complete(runner.setup())
             loop.run_until_complete(web.TCPSite(runner, host, port).start())

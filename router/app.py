@@ -20,6 +20,7 @@ from common.wire.body import read_limited
 from common.wire.drain import Drain, refusal
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from router.admission import Admission
+from router.cluster_status import health_generate, server_info
 from router.config import RouterConfig, WorkerChange
 from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher, json_response
@@ -31,7 +32,7 @@ from router.workers import WorkerRegistry
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
 # a draining router takes no new request, and fails /readiness so its Service stops sending any
-REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, "/readiness"})
+REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, "/health_generate", "/readiness"})
 ROUTING_PARAMS = {404: "path", 405: "method"}  # what a routing error is about, for its `param`
 
 
@@ -74,6 +75,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     for gen_path in GEN_PATHS:
         app.router.add_post(gen_path, dispatcher.handle)
     _add_status_routes(app, workers, metrics)
+    _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
     return app
 
@@ -140,9 +142,20 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
         app.router.add_get(path, handler)
 
 
+def _add_cluster_routes(app: web.Application, config: RouterConfig, workers: WorkerRegistry, dispatcher: Dispatcher) -> None:
+    async def info(request: web.Request) -> web.Response:
+        return json_response(await server_info(config, workers, app["session"]))
+
+    async def generate_one(request: web.Request) -> web.Response:
+        return await health_generate(dispatcher, request)
+
+    app.router.add_get("/get_server_info", info)
+    app.router.add_get("/health_generate", generate_one)
+
+
 def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes: int) -> None:
     async def body_of(request: web.Request) -> WorkerChange:
-        raw = await read_limited(request.headers.get("Content-Length"), request.content.iter_any(), max_bytes)
+        raw = await read_limited(request.headers, request.content.iter_any(), max_bytes)
         return parse_body(raw, WorkerChange)
 
     async def list_workers(request: web.Request) -> web.Response:

@@ -64,10 +64,14 @@ class Dispatcher:
         that send slowly cannot hold the slots."""
         path, start = request.path, time.monotonic()
         try:
-            raw = await read_limited(request.headers.get("Content-Length"), request.content.iter_any(), self.config.max_request_bytes)
+            raw = await read_limited(request.headers, request.content.iter_any(), self.config.max_request_bytes)
             body = parse_json_object(raw)
         except TandemError as e:
             return self._reply(path, json_response(e.to_dict(), e.status, e.headers), None, start)
+        return await self.dispatch(path, request, raw, body, start)
+
+    async def dispatch(self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float) -> web.StreamResponse:
+        """A request read and parsed (`raw` its bytes, `body` its JSON) through a pair, once admitted (429 if not)."""
         if not self.admission.try_enter():
             limit = self.admission.limit
             error = error_body(f"the router has {limit} requests in flight, its limit; retry later", "overloaded_error", 429)

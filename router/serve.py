@@ -15,6 +15,7 @@ import time
 
 from aiohttp import web
 
+from common.wire.body import ARRIVAL_TIMEOUT_S
 from common.wire.drain import FLUSH_S
 from router.app import create_router_app, router_drain
 from router.config import RouterConfig
@@ -36,7 +37,11 @@ def serve_router(config: RouterConfig, argv: list[str]) -> None:
 
 async def _serve(config: RouterConfig) -> None:
     drain = router_drain(config)
-    runner = web.AppRunner(create_router_app(config, drain), handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    # keepalive_timeout is aiohttp's deadline for a complete request head, counted from the connection's start
+    # and from each answer: a connection that sends nothing, or half a head, is closed then. Bodies are
+    # forwarded as sent, never decompressed (a compressed one is refused: common/wire/body.py).
+    runner = web.AppRunner(create_router_app(config, drain), handler_cancellation=True, access_log=None, shutdown_timeout=1,
+                           keepalive_timeout=ARRIVAL_TIMEOUT_S, auto_decompress=False)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port, reuse_port=bool(shared_dir())).start()
     stop = asyncio.Event()

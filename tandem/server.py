@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from common.config import ServerConfig
 from common.wire.drain import DrainingServer
+from common.wire.head_deadline import HeadDeadlineProtocol
 from common.memory.sizing import PoolSizingError
 
 log = logging.getLogger("tandem")
@@ -93,9 +94,10 @@ def serve(config: ServerConfig) -> None:
     )
     log.info("serving on http://%s:%d", config.host, config.port)
     try:
-        # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it
+        # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it;
+        # h11 with a deadline on the request head, also where httptools is installed
         uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5,
-                                        loop="asyncio")
+                                        loop="asyncio", http=HeadDeadlineProtocol)
         DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:
         engine.stop()

@@ -6,31 +6,47 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge
+from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, RequestAborted, UnsupportedEncoding
 
-# A body still arriving after this is cut off (408): a client trickling bytes holds no slot for long.
-BODY_TIMEOUT_S = 30.0
+# A request head or body still arriving after this is cut off: a client trickling bytes holds no slot and
+# no connection for long. The body's deadline is here (408); the head's is the HTTP server's (router/serve.py,
+# common/wire/head_deadline.py), counted from the connection's start or its previous response.
+ARRIVAL_TIMEOUT_S = 30.0
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body of a Starlette request, or PayloadTooLarge (413) as soon as it passes `limit` bytes."""
-    return await read_limited(request.headers.get("content-length"), request.stream(), limit)
+    """The whole body of a Starlette request (see read_limited); a client that left before sending all of
+    it is RequestAborted (499), no server fault."""
+    try:
+        return await read_limited(request.headers, request.stream(), limit)
+    except ClientDisconnect:
+        raise RequestAborted("the client disconnected before its request body was complete", param="body") from None
 
 
-async def read_limited(content_length: str | None, chunks: AsyncIterator[bytes], limit: int,
-                       timeout_s: float = BODY_TIMEOUT_S) -> bytes:
-    """The body from its declared Content-Length (None when chunked) and its chunks, or PayloadTooLarge (413)
-    as soon as it passes `limit` bytes, or BodyTimeout (408) when it is not all there within `timeout_s`;
-    any HTTP server's request fits this."""
+async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int,
+                       timeout_s: float = ARRIVAL_TIMEOUT_S) -> bytes:
+    """The body from the request's headers (lower-case names: Content-Length, absent when chunked, and
+    Content-Encoding) and its chunks; UnsupportedEncoding (415) for a compressed body, PayloadTooLarge (413)
+    as soon as it passes `limit` bytes, BodyTimeout (408) when it is not all there within `timeout_s`.
+    Any HTTP server's request fits this."""
+    check_encoding(headers.get("content-encoding"))
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read_limited(content_length, chunks, limit)
+            return await _read_limited(headers.get("content-length"), chunks, limit)
     except TimeoutError:
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s", param="body") from None
+
+
+def check_encoding(content_encoding: str | None) -> None:
+    """Bodies are read as sent: a Content-Encoding other than identity is refused (415) before any byte of
+    the body is read, so a compressed or corrupt body never reaches a decompressor or the JSON parser."""
+    if content_encoding is not None and content_encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedEncoding(f"Content-Encoding {content_encoding!r} is not supported: send the request body "
+                                  "uncompressed (no Content-Encoding header, or identity)", param="content-encoding")
 
 
 async def _read_limited(content_length: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:

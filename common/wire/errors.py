@@ -43,6 +43,11 @@ class BodyTimeout(TandemError):
     type = "invalid_request_error"
 
 
+class UnsupportedEncoding(TandemError):
+    status = 415
+    type = "invalid_request_error"
+
+
 class Overloaded(TandemError):
     status = 503
     type = "overloaded_error"

@@ -2,6 +2,7 @@
 and lookup with a JSON error naming the field, counts it in /metrics and keeps serving."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import httpx
@@ -97,6 +98,14 @@ def test_oversize_chunked_registration_is_413(bootstrap):
     r = httpx.put(bootstrap.url + "/route", content=chunks, headers=AUTH, timeout=10)
     assert_error(r, 413, "body")
     assert rejected(bootstrap, "body") == before + 1
+
+
+def test_compressed_registration_is_415(bootstrap):
+    before = rejected(bootstrap, "content-encoding")
+    r = httpx.put(bootstrap.url + "/route", content=gzip.compress(json.dumps(VALID).encode()),
+                  headers=AUTH | {"content-type": "application/json", "content-encoding": "gzip"}, timeout=10)
+    assert_error(r, 415, "content-encoding")
+    assert rejected(bootstrap, "content-encoding") == before + 1
 
 
 @pytest.mark.parametrize("headers,body", [

@@ -1,21 +1,25 @@
 """The router's limits: overload (429), a slow body, fields the router reads with the wrong JSON type,
-oversized bodies (413) and the API key. Real processes, real HTTP; every node ends with no KV page held
-(the workers: tests/integration/router_nodes.py).
+oversized bodies (413) and the API key; the HTTP edge it shares with the engine servers (the request head's
+deadline, compressed bodies, a client leaving mid-body); its cluster status endpoints (/get_server_info,
+/health_generate). Real processes, real HTTP; every node ends with no KV page held (the workers:
+tests/integration/router_nodes.py).
 """
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import time
-from contextlib import closing
+from contextlib import ExitStack, closing
 
 import httpx
 import pytest
 
-from tests.conftest import metric
+from common.wire.body import ARRIVAL_TIMEOUT_S
+from tests.conftest import ServerProcess, free_port, metric
 from tests.integration.faults import wait_until
 from tests.integration.router_nodes import (  # noqa: F401  (fixtures)
-    LONG_RUN, PROMPT, gen_body, generate, idle_after, nodes, reference, routers, sse_data,
+    LONG_RUN, PROMPT, gen_body, generate, idle_after, nodes, reference, routers, served, sse_data,
 )
 
 
@@ -93,3 +97,129 @@ def test_openai_booleans_may_be_null_as_in_openais_api(nodes, routers, path, bod
     nulls = httpx.post(router.url + path, json=base | body | {"stream": None}, timeout=60)
     assert (plain.status_code, nulls.status_code) == (200, 200), nulls.text
     assert nulls.json()["choices"] == plain.json()["choices"]
+
+
+# -- the HTTP edge: the router and an engine server alike ------------------------------------------
+
+PARTIAL_HEAD = b"POST /generate HTTP/1.1\r\nHost: x\r\n"  # never the blank line that ends a head
+ENCODING_415 = {"error": {"message": "Content-Encoding 'gzip' is not supported: send the request body uncompressed "
+                                     "(no Content-Encoding header, or identity)",
+                          "type": "invalid_request_error", "code": 415, "param": "content-encoding"}}
+
+
+def log_size(node: ServerProcess) -> int:
+    return node.log_path.stat().st_size
+
+
+def log_since(node: ServerProcess, offset: int) -> str:
+    with open(node.log_path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def idle_connections(node: ServerProcess) -> list[tuple[str, socket.socket, float]]:
+    """Three connections waiting for a complete request head, each with the time its wait began: one that
+    sent nothing, one that sent half a head, and one that sent half a head after a first answer."""
+    silent = socket.create_connection(("127.0.0.1", node.port), timeout=60)
+    silent_since = time.monotonic()
+    partial = socket.create_connection(("127.0.0.1", node.port), timeout=60)
+    partial_since = time.monotonic()
+    partial.sendall(PARTIAL_HEAD)
+    kept = socket.create_connection(("127.0.0.1", node.port), timeout=60)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += kept.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200") and b"\r\ncontent-length: 0\r\n" in head.lower(), head
+    kept_since = time.monotonic()
+    kept.sendall(PARTIAL_HEAD)
+    return [("silent", silent, silent_since), ("partial head", partial, partial_since), ("partial head after an answer", kept, kept_since)]
+
+
+def seconds_until_closed(sock: socket.socket, since: float) -> float:
+    """The server closes without answering: recv gives b"" (never later than the deadline + 10 s)."""
+    sock.settimeout(max(0.1, since + ARRIVAL_TIMEOUT_S + 10 - time.monotonic()))
+    assert sock.recv(4096) == b""
+    return time.monotonic() - since
+
+
+def test_connections_without_a_complete_request_head_are_closed_at_the_deadline(nodes, routers, reference):
+    """On the router (aiohttp) and on an engine server (uvicorn): 30 s from the connection's start, or from
+    its previous answer, for a whole request head; others are served meanwhile."""
+    router = routers([nodes.decode])
+    with ExitStack() as stack:
+        waiting = {node.name: idle_connections(node) for node in (router, nodes.decode)}
+        for conns in waiting.values():
+            for _, sock, _ in conns:
+                stack.enter_context(closing(sock))
+        assert generate(router, PROMPT)["output_ids"] == reference
+        assert httpx.get(nodes.decode.url + "/health", timeout=10).status_code == 200
+        closed = {(name, what): seconds_until_closed(sock, since) for name, conns in waiting.items() for what, sock, since in conns}
+    assert all(ARRIVAL_TIMEOUT_S - 0.5 <= s <= ARRIVAL_TIMEOUT_S + 5 for s in closed.values()), closed
+    assert generate(router, PROMPT)["output_ids"] == reference
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["gzip", "corrupt-gzip"])
+def test_a_compressed_body_is_a_415_json_error_on_the_router_and_the_servers(nodes, routers, corrupt):
+    router = routers([nodes.decode])
+    body = json.dumps(gen_body(PROMPT)).encode()
+    data = body if corrupt else gzip.compress(body)
+    offsets = {node.name: log_size(node) for node in (router, nodes.decode)}
+    rejected = metric(nodes.decode.url, "tandem_rejected_inputs_total", where="http")
+    for node in (router, nodes.decode):
+        r = httpx.post(node.url + "/generate", content=data, timeout=30,
+                       headers={"content-type": "application/json", "content-encoding": "gzip"})
+        assert (r.status_code, r.json()) == (415, ENCODING_415), (node.name, r.text)
+    assert metric(router.url, "tandem_router_requests_total", endpoint="/generate", status="415") == 1
+    assert metric(nodes.decode.url, "tandem_rejected_inputs_total", where="http") == rejected + 1
+    for node in (router, nodes.decode):
+        assert "Traceback" not in log_since(node, offsets[node.name])
+
+
+def test_a_client_leaving_mid_body_is_a_quiet_499_on_a_server(nodes):
+    """Content-Length 1000, 52 bytes sent, then gone: one INFO line, no traceback, the server answers on."""
+    server = nodes.decode
+    offset = log_size(server)
+    left = metric(server.url, "tandem_requests_total", endpoint="/generate", status="499")
+    with closing(socket.create_connection(("127.0.0.1", server.port), timeout=10)) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"text":"Hi","sampling_params":{"max_new_tokens":2}}')
+    wait_until(lambda: metric(server.url, "tandem_requests_total", endpoint="/generate", status="499") == left + 1, 10,
+               "the request to be counted as 499")
+    new_lines = log_since(server, offset).splitlines()
+    assert len(new_lines) == 1 and " INFO tandem.http: POST /generate -> 499 " in new_lines[0], new_lines
+    assert server.info()["kv_pages"]["in_use"] == 0
+
+
+# -- the router's cluster status endpoints --------------------------------------------------------
+
+def test_get_server_info_gives_the_router_config_and_each_workers_answer_by_role(nodes, routers):
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = routers([nodes.decode], "--decode", dead, "--api-key", "sesame")
+    r = httpx.get(router.url + "/get_server_info", headers={"authorization": "Bearer sesame"}, timeout=30)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert (info["role"], info["config"]["decode"], "api_key" in info["config"]) == ("router", [nodes.decode.url, dead], False)
+    assert [(p["url"], p["config"]["disagg_mode"]) for p in info["prefill"]] == [(nodes.prefill.url, "prefill")]
+    alive, gone = info["decode"]
+    assert (alive["url"], alive["config"]["disagg_mode"], alive["kv_pages"]) == (nodes.decode.url, "decode", nodes.decode.info()["kv_pages"])
+    assert set(gone) == {"url", "error"} and gone["url"] == dead
+    assert gone["error"].startswith("GET /get_server_info failed: ClientConnectorError"), gone["error"]
+
+
+def test_health_generate_runs_one_token_through_a_prefill_and_a_decode(nodes, routers):
+    router = routers([nodes.decode])
+    before = [served(nodes.prefill), served(nodes.decode)]
+    r = httpx.get(router.url + "/health_generate", timeout=60)
+    assert (r.status_code, r.content) == (200, b"")
+    assert [served(nodes.prefill), served(nodes.decode)] == [before[0] + 1, before[1] + 1]
+
+
+def test_health_generate_is_503_naming_the_cause_without_a_pair(nodes, routers):
+    router = routers([nodes.decode])
+    assert httpx.request("DELETE", router.url + "/workers", json={"url": nodes.decode.url}, timeout=10).status_code == 200
+    r = httpx.get(router.url + "/health_generate", timeout=30)
+    assert r.status_code == 503
+    assert r.json() == {"error": {"message": "a 1-token generation through a prefill and decode pair failed with HTTP 503: "
+                                             "no healthy prefill and decode worker pair is available; retry later",
+                                  "type": "unhealthy", "code": 503, "param": None}}
