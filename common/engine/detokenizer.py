@@ -54,6 +54,11 @@ class StopStringMatcher:
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], None
 
+    def pass_through(self, delta: str) -> str:
+        """Text that must not be searched (before min_new_tokens): all of it is safe to emit."""
+        out, self.held = self.held + delta, ""
+        return out
+
     @staticmethod
     def _partial(buf: str, stop: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of stop."""

@@ -69,8 +69,9 @@ class Engine:
         attn = make_attention_backend(
             config.attention_backend, config.device, self.kv_pool, self.hf_config.num_attention_heads, head_dim, head_dim**-0.5
         )
-        self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device)
-        self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.context_len, self.metrics)
+        eos_ids = self._eos_ids()
+        self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
+        self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
         if make_role is not None:
             self.scheduler.role = make_role(self)

@@ -43,8 +43,11 @@ class BatchResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, req_to_token: torch.Tensor, device: str):
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, req_to_token: torch.Tensor, device: str,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens)."""
         self.model = model
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.attn = attn
         self.req_to_token = req_to_token
         self.device = device
@@ -123,12 +126,14 @@ class ModelRunner:
         top_vals, top_ids = logp.topk(req.top_logprobs_num, dim=-1)
         return InputLogprobs(values, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())])
 
-    @staticmethod
-    def _sampling_row(req: Req) -> SamplingRow:
+    def _sampling_row(self, req: Req) -> SamplingRow:
+        p = req.params
+        stop_ids = frozenset(p.stop_token_ids or ()) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         return SamplingRow(
-            params=req.params,
+            params=p,
             prompt_ids=req.prompt_ids,
             output_ids=req.output_ids,
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_logprob=req.return_logprob,
+            stop_ids=stop_ids if p.min_new_tokens > len(req.output_ids) else frozenset(),
         )

@@ -84,9 +84,13 @@ class OutputProcessor:
         return None
 
     def _render(self, req: Req, tokens: list[int], finish: FinishReason | None) -> tuple[str, FinishReason | None]:
+        """The text the client may see now; a stop string ends the request only once it has its
+        min_new_tokens (the text before is never searched, as in SGLang and vLLM)."""
         delta = req.detokenizer.add(tokens)
         if req.stop_matcher is None:
             return delta, finish
+        if len(req.output_ids) < req.params.min_new_tokens:
+            return req.stop_matcher.pass_through(delta), finish
         text, matched = req.stop_matcher.feed(delta)
         return text, FinishReason("stop", matched=matched) if matched else finish
 

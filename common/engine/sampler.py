@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, greedy / temperature / top-k / top-p / min-p, per-request seeds, logprobs.
+"""Batched sampling: logit bias, a minimum of new tokens, penalties, greedy / temperature / top-k / top-p /
+min-p, per-request seeds, logprobs.
 
 Every row is handled by the same few tensor operations whatever its settings, and the results reach the
 host in one transfer per batch. A token is drawn by inverse CDF from one uniform number per row: seeded
@@ -6,7 +7,8 @@ rows take it from their own SplitMix64 stream (the seed and how many tokens the 
 a seeded request draws the same numbers alone, in any batch, after a retraction or across PD roles;
 unseeded rows share torch's generator.
 
-Logprobs are those of the raw model logits (before penalties and temperature), like vLLM's default.
+Logprobs are those of the raw model logits (before bias, masking, penalties and temperature), like vLLM's
+default.
 """
 from __future__ import annotations
 
@@ -29,12 +31,24 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs else None
+        if batch.bias_rows is not None:
+            logits = logits.index_put((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
+        if batch.min_rows is not None:
+            logits = mask_stop_tokens(logits, batch)
         if batch.penalized:
             logits = apply_penalties(logits, batch)
         ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
             ids = torch.where(batch.greedy, ids, draw(filtered_probs(logits / batch.temperature, batch), uniforms(batch)))
         return to_host(ids, raw_logprobs, batch)
+
+
+def mask_stop_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """EOS and stop_token_ids at -inf in the rows that have sampled fewer than their min_new_tokens (SGLang's
+    and vLLM's min tokens): they cannot end before it."""
+    short = batch.steps[batch.min_rows] < batch.min_tokens
+    kept = logits[batch.min_rows, batch.min_ids]
+    return logits.index_put((batch.min_rows, batch.min_ids), torch.where(short, float("-inf"), kept))
 
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

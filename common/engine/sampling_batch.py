@@ -1,7 +1,8 @@
 """Every row's sampling settings as tensors, built once per batch composition.
 
 A decode batch keeps its SamplingBatch from step to step; advance() adds the tokens just sampled to the
-penalty state and moves every row's random stream on by one, all in place.
+penalty state and moves every row's random stream on by one, all in place. What no row asks for (logit
+bias, a minimum of new tokens, penalties) costs nothing: its tensors are None and the sampler skips it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class SamplingRow:
     output_ids: list[int]
     top_logprobs_num: int = 0
     return_logprob: bool = False
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the request: masked until min_new_tokens are out
 
 
 def wrap_int64(x: int) -> int:
@@ -45,6 +47,30 @@ class SamplingBatch:
         self.penalized = any(p.has_penalties for p in params)
         if self.penalized:
             self._init_penalties(rows, vocab_size)
+        self._init_logit_bias(params)
+        self._init_min_tokens(rows)
+
+    def _init_logit_bias(self, params: list[SamplingParams]) -> None:
+        """(row, token, bias) of every bias asked for, as three flat tensors; None when no row asks."""
+        entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        self.bias_rows = self.bias_ids = self.bias_values = None
+        if entries:
+            rows, ids, values = zip(*entries)
+            self.bias_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            self.bias_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            self.bias_values = torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def _init_min_tokens(self, rows: list[SamplingRow]) -> None:
+        """(row, stop token) of the rows still short of their min_new_tokens, and each pair's minimum:
+        the token is masked while the row has sampled fewer (`steps`); None when no row is short."""
+        pairs = [(i, t, r.params.min_new_tokens) for i, r in enumerate(rows)
+                 if len(r.output_ids) < r.params.min_new_tokens for t in sorted(r.stop_ids)]
+        self.min_rows = self.min_ids = self.min_tokens = None
+        if pairs:
+            rows_, ids, minimum = zip(*pairs)
+            self.min_rows = torch.tensor(rows_, dtype=torch.int64, device=self.device)
+            self.min_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            self.min_tokens = torch.tensor(minimum, dtype=torch.int64, device=self.device)
 
     def _init_choice(self, params: list[SamplingParams], vocab_size: int) -> None:
         dev = self.device

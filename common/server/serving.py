@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 from common.engine.engine import Engine
 from common.engine.request import FinishReason, OutputEvent, Req
 from common.wire.api import Rendezvous
-from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, TandemError
+from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, error_for_status
 from common.wire.sampling_params import SamplingParams
 
 
@@ -60,11 +60,22 @@ def tokenize_text(engine: Engine, text: str, param: str) -> list[int]:
 
 
 def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str) -> None:
+    """What the engine would refuse, as a 400 naming the field before anything is scheduled (and a full
+    queue as a 503). `param` names the prompt, `max_tokens_param` the maximum of new tokens; the other
+    sampling fields sit beside it (`sampling_params.*` for /generate)."""
+    check_rendezvous(engine, gen)
     queued = engine.scheduler.num_queued()
     if queued + gen.params.n > engine.config.max_queued_requests:
         raise Overloaded(f"server is full: {queued} requests queued (limit {engine.config.max_queued_requests}); retry later")
-    n = len(gen.prompt_ids)
+    _check_prompt(engine, gen, param, max_tokens_param)
     vocab = engine.hf_config.vocab_size
+    check_token_ids(list(gen.params.logit_bias or ()), vocab, _sibling(max_tokens_param, "logit_bias"))
+    check_token_ids(gen.params.stop_token_ids or [], vocab, _sibling(max_tokens_param, "stop_token_ids"))
+
+
+def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: str) -> None:
+    """The prompt's ids, its length and what must fit beside it in the context."""
+    n, vocab = len(gen.prompt_ids), engine.hf_config.vocab_size
     if n == 0:
         raise InvalidRequest(f"{param} must not be empty", param=param)
     if min(gen.prompt_ids) < 0 or max(gen.prompt_ids) >= vocab:
@@ -79,6 +90,30 @@ def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str
             f"length {engine.context_len}; ask for at most {engine.context_len - n}",
             param=max_tokens_param,
         )
+    if gen.logprob_start_len >= n:
+        raise InvalidRequest(f"logprob_start_len ({gen.logprob_start_len}) must be less than the prompt's length ({n})",
+                             param="logprob_start_len")
+
+
+def check_rendezvous(engine: Engine, gen: GenInput) -> None:
+    """A prefill or decode server serves only what a router paired (it added the bootstrap fields)."""
+    mode = engine.config.disagg_mode
+    if mode != "null" and gen.rendezvous is None:
+        raise InvalidRequest(f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests "
+                             "through the router", param="bootstrap_room")
+
+
+def check_token_ids(ids: list[int], vocab: int, param: str) -> None:
+    """Token ids the sampler indexes its logits with must be in the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def _sibling(path: str, name: str) -> str:
+    """`name` beside the last field of a dotted path: ("sampling_params.max_new_tokens", "x") -> "sampling_params.x"."""
+    head, dot, _ = path.rpartition(".")
+    return head + dot + name
 
 
 def make_reqs(gen: GenInput) -> list[Req]:
@@ -153,8 +188,9 @@ async def _collect(engine: Engine, gen: GenInput) -> list[Choice]:
 
 
 def raise_if_failed(finish: FinishReason | None) -> None:
+    """A request the engine ended early (abort) as the error its status says (common/wire/errors.py)."""
     if finish is not None and finish.type == "abort":
-        raise TandemError(finish.message or "request aborted", status=finish.status or 500)
+        raise error_for_status(finish.message or "request aborted", finish.status or 500)
 
 
 def usage(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:

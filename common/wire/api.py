@@ -1,20 +1,22 @@
 """Request bodies of the client HTTP API (SGLang /generate and OpenAI), validated with pydantic.
 
-Unknown top-level fields are ignored (OpenAI clients send many); wrong types and out-of-range values
-are 400 errors that name the field. Sampling parameters themselves are strict, and so are the fields a
-router reads too (stream, return_logprob, logprob_start_len, echo, logprobs): "false" or 1 would mean one
-thing to the router and another to the worker.
+Unknown top-level fields are ignored (OpenAI clients send many), except those that would change the
+output and that Tandem does not implement (common/wire/unsupported.py): those are 400 errors naming the
+field, and so are wrong types and out-of-range values. Types are strict ("2" is no integer, "false" or 1
+no boolean): the router reads some fields too (stream, return_logprob, logprob_start_len, echo,
+logprobs), and a value that meant one thing to it and another to the worker would split a request.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.wire.body import dotted_path, parse_json_object
 from common.wire.errors import InvalidRequest
 from common.wire.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from common.wire.unsupported import CHAT, COMPLETION, GENERATE, GENERATE_SAMPLING, reject_best_of, reject_unsupported
 
 INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
 
@@ -38,7 +40,7 @@ class PDFields(BaseModel):
     """Injected by the router (SGLang's PD convention, plus the prefill's instance id); absent in
     monolithic use."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     bootstrap_host: str | None = Field(None, max_length=255)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
@@ -55,14 +57,33 @@ class GenerateRequest(PDFields):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    stream: StrictBool = False
-    return_logprob: StrictBool = False
+    stream: bool = False
+    return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    logprob_start_len: StrictInt = Field(-1, ge=-1)
+    logprob_start_len: int = Field(-1, ge=-1)  # checked against the prompt's length by common/server/serving.py
     rid: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, data: Any) -> Any:
+        reject_unsupported(data, GENERATE)
+        if isinstance(data, dict):
+            reject_unsupported(data.get("sampling_params"), GENERATE_SAMPLING, "sampling_params.")
+        return data
+
+    @field_validator("text", mode="before")
+    @classmethod
+    def _one_text(cls, v: Any) -> Any:
+        return _reject_batch(v, isinstance(v, list) and all(isinstance(t, str) for t in v))
+
+    @field_validator("input_ids", mode="before")
+    @classmethod
+    def _one_input_ids(cls, v: Any) -> Any:
+        return _reject_batch(v, isinstance(v, list) and any(isinstance(t, list) for t in v))
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
@@ -74,7 +95,7 @@ class OpenAIBase(PDFields):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
     n: int = Field(1, ge=1, le=16)
-    stream: StrictBool = False
+    stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
@@ -82,8 +103,11 @@ class OpenAIBase(PDFields):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: Any = None  # checked by SamplingParams (errors name logit_bias)
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: SGLang's min_new_tokens
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's extension: SGLang's no_stop_trim
     user: str | None = None
 
     @field_validator("stream", "echo", mode="before", check_fields=False)
@@ -96,23 +120,37 @@ class OpenAIBase(PDFields):
         """The engine's parameters; values OpenAI's ranges allow but the engine does not are a 400
         naming the request's own field (`max_tokens_param` for the engine's max_new_tokens)."""
         fields = {
-            "max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "n": self.n, "stop": self.stop, "stop_token_ids": self.stop_token_ids, "seed": self.seed,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
-            "skip_special_tokens": self.skip_special_tokens,
+            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "n": self.n, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "seed": self.seed, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.include_stop_str_in_output, "logit_bias": self.logit_bias,
         }
+        rename = {"max_new_tokens": max_tokens_param, "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
         try:
             return SamplingParams(**fields)
         except ValidationError as e:
-            raise invalid_request(e, fields, rename={"max_new_tokens": max_tokens_param}) from None
+            raise invalid_request(e, fields, rename=rename) from None
 
 
 class CompletionRequest(OpenAIBase):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: StrictBool = False
+    echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, data: Any) -> Any:
+        reject_unsupported(data, COMPLETION)
+        reject_best_of(data)
+        return data
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        return _reject_batch(v, isinstance(v, list) and any(isinstance(p, (str, list)) for p in v))
 
 
 class ChatMessage(BaseModel):
@@ -133,8 +171,26 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: StrictBool | None = False  # OpenAI's API takes null: none
+    logprobs: bool | None = False  # OpenAI's API takes null: none
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, data: Any) -> Any:
+        reject_unsupported(data, CHAT)
+        return data
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs: logprobs must be true when top_logprobs is given", param="top_logprobs")
+        return self
+
+
+def _reject_batch(v: Any, batched: bool) -> Any:
+    if batched:
+        raise ValueError("batched prompts (a list of prompts) are not supported: send one prompt per request")
+    return v
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -59,5 +59,45 @@ class RequestAborted(TandemError):
     type = "aborted"
 
 
+class Conflict(TandemError):
+    status = 409
+    type = "conflict_error"
+
+
+class Unavailable(TandemError):
+    """The server cannot serve this request now (memory exhausted, shutting down); another may."""
+
+    status = 503
+    type = "unavailable_error"
+    headers = {"Retry-After": "1"}
+
+
+class UpstreamFailed(TandemError):
+    """The PD peer (or the KV it sent) failed this request."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class UpstreamTimeout(TandemError):
+    """The PD peer did not do its part in time."""
+
+    status = 504
+    type = "timeout_error"
+
+
+BY_STATUS: dict[int, type[TandemError]] = {
+    400: InvalidRequest, 404: NotFound, 408: BodyTimeout, 409: Conflict, 413: PayloadTooLarge, 499: RequestAborted,
+    502: UpstreamFailed, 503: Unavailable, 504: UpstreamTimeout,
+}
+
+
+def error_for_status(message: str, status: int) -> TandemError:
+    """The error a request that failed with `status` ends with: typed by its status (another 4xx is an
+    invalid request, another 5xx an internal error)."""
+    cls = BY_STATUS.get(status, InvalidRequest if 400 <= status < 500 else TandemError)
+    return cls(message, status=status)
+
+
 def error_body(message: str, type: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "code": code, "param": param}}

@@ -22,8 +22,8 @@ def splitmix64(seed: int, n: int) -> float:
     return (z >> 40) / 2**24
 
 
-def rows(*params: dict, output=()) -> list[SamplingRow]:
-    return [SamplingRow(SamplingParams(**p), [1, 2], list(output)) for p in params]
+def rows(*params: dict, output=(), stop_ids=frozenset()) -> list[SamplingRow]:
+    return [SamplingRow(SamplingParams(**p), [1, 2], list(output), stop_ids=frozenset(stop_ids)) for p in params]
 
 
 def test_seeded_uniforms_are_splitmix64_in_wrapping_int64():
@@ -76,3 +76,36 @@ def test_a_kept_batch_advanced_in_place_equals_one_rebuilt_from_the_requests():
         kept.advance(out.ids)
         for o, t in zip(outputs, out.token_ids):
             o.append(t)
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_but_not_their_neighbours_or_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]]).repeat(3, 1)
+    params = [dict(temperature=0, logit_bias={"1": -100}), dict(temperature=0), dict(temperature=1.0, seed=5, logit_bias={"3": 100})]
+    batch = SamplingBatch([SamplingRow(SamplingParams(**p), [1], [], return_logprob=True) for p in params], 4, "cpu")
+    out = Sampler().sample(logits, batch)
+    assert out.token_ids == [2, 1, 3]
+    assert out.logprobs == [pytest.approx(torch.log_softmax(logits[0], -1)[t].item()) for t in (2, 1, 3)]  # raw
+
+
+def test_a_batch_without_bias_or_minimum_has_no_tensors_for_them():
+    batch = SamplingBatch(rows(dict(temperature=0), dict(min_new_tokens=2), stop_ids={0}, output=[5, 6]), 4, "cpu")
+    assert batch.bias_rows is None and batch.min_rows is None  # row 2 already has its 2 tokens
+
+
+def test_stop_tokens_are_masked_until_min_new_tokens_then_sampled_again():
+    logits = torch.tensor([[5.0, 0.0, 1.0, 0.5]]).repeat(2, 1)  # token 0 (the stop token) is the best
+    params = [dict(temperature=0, min_new_tokens=2, max_new_tokens=8), dict(temperature=0)]
+    kept = SamplingBatch(rows(*params, stop_ids={0}), 4, "cpu")
+    picked = []
+    for _ in range(3):
+        out = Sampler().sample(logits, kept)
+        picked.append(out.token_ids)
+        kept.advance(out.ids)
+    assert picked == [[2, 0], [2, 0], [0, 0]]  # row 1 asks no minimum: never masked
+
+
+def test_min_new_tokens_masks_every_stop_token_of_a_sampled_row():
+    logits = torch.tensor([[3.0, 3.0, 0.0, 3.0]]).repeat(500, 1)
+    params = [dict(temperature=1.0, seed=s, min_new_tokens=1, max_new_tokens=4) for s in range(500)]
+    ids = Sampler().sample(logits, SamplingBatch(rows(*params, stop_ids={0, 3}), 4, "cpu")).token_ids
+    assert set(ids) == {1, 2}

@@ -28,12 +28,21 @@ def penalize(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
     "params,field",
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
      ({"max_new_tokens": -1}, "max_new_tokens"), ({"n": 0}, "n"), ({"top_k": 0}, "top_k"),
-     ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"), ({"unknown": 1}, "unknown")],
+     ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"), ({"unknown": 1}, "unknown"),
+     ({"max_new_tokens": "2"}, "max_new_tokens"), ({"temperature": "0.5"}, "temperature"), ({"seed": 1.0}, "seed"),
+     ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens"),
+     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+     ({"logit_bias": {"1": 100.5}}, "logit_bias"), ({"logit_bias": {"1": True}}, "logit_bias"),
+     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias")],
 )
 def test_invalid_sampling_params_name_the_field(params, field):
     with pytest.raises(ValidationError) as e:
         SamplingParams(**params)
     assert e.value.errors()[0]["loc"][0] == field
+
+
+def test_logit_bias_keys_become_token_ids():
+    assert SamplingParams(logit_bias={"7": -100, "300": 2.5}).logit_bias == {7: -100.0, 300: 2.5}
 
 
 def test_greedy_and_top_k_1_take_the_argmax():
@@ -110,6 +119,13 @@ def test_held_back_prefix_is_released_when_it_does_not_become_a_stop():
     assert m.feed("ure") == ("Sure", None)
     assert m.feed("...S") == ("...", None)
     assert m.flush() == "S"
+
+
+def test_text_passed_through_is_never_searched_and_releases_what_was_held():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("a ST") == ("a ", None)
+    assert m.pass_through("OP b") == ("STOP b")
+    assert m.feed(" STOP") == (" ", "STOP")
 
 
 def test_earliest_of_several_stops_wins_and_can_be_kept():
