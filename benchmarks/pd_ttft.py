@@ -1,12 +1,14 @@
 """TTFT added by PD (router -> prefill + decode) over a monolithic server, at concurrency 1, with the
 per-request timeline that says where the difference goes.
 
-Starts a monolithic server and a PD cluster (one prefill, one decode, the router) side by side with
-their request timelines on (TANDEM_LOG_LEVEL=DEBUG, see common/engine/timeline.py), sends the same
-fresh random prompts to both, one request at a time, alternating which goes first, and prints the
-median TTFT of each at every prompt length with their ratio and difference; then, per length, the
-median time from the client's send to every step of the PD request (both halves on one clock: all
-processes run on this host) and of the monolithic one.
+Starts a monolithic server, a PD cluster (one prefill, one decode, the router) and a second monolithic
+server (the control) side by side with their request timelines on (TANDEM_LOG_LEVEL=DEBUG, see
+common/engine/timeline.py), sends the same fresh random prompts to all three, one request at a time,
+rotating which goes first, and prints the median TTFT of each at every prompt length with PD's ratio
+and difference to the first monolithic server; then, per length, the median time from the client's send
+to every step of the PD request (both halves on one clock: all processes run on this host) and of the
+monolithic one. The control differs from the first monolithic server only by being another process: its
+difference is what two identical servers' forwards differ by on this machine, the noise in PD's total.
 
     .venv/bin/python benchmarks/pd_ttft.py [--backend mooncake] [--repeat 30] [--lengths 16 64 512] [--json out.json]
 """
@@ -42,18 +44,20 @@ def first_token(client: httpx.Client, url: str, rid: str, ids: list[int]) -> Sam
     return {"rid": rid, "length": len(ids), "send": send, "first": first, "ttft": first - send}
 
 
-def measure(mono: str, pd: str, lengths: list[int], repeat: int, seed: int) -> dict[str, list[Sample]]:
+def measure(urls: dict[str, str], lengths: list[int], repeat: int, seed: int) -> dict[str, list[Sample]]:
+    """Samples per endpoint name in `urls`: every prompt to each endpoint, the first to go rotating."""
     rng = random.Random(seed)
-    out: dict[str, list[Sample]] = {"mono": [], "pd": []}
+    out: dict[str, list[Sample]] = {name: [] for name in urls}
+    endpoints = list(urls.items())
     with httpx.Client() as client:
-        for name, url in (("mono", mono), ("pd", pd)):  # warm-up: first requests pay one-off costs
+        for name, url in endpoints:  # warm-up: first requests pay one-off costs
             for i in range(3):
                 first_token(client, url, f"warmup-{name}-{i}", [rng.randrange(100, 40000) for _ in range(16)])
         for length in lengths:
             for i in range(repeat):
-                ids = [rng.randrange(100, 40000) for _ in range(length)]  # new to both servers' prefix caches
-                order = [("mono", mono), ("pd", pd)][:: 1 if i % 2 else -1]
-                for name, url in order:
+                ids = [rng.randrange(100, 40000) for _ in range(length)]  # new to every server's prefix cache
+                k = i % len(endpoints)
+                for name, url in endpoints[k:] + endpoints[:k]:
                     out[name].append(first_token(client, url, f"{name}-{length}-{i}-{seed}", ids))
     return out
 
@@ -101,13 +105,16 @@ def medians_ms(samples: list[Sample], length: int, value) -> float:
 def report(results: dict[str, list[Sample]], lines: dict, lengths: list[int]) -> dict:
     table = []
     print(f"\n{'prompt tokens':>13} {'monolithic ms':>14} {'PD ms':>8} {'PD/mono':>8} {'PD - mono ms':>13}"
-          f" {'outside the forward: mono':>26} {'PD':>6} {'PD - mono':>10}   (ms, median of {len(results['pd']) // len(lengths)})")
+          f" {'control - mono ms':>18} {'outside the forward: mono':>26} {'PD':>6} {'PD - mono':>10} {'control - mono':>15}"
+          f"   (ms, median of {len(results['pd']) // len(lengths)})")
     for length in lengths:
-        m, p = (medians_ms(results[name], length, lambda s: s["ttft"]) for name in ("mono", "pd"))
-        mo, po = (medians_ms(results[name], length, lambda s: outside_forward(s, lines)) for name in ("mono", "pd"))
-        table.append({"length": length, "mono_ms": m, "pd_ms": p, "ratio": p / m, "added_ms": p - m,
-                      "mono_outside_forward_ms": mo, "pd_outside_forward_ms": po, "added_outside_forward_ms": po - mo})
-        print(f"{length:13d} {m:14.1f} {p:8.1f} {p / m:8.2f} {p - m:+13.1f} {mo:26.1f} {po:6.1f} {po - mo:+10.1f}")
+        m, p, c = (medians_ms(results[name], length, lambda s: s["ttft"]) for name in ("mono", "pd", "control"))
+        mo, po, co = (medians_ms(results[name], length, lambda s: outside_forward(s, lines)) for name in ("mono", "pd", "control"))
+        table.append({"length": length, "mono_ms": m, "pd_ms": p, "ratio": p / m, "added_ms": p - m, "control_ms": c,
+                      "control_added_ms": c - m, "mono_outside_forward_ms": mo, "pd_outside_forward_ms": po,
+                      "added_outside_forward_ms": po - mo, "control_added_outside_forward_ms": co - mo})
+        print(f"{length:13d} {m:14.1f} {p:8.1f} {p / m:8.2f} {p - m:+13.1f} {c - m:+18.1f} {mo:26.1f} {po:6.1f} {po - mo:+10.1f}"
+              f" {co - mo:+15.1f}")
     steps = {}
     for length in lengths:
         for name in ("pd", "mono"):
@@ -131,15 +138,17 @@ def main() -> None:
     ns = ap.parse_args()
     os.environ["TANDEM_LOG_LEVEL"] = "DEBUG"  # the servers log one timeline line per request
     mono = start_server(*FLAGS, name="ttft-mono").wait_ready()
-    pd = None
+    control = pd = None
     try:
+        control = start_server(*FLAGS, name="ttft-control").wait_ready()
         pd = start_cluster(ns.backend, flags=FLAGS)
-        results = measure(mono.url, pd.url, ns.lengths, ns.repeat, ns.seed)
+        results = measure({"mono": mono.url, "pd": pd.url, "control": control.url}, ns.lengths, ns.repeat, ns.seed)
         time.sleep(0.5)  # the last timeline lines are written as the streams close
-        out = report(results, timelines(mono, *pd.prefills, *pd.decodes), ns.lengths)
+        out = report(results, timelines(mono, control, *pd.prefills, *pd.decodes), ns.lengths)
     finally:
-        if pd is not None:
-            pd.stop()
+        for cluster in (pd, control):
+            if cluster is not None:
+                cluster.stop()
         mono.stop()
     if ns.json:
         ns.json.write_text(json.dumps(out, indent=1))

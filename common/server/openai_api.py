@@ -71,7 +71,8 @@ def _check_model(engine: Engine, body: OpenAIBase) -> None:
 def _apply_chat_template(engine: Engine, body: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
     try:
-        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   **(body.chat_template_kwargs or {}))
     except Exception as e:  # jinja errors from the model's own template
         raise InvalidRequest(f"messages: the chat template rejected them: {e}", param="messages") from None
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

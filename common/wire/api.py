@@ -168,11 +168,19 @@ class ChatMessage(BaseModel):
         return v
 
 
+# apply_chat_template arguments the server itself passes (or that would change what it returns)
+TEMPLATE_ARGS_SET_BY_SERVER = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                                         "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                         "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False  # OpenAI's API takes null: none
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # extra variables for the model's chat template (vLLM's and SGLang's), e.g. Qwen3's enable_thinking
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
 
     @model_validator(mode="before")
     @classmethod
@@ -185,6 +193,14 @@ class ChatCompletionRequest(OpenAIBase):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: logprobs must be true when top_logprobs is given", param="top_logprobs")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or ()) & TEMPLATE_ARGS_SET_BY_SERVER)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the server sets them")
+        return v
 
 
 def _reject_batch(v: Any, batched: bool) -> Any:

@@ -30,7 +30,7 @@ CHAT = _CONSTRAINED | {
     "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
     "verbosity": (None, "medium"),
     # the prompt: Tandem applies the model's own chat template, with the generation prompt
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
+    "chat_template": (None,), "documents": (None, []),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "echo": (None, False),
 }
 

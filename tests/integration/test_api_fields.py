@@ -5,6 +5,7 @@ without logprobs, logprob_start_len past the prompt) are 400s naming the field."
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 
 import httpx
 import pytest
@@ -241,3 +242,32 @@ def test_logprob_start_len_past_the_prompt_is_a_400_naming_it(server, count_ids)
 def test_stop_token_ids_outside_the_vocabulary_are_a_400(server, stop_ids, param):
     err = error_of(post(server, "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": stop_ids, "min_new_tokens": 1}}))
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
+
+
+# -- chat_template_kwargs --------------------------------------------------------------------------
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    """Extra template variables (vLLM's and SGLang's chat_template_kwargs, e.g. Qwen3's enable_thinking) are
+    passed to the model's chat template."""
+    from types import SimpleNamespace
+
+    from common.server.openai_api import _apply_chat_template
+    from common.wire.api import ChatCompletionRequest
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% if greet %}Hello! {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    body = ChatCompletionRequest.model_validate({**CHAT, "chat_template_kwargs": {"greet": True}})
+    assert _apply_chat_template(SimpleNamespace(tokenizer=tok), body) == tok.encode("Hello! " + CHAT["messages"][0]["content"])
+
+
+def test_chat_template_kwargs_the_template_ignores_change_nothing(server):
+    plain = post(server, "/v1/chat/completions", CHAT | {"temperature": 0})
+    with_kwargs = post(server, "/v1/chat/completions", CHAT | {"temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.status_code == with_kwargs.status_code == 200, with_kwargs.text
+    assert with_kwargs.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"add_generation_prompt": False}, "enable_thinking"])
+def test_chat_template_kwargs_that_the_server_sets_or_are_no_object_are_a_400(server, kwargs):
+    err = error_of(post(server, "/v1/chat/completions", CHAT | {"chat_template_kwargs": kwargs}))
+    assert (err["type"], err["param"]) == ("invalid_request_error", "chat_template_kwargs")
