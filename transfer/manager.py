@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from transfer.backends.base import make_backend
+from transfer.bulk_priority import create_lowered
 from transfer.control_plane import ZmqControlPlane
 from transfer.liveness import Liveness
 from transfer.messages import BadMessage, Envelope, ReplayGuard, open_frame
@@ -61,7 +62,7 @@ class KVManager(ABC):
         self.args = args
         self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
         self.clock, self.threaded = clock, threaded
-        self.backend = make_backend(args.backend, args.host, args.protocol, args.device, args.transfer_timeout_s)
+        self.backend = create_lowered(lambda: make_backend(args.backend, args.host, args.protocol, args.device, args.transfer_timeout_s))
         for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
             self.backend.register(ptr, nbytes, args.on_cuda)
         self.counters: Counter[str] = Counter()

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from transfer.bulk_priority import lower_this_thread
 from transfer.prefill_rooms import PrefillRoom
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class TransferWorker:
         self.current = None  # not in a finally: a thread dying here leaves it for _die to fail
 
     def _loop(self) -> None:
+        lower_this_thread()  # the copies yield the cores to the threads on a first token's path
         try:
             while not self.retired:
                 if not self.run_once(wait_s=IDLE_EXIT_S) and self._retire_if_idle():
