@@ -5,7 +5,8 @@ cores with the threads on a first token's path: the scheduler, the HTTP event lo
 the router. The copies run BULK_NICE below the process's nice, so the kernel gives a waking
 latency-critical thread the core at once; an idle core still runs the copy at full speed. Linux sets nice
 per thread and a new thread takes its creator's, so the engine's backend is created on a lowered thread
-(its own threads inherit it) and each transfer worker lowers itself. Elsewhere (or where it is refused) nothing changes.
+(its own threads inherit it) and each transfer worker lowers itself. Elsewhere, or where it is refused,
+nothing changes.
 """
 from __future__ import annotations
 
