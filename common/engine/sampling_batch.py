@@ -53,24 +53,20 @@ class SamplingBatch:
     def _init_logit_bias(self, params: list[SamplingParams]) -> None:
         """(row, token, bias) of every bias asked for, as three flat tensors; None when no row asks."""
         entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
-        self.bias_rows = self.bias_ids = self.bias_values = None
-        if entries:
-            rows, ids, values = zip(*entries)
-            self.bias_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            self.bias_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            self.bias_values = torch.tensor(values, dtype=torch.float32, device=self.device)
+        self.bias_rows, self.bias_ids, self.bias_values = self._columns(entries, torch.int64, torch.int64, torch.float32)
 
     def _init_min_tokens(self, rows: list[SamplingRow]) -> None:
         """(row, stop token) of the rows still short of their min_new_tokens, and each pair's minimum:
         the token is masked while the row has sampled fewer (`steps`); None when no row is short."""
         pairs = [(i, t, r.params.min_new_tokens) for i, r in enumerate(rows)
                  if len(r.output_ids) < r.params.min_new_tokens for t in sorted(r.stop_ids)]
-        self.min_rows = self.min_ids = self.min_tokens = None
-        if pairs:
-            rows_, ids, minimum = zip(*pairs)
-            self.min_rows = torch.tensor(rows_, dtype=torch.int64, device=self.device)
-            self.min_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            self.min_tokens = torch.tensor(minimum, dtype=torch.int64, device=self.device)
+        self.min_rows, self.min_ids, self.min_tokens = self._columns(pairs, torch.int64, torch.int64, torch.int64)
+
+    def _columns(self, entries: list[tuple], *dtypes: torch.dtype) -> list[torch.Tensor | None]:
+        """The columns of `entries` as tensors of `dtypes` on the batch's device; all None when there are none."""
+        if not entries:
+            return [None] * len(dtypes)
+        return [torch.tensor(col, dtype=dt, device=self.device) for col, dt in zip(zip(*entries), dtypes)]
 
     def _init_choice(self, params: list[SamplingParams], vocab_size: int) -> None:
         dev = self.device

@@ -19,7 +19,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.wire.errors import error_body
+from common.wire.errors import Unavailable
 
 log = logging.getLogger("tandem.drain")
 DRAINING_HEADER = "X-Tandem-Draining"
@@ -69,8 +69,8 @@ class Drain:
 
 def refusal() -> tuple[dict, dict[str, str]]:
     """The JSON body and the headers of a draining server's 503."""
-    body = error_body("this server is shutting down and takes no new requests; retry on another server", "unavailable_error", 503)
-    return body, {"Retry-After": "1", DRAINING_HEADER: "1"}
+    error = Unavailable("this server is shutting down and takes no new requests; retry on another server")
+    return error.to_dict(), {**error.headers, DRAINING_HEADER: "1"}
 
 
 class DrainGuard:
