@@ -5,6 +5,7 @@ random model so that the engine's own cost shows. 1.0 would be an engine with no
 
     .venv/bin/python benchmarks/decode_overhead.py [--steps 40] [--sampling greedy|mixed] [--threads 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ def params(i: int, mode: str, max_new: int) -> SamplingParams:
     if mode == "greedy":
         return SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
     # every kind of row the sampler knows, mixed in one batch
-    kinds = [dict(temperature=0), dict(temperature=0.8, top_k=20, seed=i), dict(temperature=1.0, top_p=0.9),
-             dict(temperature=0.7, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)]
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.8, top_k=20, seed=i),
+        dict(temperature=1.0, top_p=0.9),
+        dict(temperature=0.7, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1),
+    ]
     return SamplingParams(max_new_tokens=max_new, ignore_eos=True, **kinds[i % len(kinds)])
 
 
@@ -53,16 +58,24 @@ def bare_batch(engine: Engine, reqs: list[Req]) -> ForwardBatch:
     rows = torch.tensor([r.req_pool_idx for r in reqs])
     kv_lens = torch.tensor([r.kv_len for r in reqs])
     return ForwardBatch(
-        mode=ForwardMode.DECODE, input_ids=torch.tensor([r.fill_ids[r.kv_len - 1] for r in reqs]),
-        positions=kv_lens - 1, out_cache_loc=table[rows, kv_lens - 1].long(), req_pool_indices=rows,
-        seq_lens=kv_lens.clone(), extend_lens=torch.ones_like(kv_lens), logits_indices=torch.arange(len(reqs)),
+        mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([r.fill_ids[r.kv_len - 1] for r in reqs]),
+        positions=kv_lens - 1,
+        out_cache_loc=table[rows, kv_lens - 1].long(),
+        req_pool_indices=rows,
+        seq_lens=kv_lens.clone(),
+        extend_lens=torch.ones_like(kv_lens),
+        logits_indices=torch.arange(len(reqs)),
         req_to_token=table,
     )
 
 
 def measure(model_dir: Path, batch: int, steps: int, mode: str) -> tuple[float, float]:
     engine = Engine(ServerConfig(model=str(model_dir), max_running_requests=batch, max_total_tokens=batch * 256 + 1024))
-    reqs = [Req(f"r{i}", p, params(i, mode, WARMUP + steps + 8)) for i, p in enumerate(random_prompts(batch, PROMPT_LEN, PROMPT_LEN))]
+    reqs = [
+        Req(f"r{i}", p, params(i, mode, WARMUP + steps + 8))
+        for i, p in enumerate(random_prompts(batch, PROMPT_LEN, PROMPT_LEN))
+    ]
     s = engine.scheduler
     for r in reqs:
         s.add_request(r)

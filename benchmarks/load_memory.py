@@ -7,6 +7,7 @@ checkpoint's bf16 size. Goal: <= 1.1x (the weights themselves plus one 64 MiB re
 
     .venv/bin/python benchmarks/load_memory.py [--layers 16] [--shard-mib 5120] [--keep DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GIB = 1024**3
 # Llama-3.2-1B's shape (random weights)
-SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-             vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
-             rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 8192})
+SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 
 
 def write_checkpoint(path: Path, layers: int, shard_bytes: int) -> int:
@@ -69,14 +84,21 @@ def measure_load(path: Path) -> dict:
     model = load_model(path, config, torch.bfloat16, "cpu")
     seconds = time.perf_counter() - t0
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"rss_before": before, "peak": status_kib("VmHWM") * 1024, "after": status_kib("VmRSS") * 1024,
-            "param_bytes": params, "seconds": seconds}
+    return {
+        "rss_before": before,
+        "peak": status_kib("VmHWM") * 1024,
+        "after": status_kib("VmRSS") * 1024,
+        "param_bytes": params,
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--shard-mib", type=int, default=5120, help="shard size (Hugging Face writes 5 GB shards: one for a 1B model)")
+    p.add_argument(
+        "--shard-mib", type=int, default=5120, help="shard size (Hugging Face writes 5 GB shards: one for a 1B model)"
+    )
     p.add_argument("--keep", type=Path, help="write (or reuse) the checkpoint here instead of a temporary directory")
     p.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child process
     args = p.parse_args()
@@ -90,12 +112,16 @@ def main() -> None:
             print(f"writing a random {args.layers}-layer 1B-shaped bf16 checkpoint into {path} ...", flush=True)
             write_checkpoint(path, args.layers, args.shard_mib * 1024**2)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        out = subprocess.run([sys.executable, __file__, "--measure", str(path)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--measure", str(path)], capture_output=True, text=True, check=True
+        )
         r = json.loads(out.stdout.strip().splitlines()[-1])
     growth = r["peak"] - r["rss_before"]
     print(f"checkpoint (bf16 safetensors): {size / GIB:.2f} GiB; parameters loaded: {r['param_bytes'] / GIB:.2f} GiB")
     print(f"load time: {r['seconds']:.1f} s")
-    print(f"RSS before load {r['rss_before'] / GIB:.2f} GiB, peak {r['peak'] / GIB:.2f} GiB, after {r['after'] / GIB:.2f} GiB")
+    print(
+        f"RSS before load {r['rss_before'] / GIB:.2f} GiB, peak {r['peak'] / GIB:.2f} GiB, after {r['after'] / GIB:.2f} GiB"
+    )
     print(f"peak RSS growth: {growth / GIB:.2f} GiB = {growth / size:.2f}x the checkpoint (goal <= 1.10x)")
 
 

@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/monolithic_vs_hf.py [--num-requests 16] [--input-len 128] [--output-len 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,13 @@ def hf_tokens_per_s(model_dir: Path, prompts: list[list[int]], output_len: int, 
     for i in tqdm(range(0, len(prompts), batch), desc=f"transformers batch {batch}"):
         ids = torch.tensor(prompts[i : i + batch])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+            )
         generated += (out.shape[1] - ids.shape[1]) * out.shape[0]
     return generated / (time.perf_counter() - start)
 
@@ -40,9 +46,23 @@ def hf_tokens_per_s(model_dir: Path, prompts: list[list[int]], output_len: int, 
 def bench_args(url: str, concurrency: int, args: argparse.Namespace) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_bench_flags(p)
-    return p.parse_args(["--base-url", url, "--num-prompts", str(args.num_requests), "--max-concurrency", str(concurrency),
-                         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-                         "--seed", str(concurrency), "--disable-tqdm"])
+    return p.parse_args(
+        [
+            "--base-url",
+            url,
+            "--num-prompts",
+            str(args.num_requests),
+            "--max-concurrency",
+            str(concurrency),
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--seed",
+            str(concurrency),
+            "--disable-tqdm",
+        ]
+    )
 
 
 def main() -> None:
@@ -66,7 +86,10 @@ def main() -> None:
     results = []
     for conc, ours in rows:
         # the prompts `tandem bench` sent: the first draw of a Workload with the same seed
-        prompts = [r.prompt_ids for r in Workload(tokenizer, conc).random(args.num_requests, args.input_len, args.output_len, 1.0)]
+        prompts = [
+            r.prompt_ids
+            for r in Workload(tokenizer, conc).random(args.num_requests, args.input_len, args.output_len, 1.0)
+        ]
         hf = hf_tokens_per_s(model_dir, prompts, args.output_len, batch=conc)
         results.append((conc, ours, hf))
     print(f"\n{'concurrency':>11} {'tandem tok/s':>13} {'transformers tok/s':>19} {'ratio':>7}")

@@ -4,6 +4,7 @@ then runs the same Poisson requests against both and writes the table, the JSON 
 
     .venv/bin/python benchmarks/pd_sweep.py [--rates 0.25 0.5 1 2] [--num-prompts 24] [--out docs/performance]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,42 @@ def main() -> None:
     mono = start_server(*ENGINE, name="sweep-mono").wait_ready()
     pd = start_cluster("mooncake", flags=ENGINE)
     try:
-        bench = [sys.executable, "-m", "tandem", "bench", "--backend", "sglang", "--base-url", pd.url, "--compare", mono.url,
-                 "--label", "PD (1P1D + router)", "--compare-label", "monolithic",
-                 "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
-                 str(args.output_len), "--num-prompts", str(args.num_prompts), "--warmup-requests", "2",
-                 "--request-rate", *args.rates, "--goodput", "ttft:2000", "itl:500", "--disable-tqdm",
-                 "--output-json", str(args.out / "pd_vs_monolithic.json"), "--plot", str(args.out / "pd_vs_monolithic.png")]
+        bench = [
+            sys.executable,
+            "-m",
+            "tandem",
+            "bench",
+            "--backend",
+            "sglang",
+            "--base-url",
+            pd.url,
+            "--compare",
+            mono.url,
+            "--label",
+            "PD (1P1D + router)",
+            "--compare-label",
+            "monolithic",
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--num-prompts",
+            str(args.num_prompts),
+            "--warmup-requests",
+            "2",
+            "--request-rate",
+            *args.rates,
+            "--goodput",
+            "ttft:2000",
+            "itl:500",
+            "--disable-tqdm",
+            "--output-json",
+            str(args.out / "pd_vs_monolithic.json"),
+            "--plot",
+            str(args.out / "pd_vs_monolithic.png"),
+        ]
         print("$", "python", shlex.join(bench[1:]), flush=True)
         subprocess.run(bench, cwd=ROOT, check=True)
     finally:

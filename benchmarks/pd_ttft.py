@@ -12,6 +12,7 @@ difference is what two identical servers' forwards differ by on this machine, th
 
     .venv/bin/python benchmarks/pd_ttft.py [--backend mooncake] [--repeat 30] [--lengths 16 64 512] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,12 @@ Sample = dict  # rid, length, send, first (client clock), ttft
 
 def first_token(client: httpx.Client, url: str, rid: str, ids: list[int]) -> Sample:
     """Stream one request; the client's send time and the arrival of its first token (time.monotonic())."""
-    body = {"rid": rid, "input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "rid": rid,
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+    }
     send, arrivals = chunk_arrivals(client, url, body)
     first = arrivals[0]
     return {"rid": rid, "length": len(ids), "send": send, "first": first, "ttft": first - send}
@@ -104,17 +109,35 @@ def medians_ms(samples: list[Sample], length: int, value) -> float:
 
 def report(results: dict[str, list[Sample]], lines: dict, lengths: list[int]) -> dict:
     table = []
-    print(f"\n{'prompt tokens':>13} {'monolithic ms':>14} {'PD ms':>8} {'PD/mono':>8} {'PD - mono ms':>13}"
-          f" {'control - mono ms':>18} {'outside the forward: mono':>26} {'PD':>6} {'PD - mono':>10} {'control - mono':>15}"
-          f"   (ms, median of {len(results['pd']) // len(lengths)})")
+    print(
+        f"\n{'prompt tokens':>13} {'monolithic ms':>14} {'PD ms':>8} {'PD/mono':>8} {'PD - mono ms':>13}"
+        f" {'control - mono ms':>18} {'outside the forward: mono':>26} {'PD':>6} {'PD - mono':>10} {'control - mono':>15}"
+        f"   (ms, median of {len(results['pd']) // len(lengths)})"
+    )
     for length in lengths:
         m, p, c = (medians_ms(results[name], length, lambda s: s["ttft"]) for name in ("mono", "pd", "control"))
-        mo, po, co = (medians_ms(results[name], length, lambda s: outside_forward(s, lines)) for name in ("mono", "pd", "control"))
-        table.append({"length": length, "mono_ms": m, "pd_ms": p, "ratio": p / m, "added_ms": p - m, "control_ms": c,
-                      "control_added_ms": c - m, "mono_outside_forward_ms": mo, "pd_outside_forward_ms": po,
-                      "added_outside_forward_ms": po - mo, "control_added_outside_forward_ms": co - mo})
-        print(f"{length:13d} {m:14.1f} {p:8.1f} {p / m:8.2f} {p - m:+13.1f} {c - m:+18.1f} {mo:26.1f} {po:6.1f} {po - mo:+10.1f}"
-              f" {co - mo:+15.1f}")
+        mo, po, co = (
+            medians_ms(results[name], length, lambda s: outside_forward(s, lines)) for name in ("mono", "pd", "control")
+        )
+        table.append(
+            {
+                "length": length,
+                "mono_ms": m,
+                "pd_ms": p,
+                "ratio": p / m,
+                "added_ms": p - m,
+                "control_ms": c,
+                "control_added_ms": c - m,
+                "mono_outside_forward_ms": mo,
+                "pd_outside_forward_ms": po,
+                "added_outside_forward_ms": po - mo,
+                "control_added_outside_forward_ms": co - mo,
+            }
+        )
+        print(
+            f"{length:13d} {m:14.1f} {p:8.1f} {p / m:8.2f} {p - m:+13.1f} {c - m:+18.1f} {mo:26.1f} {po:6.1f} {po - mo:+10.1f}"
+            f" {co - mo:+15.1f}"
+        )
     steps = {}
     for length in lengths:
         for name in ("pd", "mono"):

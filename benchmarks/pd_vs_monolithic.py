@@ -4,6 +4,7 @@ Both deployments run side by side in one run on this machine; prints ratios PD /
 
     .venv/bin/python benchmarks/pd_vs_monolithic.py [--backend mooncake] [--repeat 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,11 @@ def chunk_arrivals(client: Any, url: str, body: dict) -> tuple[float, list[float
 
 def stream_times(url: str, ids: list[int], max_tokens: int) -> list[float]:
     """Arrival time of every streamed chunk, relative to the request start."""
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}, "stream": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
     send, arrivals = chunk_arrivals(httpx, url, body)
     return [t - send for t in arrivals]
 
@@ -85,7 +90,7 @@ def main() -> None:
     try:
         rows = []
         for length in tqdm([64, 512, 2048], desc="TTFT"):
-            for name, url in (("warm-up", mono.url), ("warm-up", pd.url)):
+            for url in (mono.url, pd.url):  # warm-up
                 stream_times(url, [5] * 16, 2)
             m = ttft(mono.url, random.Random(length), length, ns.repeat)
             p = ttft(pd.url, random.Random(length), length, ns.repeat)

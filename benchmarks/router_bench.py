@@ -13,6 +13,7 @@ when no logprobs are asked for): a wrong answer counts as an error, not as throu
 medians over the repetitions: req/s, the ratio Tandem / sglang-router, the routers' CPU time per request
 (all their processes and threads) and the median latency.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,10 @@ def http_request(port: int, path: str, stream: bool) -> bytes:
     else:
         body = {"model": "mock", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "stream": stream}
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode() + data
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
@@ -119,16 +122,22 @@ def cpu_ticks(pid: int) -> int:
     return total
 
 
-def measure(proc: subprocess.Popen, port: int, mocks: list[subprocess.Popen], path: str, stream: bool,
-            a: argparse.Namespace) -> Result:
+def measure(
+    proc: subprocess.Popen, port: int, mocks: list[subprocess.Popen], path: str, stream: bool, a: argparse.Namespace
+) -> Result:
     expected = b"".join(bodies(a.events)[path, stream])
     before, mocks_before = cpu_ticks(proc.pid), sum(cpu_ticks(m.pid) for m in mocks)
     lats, answers, errors, first_error = asyncio.run(load(port, path, stream, a.clients, a.seconds, a.warmup, expected))
     # over the warm-up too, so per answer over all answers
     per_answer = lambda ticks: 1e6 * ticks * TICK_S / max(answers, 1)  # noqa: E731
-    return Result(len(lats) / a.seconds, 1000 * statistics.median(lats) if lats else float("nan"),
-                  per_answer(cpu_ticks(proc.pid) - before), per_answer(sum(cpu_ticks(m.pid) for m in mocks) - mocks_before),
-                  errors, first_error)
+    return Result(
+        len(lats) / a.seconds,
+        1000 * statistics.median(lats) if lats else float("nan"),
+        per_answer(cpu_ticks(proc.pid) - before),
+        per_answer(sum(cpu_ticks(m.pid) for m in mocks) - mocks_before),
+        errors,
+        first_error,
+    )
 
 
 def spawn(cmd: list[str], ready_url: str, name: str) -> subprocess.Popen:
@@ -158,30 +167,76 @@ def stop(proc: subprocess.Popen) -> None:
 
 def router_cmd(name: str, port: int, prefill: str, boot: int, decode: str, a: argparse.Namespace) -> list[str]:
     if name == "tandem":
-        return [sys.executable, "-m", "tandem", "router", "--prefill", prefill, str(boot), "--decode", decode,
-                "--port", str(port), "--policy", "round_robin", *shlex.split(a.tandem_args)]
-    return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill, str(boot),
-            "--decode", decode, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-            "--prometheus-port", str(free_port()), *shlex.split(a.sglang_args)]
+        return [
+            sys.executable,
+            "-m",
+            "tandem",
+            "router",
+            "--prefill",
+            prefill,
+            str(boot),
+            "--decode",
+            decode,
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            *shlex.split(a.tandem_args),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--prefill",
+        prefill,
+        str(boot),
+        "--decode",
+        decode,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(free_port()),
+        *shlex.split(a.sglang_args),
+    ]
 
 
 def report(results: dict[tuple[str, str, bool], list[Result]], a: argparse.Namespace, load_before: float) -> None:
-    print(f"\n{a.clients} clients, {a.seconds:g} s per run after {a.warmup:g} s warm-up, {a.repeat} repetitions, "
-          f"{a.events} SSE events per streamed answer; {os.cpu_count()} CPUs, load average {load_before:.1f} before "
-          f"and {os.getloadavg()[0]:.1f} after; tandem router {a.tandem_args or '(defaults)'}, "
-          f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio loop (uvloop not installed)'}")
-    print("CPU: microseconds of CPU time per request of the router (all its processes and threads) and of the two "
-          "mock workers together; t|s = tandem|sglang")
-    print(f"{'mode':<28} {'tandem req/s':>12} {'sglang req/s':>12} {'ratio':>6} {'router CPU t|s':>15} "
-          f"{'workers CPU t|s':>16} {'p50 ms t|s':>12}")
+    print(
+        f"\n{a.clients} clients, {a.seconds:g} s per run after {a.warmup:g} s warm-up, {a.repeat} repetitions, "
+        f"{a.events} SSE events per streamed answer; {os.cpu_count()} CPUs, load average {load_before:.1f} before "
+        f"and {os.getloadavg()[0]:.1f} after; tandem router {a.tandem_args or '(defaults)'}, "
+        f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio loop (uvloop not installed)'}"
+    )
+    print(
+        "CPU: microseconds of CPU time per request of the router (all its processes and threads) and of the two "
+        "mock workers together; t|s = tandem|sglang"
+    )
+    print(
+        f"{'mode':<28} {'tandem req/s':>12} {'sglang req/s':>12} {'ratio':>6} {'router CPU t|s':>15} "
+        f"{'workers CPU t|s':>16} {'p50 ms t|s':>12}"
+    )
     for path, stream in MODES:
-        med = {n: [statistics.median(getattr(r, f) for r in results[n, path, stream])
-                   for f in ("rps", "cpu_us", "workers_cpu_us", "p50_ms")] for n in ROUTERS}
+        med = {
+            n: [
+                statistics.median(getattr(r, f) for r in results[n, path, stream])
+                for f in ("rps", "cpu_us", "workers_cpu_us", "p50_ms")
+            ]
+            for n in ROUTERS
+        }
         t, s = med["tandem"], med["sglang"]
-        print(f"{path + (' stream' if stream else ' json'):<28} {t[0]:>12.0f} {s[0]:>12.0f} {t[0] / s[0]:>6.2f} "
-              f"{t[1]:>7.0f}|{s[1]:<7.0f} {t[2]:>8.0f}|{s[2]:<7.0f} {t[3]:>5.1f}|{s[3]:<5.1f}")
+        print(
+            f"{path + (' stream' if stream else ' json'):<28} {t[0]:>12.0f} {s[0]:>12.0f} {t[0] / s[0]:>6.2f} "
+            f"{t[1]:>7.0f}|{s[1]:<7.0f} {t[2]:>8.0f}|{s[2]:<7.0f} {t[3]:>5.1f}|{s[3]:<5.1f}"
+        )
     for (n, path, stream), rs in results.items():
-        print(f"  {n} {path}{' stream' if stream else ''} req/s per repetition: " + " ".join(f"{r.rps:.0f}" for r in rs))
+        print(
+            f"  {n} {path}{' stream' if stream else ''} req/s per repetition: " + " ".join(f"{r.rps:.0f}" for r in rs)
+        )
         for r in rs:
             if r.errors:
                 print(f"    {r.errors} wrong answers, the first: {r.first_error}")
@@ -192,21 +247,28 @@ def main(a: argparse.Namespace) -> None:
     boot, pport, dport = free_port(), free_port(), free_port()
     prefill, decode = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
     mock = [sys.executable, str(ROOT / "benchmarks" / "router_mock.py"), "--events", str(a.events)]
-    procs = [spawn([*mock, "--role", "prefill", "--port", str(pport)], prefill + "/health", "mock prefill"),
-             spawn([*mock, "--role", "decode", "--port", str(dport)], decode + "/health", "mock decode")]
+    procs = [
+        spawn([*mock, "--role", "prefill", "--port", str(pport)], prefill + "/health", "mock prefill"),
+        spawn([*mock, "--role", "decode", "--port", str(dport)], decode + "/health", "mock decode"),
+    ]
     results: dict[tuple[str, str, bool], list[Result]] = {(n, p, s): [] for n in ROUTERS for p, s in MODES}
     try:
         routers = {}
         for name in ROUTERS:
             port = free_port()
-            procs.append(spawn(router_cmd(name, port, prefill, boot, decode, a), f"http://127.0.0.1:{port}/readiness", name))
+            procs.append(
+                spawn(router_cmd(name, port, prefill, boot, decode, a), f"http://127.0.0.1:{port}/readiness", name)
+            )
             routers[name] = (procs[-1], port)
         for rep in range(a.repeat):
             for k, (path, stream) in enumerate(MODES):
-                for name in (ROUTERS if (rep + k) % 2 == 0 else ROUTERS[::-1]):
+                for name in ROUTERS if (rep + k) % 2 == 0 else ROUTERS[::-1]:
                     results[name, path, stream].append(r := measure(*routers[name], procs[:2], path, stream, a))
-                    print(f"rep {rep + 1} {name:<6} {path}{' stream' if stream else ''}: {r.rps:.0f} req/s, "
-                          f"{r.cpu_us:.0f} us CPU/req", flush=True)
+                    print(
+                        f"rep {rep + 1} {name:<6} {path}{' stream' if stream else ''}: {r.rps:.0f} req/s, "
+                        f"{r.cpu_us:.0f} us CPU/req",
+                        flush=True,
+                    )
     finally:
         for p in procs:
             stop(p)

@@ -10,6 +10,7 @@ would cost more CPU per request than the router under test. POST /generate, /v1/
 token events then `data: [DONE]`, one write each; the prefill one event. GET /health, /health_generate,
 /readiness, /get_server_info, /get_model_info and /v1/models answer small JSON bodies.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,29 +26,52 @@ from common.wire.sse import DONE, sse_event  # noqa: E402
 def generate_result(n: int, index: bool = False) -> dict:
     """The body of /generate after `n` tokens (each streamed event carries the cumulative result)."""
     ids = list(range(1000, 1000 + n))
-    meta = {"id": "mock", "finish_reason": {"type": "length", "length": n} if n else None, "prompt_tokens": 32,
-            "completion_tokens": n, "cached_tokens": 0}
+    meta = {
+        "id": "mock",
+        "finish_reason": {"type": "length", "length": n} if n else None,
+        "prompt_tokens": 32,
+        "completion_tokens": n,
+        "cached_tokens": 0,
+    }
     return {"text": " tok" * n, "output_ids": ids, "meta_info": meta} | ({"index": 0} if index else {})
 
 
 def chat_chunk(content: str | None, finish: str | None) -> dict:
     delta = {"content": content} if content is not None else {}
-    return {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": "mock",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    return {
+        "id": "chatcmpl-mock",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "mock",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
 
 
 def chat_result(n: int) -> dict:
-    return {"id": "chatcmpl-mock", "object": "chat.completion", "created": 0, "model": "mock",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": " tok" * n}, "logprobs": None,
-                         "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 32, "completion_tokens": n, "total_tokens": 32 + n}}
+    return {
+        "id": "chatcmpl-mock",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "mock",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": " tok" * n},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 32, "completion_tokens": n, "total_tokens": 32 + n},
+    }
 
 
 def bodies(tokens: int) -> dict[tuple[str, bool], list[bytes]]:
     """(path, streaming) -> the pieces of the answer body, in write order."""
     compact = lambda o: json.dumps(o, separators=(",", ":")).encode()  # noqa: E731
     gen_events = [sse_event(generate_result(i, index=True)) for i in range(1, tokens + 1)]
-    chat_events = [sse_event(chat_chunk(" tok", None)) for _ in range(tokens - 1)] + [sse_event(chat_chunk(" tok", "length"))]
+    chat_events = [sse_event(chat_chunk(" tok", None)) for _ in range(tokens - 1)] + [
+        sse_event(chat_chunk(" tok", "length"))
+    ]
     return {
         ("/generate", False): [compact(generate_result(tokens))],
         ("/generate", True): [*gen_events, DONE],
@@ -59,8 +83,11 @@ def bodies(tokens: int) -> dict[tuple[str, bool], list[bytes]]:
 
 
 GET_BODIES = {
-    "/health": b"", "/health_generate": b"", "/readiness": b"{}",
-    "/get_server_info": b'{"role": "mock"}', "/get_model_info": b'{"model_path": "mock", "is_generation": true}',
+    "/health": b"",
+    "/health_generate": b"",
+    "/readiness": b"{}",
+    "/get_server_info": b'{"role": "mock"}',
+    "/get_model_info": b'{"model_path": "mock", "is_generation": true}',
     "/v1/models": b'{"object": "list", "data": [{"id": "mock", "object": "model", "created": 0, "owned_by": "mock"}]}',
 }
 

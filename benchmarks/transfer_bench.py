@@ -14,16 +14,17 @@ Cases: the KV of a 2048-token prompt of the built-in model's shape (30 layers, 3
 page 16) sent in 4 chunks, with contiguous and with fragmented destination pages; and a large
 synthetic pool (256 MiB) in 8 chunks.
 """
+
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
 import os
 import statistics
-from math import nan
 import sys
 import threading
 import time
+from math import nan
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,9 +59,18 @@ def make_manager(mode: str, backend: str, device: str, layout: str, layers: int,
     from transfer.prefill_manager import PrefillKVManager
 
     bufs, infos = make_buffers(layout, device, layers, heads, dim, pages)
-    args = KVArgs([i.data_ptr for i in infos], [i.nbytes for i in infos], [i.bytes_per_page for i in infos], pages, PAGE,
-                  backend=backend, on_cuda=device == "cuda", aux_ptr=aux.data_ptr() if aux is not None else 0,
-                  aux_record_bytes=64 if aux is not None else 0, aux_slots=1 if aux is not None else 0)
+    args = KVArgs(
+        [i.data_ptr for i in infos],
+        [i.nbytes for i in infos],
+        [i.bytes_per_page for i in infos],
+        pages,
+        PAGE,
+        backend=backend,
+        on_cuda=device == "cuda",
+        aux_ptr=aux.data_ptr() if aux is not None else 0,
+        aux_record_bytes=64 if aux is not None else 0,
+        aux_slots=1 if aux is not None else 0,
+    )
     manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)
     manager.bench_wake = threading.Event()  # woken as a server's scheduler is
     manager.wake_scheduler = manager.bench_wake.set
@@ -70,7 +80,6 @@ def make_manager(mode: str, backend: str, device: str, layout: str, layers: int,
 def decode_side(backend, device, layout, case, q_out, q_in):
     import torch
 
-    from transfer.poll import KVPoll
     from transfer.receiver import KVReceiver
 
     layers, heads, dim, tokens, _, frag = CASES[case]
@@ -165,8 +174,10 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
 def run_case(backend: str, device: str, layout: str, case: str, repeat: int) -> tuple:
     ctx = mp.get_context("spawn")
     to_dec, to_pre, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=decode_side, args=(backend, device, layout, case, to_pre, to_dec)),
-             ctx.Process(target=prefill_side, args=(backend, device, layout, case, repeat, to_dec, to_pre, results))]
+    procs = [
+        ctx.Process(target=decode_side, args=(backend, device, layout, case, to_pre, to_dec)),
+        ctx.Process(target=prefill_side, args=(backend, device, layout, case, repeat, to_dec, to_pre, results)),
+    ]
     for p in procs:
         p.start()
     try:
@@ -187,7 +198,9 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cases", nargs="+", default=list(CASES))
-    ap.add_argument("--layouts", nargs="+", choices=["page-major", "layer-major"], default=["page-major", "layer-major"])
+    ap.add_argument(
+        "--layouts", nargs="+", choices=["page-major", "layer-major"], default=["page-major", "layer-major"]
+    )
     ns = ap.parse_args()
     if ns.device == "cuda":
         os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
@@ -198,11 +211,15 @@ def main() -> None:
             for layout in ns.layouts:
                 rows.append((backend, layout, *run_case(backend, ns.device, layout, case, ns.repeat)))
                 print(f"  {backend:9} {case:22} {layout:11} done", flush=True)
-    print(f"\n{'backend':9} {'case':22} {'layout':11} {'MiB':>6} {'pieces':>6} {'ours GB/s':>9} {'raw GB/s':>8} {'ratio':>5}"
-          f" {'raw pieces GB/s':>15} {'ratio':>5}")
+    print(
+        f"\n{'backend':9} {'case':22} {'layout':11} {'MiB':>6} {'pieces':>6} {'ours GB/s':>9} {'raw GB/s':>8} {'ratio':>5}"
+        f" {'raw pieces GB/s':>15} {'ratio':>5}"
+    )
     for backend, layout, case, total, pieces, ours, raw, raw_pieces in rows:
-        print(f"{backend:9} {case:22} {layout:11} {total / 2**20:6.1f} {pieces:6d} {total / ours / 1e9:9.3f}"
-              f" {total / raw / 1e9:8.3f} {raw / ours:5.2f} {total / raw_pieces / 1e9:15.3f} {raw_pieces / ours:5.2f}")
+        print(
+            f"{backend:9} {case:22} {layout:11} {total / 2**20:6.1f} {pieces:6d} {total / ours / 1e9:9.3f}"
+            f" {total / raw / 1e9:8.3f} {raw / ours:5.2f} {total / raw_pieces / 1e9:15.3f} {raw_pieces / ours:5.2f}"
+        )
 
 
 if __name__ == "__main__":

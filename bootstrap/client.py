@@ -1,4 +1,5 @@
 """Blocking client of the bootstrap registry, used by prefill (register) and decode (lookup)."""
+
 from __future__ import annotations
 
 import time
@@ -11,7 +12,9 @@ def _headers(secret: str | None) -> dict[str, str]:
     return {"X-Tandem-Secret": secret} if secret else {}
 
 
-def register_prefill(bootstrap_url: str, info: dict[str, Any], secret: str | None = None, timeout_s: float = 60.0) -> None:
+def register_prefill(
+    bootstrap_url: str, info: dict[str, Any], secret: str | None = None, timeout_s: float = 60.0
+) -> None:
     """PUT /route, retrying while the registry starts; raises with its error message otherwise."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -26,8 +29,9 @@ def register_prefill(bootstrap_url: str, info: dict[str, Any], secret: str | Non
             time.sleep(0.5)
 
 
-def lookup_prefill(bootstrap_url: str, instance_id: str | None = None, secret: str | None = None,
-                   client: httpx.Client | None = None) -> dict[str, Any] | None:
+def lookup_prefill(
+    bootstrap_url: str, instance_id: str | None = None, secret: str | None = None, client: httpx.Client | None = None
+) -> dict[str, Any] | None:
     """The entry of prefill `instance_id` (None: of the registry's only rank-0 instance), or None while it
     has not registered; RuntimeError naming the registry's answer otherwise. `client`: a keep-alive
     client to ask through (default: a new connection)."""

@@ -5,12 +5,14 @@ decode finds the one the router paired it with. Entries that stop re-registering
 Lookups: by instance id (what the router passes), or by (engine_rank, dp_group) as SGLang's decode does,
 which is only unambiguous while one instance holds that rank.
 """
+
 from __future__ import annotations
 
 import hmac
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -18,9 +20,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from common.wire.kv_layout import LAYOUT_KEYS
 
 FIELDS: dict[str, tuple[type, ...]] = {
-    "role": (str,), "tp_size": (int,), "tp_rank": (int,), "dp_size": (int,), "dp_rank": (int,),
-    "rank_ip": (str,), "rank_port": (int,), "page_size": (int,), "num_layers": (int,), "kv_heads": (int,),
-    "head_dim": (int,), "dtype": (str,), "transfer_backend": (str,), "instance_id": (str,),
+    "role": (str,),
+    "tp_size": (int,),
+    "tp_rank": (int,),
+    "dp_size": (int,),
+    "dp_rank": (int,),
+    "rank_ip": (str,),
+    "rank_port": (int,),
+    "page_size": (int,),
+    "num_layers": (int,),
+    "kv_heads": (int,),
+    "head_dim": (int,),
+    "dtype": (str,),
+    "transfer_backend": (str,),
+    "instance_id": (str,),
 }
 DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": ""}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
@@ -81,7 +94,9 @@ def parse_ranks(query: Any) -> tuple[int, int]:
             raise RegistrationError(name, "must be an integer")
         ranks.append(int(raw))
     if ranks != [-1, -1] and min(ranks) < 0:
-        raise RegistrationError("engine_rank" if ranks[0] < 0 else "target_dp_group", "must be >= 0 (or both -1 for the layout)")
+        raise RegistrationError(
+            "engine_rank" if ranks[0] < 0 else "target_dp_group", "must be >= 0 (or both -1 for the layout)"
+        )
     return ranks[0], ranks[1]
 
 
@@ -97,13 +112,20 @@ class Registry:
         self.rejected = 0  # all rejected requests, read by an embedding prefill server's /metrics
         self.metrics = CollectorRegistry()
         self.rejected_registrations = Counter(
-            "tandem_bootstrap_rejected_registrations", "PUT /route requests rejected, by the field at fault",
-            ["field"], registry=self.metrics)
+            "tandem_bootstrap_rejected_registrations",
+            "PUT /route requests rejected, by the field at fault",
+            ["field"],
+            registry=self.metrics,
+        )
         self.rejected_lookups = Counter(
-            "tandem_bootstrap_rejected_lookups", "GET and DELETE /route requests rejected, by method and field at fault",
-            ["method", "field"], registry=self.metrics)
+            "tandem_bootstrap_rejected_lookups",
+            "GET and DELETE /route requests rejected, by method and field at fault",
+            ["method", "field"],
+            registry=self.metrics,
+        )
         Gauge("tandem_bootstrap_registered_ranks", "prefill instances registered", registry=self.metrics).set_function(
-            lambda: len(self.live_entries()))
+            lambda: len(self.live_entries())
+        )
 
     def register(self, entry: dict[str, Any]) -> bool:
         """Add or refresh an instance; True when it is new or changed (worth a log line)."""
@@ -134,8 +156,12 @@ class Registry:
         found = [e for e in self.live_entries() if (e["tp_rank"], e["dp_rank"]) == (rank, dp)]
         if len(found) > 1:
             ids = ", ".join(sorted(instance_key(e) for e in found))
-            raise RegistrationError("instance_id", f"{len(found)} prefill instances hold rank {rank} of dp group {dp} "
-                                    f"({ids}): name one with instance_id (routers send prefill_instance_id)", 409)
+            raise RegistrationError(
+                "instance_id",
+                f"{len(found)} prefill instances hold rank {rank} of dp group {dp} "
+                f"({ids}): name one with instance_id (routers send prefill_instance_id)",
+                409,
+            )
         return found[0] if found else None
 
     def layout(self) -> dict[str, Any] | None:
@@ -153,7 +179,9 @@ class Registry:
             return
         got = request.headers.get(SECRET_HEADER) or (body or {}).get("secret") or ""
         # surrogatepass: a JSON body may carry any code point, and comparing must not raise
-        if not isinstance(got, str) or not hmac.compare_digest(got.encode("utf-8", "surrogatepass"), self.secret.encode()):
+        if not isinstance(got, str) or not hmac.compare_digest(
+            got.encode("utf-8", "surrogatepass"), self.secret.encode()
+        ):
             raise RegistrationError("secret", f"missing or wrong cluster secret (send the {SECRET_HEADER} header)", 401)
 
     def count_rejection(self, method: str, field: str) -> None:

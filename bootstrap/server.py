@@ -11,12 +11,14 @@ control endpoint and KV layout; decode ranks look them up (state in bootstrap/re
 
 Every rejected request answers a JSON error naming the field at fault and is counted.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -48,7 +50,11 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 async def _read_json(request: web.Request) -> Any:
     try:
         raw = await read_limited(request.headers, request.content.iter_any(), MAX_BODY_BYTES)
-    except (PayloadTooLarge, BodyTimeout, UnsupportedEncoding) as e:  # 413; 408: a body still arriving after its deadline; 415
+    except (
+        PayloadTooLarge,
+        BodyTimeout,
+        UnsupportedEncoding,
+    ) as e:  # 413; 408: a body still arriving after its deadline; 415
         raise RegistrationError(e.param or "body", e.message, e.status) from None
     try:
         return load_json_object(raw)
@@ -68,8 +74,13 @@ def make_app(registry: Registry) -> web.Application:
         reg.check_secret(request, body if isinstance(body, dict) else None)
         entry = validate_registration(body)
         if reg.register(entry):  # prefills re-register every heartbeat: log only news
-            log.info("registered prefill %s rank %s at %s:%s", entry["instance_id"] or "(no id)", entry["tp_rank"],
-                     entry["rank_ip"], entry["rank_port"])
+            log.info(
+                "registered prefill %s rank %s at %s:%s",
+                entry["instance_id"] or "(no id)",
+                entry["tp_rank"],
+                entry["rank_ip"],
+                entry["rank_port"],
+            )
         return web.json_response({"ok": True})
 
     async def get_route(request: web.Request) -> web.Response:
@@ -130,7 +141,9 @@ def _errors_as_json(reg: Registry) -> Callable:
 
 
 def run_bootstrap(host: str, port: int, secret: str | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [bootstrap] %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s [bootstrap] %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     log.info("bootstrap server on http://%s:%d", host, port)
     web.run_app(make_app(Registry(secret)), host=host, port=port, print=None, **SERVER_ARGS)

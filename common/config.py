@@ -3,6 +3,7 @@
 Every field is a CLI flag (`--page-size`) and an environment variable (`TANDEM_PAGE_SIZE`).
 Derived values are properties, never copies.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -29,8 +30,17 @@ class ServerConfig(BaseSettings):
     # memory
     page_size: int = Field(16, ge=1, le=256)
     max_running_requests: int = Field(32, ge=1)
-    max_total_tokens: int | None = Field(None, ge=16, description="KV cache capacity in tokens (CPU: default 16384; CUDA: a cap on what --mem-fraction-static gives)")
-    mem_fraction_static: float = Field(0.85, gt=0.0, lt=1.0, description="CUDA: share of the GPU's memory for weights and the KV pool; the rest is for activations")
+    max_total_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="KV cache capacity in tokens (CPU: default 16384; CUDA: a cap on what --mem-fraction-static gives)",
+    )
+    mem_fraction_static: float = Field(
+        0.85,
+        gt=0.0,
+        lt=1.0,
+        description="CUDA: share of the GPU's memory for weights and the KV pool; the rest is for activations",
+    )
     context_length: int | None = Field(None, ge=16, description="default: the model's")
     chunked_prefill_size: int = Field(512, description="tokens per prefill chunk; <=0 disables")
     max_prefill_tokens: int = Field(4096, ge=16, description="token budget of one prefill batch")
@@ -44,21 +54,37 @@ class ServerConfig(BaseSettings):
     advertise_host: str | None = Field(None, description="address peers use to reach this server (default: --host)")
     bootstrap_port: int = Field(8998, ge=1, le=65535)
     bootstrap_url: str | None = Field(None, description="standalone bootstrap server for prefill to register with")
-    pairing_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for its peer to reserve memory")
-    kv_wait_timeout_s: float = Field(300.0, gt=0, description="decode: how long reserved pages wait for the prefill's KV")
+    pairing_timeout_s: float = Field(
+        300.0, gt=0, description="how long a request may wait for its peer to reserve memory"
+    )
+    kv_wait_timeout_s: float = Field(
+        300.0, gt=0, description="decode: how long reserved pages wait for the prefill's KV"
+    )
     transfer_timeout_s: float = Field(60.0, gt=0, description="prefill: one batch write to a decode")
-    heartbeat_interval_s: float = Field(5.0, gt=0, description="decode pings each prefill it waits on; prefill watches the pings")
-    heartbeat_misses: int = Field(2, ge=2, description="silent intervals before a peer is declared dead and its rooms fail (>= 2: a pong answers a ping sent up to one interval earlier)")
+    heartbeat_interval_s: float = Field(
+        5.0, gt=0, description="decode pings each prefill it waits on; prefill watches the pings"
+    )
+    heartbeat_misses: int = Field(
+        2,
+        ge=2,
+        description="silent intervals before a peer is declared dead and its rooms fail (>= 2: a pong answers a ping sent up to one interval earlier)",
+    )
     cluster_secret: str | None = None
 
     # serving
-    watchdog_timeout_s: float = Field(300.0, gt=0, description="a scheduler step running longer than this makes /health answer 503")
+    watchdog_timeout_s: float = Field(
+        300.0, gt=0, description="a scheduler step running longer than this makes /health answer 503"
+    )
     api_key: str | None = None
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long requests in flight may run on before they fail with a 503 and the server exits")
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM: how long requests in flight may run on before they fail with a 503 and the server exits",
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "ServerConfig":
+    def _check(self) -> ServerConfig:
         if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:
             raise ValueError(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be a multiple of page_size ({self.page_size})"

@@ -1,4 +1,5 @@
 """Registered host memory holding one aux record per in-flight transfer; prefill writes a slot remotely."""
+
 from __future__ import annotations
 
 import torch

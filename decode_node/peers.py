@@ -7,6 +7,7 @@ entry in use stays fresh, and a bootstrap that stopped answering (or a prefill i
 noticed within CACHE_TTL_S, as before: the first request after that waits for a lookup of its own,
 which fails with the registry's answer. Lookups run on a small thread pool, one at a time per entry.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,7 +34,7 @@ class Peer:
     instance_id: str
 
 
-def _done(peer: Peer) -> "Future[Peer]":
+def _done(peer: Peer) -> Future[Peer]:
     fut: Future[Peer] = Future()
     fut.set_result(peer)
     return fut
@@ -50,7 +51,7 @@ class PeerDirectory:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-lookup")
         self._http = httpx.Client(timeout=5)  # keep-alive: a lookup is one round trip, not a new connection
 
-    def find(self, rendezvous: Rendezvous) -> "Future[Peer]":
+    def find(self, rendezvous: Rendezvous) -> Future[Peer]:
         """The request's prefill: a done future from the cache, else the future of a lookup."""
         key = (rendezvous.bootstrap_host, rendezvous.bootstrap_port, rendezvous.prefill_instance_id)
         with self._lock:
@@ -62,7 +63,7 @@ class PeerDirectory:
                 self._start(key, rendezvous)  # refresh ahead, off this request's path
             return _done(hit[1])
 
-    def _start(self, key: Key, rendezvous: Rendezvous) -> "Future[Peer]":
+    def _start(self, key: Key, rendezvous: Rendezvous) -> Future[Peer]:
         """The lookup of `key` in flight, or a new one (call with the lock held)."""
         fut = self._pending.get(key)
         if fut is None:
@@ -88,7 +89,9 @@ class PeerDirectory:
         deadline = time.monotonic() + (INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S)
         while (entry := self._lookup(url, rendezvous.prefill_instance_id)) is None:
             if time.monotonic() > deadline:
-                what = f"prefill {rendezvous.prefill_instance_id}" if rendezvous.prefill_instance_id else "no prefill rank"
+                what = (
+                    f"prefill {rendezvous.prefill_instance_id}" if rendezvous.prefill_instance_id else "no prefill rank"
+                )
                 raise RuntimeError(f"{what} registered at bootstrap {url} within {REGISTER_WAIT_S:.0f} s")
             time.sleep(0.2)
         mismatch = layout_mismatch(self.layout, entry)

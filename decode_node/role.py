@@ -23,12 +23,13 @@ the row and pages go back at once (MemoryManager.release caches only KV marked c
 that never completed marked none); with one, release() keeps them (draining) and _poll_drains frees
 them through Scheduler.free; the aux slot and the room go with the pages.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
 
 from common.config import ServerConfig
 from common.engine.request import FinishReason, Req, ReqStatus
@@ -51,7 +52,7 @@ Lookup = Callable[[Rendezvous], "Future[Peer]"]
 class Inbound:
     """One request's transfer: where its prefill is, the room it waits on, its aux slot."""
 
-    lookup: "Future[Peer]"
+    lookup: Future[Peer]
     receiver: KVReceiver | None = None
     aux_slot: int | None = None
     drain_deadline: float | None = None
@@ -60,8 +61,15 @@ class Inbound:
 
 
 class DecodeRole(Role):
-    def __init__(self, scheduler: Scheduler, kv_manager: DecodeKVManager, aux_pool: AuxPool, lookup: Lookup,
-                 vocab_size: int, config: ServerConfig):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv_manager: DecodeKVManager,
+        aux_pool: AuxPool,
+        lookup: Lookup,
+        vocab_size: int,
+        config: ServerConfig,
+    ):
         self.scheduler, self.kv_manager, self.aux_pool = scheduler, kv_manager, aux_pool
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
         self.instance_id = kv_manager.instance_id
@@ -73,7 +81,9 @@ class DecodeRole(Role):
 
     def admit(self, req: Req) -> bool:
         if req.rendezvous is None:
-            self.scheduler.fail(req, "a decode server needs bootstrap_host/port/room: send requests through the router", 400)
+            self.scheduler.fail(
+                req, "a decode server needs bootstrap_host/port/room: send requests through the router", 400
+            )
         elif req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
@@ -84,7 +94,7 @@ class DecodeRole(Role):
             self.prealloc.append(req)
         return True
 
-    def _peer_found(self, req: Req, lookup: "Future[Peer]") -> None:
+    def _peer_found(self, req: Req, lookup: Future[Peer]) -> None:
         """The lookup ended, on its thread (or this one, for a cached answer): the next step goes on."""
         if lookup.exception() is None:
             req.timeline.mark("peer_found")
@@ -105,7 +115,11 @@ class DecodeRole(Role):
         """False while the request waits for memory."""
         inb = self.inbound[req]
         if self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
-            self.scheduler.fail(req, f"could not reserve memory or reach the prefill peer within {self.config.pairing_timeout_s:g} s", 504)
+            self.scheduler.fail(
+                req,
+                f"could not reserve memory or reach the prefill peer within {self.config.pairing_timeout_s:g} s",
+                504,
+            )
         elif inb.lookup.done():
             if inb.lookup.exception() is not None:
                 self.scheduler.fail(req, f"prefill peer lookup failed: {inb.lookup.exception()}")
@@ -116,7 +130,9 @@ class DecodeRole(Role):
     def _try_prealloc(self, req: Req, inb: Inbound, peer: Peer) -> bool:
         if inb.receiver is None:
             try:
-                inb.receiver = KVReceiver(self.kv_manager, req.rendezvous.room, peer.endpoint, peer.instance_id, req.timeline.mark)
+                inb.receiver = KVReceiver(
+                    self.kv_manager, req.rendezvous.room, peer.endpoint, peer.instance_id, req.timeline.mark
+                )
             except DuplicateRoom as e:
                 self.scheduler.fail(req, str(e), 409)
                 return True
@@ -134,7 +150,9 @@ class DecodeRole(Role):
         memory.extend(req, n)
         req.timeline.mark("pages_reserved")
         inb.aux_slot = self.aux_pool.alloc()
-        inb.receiver.init(memory.page_ids(req, 0, n), inb.aux_slot)  # sends nothing if the room failed meanwhile: the next poll ends it
+        inb.receiver.init(
+            memory.page_ids(req, 0, n), inb.aux_slot
+        )  # sends nothing if the room failed meanwhile: the next poll ends it
         self.prealloc.remove(req)
         req.status = ReqStatus.TRANSFERRING
         self.transferring.append(req)
@@ -167,7 +185,9 @@ class DecodeRole(Role):
             if req.finished:
                 return
         elif raw != inb.committed_ahead:
-            self.scheduler.fail(req, "invalid aux record from prefill: it differs from the one sent ahead of the KV", 502)
+            self.scheduler.fail(
+                req, "invalid aux record from prefill: it differs from the one sent ahead of the KV", 502
+            )
             return
         self.transferring.remove(req)
         self._drop_transfer_state(req)
@@ -195,8 +215,12 @@ class DecodeRole(Role):
         reusable = inb.receiver.pages_reusable()
         if reusable or self.scheduler.clock() > inb.drain_deadline:
             if not reusable:
-                log.warning("room %d: no final status from prefill %s within %.0f s; reusing its pages",
-                            inb.receiver.room_id, inb.receiver.endpoint, self.config.transfer_timeout_s)
+                log.warning(
+                    "room %d: no final status from prefill %s within %.0f s; reusing its pages",
+                    inb.receiver.room_id,
+                    inb.receiver.endpoint,
+                    self.config.transfer_timeout_s,
+                )
             self.draining.remove(req)
             self._drop_transfer_state(req)
             self.scheduler.free(req)
@@ -250,8 +274,12 @@ class DecodeRole(Role):
             raise MemoryIntegrityError("decode transfer state held by a request no queue of the role knows")
 
     def info(self) -> dict:
-        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint, **self.queue_depths(),
-                "aux_slots_free": self.aux_pool.num_slots - sum(1 for i in self.inbound.values() if i.aux_slot is not None)}
+        return {
+            "instance_id": self.kv_manager.instance_id,
+            "control_endpoint": self.kv_manager.endpoint,
+            **self.queue_depths(),
+            "aux_slots_free": self.aux_pool.num_slots - sum(1 for i in self.inbound.values() if i.aux_slot is not None),
+        }
 
     def queue_depths(self) -> dict[str, int]:
         return {"prealloc": len(self.prealloc), "transferring": len(self.transferring), "draining": len(self.draining)}

@@ -1,4 +1,5 @@
 """Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (cached lookups)."""
+
 from __future__ import annotations
 
 from common.config import ServerConfig

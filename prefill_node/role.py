@@ -26,6 +26,7 @@ its room forgotten) -> MemoryManager.release (computed KV into the radix cache).
 flight may still read those pages; that only sends stale bytes into the pages of a room that failed,
 which the decode reuses only after this side's failure status, sent after that write.
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,7 +95,10 @@ class PrefillRole(Role):
         for req in list(self.deferred):
             if not self.outbound[req].paired:
                 pages = self._pages(len(req.prompt_ids) + min(req.params.max_new_tokens, 16))  # PrefillQueue's reserve
-                if sum(self.ahead.values()) + pages > self.ahead_page_limit or len(self.ahead) + 2 > self.config.max_running_requests:
+                if (
+                    sum(self.ahead.values()) + pages > self.ahead_page_limit
+                    or len(self.ahead) + 2 > self.config.max_running_requests
+                ):
                     continue
                 self.ahead[req] = pages
             self.deferred.remove(req)
@@ -118,8 +122,12 @@ class PrefillRole(Role):
         elif not out.paired and state >= KVPoll.WaitingForInput:
             self._flush(req, out)
         elif not out.paired and self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
-            self.scheduler.fail(req, f"no decode server reserved memory for room {req.rendezvous.room} "
-                                     f"within {self.config.pairing_timeout_s:g} s", 504)
+            self.scheduler.fail(
+                req,
+                f"no decode server reserved memory for room {req.rendezvous.room} "
+                f"within {self.config.pairing_timeout_s:g} s",
+                504,
+            )
 
     # -- sending -------------------------------------------------------------------------------
     def on_computed(self, req: Req, extend_len: int, sampled: Sampled | None) -> bool:
@@ -129,7 +137,9 @@ class PrefillRole(Role):
         out.computed_tokens = req.kv_len if sampled is None else len(req.prompt_ids)
         if sampled is not None:  # the last chunk goes with the aux record, once the first token is known
             token, logprob, top = sampled
-            out.aux = AuxRecord(req.rendezvous.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top).pack()
+            out.aux = AuxRecord(
+                req.rendezvous.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top
+            ).pack()
         self._flush(req, out)  # first: the decode's first token waits on it
         if sampled is None or req.finished:
             return True
@@ -176,17 +186,26 @@ class PrefillRole(Role):
         return self.inflight + self.deferred
 
     def check_integrity(self) -> None:
-        if any(req.finished for req in self.outbound) or not {*self.inflight, *self.deferred, *self.ahead} <= set(self.outbound):
+        if any(req.finished for req in self.outbound) or not {*self.inflight, *self.deferred, *self.ahead} <= set(
+            self.outbound
+        ):
             raise MemoryIntegrityError("a prefill room is held by a finished request, or a queued request has none")
 
     def info(self) -> dict:
-        return {"instance_id": self.kv_manager.instance_id, "control_endpoint": self.kv_manager.endpoint, **self.queue_depths()}
+        return {
+            "instance_id": self.kv_manager.instance_id,
+            "control_endpoint": self.kv_manager.endpoint,
+            **self.queue_depths(),
+        }
 
     def queue_depths(self) -> dict[str, int]:
         """awaiting_decode: requests whose decode has not said where their KV goes (deferred, computing or
         computed); deferred: of those, the ones not computing until it does."""
-        return {"awaiting_decode": sum(1 for out in list(self.outbound.values()) if not out.paired),
-                "inflight": len(self.inflight), "deferred": len(self.deferred)}
+        return {
+            "awaiting_decode": sum(1 for out in list(self.outbound.values()) if not out.paired),
+            "inflight": len(self.inflight),
+            "deferred": len(self.deferred),
+        }
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

@@ -1,4 +1,5 @@
 """Compose the prefill role: engine + PrefillKVManager + (embedded) bootstrap registration."""
+
 from __future__ import annotations
 
 import logging
@@ -32,11 +33,25 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
             bootstrap_url = f"http://{config.public_host}:{config.bootstrap_port}"
         host, port = manager.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        info = {"role": "Prefill", "instance_id": manager.instance_id, "tp_size": 1, "tp_rank": 0, "dp_size": 1,
-                "dp_rank": 0, "rank_ip": host, "rank_port": int(port), **kv_layout(engine.kv_pool, config.transfer_backend)}
+        info = {
+            "role": "Prefill",
+            "instance_id": manager.instance_id,
+            "tp_size": 1,
+            "tp_rank": 0,
+            "dp_size": 1,
+            "dp_rank": 0,
+            "rank_ip": host,
+            "rank_port": int(port),
+            **kv_layout(engine.kv_pool, config.transfer_backend),
+        }
         register_prefill(bootstrap_url, info, config.cluster_secret)
         keep_registered(bootstrap_url, info, config.cluster_secret, min(config.heartbeat_interval_s, REREGISTER_MAX_S))
-        log.info("registered with bootstrap %s as %s (control endpoint %s)", bootstrap_url, manager.instance_id, manager.endpoint)
+        log.info(
+            "registered with bootstrap %s as %s (control endpoint %s)",
+            bootstrap_url,
+            manager.instance_id,
+            manager.endpoint,
+        )
         return PrefillRole(engine.scheduler, manager, config)
 
     return Engine(config, make_role)

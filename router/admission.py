@@ -1,4 +1,5 @@
 """A bound on the requests in flight at the router: beyond it, answer 429 at once instead of queueing."""
+
 from __future__ import annotations
 
 

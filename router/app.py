@@ -4,18 +4,19 @@ aiohttp rather than FastAPI: the router reads a few fields of each body and pass
 needs no request models, and the lighter stack is most of its throughput (benchmarks/router_bench.py).
 router/serve.py serves it: a client that goes away cancels its request's handler, SIGTERM drains.
 """
+
 from __future__ import annotations
 
 import asyncio
 import math
 import os
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
 
-from common.wire.auth import bearer_matches, unauthorized
 from common.wire.api import parse_body
+from common.wire.auth import bearer_matches, unauthorized
 from common.wire.body import read_limited
 from common.wire.drain import Drain, refusal
 from common.wire.errors import InvalidRequest, TandemError, error_body
@@ -49,7 +50,9 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         workers.add(d, "decode")
     discovery = Discovery(workers, targets_from_config(config))
     shared = shared_dir()  # set when this is one of several router processes on the port
-    admission = Admission(math.ceil(config.max_concurrent_requests / config.processes) if shared else config.max_concurrent_requests)
+    admission = Admission(
+        math.ceil(config.max_concurrent_requests / config.processes) if shared else config.max_concurrent_requests
+    )
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     dispatcher = Dispatcher(config, workers, metrics, admission)
     app = web.Application(middlewares=[_guard(config.api_key, drain)])
@@ -63,7 +66,10 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         if discovery.targets:
             tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         if shared:
-            tasks += [asyncio.create_task(app["shared_workers"].follow(session)), asyncio.create_task(_refresh(metrics))]
+            tasks += [
+                asyncio.create_task(app["shared_workers"].follow(session)),
+                asyncio.create_task(_refresh(metrics)),
+            ]
         yield
         for task in tasks:
             task.cancel()
@@ -108,7 +114,9 @@ def _guard(api_key: str | None, drain: Drain | None):
             if e.status < 400:
                 raise
             message = f"{request.method} {path}: {e.reason}"
-            return json_response(error_body(message, "invalid_request_error", e.status, ROUTING_PARAMS.get(e.status)), e.status)
+            return json_response(
+                error_body(message, "invalid_request_error", e.status, ROUTING_PARAMS.get(e.status)), e.status
+            )
         finally:
             if drain is not None:
                 drain.in_flight -= 1
@@ -133,16 +141,25 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
         p, d = len(workers.healthy("prefill")), len(workers.healthy("decode"))
         if p and d:
             return json_response({"status": "ready", "prefill": p, "decode": d})
-        return json_response(error_body(f"not ready: {p} healthy prefill and {d} healthy decode workers", "overloaded_error", 503), 503)
+        return json_response(
+            error_body(f"not ready: {p} healthy prefill and {d} healthy decode workers", "overloaded_error", 503), 503
+        )
 
     async def prometheus(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
-    for path, handler in (("/v1/models", models), ("/health", health), ("/readiness", readiness), ("/metrics", prometheus)):
+    for path, handler in (
+        ("/v1/models", models),
+        ("/health", health),
+        ("/readiness", readiness),
+        ("/metrics", prometheus),
+    ):
         app.router.add_get(path, handler)
 
 
-def _add_cluster_routes(app: web.Application, config: RouterConfig, workers: WorkerRegistry, dispatcher: Dispatcher) -> None:
+def _add_cluster_routes(
+    app: web.Application, config: RouterConfig, workers: WorkerRegistry, dispatcher: Dispatcher
+) -> None:
     async def info(request: web.Request) -> web.Response:
         return json_response(await server_info(config, workers, app["session"]))
 
@@ -164,8 +181,11 @@ def _add_worker_routes(app: web.Application, workers: WorkerRegistry, max_bytes:
     async def add_worker(request: web.Request) -> web.Response:
         change = await body_of(request)
         if change.role is None:
-            raise InvalidRequest("give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
-                                 "for a standalone registry)", param="role")
+            raise InvalidRequest(
+                "give url, role (prefill|decode) and, for prefill, bootstrap_port (and bootstrap_host "
+                "for a standalone registry)",
+                param="role",
+            )
         w = workers.add(change.url, change.role, change.bootstrap_port, change.bootstrap_host)
         if app["shared_workers"]:
             app["shared_workers"].publish(added=w)

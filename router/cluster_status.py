@@ -1,11 +1,12 @@
 """The router's answers for the cluster behind it, as sglang-router gives them:
 
-    GET /get_server_info   the router's config and each worker's own /get_server_info, as
-                           {"role": "router", "config": {...}, "prefill": [...], "decode": [...]}; every entry
-                           has the worker's url, and one that did not answer has an "error" instead of its info
-    GET /health_generate   one real 1-token generation through a healthy (prefill, decode) pair, on the path a
-                           client's request takes: 200, or 503 naming what failed
+GET /get_server_info   the router's config and each worker's own /get_server_info, as
+                       {"role": "router", "config": {...}, "prefill": [...], "decode": [...]}; every entry
+                       has the worker's url, and one that did not answer has an "error" instead of its info
+GET /health_generate   one real 1-token generation through a healthy (prefill, decode) pair, on the path a
+                       client's request takes: 200, or 503 naming what failed
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +41,9 @@ async def server_info(config: RouterConfig, workers: WorkerRegistry, session: ai
 async def worker_info(session: aiohttp.ClientSession, worker: Worker) -> dict[str, Any]:
     """{"url", ...the worker's /get_server_info}, or {"url", "error"} saying why there is none."""
     try:
-        async with session.get(worker.url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)) as r:
+        async with session.get(
+            worker.url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)
+        ) as r:
             raw = await r.read()
         info = json.loads(raw) if r.status == 200 else None
         if isinstance(info, dict):

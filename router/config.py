@@ -1,5 +1,6 @@
 """One config object for the router process: every field is a `tandem router` flag and a
 `TANDEM_ROUTER_*` environment variable (the API key is `TANDEM_API_KEY`, shared with the servers)."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -28,7 +29,7 @@ class WorkerChange(BaseModel):
 
 
 def split_host_port(value: str) -> tuple[str, int]:
-    """"HOST:PORT" (or "[IPV6]:PORT") -> (host, port); ValueError naming what is wrong otherwise."""
+    """ "HOST:PORT" (or "[IPV6]:PORT") -> (host, port); ValueError naming what is wrong otherwise."""
     host, sep, port = value.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -53,14 +54,28 @@ class RouterConfig(BaseSettings):
     request_timeout_s: float = Field(1800.0, gt=0, description="the longest one request may take end to end")
     max_concurrent_requests: int = Field(4096, ge=1, description="requests in flight beyond this are answered 429")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies are answered 413")
-    prefill_discovery: str | None = Field(None, description="HOST:PORT; every address HOST resolves to (e.g. a headless Service's pods) is a prefill server, re-resolved every --discovery-interval-s")
+    prefill_discovery: str | None = Field(
+        None,
+        description="HOST:PORT; every address HOST resolves to (e.g. a headless Service's pods) is a prefill server, re-resolved every --discovery-interval-s",
+    )
     decode_discovery: str | None = Field(None, description="HOST:PORT; the same for decode servers")
-    discovery_interval_s: float = Field(10.0, gt=0, description="seconds between two resolutions of the discovery names")
+    discovery_interval_s: float = Field(
+        10.0, gt=0, description="seconds between two resolutions of the discovery names"
+    )
     prefill_bootstrap_port: int = Field(8998, ge=1, le=65535, description="the bootstrap port of discovered prefills")
-    prefill_bootstrap_host: str | None = Field(None, description="the standalone bootstrap registry discovered prefills registered with (default: each prefill's own address)")
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: how long requests in flight may run on before the router exits")
-    processes: int = Field(1, ge=1, description="router processes serving the port (SO_REUSEPORT), for more than "
-                           "one core; what they share is in router/processes.py")
+    prefill_bootstrap_host: str | None = Field(
+        None,
+        description="the standalone bootstrap registry discovered prefills registered with (default: each prefill's own address)",
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: how long requests in flight may run on before the router exits"
+    )
+    processes: int = Field(
+        1,
+        ge=1,
+        description="router processes serving the port (SO_REUSEPORT), for more than "
+        "one core; what they share is in router/processes.py",
+    )
     api_key: str | None = Field(None, validation_alias="TANDEM_API_KEY")
 
     @field_validator("prefill_discovery", "decode_discovery")

@@ -7,14 +7,15 @@ Only workers this module added are ever removed by it: workers given with --pref
 POST /workers stay. A name that does not exist (NXDOMAIN, no address: a Service with no ready pod)
 means no workers; a failed lookup (DNS down, timeout) changes nothing until the next round.
 """
+
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -84,7 +85,12 @@ class Discovery:
             try:
                 urls = {target.url(a) for a in await self.resolver(target.host, target.port)}
             except LookupError as e:
-                log.warning("%s discovery: %s; keeping its %d workers until the next round", target.role, e, len(self.found[target]))
+                log.warning(
+                    "%s discovery: %s; keeping its %d workers until the next round",
+                    target.role,
+                    e,
+                    len(self.found[target]),
+                )
                 continue
             added |= self._add(target, urls - self.found[target])
             removed |= self._remove(target, self.found[target] - urls)
@@ -114,7 +120,9 @@ class Discovery:
         while True:
             try:
                 added, _ = await self.refresh()
-                await asyncio.gather(*(self.workers.check(session, self.workers.workers[u]) for u in added if u in self.workers.workers))
+                await asyncio.gather(
+                    *(self.workers.check(session, self.workers.workers[u]) for u in added if u in self.workers.workers)
+                )
             except Exception:  # a bug here must not stop discovery for good
                 log.exception("discovery round failed")
             await asyncio.sleep(interval_s)

@@ -4,6 +4,7 @@ pair when a worker refused before anything reached the client, and the reply (pl
 The body is parsed once (to check it and read the few fields the router needs) and forwarded as the
 client's own bytes with the bootstrap fields appended: JSON parsers keep the last of duplicate keys.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +46,9 @@ def forward_bodies(raw: bytes, body: dict[str, Any], forwarded: dict[str, Any]) 
         decode = COMPACT.encode(forwarded).encode()
     else:
         extra = {k: v for k, v in forwarded.items() if k not in body or body[k] is not v}
-        decode = raw[: raw.rindex(b"}")] + (b"," if body else b"") + COMPACT.encode(extra).encode()[1:] if extra else raw
+        decode = (
+            raw[: raw.rindex(b"}")] + (b"," if body else b"") + COMPACT.encode(extra).encode()[1:] if extra else raw
+        )
     return (decode[: decode.rindex(b"}")] + b',"stream":false}' if body.get("stream") else decode), decode
 
 
@@ -70,19 +73,24 @@ class Dispatcher:
             return self._reply(path, json_response(e.to_dict(), e.status, e.headers), None, start)
         return await self.dispatch(path, request, raw, body, start)
 
-    async def dispatch(self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float) -> web.StreamResponse:
+    async def dispatch(
+        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+    ) -> web.StreamResponse:
         """A request read and parsed (`raw` its bytes, `body` its JSON) through a pair, once admitted (429 if not)."""
         if not self.admission.try_enter():
             limit = self.admission.limit
-            error = error_body(f"the router has {limit} requests in flight, its limit; retry later", "overloaded_error", 429)
+            error = error_body(
+                f"the router has {limit} requests in flight, its limit; retry later", "overloaded_error", 429
+            )
             return self._reply(path, json_response(error, 429, {"Retry-After": "1"}), None, start)
         try:
             return await self._handle_admitted(path, request, raw, body, start)
         finally:
             self.admission.leave()
 
-    async def _handle_admitted(self, path: str, request: web.Request, raw: bytes, body: dict[str, Any],
-                               start: float) -> web.StreamResponse:
+    async def _handle_admitted(
+        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+    ) -> web.StreamResponse:
         key = _prompt_key(body) if self.config.policy == "cache_aware" else ""
         exclude: set[str] = set()
         error: UpstreamError | None = None
@@ -110,12 +118,17 @@ class Dispatcher:
 
     def _no_pair(self, path: str, error: UpstreamError | None, start: float) -> web.Response:
         if error is not None:  # the retry found no other pair: the first failure is the better answer
-            return self._reply(path, json_response(error.body, error.status, error.headers), None, start, f"{error.cause}: {error}")
+            return self._reply(
+                path, json_response(error.body, error.status, error.headers), None, start, f"{error.cause}: {error}"
+            )
         msg = "no healthy prefill and decode worker pair is available; retry later"
-        return self._reply(path, json_response(error_body(msg, "overloaded_error", 503), 503, {"Retry-After": "1"}), None, start)
+        return self._reply(
+            path, json_response(error_body(msg, "overloaded_error", 503), 503, {"Retry-After": "1"}), None, start
+        )
 
-    async def _serve_on(self, pair: Pair, path: str, request: web.Request, raw: bytes, body: dict[str, Any],
-                        start: float) -> web.StreamResponse:
+    async def _serve_on(
+        self, pair: Pair, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+    ) -> web.StreamResponse:
         """One attempt. An UpstreamError before anything reached the client leaves this with the call closed
         and the failure counted; once a stream started, failures become its last event."""
         prefill_body, decode_body = forward_bodies(raw, body, with_bootstrap(body, pair.prefill))
@@ -178,7 +191,9 @@ class Dispatcher:
             if e.worker_failed:
                 self.workers.mark(e.worker, False, str(e))
 
-    def _reply(self, path: str, response: web.Response, pair: Pair | None, start: float, outcome: str = "") -> web.Response:
+    def _reply(
+        self, path: str, response: web.Response, pair: Pair | None, start: float, outcome: str = ""
+    ) -> web.Response:
         self._record(path, response.status, pair, start, outcome)
         return response
 

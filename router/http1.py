@@ -10,12 +10,13 @@ worker), `ConnectionLost` when the connection broke or the answer was malformed 
 `asyncio.TimeoutError` past the request's deadline. An incomplete answer never goes back to the pool:
 closing it closes its connection, which aborts the request on the worker.
 """
+
 from __future__ import annotations
 
 import asyncio
 import ssl
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from router.http1_conn import Connection, ConnectionLost, header_value
@@ -194,18 +195,31 @@ class Pool:
         self.host_header = f"Host: {u.netloc}\r\n".encode()
         self.idle: list[Connection] = []
 
-    def post(self, path: str, body: bytes, timeout: float, on_done: Callable[[Response], None] | None = None) -> Response:
+    def post(
+        self, path: str, body: bytes, timeout: float, on_done: Callable[[Response], None] | None = None
+    ) -> Response:
         """A POST of a JSON body, not yet sent: call `send()` or `start()` on it."""
-        head = (b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\n" + self.host_header +
-                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        head = (
+            b"POST "
+            + (self.prefix + path).encode()
+            + b" HTTP/1.1\r\n"
+            + self.host_header
+            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
         return Response(self, head + body, timeout, on_done)
 
     async def connect(self) -> Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: Connection(self), self.host, self.port, ssl=ssl.create_default_context() if self.tls else None),
-                CONNECT_TIMEOUT_S)
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=ssl.create_default_context() if self.tls else None,
+                ),
+                CONNECT_TIMEOUT_S,
+            )
         except OSError as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from None
         return conn

@@ -1,5 +1,6 @@
 """One keep-alive connection of router/http1.py's pools: writes a request, parses its answer as the bytes
 arrive (Content-Length, chunked, or until close) and hands the body to the request's Response."""
+
 from __future__ import annotations
 
 import asyncio
@@ -110,7 +111,9 @@ class Connection(asyncio.Protocol):
         if 100 <= status < 200:
             return True  # an interim answer (100 Continue): the real one follows
         low = head.lower()  # only the headers that frame the answer are looked at here: the rest on demand
-        connection, encoding, length = (header_value(low, name) for name in (b"connection", b"transfer-encoding", b"content-length"))
+        connection, encoding, length = (
+            header_value(low, name) for name in (b"connection", b"transfer-encoding", b"content-length")
+        )
         close = connection is not None and b"close" in low[connection[0] : connection[1]]
         self.keep_alive = not close if head.startswith(b"HTTP/1.1") else connection is not None and not close
         if status in (204, 304):

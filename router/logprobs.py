@@ -8,6 +8,7 @@ streamed event:
                                                                 (token_logprobs, top_logprobs), in the first
                                                                 answer or event of each choice
 """
+
 from __future__ import annotations
 
 import json

@@ -2,9 +2,10 @@
 worker's own role is the `worker_role` label). With several router processes on one port
 (router/processes.py) they use prometheus_client's multiprocess mode: every process writes its values to
 files, /metrics of any process adds them up, and the gauges are refreshed twice a second."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
@@ -16,22 +17,49 @@ WORKER_LABELS = ["worker", "worker_role"]
 
 
 class RouterMetrics:
-    def __init__(self, workers: WorkerRegistry, in_flight: Callable[[], int], multiprocess_dir: str | None = None) -> None:
+    def __init__(
+        self, workers: WorkerRegistry, in_flight: Callable[[], int], multiprocess_dir: str | None = None
+    ) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("tandem_router_requests", "requests by endpoint and status", ["endpoint", "status"], registry=r)
-        self.upstream_errors = Counter("tandem_router_upstream_errors", "errors from workers", ["worker_role"], registry=r)
-        self.cancelled = Counter("tandem_router_cancelled_requests", "requests whose pair was cancelled early, by cause "
-                                 "(prefill_failed, decode_failed, worker_dead, client_disconnected)", ["cause"], registry=r)
+        self.requests = Counter(
+            "tandem_router_requests", "requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "tandem_router_upstream_errors", "errors from workers", ["worker_role"], registry=r
+        )
+        self.cancelled = Counter(
+            "tandem_router_cancelled_requests",
+            "requests whose pair was cancelled early, by cause "
+            "(prefill_failed, decode_failed, worker_dead, client_disconnected)",
+            ["cause"],
+            registry=r,
+        )
         self.retries = Counter("tandem_router_retries", "requests retried on another pair", registry=r)
         self.latency = Histogram("tandem_router_request_latency_seconds", "request latency", registry=r)
-        self.in_flight = Gauge("tandem_router_in_flight_requests", "generation requests in flight", registry=r,
-                               multiprocess_mode="livesum")
-        self.healthy = Gauge("tandem_router_healthy_workers", "healthy workers by role", ["worker_role"], registry=r,
-                             multiprocess_mode="livemax")
-        self.worker_load = Gauge("tandem_router_worker_in_flight_requests", "requests in flight on each worker (its URL)",
-                                 WORKER_LABELS, registry=r, multiprocess_mode="livesum")
-        self.worker_healthy = Gauge("tandem_router_worker_healthy", "1 while the worker is in rotation, else 0",
-                                    WORKER_LABELS, registry=r, multiprocess_mode="livemax")
+        self.in_flight = Gauge(
+            "tandem_router_in_flight_requests", "generation requests in flight", registry=r, multiprocess_mode="livesum"
+        )
+        self.healthy = Gauge(
+            "tandem_router_healthy_workers",
+            "healthy workers by role",
+            ["worker_role"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.worker_load = Gauge(
+            "tandem_router_worker_in_flight_requests",
+            "requests in flight on each worker (its URL)",
+            WORKER_LABELS,
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.worker_healthy = Gauge(
+            "tandem_router_worker_healthy",
+            "1 while the worker is in rotation, else 0",
+            WORKER_LABELS,
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.multiprocess_dir = multiprocess_dir
         self._read_in_flight, self._workers = in_flight, workers
         self._shown: set[tuple[str, str]] = set()  # worker label sets exported, so vanished workers can be dropped

@@ -10,6 +10,7 @@ request no longer depends on it). Ending the call makes the decode answer's wait
 closes both connections, which aborts the request on the workers and frees its KV. A client that goes
 away cancels the handler, whose `close()` does the same. Nothing here polls or runs a task of its own.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,11 @@ class Pair:
 def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     """The body both halves get: where the decode finds this prefill (its registry, and its instance
     there when the prefill told us), and a fresh room id; whatever the client sent for these is replaced."""
-    fields = {"bootstrap_host": prefill.registry_host, "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": random.getrandbits(63)}
+    fields = {
+        "bootstrap_host": prefill.registry_host,
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": random.getrandbits(63),
+    }
     if prefill.instance_id:
         fields["prefill_instance_id"] = prefill.instance_id
     return {k: v for k, v in body.items() if k != "prefill_instance_id"} | fields
@@ -41,8 +46,9 @@ class PairCall:
     """Owns both halves of one request at one pair; see the module docstring. `prefill_answer` resolves to
     the prefill's body, or to the error that ended the call."""
 
-    def __init__(self, pools: dict[str, Pool], pair: Pair, path: str, prefill_body: bytes, decode_body: bytes,
-                 timeout: float):
+    def __init__(
+        self, pools: dict[str, Pool], pair: Pair, path: str, prefill_body: bytes, decode_body: bytes, timeout: float
+    ):
         self.pair, self.error, self.closed = pair, None, False
         self.decode = _pool(pools, pair.decode).post(path, decode_body, timeout)
         self._prefill = _pool(pools, pair.prefill).post(path, prefill_body, timeout, on_done=self._prefill_done)

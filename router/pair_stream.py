@@ -4,10 +4,11 @@ A stream always ends with either the decode's own `data: [DONE]` or one error ev
 `data: {"error": {...}}` followed by `data: [DONE]`; events are relayed whole, so an error event never
 lands in the middle of a half-relayed one.
 """
+
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from common.wire.errors import error_body
 from common.wire.sse import DONE, sse_event

@@ -1,4 +1,5 @@
 """How the router picks a worker of one role for a request."""
+
 from __future__ import annotations
 
 import hashlib
@@ -65,4 +66,9 @@ class CacheAwarePolicy:
 
 
 def make_policy(name: str):
-    return {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy, "cache_aware": CacheAwarePolicy}[name]()
+    return {
+        "random": RandomPolicy,
+        "round_robin": RoundRobinPolicy,
+        "power_of_two": PowerOfTwoPolicy,
+        "cache_aware": CacheAwarePolicy,
+    }[name]()

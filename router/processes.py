@@ -15,6 +15,7 @@ What the processes share, and what each one derives on its own:
                                   the round-robin position and cache-aware prefixes are per process
              concurrency limit    each process admits its share of --max-concurrent-requests
 """
+
 from __future__ import annotations
 
 import logging

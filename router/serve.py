@@ -6,6 +6,7 @@ Stopping, as every Tandem server (common/wire/drain.py): the first SIGTERM drain
 the process exits with 0 once none is left, or FLUSH_S after the timeout); a second SIGTERM, or SIGINT,
 stops at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,14 @@ async def _serve(config: RouterConfig) -> None:
     # keepalive_timeout is aiohttp's deadline for a complete request head, counted from the connection's start
     # and from each answer: a connection that sends nothing, or half a head, is closed then. Bodies are
     # forwarded as sent, never decompressed (a compressed one is refused: common/wire/body.py).
-    runner = web.AppRunner(create_router_app(config, drain), handler_cancellation=True, access_log=None, shutdown_timeout=1,
-                           keepalive_timeout=ARRIVAL_TIMEOUT_S, auto_decompress=False)
+    runner = web.AppRunner(
+        create_router_app(config, drain),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=1,
+        keepalive_timeout=ARRIVAL_TIMEOUT_S,
+        auto_decompress=False,
+    )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port, reuse_port=bool(shared_dir())).start()
     stop = asyncio.Event()

@@ -3,6 +3,7 @@ through a JSON file: url -> the worker (added) or null (removed). The process th
 DELETE /workers) applies it to its own list and writes it into the file, under a lock; every process
 follows the file and applies the changes its list lacks. Workers given by flags or found by discovery are
 left alone unless a change names them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,11 @@ class SharedWorkers:
             fcntl.flock(lock, fcntl.LOCK_EX)
             changes = self._read()
             if added is not None:
-                changes[added.url] = {"role": added.role, "bootstrap_port": added.bootstrap_port, "bootstrap_host": added.bootstrap_host}
+                changes[added.url] = {
+                    "role": added.role,
+                    "bootstrap_port": added.bootstrap_port,
+                    "bootstrap_host": added.bootstrap_host,
+                }
             if removed is not None:
                 changes[removed] = None
             with open(self.path + ".tmp", "w") as f:

@@ -11,6 +11,7 @@ metrics count).
 
 A client that goes away is no UpstreamError: its handler is cancelled (router/dispatch.py counts it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,16 @@ RETRY_STATUSES = frozenset({429, 503})  # the worker is alive but refuses more w
 class UpstreamError(Exception):
     """One request through a (prefill, decode) pair ended early; the other half must be cancelled."""
 
-    def __init__(self, status: int, body: dict[str, Any], cause: str, worker: Worker | None = None,
-                 retriable: bool = False, worker_failed: bool = False, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        body: dict[str, Any],
+        cause: str,
+        worker: Worker | None = None,
+        retriable: bool = False,
+        worker_failed: bool = False,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(body["error"]["message"])
         self.status, self.body, self.cause, self.worker = status, body, cause, worker
         self.headers = headers or {}  # for the client, e.g. the worker's Retry-After
@@ -67,8 +76,14 @@ def connection_failed(worker: Worker, exc: BaseException, when: str) -> Upstream
     timed_out = isinstance(exc, asyncio.TimeoutError)
     what = "refused the connection" if refused else f"failed {when}"
     message = f"{worker.role} worker {worker.url} {what}: {describe(exc)}"
-    return UpstreamError(502, error_body(message, "upstream_error", 502), half_cause(worker), worker,
-                         retriable=refused, worker_failed=not timed_out)
+    return UpstreamError(
+        502,
+        error_body(message, "upstream_error", 502),
+        half_cause(worker),
+        worker,
+        retriable=refused,
+        worker_failed=not timed_out,
+    )
 
 
 def worker_dead(worker: Worker) -> UpstreamError:

@@ -5,6 +5,7 @@ worker's `calls` while it depends on the worker (see router/pair_call.py). A wor
 health check again is used again. A draining worker (503 + X-Tandem-Draining on /health) leaves the
 rotation without ending its calls: it finishes, or fails, its requests itself.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,15 @@ class Worker:
         return self.bootstrap_host or self.host
 
     def to_dict(self) -> dict:
-        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "bootstrap_host": self.bootstrap_host,
-                "healthy": self.healthy, "failures": self.failures, "in_flight": self.in_flight}
+        return {
+            "url": self.url,
+            "role": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_host": self.bootstrap_host,
+            "healthy": self.healthy,
+            "failures": self.failures,
+            "in_flight": self.in_flight,
+        }
 
 
 class WorkerRegistry:
@@ -89,8 +97,10 @@ class WorkerRegistry:
 
     def _take_out(self, worker: Worker, failure: str) -> None:
         worker.healthy = False
-        worker.down_reason = (f"{worker.role} worker {worker.url} failed health checks and was taken out of rotation "
-                              f"({worker.failures} failures in a row; the last: {failure})")
+        worker.down_reason = (
+            f"{worker.role} worker {worker.url} failed health checks and was taken out of rotation "
+            f"({worker.failures} failures in a row; the last: {failure})"
+        )
         log.warning("%s; ending its %d requests in flight", worker.down_reason, len(worker.calls))
         for call in list(worker.calls):
             call.worker_down(worker)
@@ -105,7 +115,9 @@ class WorkerRegistry:
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
-            async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)) as r:
+            async with session.get(
+                worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)
+            ) as r:
                 worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
                 if r.status == 503 and r.headers.get(DRAINING_HEADER):
                     self.set_draining(worker)

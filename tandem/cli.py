@@ -1,4 +1,5 @@
 """`tandem serve | router | bootstrap | up | bench` — the composition root."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     boot.add_argument("--host", default="127.0.0.1")
     boot.add_argument("--port", type=int, default=8998)
     # from the environment too, as every server's, so a Kubernetes Secret can feed it without a flag
-    boot.add_argument("--cluster-secret", default=os.environ.get("TANDEM_CLUSTER_SECRET"), help="[env TANDEM_CLUSTER_SECRET]")
+    boot.add_argument(
+        "--cluster-secret", default=os.environ.get("TANDEM_CLUSTER_SECRET"), help="[env TANDEM_CLUSTER_SECRET]"
+    )
 
     ns = parser.parse_args(argv)
     if ns.command == "serve":

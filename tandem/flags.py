@@ -1,4 +1,5 @@
 """Command-line flags generated from a pydantic settings model: one source for names, help and defaults."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,9 @@ import typing
 from pydantic import BaseModel
 
 
-def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: frozenset[str] = frozenset()) -> None:
+def add_model_flags(
+    parser: argparse.ArgumentParser, model: type[BaseModel], skip: frozenset[str] = frozenset()
+) -> None:
     """One --flag per field of a settings model (all but `skip`); flags not given stay unset, so the
     model's environment variables (its env_prefix, or a field's validation_alias) can fill them."""
     prefix = model.model_config.get("env_prefix", "")

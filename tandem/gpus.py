@@ -5,6 +5,7 @@ processes share them round-robin; processes sharing a GPU start one after anothe
 k/n of --mem-fraction-static: each sizes its KV pool from what the earlier ones left, so together they
 use the fraction one process alone would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,11 @@ def visible_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")] if out.returncode == 0 else []
+    return (
+        [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+        if out.returncode == 0
+        else []
+    )
 
 
 def base_fraction(extra: list[str]) -> float:
@@ -49,8 +54,10 @@ def plan_gpus(engines: list[EngineChild], gpus: list[str], fraction: float) -> l
     """Set each engine child's CUDA_VISIBLE_DEVICES (and, when it shares its GPU, its fraction and the
     child it starts after); returns one line per child saying what it got."""
     if not gpus:
-        raise ValueError("--device cuda but no GPU is visible (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is empty): "
-                         "use --device cpu, or make a GPU visible")
+        raise ValueError(
+            "--device cuda but no GPU is visible (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is empty): "
+            "use --device cpu, or make a GPU visible"
+        )
     groups: dict[str, list[EngineChild]] = {}
     for i, child in enumerate(engines):
         gpu = gpus[i % len(gpus)]
@@ -65,6 +72,8 @@ def plan_gpus(engines: list[EngineChild], gpus: list[str], fraction: float) -> l
             share = fraction * k / len(group)
             child.argv += [FRACTION_FLAG, f"{share:.4f}"]
             child.after = group[k - 2].name if k > 1 else None
-            lines.append(f"{child.name} -> GPU {gpu}, shared by {len(group)} processes "
-                         f"({FRACTION_FLAG} {share:.4f}{f', starts after {child.after}' if child.after else ''})")
+            lines.append(
+                f"{child.name} -> GPU {gpu}, shared by {len(group)} processes "
+                f"({FRACTION_FLAG} {share:.4f}{f', starts after {child.after}' if child.after else ''})"
+            )
     return lines

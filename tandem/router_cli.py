@@ -2,6 +2,7 @@
 (the same shape as sglang-router's PD mode), or `--prefill-discovery HOST:PORT --decode-discovery
 HOST:PORT` to find the workers by DNS (router/discovery.py). Every flag is also a `TANDEM_ROUTER_*` environment
 variable (see router/config.py); a flag given on the command line wins."""
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,11 @@ def config_from_args(argv: list[str]) -> RouterConfig:
 
 
 def run_router_cli(argv: list[str]) -> None:
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"), format="%(asctime)s [router] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+        format="%(asctime)s [router] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     try:
         config = config_from_args(argv)
     except (ValidationError, ValueError) as e:

@@ -1,4 +1,5 @@
 """Start one engine server: config, start-up summary, engine of the right role, uvicorn."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,9 @@ import uvicorn
 from pydantic import ValidationError
 
 from common.config import ServerConfig
+from common.memory.sizing import PoolSizingError
 from common.wire.drain import DrainingServer
 from common.wire.head_deadline import HeadDeadlineProtocol
-from common.memory.sizing import PoolSizingError
 
 log = logging.getLogger("tandem")
 
@@ -46,13 +47,17 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
         return []
     out = []
     if config.cluster_secret is None and config.disagg_mode != "null":
-        out.append(f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
-                   "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
-                   "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
-                   "value on every node.")
+        out.append(
+            f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
+            "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
+            "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
+            "value on every node."
+        )
     if config.api_key is None:
-        out.append(f"listening on {config.host} WITHOUT --api-key: anyone who reaches port {config.port} can generate. "
-                   "Set --api-key (or TANDEM_API_KEY), or keep the port private.")
+        out.append(
+            f"listening on {config.host} WITHOUT --api-key: anyone who reaches port {config.port} can generate. "
+            "Set --api-key (or TANDEM_API_KEY), or keep the port private."
+        )
     return out
 
 
@@ -89,15 +94,28 @@ def serve(config: ServerConfig) -> None:
     app = create_app(engine, drain)
     log.info(
         "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, attention %s; %s",
-        time.monotonic() - t0, engine.model_name, engine.hf_config.num_hidden_layers, engine.context_len,
-        config.torch_dtype_name, config.device, type(engine.runner.attn).__name__, engine.pool_plan.describe(),
+        time.monotonic() - t0,
+        engine.model_name,
+        engine.hf_config.num_hidden_layers,
+        engine.context_len,
+        config.torch_dtype_name,
+        config.device,
+        type(engine.runner.attn).__name__,
+        engine.pool_plan.describe(),
     )
     log.info("serving on http://%s:%d", config.host, config.port)
     try:
         # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it;
         # h11 with a deadline on the request head, also where httptools is installed
-        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5,
-                                        loop="asyncio", http=HeadDeadlineProtocol)
+        uvicorn_config = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            loop="asyncio",
+            http=HeadDeadlineProtocol,
+        )
         DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:
         engine.stop()

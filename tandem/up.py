@@ -1,4 +1,5 @@
 """`tandem up`: the whole cluster on this machine, supervised; Ctrl-C / SIGTERM stops every child."""
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,32 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
     children, prefills, decodes = [], [], []
     for i in range(ns.num_prefill):
         port, boot = ns.base_port + i, ns.bootstrap_port + i
-        argv = py + ["serve", "--disagg-mode", "prefill", "--port", str(port), "--bootstrap-port", str(boot),
-                     "--transfer-backend", ns.transfer_backend, *common]
+        argv = py + [
+            "serve",
+            "--disagg-mode",
+            "prefill",
+            "--port",
+            str(port),
+            "--bootstrap-port",
+            str(boot),
+            "--transfer-backend",
+            ns.transfer_backend,
+            *common,
+        ]
         children.append(Child(f"prefill-{i}", argv, f"http://{ns.host}:{port}/health"))
         prefills += ["--prefill", f"http://{ns.host}:{port}", str(boot)]
     for j in range(ns.num_decode):
         port = ns.base_port + 100 + j
-        argv = py + ["serve", "--disagg-mode", "decode", "--port", str(port), "--transfer-backend", ns.transfer_backend, *common]
+        argv = py + [
+            "serve",
+            "--disagg-mode",
+            "decode",
+            "--port",
+            str(port),
+            "--transfer-backend",
+            ns.transfer_backend,
+            *common,
+        ]
         children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health"))
         decodes += ["--decode", f"http://{ns.host}:{port}"]
     router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port)]
@@ -123,7 +143,10 @@ def run_up(ns: argparse.Namespace) -> int:
     try:
         if ns.model == "builtin":  # convert once, before several processes want it at the same time
             print("[up] preparing the built-in model (first run converts it, about a minute)...", flush=True)
-            subprocess.run([sys.executable, "-c", "from common.model.loader import resolve_model_dir as r; r('builtin')"], check=True)
+            subprocess.run(
+                [sys.executable, "-c", "from common.model.loader import resolve_model_dir as r; r('builtin')"],
+                check=True,
+            )
         return _supervise(ns, children, lambda: stopping)
     finally:
         print("[up] stopping every process...", flush=True)
@@ -146,7 +169,9 @@ def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:
                     _start(c)
                 continue
             if c.proc.poll() is not None:
-                print(f"[up] {c.name} exited with code {c.proc.returncode} during start-up; see its log above", flush=True)
+                print(
+                    f"[up] {c.name} exited with code {c.proc.returncode} during start-up; see its log above", flush=True
+                )
                 return 1
             if healthy(c.health_url):
                 print(f"[up] {c.name} is healthy", flush=True)
@@ -159,10 +184,13 @@ def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:
     if stopping():
         return 0
     url = f"http://{ns.host}:{ns.port}"
-    print(f"\n[up] Tandem is serving on {url} (OpenAI-compatible). Try:\n"
-          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
-          f"[up] press Ctrl-C to stop\n", flush=True)
+    print(
+        f"\n[up] Tandem is serving on {url} (OpenAI-compatible). Try:\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'\n'
+        f"[up] press Ctrl-C to stop\n",
+        flush=True,
+    )
     while not stopping():
         for c in children:
             if c.proc.poll() is not None:

@@ -1,4 +1,5 @@
 """Shared fixtures: real server processes on 127.0.0.1 and the built-in model."""
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,14 @@ def free_port() -> int:
 class ServerProcess:
     """A `python -m tandem <args>` child process; stop() kills it and its log is kept for failures."""
 
-    def __init__(self, args: list[str], port: int, name: str = "server", health: str = "/health", env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        port: int,
+        name: str = "server",
+        health: str = "/health",
+        env: dict[str, str] | None = None,
+    ):
         self.port = port
         self.env = env or {}  # on top of this process's environment
         self.url = f"http://127.0.0.1:{port}"
@@ -37,7 +45,9 @@ class ServerProcess:
 
     def _spawn(self) -> subprocess.Popen:
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen([sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
 
     def signal(self, sig: int) -> None:
         """SIGKILL, SIGSTOP, SIGCONT... to the server process (a fault injected by a test)."""
@@ -45,7 +55,7 @@ class ServerProcess:
         if sig == signal.SIGKILL:
             self.proc.wait(10)
 
-    def restart(self) -> "ServerProcess":
+    def restart(self) -> ServerProcess:
         """The same command again on the same port (after a kill or stop()); its log is appended to.
         Call wait_ready() next."""
         self.stop()
@@ -53,7 +63,7 @@ class ServerProcess:
         self.proc = self._spawn()
         return self
 
-    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -139,7 +149,9 @@ def metric(url: str, name: str, **labels: str) -> float:
 FAULT_ROWS: list[tuple[str, ...]] = []
 
 
-def record_fault(fault: str, client_saw: str, time_to_error_s: float | None, pages_leaked: int, recovery_s: float | None) -> None:
+def record_fault(
+    fault: str, client_saw: str, time_to_error_s: float | None, pages_leaked: int, recovery_s: float | None
+) -> None:
     """One row of the fault table printed at the end of the run (and quoted in release notes)."""
     fmt = lambda s: "-" if s is None else f"{s:.2f} s"  # noqa: E731
     FAULT_ROWS.append((fault, client_saw, fmt(time_to_error_s), str(pages_leaked), fmt(recovery_s)))

@@ -1,16 +1,40 @@
 """Metric names for the dashboard test: the series a PromQL query reads, and the series a process's
 /metrics text lets a query read. The dashboard test asserts the first is a subset of the second."""
+
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 # what follows each metric family type in the names of its series
-SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count"),
-                   "gauge": ("",), "untyped": ("",), "info": ("_info",), "stateset": ("",), "gaugehistogram": ("_bucket", "_gsum", "_gcount")}
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset", "inf", "nan"}
+SERIES_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+    "gauge": ("",),
+    "untyped": ("",),
+    "info": ("_info",),
+    "stateset": ("",),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+}
+KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"(?<![\w:.])([a-zA-Z_:][\w:]*)(\s*\()?")
@@ -23,9 +47,9 @@ def query_metric_names(expr: str) -> set[str]:
     """The metric names `expr` selects: identifiers that are not functions, keywords, label names in
     matchers or groupings, nor parts of durations or Grafana variables ($__rate_interval)."""
     expr = _STRINGS.sub('""', expr)
-    expr = re.sub(r"\{[^}]*\}", "", expr)          # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)         # range and subquery durations
-    expr = re.sub(r"\$\{?\w+\}?", "", expr)        # dashboard variables
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range and subquery durations
+    expr = re.sub(r"\$\{?\w+\}?", "", expr)  # dashboard variables
     expr = _GROUPING.sub("", expr)
     return {m.group(1) for m in _IDENT.finditer(expr) if not m.group(2) and m.group(1).lower() not in KEYWORDS}
 
@@ -67,5 +91,7 @@ def variable_queries(dashboard: dict[str, Any]) -> Iterator[str]:
             query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
             m = _LABEL_VALUES.fullmatch(query.strip())
             if m is None:
-                raise ValueError(f"variable {var['name']}: only label_values(selector, label) queries are checked, not {query!r}")
+                raise ValueError(
+                    f"variable {var['name']}: only label_values(selector, label) queries are checked, not {query!r}"
+                )
             yield m.group(1)

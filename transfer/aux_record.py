@@ -1,4 +1,5 @@
 """The fixed-size aux record prefill writes into the decode's aux slot after the last KV chunk."""
+
 from __future__ import annotations
 
 import struct
@@ -26,10 +27,12 @@ class AuxRecord:
         lps = [lp for _, lp in top] + [0.0] * (MAX_TOP - len(top))
         lp = NO_LOGPROB if self.logprob is None else self.logprob
         n_top = len(top) if self.top_logprobs is not None else -1
-        return _HEAD.pack(self.room, self.first_token, self.cached_tokens, self.prompt_len, lp, n_top) + _TOP.pack(*ids, *lps)
+        return _HEAD.pack(self.room, self.first_token, self.cached_tokens, self.prompt_len, lp, n_top) + _TOP.pack(
+            *ids, *lps
+        )
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "AuxRecord":
+    def unpack(cls, raw: bytes) -> AuxRecord:
         if len(raw) != RECORD_BYTES:
             raise ValueError(f"aux record has {len(raw)} bytes, expected {RECORD_BYTES}")
         room, tok, cached, plen, lp, n_top = _HEAD.unpack_from(raw)

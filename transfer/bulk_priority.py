@@ -8,11 +8,13 @@ per thread and a new thread takes its creator's, so the engine's backend is crea
 (its own threads inherit it) and each transfer worker lowers itself. Elsewhere, or where it is refused,
 nothing changes.
 """
+
 from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 BULK_NICE = 10
 T = TypeVar("T")

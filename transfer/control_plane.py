@@ -5,12 +5,14 @@ Sends never block: a peer that stopped reading long ago fills its socket's queue
 dropped and counted (the heartbeat declares that peer dead). A receive handler that raises never stops
 the loop: the frame is counted as rejected and the cause logged.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 

@@ -1,10 +1,11 @@
 """Decode side of the control plane: registers with each prefill it needs, accepts a room's status only
 from the prefill that owns the room, pings the prefills its rooms wait on and fails those rooms when a
 prefill falls silent."""
+
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
@@ -89,16 +90,33 @@ class DecodeKVManager(KVManager):
         if self.registered_with.get(endpoint) == prefill_id:
             return
         a = self.args
-        self.send(endpoint, Register(self.instance_id, self.endpoint, self.backend.address(), a.kv_ptrs, a.bytes_per_page,
-                                     a.num_pages, a.page_size, a.aux_ptr, a.aux_record_bytes, a.aux_slots))
+        self.send(
+            endpoint,
+            Register(
+                self.instance_id,
+                self.endpoint,
+                self.backend.address(),
+                a.kv_ptrs,
+                a.bytes_per_page,
+                a.num_pages,
+                a.page_size,
+                a.aux_ptr,
+                a.aux_record_bytes,
+                a.aux_slots,
+            ),
+        )
         self.registered_with[endpoint] = prefill_id
 
     # -- heartbeat -----------------------------------------------------------------------------
-    def watched_peers(self) -> set[str]:
-        """Prefills that may still write into a room of ours (also rooms already failed here)."""
-        return {r.peer for r in self.table.snapshot() if r.requested and not r.status_received and r.peer_dead_at is None}
+    def watched_peers(self) -> list[str]:
+        """Prefills that may still write into a room of ours (also rooms already failed here), in the order
+        of their rooms: the frames a heartbeat sends follow the rooms' order, not the hashes of peer ids."""
+        rooms = self.table.snapshot()
+        return list(
+            dict.fromkeys(r.peer for r in rooms if r.requested and not r.status_received and r.peer_dead_at is None)
+        )
 
-    def ping(self, peers: set[str]) -> None:
+    def ping(self, peers: list[str]) -> None:
         for peer in peers:
             self.send(peer, Ping(self.instance_id))
 

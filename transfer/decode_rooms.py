@@ -9,6 +9,7 @@ When may a room's pages be reused? Only when no write of the prefill can land in
                                                                 when the prefill's write fence has closed
     none of these within --transfer-timeout-s               -> then, with a warning
 """
+
 from __future__ import annotations
 
 import threading

@@ -5,17 +5,19 @@ Every write is checked against what the decode registered: page ids inside its p
 already refused requests outside it) and a layout identical to ours (checked once, at registration:
 see `layout_problem`), so a decode's claim can never make us write out of bounds.
 """
+
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from transfer.backends.base import TransferBackend
 from transfer.messages import Register, RoomRequest
 from transfer.poll import Mark, no_mark
 from transfer.runs import chunk_triples
+
 
 class AuxStaging:
     """Registered host memory that aux records are written from: one slot per write in flight, so
@@ -52,8 +54,10 @@ def layout_problem(mine_bytes_per_page: list[int], page_size: int, aux_record_by
     if peer.page_size != page_size:
         return f"page_size: decode has {peer.page_size}, prefill has {page_size}"
     if len(peer.kv_ptrs) != len(mine_bytes_per_page):
-        return (f"kv_ptrs: decode registered {len(peer.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)} "
-                "(a page-major pool registers one: run one Tandem version on both)")
+        return (
+            f"kv_ptrs: decode registered {len(peer.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)} "
+            "(a page-major pool registers one: run one Tandem version on both)"
+        )
     if peer.bytes_per_page != mine_bytes_per_page:
         return f"bytes_per_page: decode has {peer.bytes_per_page[:4]}..., prefill has {mine_bytes_per_page[:4]}..."
     if aux_record_bytes and peer.aux_record_bytes != aux_record_bytes:
@@ -67,8 +71,16 @@ class KVWriter:
         self.aux_staging = AuxStaging(backend)
         self.page_bytes = sum(bytes_per_page)  # one page across every KV buffer
 
-    def write(self, peer: Register, req: RoomRequest, src_pages: list[int], dst_pages: list[int], aux: bytes | None,
-              fence: Callable[[], None], mark: Mark = no_mark) -> int:
+    def write(
+        self,
+        peer: Register,
+        req: RoomRequest,
+        src_pages: list[int],
+        dst_pages: list[int],
+        aux: bytes | None,
+        fence: Callable[[], None],
+        mark: Mark = no_mark,
+    ) -> int:
         """The pages and, on the last chunk, the aux record; returns the KV bytes written, raises on any
         failure of the backend. Host KV
         goes out with the record in one batch (one round trip: the decode reads the record only after the
@@ -89,12 +101,24 @@ class KVWriter:
             mark("aux_written")
         return len(src_pages) * self.page_bytes
 
-    def _write_with_aux(self, peer: Register, req: RoomRequest, aux: bytes, src: list[int], dst: list[int],
-                        nbytes: list[int], fence: Callable[[], None]) -> None:
+    def _write_with_aux(
+        self,
+        peer: Register,
+        req: RoomRequest,
+        aux: bytes,
+        src: list[int],
+        dst: list[int],
+        nbytes: list[int],
+        fence: Callable[[], None],
+    ) -> None:
         """One host-memory batch: the pieces given, then the aux record into the room's slot."""
         if len(aux) != peer.aux_record_bytes:
             raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
         with self.aux_staging.slot(aux) as src_aux:
             fence()
-            self.backend.write_batch(req.decode_id, [*src, src_aux], [*dst, peer.aux_ptr + req.aux_slot * peer.aux_record_bytes],
-                                     [*nbytes, len(aux)])
+            self.backend.write_batch(
+                req.decode_id,
+                [*src, src_aux],
+                [*dst, peer.aux_ptr + req.aux_slot * peer.aux_record_bytes],
+                [*nbytes, len(aux)],
+            )

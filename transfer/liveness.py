@@ -11,18 +11,24 @@ prefill it declared dead and reuses that prefill's pages one interval (plus CLOC
 prefill that was frozen and wakes up finds only stale pings in its socket and writes nothing: see the
 faults section of docs/architecture.md for what this does not cover.
 """
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 CLOCK_SLACK_S = 1.0  # how far apart the wall clocks of two hosts may be for the fence to hold
 
 
 class Liveness:
-    def __init__(self, interval_s: float, misses: int, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        interval_s: float,
+        misses: int,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self.interval_s = interval_s
         self.window_s = interval_s * misses
         self.clock, self.wall_clock = clock, wall_clock
@@ -36,7 +42,7 @@ class Liveness:
             if sent_at is not None and sent_at > self._last_sent.get(peer, float("-inf")):
                 self._last_sent[peer] = sent_at
 
-    def silent(self, watched: set[str]) -> list[tuple[str, float]]:
+    def silent(self, watched: list[str]) -> list[tuple[str, float]]:
         """(peer, seconds silent) for each watched peer silent longer than the window. A peer watched
         for the first time starts its clock now; peers no longer watched are forgotten, so a later
         room with them starts a fresh clock."""
@@ -56,7 +62,9 @@ class Liveness:
             return f"decode {peer} never sent a signed message"
         age = self.wall_clock() - sent
         if age > self.interval_s:
-            return f"decode {peer} has sent nothing for {age:.1f} s (this process was frozen, or the decode gave up on it)"
+            return (
+                f"decode {peer} has sent nothing for {age:.1f} s (this process was frozen, or the decode gave up on it)"
+            )
         return None
 
     def forget(self, peer: str) -> None:

@@ -8,6 +8,7 @@ decode peer. An error ends one room or drops one message, never a thread. With t
 runs on its own: a test delivers frames with `on_frame`, ticks the heartbeat with `heartbeat_tick` and
 runs transfer workers itself, on a clock it controls.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,9 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from transfer.backends.base import make_backend
 from transfer.bulk_priority import create_lowered
@@ -56,13 +58,21 @@ class KVArgs:
 class KVManager(ABC):
     mode: str
 
-    def __init__(self, args: KVArgs, control: ControlFactory | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, threaded: bool = True):
+    def __init__(
+        self,
+        args: KVArgs,
+        control: ControlFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        threaded: bool = True,
+    ):
         """`control(instance_id, counters)` builds the control plane (default: ZMQ on args.host)."""
         self.args = args
         self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
         self.clock, self.threaded = clock, threaded
-        self.backend = create_lowered(lambda: make_backend(args.backend, args.host, args.protocol, args.device, args.transfer_timeout_s))
+        self.backend = create_lowered(
+            lambda: make_backend(args.backend, args.host, args.protocol, args.device, args.transfer_timeout_s)
+        )
         for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
             self.backend.register(ptr, nbytes, args.on_cuda)
         self.counters: Counter[str] = Counter()
@@ -130,10 +140,10 @@ class KVManager(ABC):
             self.wake_scheduler()
 
     @abstractmethod
-    def watched_peers(self) -> set[str]:
+    def watched_peers(self) -> list[str]:
         """Peers that rooms of this process are waiting on right now."""
 
-    def ping(self, peers: set[str]) -> None:
+    def ping(self, peers: list[str]) -> None:
         """Send a heartbeat to each peer (decode does; prefill only listens)."""
 
     @abstractmethod
@@ -161,11 +171,22 @@ class KVManager(ABC):
 def kv_args_from_pool(pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0, aux_slots: int = 0) -> KVArgs:
     infos = pool.buffer_infos()
     return KVArgs(
-        kv_ptrs=[i.data_ptr for i in infos], kv_nbytes=[i.nbytes for i in infos],
-        bytes_per_page=[i.bytes_per_page for i in infos], num_pages=pool.num_pages, page_size=pool.page_size,
-        host=config.public_host, backend=config.transfer_backend, protocol=config.transfer_protocol,
-        device=config.transfer_device, on_cuda=config.device == "cuda", secret=config.cluster_secret,
-        aux_ptr=aux_ptr, aux_record_bytes=aux_record_bytes, aux_slots=aux_slots, kv_wait_timeout_s=config.kv_wait_timeout_s,
-        transfer_timeout_s=config.transfer_timeout_s, heartbeat_interval_s=config.heartbeat_interval_s,
+        kv_ptrs=[i.data_ptr for i in infos],
+        kv_nbytes=[i.nbytes for i in infos],
+        bytes_per_page=[i.bytes_per_page for i in infos],
+        num_pages=pool.num_pages,
+        page_size=pool.page_size,
+        host=config.public_host,
+        backend=config.transfer_backend,
+        protocol=config.transfer_protocol,
+        device=config.transfer_device,
+        on_cuda=config.device == "cuda",
+        secret=config.cluster_secret,
+        aux_ptr=aux_ptr,
+        aux_record_bytes=aux_record_bytes,
+        aux_slots=aux_slots,
+        kv_wait_timeout_s=config.kv_wait_timeout_s,
+        transfer_timeout_s=config.transfer_timeout_s,
+        heartbeat_interval_s=config.heartbeat_interval_s,
         heartbeat_misses=config.heartbeat_misses,
     )

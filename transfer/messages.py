@@ -15,6 +15,7 @@ sequence number that grows with every frame the sender sends, and the wall-clock
 drops a frame whose sequence number it has seen from that sender already (a replay), or that was sent
 outside REPLAY_WINDOW_S of its own clock (a replay of a sender it has forgotten, or clocks out of sync).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -95,13 +96,33 @@ class FirstToken:
     record: bytes
 
 
-KINDS = {"register": Register, "request": RoomRequest, "abort": Abort, "ping": Ping, "pong": Pong, "status": Status,
-         "first_token": FirstToken}
+KINDS = {
+    "register": Register,
+    "request": RoomRequest,
+    "abort": Abort,
+    "ping": Ping,
+    "pong": Pong,
+    "status": Status,
+    "first_token": FirstToken,
+}
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "decode_id": (str,), "status_endpoint": (str,), "backend_address": (bytes,), "kv_ptrs": (list,),
-    "bytes_per_page": (list,), "num_pages": (int,), "page_size": (int,), "aux_ptr": (int,),
-    "aux_record_bytes": (int,), "aux_slots": (int,), "room": (int,), "dst_pages": (list,),
-    "aux_slot": (int,), "reason": (str,), "ok": (bool,), "endpoint": (str,), "record": (bytes,),
+    "decode_id": (str,),
+    "status_endpoint": (str,),
+    "backend_address": (bytes,),
+    "kv_ptrs": (list,),
+    "bytes_per_page": (list,),
+    "num_pages": (int,),
+    "page_size": (int,),
+    "aux_ptr": (int,),
+    "aux_record_bytes": (int,),
+    "aux_slots": (int,),
+    "room": (int,),
+    "dst_pages": (list,),
+    "aux_slot": (int,),
+    "reason": (str,),
+    "ok": (bool,),
+    "endpoint": (str,),
+    "record": (bytes,),
 }
 
 
@@ -120,13 +141,18 @@ _PROCESS_SENDER = f"process-{uuid.uuid4().hex[:12]}"
 _SEQ = itertools.count(1)
 
 
-def encode(msg: Any, secret: str | None, sender: str | None = None, seq: int | None = None,
-           sent_at: float | None = None) -> bytes:
+def encode(
+    msg: Any, secret: str | None, sender: str | None = None, seq: int | None = None, sent_at: float | None = None
+) -> bytes:
     """A signed frame. A message naming its decode (decode_id) is sent by that decode unless `sender`
     says otherwise; `seq` defaults to this process's next sequence number, `sent_at` to now."""
     kind = next(k for k, cls in KINDS.items() if isinstance(msg, cls))
     sender = sender or getattr(msg, "decode_id", None) or _PROCESS_SENDER
-    envelope = {"sender": sender, "seq": next(_SEQ) if seq is None else seq, "sent_at": time.time() if sent_at is None else sent_at}
+    envelope = {
+        "sender": sender,
+        "seq": next(_SEQ) if seq is None else seq,
+        "sent_at": time.time() if sent_at is None else sent_at,
+    }
     body = msgpack.packb({"type": kind, **asdict(msg), **envelope}, use_bin_type=True)
     return msgpack.packb([body, _mac(body, secret)], use_bin_type=True)
 
@@ -184,8 +210,10 @@ class ReplayGuard:
     def check(self, e: Envelope) -> None:
         skew = self.clock() - e.sent_at
         if abs(skew) > self.window_s:
-            raise BadMessage(f"frame from {e.sender} sent {skew:.0f} s from now (a replay, or clocks out of sync "
-                             f"by more than {self.window_s:.0f} s)")
+            raise BadMessage(
+                f"frame from {e.sender} sent {skew:.0f} s from now (a replay, or clocks out of sync "
+                f"by more than {self.window_s:.0f} s)"
+            )
         with self._lock:
             last = self._last.get(e.sender, -1)
             if e.seq <= last:
@@ -219,7 +247,11 @@ def _check_ranges(msg: Any) -> None:
             raise BadMessage("dst_pages must be a list of ints")
     if isinstance(msg, Register):
         ints = msg.kv_ptrs + msg.bytes_per_page
-        if not msg.kv_ptrs or len(msg.kv_ptrs) != len(msg.bytes_per_page) or not all(type(x) is int and x > 0 for x in ints):
+        if (
+            not msg.kv_ptrs
+            or len(msg.kv_ptrs) != len(msg.bytes_per_page)
+            or not all(type(x) is int and x > 0 for x in ints)
+        ):
             raise BadMessage("kv_ptrs / bytes_per_page must be matching lists of positive ints")
         if min(msg.num_pages, msg.page_size, msg.aux_record_bytes, msg.aux_slots) < 1 or msg.aux_ptr <= 0:
             raise BadMessage("register sizes must be positive")

@@ -1,9 +1,10 @@
 """KVPoll: the state of one room's transfer, seen from either side."""
+
 from __future__ import annotations
 
 import enum
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 Mark = Callable[..., None]  # mark(event, at=None): a step of the room's request, for its timeline
 

@@ -5,23 +5,14 @@ TransferWorker per decode.
 Who sends a room's status: always that decode's worker (ok after the last write, failed once no write of
 the room is in flight), except for a room this process never started writing, which is answered at once.
 """
+
 from __future__ import annotations
 
 import logging
 
 from transfer.kv_writer import KVWriter, layout_problem
 from transfer.manager import KVArgs, KVManager
-from transfer.messages import (
-    Abort,
-    BadMessage,
-    Envelope,
-    FirstToken,
-    Ping,
-    Pong,
-    Register,
-    RoomRequest,
-    Status,
-)
+from transfer.messages import Abort, BadMessage, Envelope, FirstToken, Ping, Pong, Register, RoomRequest, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
 from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
 from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
@@ -49,7 +40,9 @@ class PrefillKVManager(KVManager):
         self.start()
 
     def _make_worker(self, decode_id: str) -> TransferWorker:
-        return TransferWorker(decode_id, self._write, self._notify, self._mark_failed, self.args.max_queued_chunks, self.threaded)
+        return TransferWorker(
+            decode_id, self._write, self._notify, self._mark_failed, self.args.max_queued_chunks, self.threaded
+        )
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: object, envelope: Envelope) -> None:
@@ -78,7 +71,9 @@ class PrefillKVManager(KVManager):
             log.warning("refusing decode %s: %s", msg.decode_id, problem)
             return
         if msg.decode_id in self.peers:  # it declared this prefill dead: it will reuse the pages of its rooms here
-            self._fail_rooms_of(msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead")
+            self._fail_rooms_of(
+                msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
+            )
         self.backend.add_peer(msg.decode_id, msg.backend_address)
         self.peers[msg.decode_id] = msg
         self.refused.pop(msg.decode_id, None)
@@ -90,7 +85,10 @@ class PrefillKVManager(KVManager):
             return peer
         refused = self.refused.get(msg.decode_id)
         if refused is not None and isinstance(msg, RoomRequest):  # tell it why, then count the refusal
-            self.send(refused[0].status_endpoint, Status(msg.room, False, f"prefill refused this decode's KV layout: {refused[1]}"))
+            self.send(
+                refused[0].status_endpoint,
+                Status(msg.room, False, f"prefill refused this decode's KV layout: {refused[1]}"),
+            )
             self.metrics.failed("refused_layout")
         raise BadMessage(f"{type(msg).__name__} from unregistered decode {msg.decode_id}")
 
@@ -195,8 +193,9 @@ class PrefillKVManager(KVManager):
         self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
 
     # -- heartbeat -----------------------------------------------------------------------------
-    def watched_peers(self) -> set[str]:
-        return {r.request.decode_id for r in self.table.snapshot() if r.owned and r.request and not r.poll.done}
+    def watched_peers(self) -> list[str]:
+        rooms = self.table.snapshot()
+        return list(dict.fromkeys(r.request.decode_id for r in rooms if r.owned and r.request and not r.poll.done))
 
     def declare_dead(self, peer: str, silent_s: float) -> None:
         reason = f"decode {peer} sent no heartbeat for {silent_s:.1f} s (dead or frozen)"

@@ -6,12 +6,13 @@ process's request claims it (owned), whichever comes first. A room id is the cli
 router, a random 63-bit number): a second claim of a room that is still held, or that failed recently,
 is refused (DuplicateRoom), so two requests can never share one decode's pages.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from transfer.messages import RoomRequest
 from transfer.poll import DuplicateRoom, Mark, PollState, no_mark
@@ -65,7 +66,7 @@ class PrefillRoomTable:
             state = self.rooms.setdefault(msg.room, PrefillRoom(msg.room, self.clock()))
             if state.request is not None:
                 raise ValueError(f"room {msg.room} was requested twice")
-            state.request, state.requested_at = msg, time.monotonic()
+            state.request, state.requested_at = msg, self.clock()
             state.mark("room_request_received", state.requested_at)
             return state, None
 

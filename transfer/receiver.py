@@ -2,6 +2,7 @@
 
 `pages_reusable(now)` says when the reserved pages may be reused (see transfer/decode_rooms.py).
 """
+
 from __future__ import annotations
 
 from transfer.decode_manager import DecodeKVManager
@@ -10,7 +11,9 @@ from transfer.poll import KVPoll, Mark, no_mark
 
 
 class KVReceiver:
-    def __init__(self, manager: DecodeKVManager, room: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark):
+    def __init__(
+        self, manager: DecodeKVManager, room: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark
+    ):
         """Raises DuplicateRoom if another request of this server waits on `room`; `mark` records the
         room's steps on the request's timeline."""
         self.manager = manager
@@ -38,7 +41,9 @@ class KVReceiver:
     def poll(self) -> KVPoll:
         s = self.room.poll
         if not s.done and self.deadline is not None and self.manager.clock() > self.deadline:
-            self.manager.fail_room(self.room, f"no KV arrived within {self.manager.args.kv_wait_timeout_s:g} s", "timeout")
+            self.manager.fail_room(
+                self.room, f"no KV arrived within {self.manager.args.kv_wait_timeout_s:g} s", "timeout"
+            )
         return s.state
 
     @property

@@ -1,4 +1,5 @@
 """Page runs contiguous on both sides, and the (src, dst, nbytes) triples of one chunk (numpy, vectorised)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,4 +29,8 @@ def chunk_triples(src_bases, dst_bases, bytes_per_page, src_pages, dst_pages) ->
     src_ptrs = sb + src[starts][None, :] * bpp
     dst_ptrs = db + dst[starts][None, :] * bpp
     nbytes = lengths[None, :] * bpp
-    return src_ptrs.ravel().tolist(), dst_ptrs.ravel().tolist(), np.broadcast_to(nbytes, src_ptrs.shape).ravel().tolist()
+    return (
+        src_ptrs.ravel().tolist(),
+        dst_ptrs.ravel().tolist(),
+        np.broadcast_to(nbytes, src_ptrs.shape).ravel().tolist(),
+    )

@@ -1,5 +1,6 @@
 """Prefill side of one room: claims the room, waits for the decode's page indices, then queues chunks
 and, with the last one, the aux record."""
+
 from __future__ import annotations
 
 from transfer.poll import KVPoll, Mark, no_mark
@@ -33,7 +34,9 @@ class KVSender:
         does not fit the decode's pages, or a full transfer queue, fails the room instead."""
         dst = self.room.request.dst_pages[self.offset : self.offset + len(src_pages)]
         if len(dst) != len(src_pages):
-            self.abort(f"chunk of {len(src_pages)} pages overruns the {self.num_dst_pages} reserved by decode", "overrun")
+            self.abort(
+                f"chunk of {len(src_pages)} pages overruns the {self.num_dst_pages} reserved by decode", "overrun"
+            )
             return
         self.offset += len(src_pages)
         if is_last and aux is not None and self.room.poll.state != KVPoll.Failed:

@@ -10,13 +10,14 @@ scheduler); a worker whose thread dies of a bug fails its rooms naming the cause
 new one for the next chunk. With `threaded=False` nothing runs on its own: `run_once()` does one step
 (tests drive it).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from transfer.bulk_priority import lower_this_thread
 from transfer.prefill_rooms import PrefillRoom
@@ -39,12 +40,21 @@ class Chunk:
 
 Write = Callable[[Chunk], None]  # raises on failure; the exception's `cause` attribute, if any, names it
 Notify = Callable[[PrefillRoom, bool, str], None]  # (room, ok, reason): send the room's final status
-MarkFailed = Callable[[PrefillRoom, str, str], bool]  # (room, reason, cause): fail a room and count it; False if it had already ended
+MarkFailed = Callable[
+    [PrefillRoom, str, str], bool
+]  # (room, reason, cause): fail a room and count it; False if it had already ended
 
 
 class TransferWorker:
-    def __init__(self, decode_id: str, write: Write, notify: Notify, mark_failed: MarkFailed, max_chunks: int,
-                 threaded: bool = True):
+    def __init__(
+        self,
+        decode_id: str,
+        write: Write,
+        notify: Notify,
+        mark_failed: MarkFailed,
+        max_chunks: int,
+        threaded: bool = True,
+    ):
         self.decode_id = decode_id
         self.write, self.notify, self.mark_failed = write, notify, mark_failed
         self.max_chunks = max_chunks
@@ -69,7 +79,9 @@ class TransferWorker:
             if not self.usable:
                 return False
             if len(self.chunks) >= self.max_chunks:
-                raise TransferQueueFull(f"{self.max_chunks} chunks already wait to be written to decode {self.decode_id}")
+                raise TransferQueueFull(
+                    f"{self.max_chunks} chunks already wait to be written to decode {self.decode_id}"
+                )
             self.chunks.append(chunk)
             self.cond.notify()
             return True
@@ -147,8 +159,11 @@ class TransferWorker:
             self.died = e
             rooms = {id(c.room): c.room for c in [*([self.current] if self.current else []), *self.chunks]}
             owed, self.owed, self.chunks = self.owed, [], deque()
-        failed_here = [r for r in rooms.values()
-                       if self.mark_failed(r, f"the transfer thread for decode {self.decode_id} died: {e!r}", "worker_died")]
+        failed_here = [
+            r
+            for r in rooms.values()
+            if self.mark_failed(r, f"the transfer thread for decode {self.decode_id} died: {e!r}", "worker_died")
+        ]
         for room in [*owed, *failed_here]:
             try:
                 self.notify(room, False, room.poll.reason or "failed")

@@ -1,4 +1,5 @@
 """The seam between the model and the paged KV cache."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -23,11 +24,15 @@ class AttentionBackend(ABC):
         """Prepare per-batch metadata once, before the first layer runs."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq, D]."""
 
 
-def make_attention_backend(name: str, device: str, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float) -> AttentionBackend:
+def make_attention_backend(
+    name: str, device: str, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float
+) -> AttentionBackend:
     if name == "auto":
         name = "flashinfer" if device == "cuda" else "torch"
     if name == "torch":

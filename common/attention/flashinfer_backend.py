@@ -3,6 +3,7 @@
 The page-major pool gives each layer as a [num_pages + 1, page_size, H, D] view strided across pages
 (FlashInfer's NHD paged layout; its kernels take the page stride); page ids come from req_to_token.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,15 +46,36 @@ class FlashInferAttention(AttentionBackend):
         self._out = pool.locate(batch.out_cache_loc)
         common = dict(sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)
         if batch.mode == ForwardMode.DECODE:
-            self.decode.plan(indptr, indices, last_len, self.num_q_heads, pool.kv_heads, self.head_dim, self.page_size,
-                             pos_encoding_mode="NONE", **common)
+            self.decode.plan(
+                indptr,
+                indices,
+                last_len,
+                self.num_q_heads,
+                pool.kv_heads,
+                self.head_dim,
+                self.page_size,
+                pos_encoding_mode="NONE",
+                **common,
+            )
             return
         qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=indptr.device)
         qo_indptr[1:] = torch.cumsum(batch.extend_lens.to(indptr.device), 0)
-        self.prefill.plan(qo_indptr, indptr, indices, last_len, self.num_q_heads, pool.kv_heads, self.head_dim,
-                          self.page_size, causal=True, **common)
+        self.prefill.plan(
+            qo_indptr,
+            indptr,
+            indices,
+            last_len,
+            self.num_q_heads,
+            pool.kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            **common,
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         pool = self.kv_pool
         pool.set_kv(layer_id, self._out, k, v)
         cache = (pool.k_pages(layer_id), pool.v_pages(layer_id))

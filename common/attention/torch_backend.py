@@ -1,4 +1,5 @@
 """Reference attention on any device: gather each request's KV slots, then SDPA."""
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,9 @@ class TorchAttention(AttentionBackend):
             valid = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens.to(table.device)[:, None]
             self._kv_at = pool.locate(torch.where(valid, table, 0))  # slot 0 is the padding page
             # no mask when every row is full length: the same SDPA kernel as transformers' (bit-equal outputs)
-            self._decode_mask = None if int(batch.seq_lens.min()) == max_len else valid[:, None, None, :]  # [B, 1, 1, S]
+            self._decode_mask = (
+                None if int(batch.seq_lens.min()) == max_len else valid[:, None, None, :]
+            )  # [B, 1, 1, S]
             return
         self._extend = []
         start = 0
@@ -29,7 +32,9 @@ class TorchAttention(AttentionBackend):
             self._extend.append((start, ext, pool.locate(kv_index), mask))
             start += ext
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         pool = self.kv_pool
         pool.set_kv(layer_id, self._out, k, v)
         if batch.mode == ForwardMode.DECODE:
@@ -45,6 +50,8 @@ class TorchAttention(AttentionBackend):
             keys = pool.k_at(layer_id, kv_at).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
             vals = pool.v_at(layer_id, kv_at).transpose(0, 1)[None].to(q.dtype)
             qi = q[start : start + ext].transpose(0, 1)[None]  # [1, Hq, E, D]
-            oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True)
+            oi = F.scaled_dot_product_attention(
+                qi, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True
+            )
             out[start : start + ext] = oi[0].transpose(0, 1)
         return out

@@ -2,6 +2,7 @@
 across steps (DecodeTensors) and slots allocated for the whole batch at once. When the pages their next
 tokens need do not fit, the newest requests are retracted (their KV kept in the prefix cache, the
 request queued for prefill again, recomputed later) until the rest fit."""
+
 from __future__ import annotations
 
 import logging

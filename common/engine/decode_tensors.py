@@ -6,6 +6,7 @@ step (they never leave the device), positions and lengths grow by one, and the s
 counts, seed counters) stay. The scheduler asks for slots for the whole batch at once
 (MemoryManager.extend_decode).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ class DecodeTensors:
         self.current = False  # True between a completed step and the next: the tensors describe self.reqs
         self.sampling: SamplingBatch | None = None  # built by the runner, which knows the vocabulary
 
-    def prepare(self, running: list[Req]) -> "DecodeTensors":
+    def prepare(self, running: list[Req]) -> DecodeTensors:
         """Tensors for one decode step of `running`, reusing this step's predecessor when it ran the same requests."""
         if not (self.current and len(running) == len(self.reqs) and all(a is b for a, b in zip(running, self.reqs))):
             self._rebuild(running)
@@ -47,9 +48,15 @@ class DecodeTensors:
         """After the slots were allocated (seq_lens already counts this step's token)."""
         self.current = False  # until finish_step: a step that fails midway leaves stale tensors
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids, positions=self.positions, out_cache_loc=out_cache_loc,
-            req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens, extend_lens=self.extend_lens,
-            logits_indices=self.logits_indices, req_to_token=req_to_token,
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            extend_lens=self.extend_lens,
+            logits_indices=self.logits_indices,
+            req_to_token=req_to_token,
         )
 
     def finish_step(self, sampled: torch.Tensor) -> None:

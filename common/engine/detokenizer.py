@@ -1,5 +1,6 @@
 """Incremental detokenization that never emits half a UTF-8 character, and stop-string matching that
 never emits text that might turn out to be the start of a stop string."""
+
 from __future__ import annotations
 
 

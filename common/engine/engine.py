@@ -4,14 +4,16 @@ The HTTP side (asyncio) talks to it through `generate()` (an async stream of Out
 `run_on_scheduler()` (a function executed between two scheduler steps, as a Future) and
 `health_problem()` (why /health must answer 503, if it must).
 """
+
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import AsyncIterator, Callable, TypeVar
+from typing import TypeVar
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -33,9 +35,9 @@ from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import PoolPlan, plan_context_len, plan_kv_pool
-from common.model.rotary import head_dim_of
 from common.model.loader import load_hf_config, load_model, resolve_model_dir
 from common.model.locate import display_name
+from common.model.rotary import head_dim_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,21 +55,37 @@ class Engine:
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.metrics = EngineMetrics(config.disagg_mode)
-        model = load_model(self.model_dir, self.hf_config, self.dtype, config.device)  # first: the pool gets what is left
+        model = load_model(
+            self.model_dir, self.hf_config, self.dtype, config.device
+        )  # first: the pool gets what is left
         head_dim = head_dim_of(self.hf_config)
         self.pool_plan = self._plan_pool(head_dim)
         self.context_len = self._context_len()
         num_pages = self.pool_plan.num_pages
         self.kv_pool = KVPool(
-            self.hf_config.num_hidden_layers, num_pages, config.page_size,
-            self.hf_config.num_key_value_heads, head_dim, self.dtype, config.device,
+            self.hf_config.num_hidden_layers,
+            num_pages,
+            config.page_size,
+            self.hf_config.num_key_value_heads,
+            head_dim,
+            self.dtype,
+            config.device,
         )
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
-        prefix = NoPrefixCache(allocator, config.page_size) if config.disable_radix_cache else RadixCache(allocator, config.page_size)
+        prefix = (
+            NoPrefixCache(allocator, config.page_size)
+            if config.disable_radix_cache
+            else RadixCache(allocator, config.page_size)
+        )
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         attn = make_attention_backend(
-            config.attention_backend, config.device, self.kv_pool, self.hf_config.num_attention_heads, head_dim, head_dim**-0.5
+            config.attention_backend,
+            config.device,
+            self.kv_pool,
+            self.hf_config.num_attention_heads,
+            head_dim,
+            head_dim**-0.5,
         )
         eos_ids = self._eos_ids()
         self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
@@ -80,7 +98,9 @@ class Engine:
 
     def _plan_pool(self, head_dim: int) -> PoolPlan:
         c = self.config
-        per_token = kv_bytes_per_token(self.hf_config.num_hidden_layers, self.hf_config.num_key_value_heads, head_dim, self.dtype)
+        per_token = kv_bytes_per_token(
+            self.hf_config.num_hidden_layers, self.hf_config.num_key_value_heads, head_dim, self.dtype
+        )
         memory = torch.cuda.mem_get_info() if c.device == "cuda" else None  # (free, total) after the weights
         plan = plan_kv_pool(c.page_size, per_token, c.max_total_tokens, memory, c.mem_fraction_static)
         log.info("%s", plan.describe())
@@ -112,10 +132,18 @@ class Engine:
         m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
         cached = self.memory.prefix_cache.evictable_pages
         m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
-        m.gauge("tandem_kv_pages_used", "KV pages requests hold (total = free + cached + used)",
-                lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached())
-        m.labelled_gauges("tandem_pd_queue_requests", "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
-                          "inflight; decode: prealloc, transferring, draining)", "queue", lambda: s.role.queue_depths())
+        m.gauge(
+            "tandem_kv_pages_used",
+            "KV pages requests hold (total = free + cached + used)",
+            lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached(),
+        )
+        m.labelled_gauges(
+            "tandem_pd_queue_requests",
+            "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
+            "inflight; decode: prealloc, transferring, draining)",
+            "queue",
+            lambda: s.role.queue_depths(),
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:

@@ -1,4 +1,5 @@
 """What one model forward needs to know about the batch: small, tensor-only, built by the runner."""
+
 from __future__ import annotations
 
 import enum

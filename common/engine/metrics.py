@@ -1,17 +1,13 @@
 """Prometheus metrics of one server process (own registry, so tests can run several engines); /metrics
 labels every sample with the server's role (common/wire/prometheus.py)."""
+
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.wire.prometheus import render
@@ -19,7 +15,9 @@ from common.wire.prometheus import render
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SPAN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 REJECTED_NAME = "tandem_rejected_inputs"  # exposed as tandem_rejected_inputs_total
-REJECTED_DOC = "inputs rejected at a boundary (http: 4xx answers of the HTTP edge; control, bootstrap: see their owners)"
+REJECTED_DOC = (
+    "inputs rejected at a boundary (http: 4xx answers of the HTTP edge; control, bootstrap: see their owners)"
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +84,28 @@ class EngineMetrics:
         self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("tandem_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "tandem_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.finished = Counter("tandem_requests_finished", "finished requests by reason", ["reason"], registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "prompt tokens received", registry=r)
         self.generated_tokens = Counter("tandem_generation_tokens", "tokens generated", registry=r)
-        self.ttft = Histogram("tandem_time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem_inter_token_latency_seconds", "time between tokens", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.spans = Histogram("tandem_request_span_seconds", "seconds from a request's arrival to one step of it "
-                               "(span: the step, see common/engine/timeline.py)", ["span"], buckets=SPAN_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "tandem_inter_token_latency_seconds", "time between tokens", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_request_latency_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.spans = Histogram(
+            "tandem_request_span_seconds",
+            "seconds from a request's arrival to one step of it (span: the step, see common/engine/timeline.py)",
+            ["span"],
+            buckets=SPAN_BUCKETS,
+            registry=r,
+        )
         self.rejected = RejectedInputs()
         r.register(self.rejected)
 

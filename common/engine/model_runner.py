@@ -1,4 +1,5 @@
 """Turns a scheduled batch into one model forward and one sampling call."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from common.attention.base import AttentionBackend
+from common.engine.decode_tensors import DecodeTensors
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.engine.request import Req
-from common.engine.decode_tensors import DecodeTensors
 from common.engine.sampler import Sampler
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM
@@ -43,8 +44,14 @@ class BatchResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, req_to_token: torch.Tensor, device: str,
-                 eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attn: AttentionBackend,
+        req_to_token: torch.Tensor,
+        device: str,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens)."""
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -61,12 +68,18 @@ class ModelRunner:
         logits = self.model(batch, self.attn)
         last_rows = torch.tensor([end - 1 for _, end in logit_spans], device=logits.device)
         sample_idx = [i for i, s in enumerate(plan.sample) if s]
-        result = BatchResult([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
+        result = BatchResult(
+            [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs)
+        )
         if sample_idx:
             rows = [self._sampling_row(plan.reqs[i]) for i in sample_idx]
             out = self.sampler.sample(logits[last_rows[sample_idx]], SamplingBatch(rows, logits.shape[-1], self.device))
             for j, i in enumerate(sample_idx):
-                result.token_ids[i], result.logprobs[i], result.top_logprobs[i] = out.token_ids[j], out.logprobs[j], out.top_logprobs[j]
+                result.token_ids[i], result.logprobs[i], result.top_logprobs[i] = (
+                    out.token_ids[j],
+                    out.logprobs[j],
+                    out.top_logprobs[j],
+                )
         for i, req in enumerate(plan.reqs):
             start, end = logit_spans[i]
             if end - start > 1 or (req.logprob_start_len >= 0 and plan.mode == ForwardMode.EXTEND):
@@ -107,7 +120,9 @@ class ModelRunner:
             extend_lens=torch.tensor(plan.extend_lens, dtype=torch.int64),
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             req_to_token=self.req_to_token,
-            full_lens=torch.tensor([len(r.fill_ids) for r in plan.reqs], dtype=torch.int64) if plan.mode == ForwardMode.EXTEND else None,
+            full_lens=torch.tensor([len(r.fill_ids) for r in plan.reqs], dtype=torch.int64)
+            if plan.mode == ForwardMode.EXTEND
+            else None,
         )
         return batch, spans
 

@@ -1,4 +1,5 @@
 """Per-token bookkeeping on the scheduler thread: detokenize, check stop conditions, emit events."""
+
 from __future__ import annotations
 
 import logging
@@ -104,9 +105,17 @@ class OutputProcessor:
         meta |= self.input_meta(req)
         now = time.monotonic()
         ttft = 1000 * (req.first_token_time - req.arrival_time) if req.first_token_time else float("nan")
-        log.info("request %s: %s%s, prompt %d, cached %d, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
-                 req.rid, reason.type, f" ({reason.message})" if reason.message else "", len(req.prompt_ids),
-                 req.prefix_hit_len, len(req.output_ids), ttft, 1000 * (now - req.arrival_time))
+        log.info(
+            "request %s: %s%s, prompt %d, cached %d, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
+            req.rid,
+            reason.type,
+            f" ({reason.message})" if reason.message else "",
+            len(req.prompt_ids),
+            req.prefix_hit_len,
+            len(req.output_ids),
+            ttft,
+            1000 * (now - req.arrival_time),
+        )
         if self.metrics:
             self.metrics.finished.labels(reason.type).inc()
             self.metrics.e2e.observe(now - req.arrival_time)

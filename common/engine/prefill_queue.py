@@ -1,6 +1,7 @@
 """Requests whose prompt (or its rest) is still to be computed, and the choice of the next prefill
 batch: FIFO, a token budget per batch, page-aligned chunks of at most --chunked-prefill-size tokens, and
 memory checked before each chunk (a request admitted but not fitting is given back at once)."""
+
 from __future__ import annotations
 
 from collections import deque

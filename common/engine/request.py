@@ -1,10 +1,12 @@
 """The one object that carries a request through the scheduler, the pools and the output stream."""
+
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from common.engine.timeline import Timeline
 from common.wire.api import Rendezvous
@@ -79,8 +81,8 @@ class Req:
     prefix_hit_len: int = 0  # cached tokens reused at the first prefill, reported to the client
 
     # runtime helpers, owned by the scheduler
-    detokenizer: "IncrementalDetokenizer | None" = None
-    stop_matcher: "StopStringMatcher | None" = None
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStringMatcher | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

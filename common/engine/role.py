@@ -5,6 +5,7 @@ wait on the peer, moves requests into the scheduler's prefill queue or decode ba
 ready, and frees its own resources when the scheduler ends a request. The monolithic server uses
 Role itself, which does nothing.
 """
+
 from __future__ import annotations
 
 from typing import Any

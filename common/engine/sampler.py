@@ -10,6 +10,7 @@ unseeded rows share torch's generator.
 Logprobs are those of the raw model logits (before bias, masking, penalties and temperature), like vLLM's
 default.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ class Sampler:
             logits = apply_penalties(logits, batch)
         ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
-            ids = torch.where(batch.greedy, ids, draw(filtered_probs(logits / batch.temperature, batch), uniforms(batch)))
+            ids = torch.where(
+                batch.greedy, ids, draw(filtered_probs(logits / batch.temperature, batch), uniforms(batch))
+            )
         return to_host(ids, raw_logprobs, batch)
 
 
@@ -127,6 +130,8 @@ def to_host(ids: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: Samplin
         cols += [idx.double(), vals.double()]  # float64 holds every token id exactly
     host = torch.cat(cols, dim=1).tolist()
     logprobs = [row[1] if want else None for row, want in zip(host, batch.return_logprob)]
-    tops = [list(zip(map(int, row[2 : 2 + m]), row[2 + k : 2 + k + m])) if m else None
-            for row, m in zip(host, batch.top_logprobs_num)]
+    tops = [
+        list(zip(map(int, row[2 : 2 + m]), row[2 + k : 2 + k + m])) if m else None
+        for row, m in zip(host, batch.top_logprobs_num)
+    ]
     return SampleOutput(ids, [int(row[0]) for row in host], logprobs, tops)

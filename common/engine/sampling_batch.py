@@ -4,6 +4,7 @@ A decode batch keeps its SamplingBatch from step to step; advance() adds the tok
 penalty state and moves every row's random stream on by one, all in place. What no row asks for (logit
 bias, a minimum of new tokens, penalties) costs nothing: its tensors are None and the sampler skips it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ class SamplingBatch:
         self.seeded = torch.tensor([p.seed is not None for p in params], device=device)
         self.any_seeded = any(p.seed is not None for p in params)
         self.seeds = torch.tensor([wrap_int64(p.seed or 0) for p in params], dtype=torch.int64, device=device)
-        self.steps = torch.tensor([len(r.output_ids) for r in rows], dtype=torch.int64, device=device)  # tokens sampled so far
+        self.steps = torch.tensor(
+            [len(r.output_ids) for r in rows], dtype=torch.int64, device=device
+        )  # tokens sampled so far
         self.return_logprob = [r.return_logprob for r in rows]
         self.top_logprobs_num = [r.top_logprobs_num if r.return_logprob else 0 for r in rows]
         self.want_logprobs = any(self.return_logprob)
@@ -53,13 +56,19 @@ class SamplingBatch:
     def _init_logit_bias(self, params: list[SamplingParams]) -> None:
         """(row, token, bias) of every bias asked for, as three flat tensors; None when no row asks."""
         entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
-        self.bias_rows, self.bias_ids, self.bias_values = self._columns(entries, torch.int64, torch.int64, torch.float32)
+        self.bias_rows, self.bias_ids, self.bias_values = self._columns(
+            entries, torch.int64, torch.int64, torch.float32
+        )
 
     def _init_min_tokens(self, rows: list[SamplingRow]) -> None:
         """(row, stop token) of the rows still short of their min_new_tokens, and each pair's minimum:
         the token is masked while the row has sampled fewer (`steps`); None when no row is short."""
-        pairs = [(i, t, r.params.min_new_tokens) for i, r in enumerate(rows)
-                 if len(r.output_ids) < r.params.min_new_tokens for t in sorted(r.stop_ids)]
+        pairs = [
+            (i, t, r.params.min_new_tokens)
+            for i, r in enumerate(rows)
+            if len(r.output_ids) < r.params.min_new_tokens
+            for t in sorted(r.stop_ids)
+        ]
         self.min_rows, self.min_ids, self.min_tokens = self._columns(pairs, torch.int64, torch.int64, torch.int64)
 
     def _columns(self, entries: list[tuple], *dtypes: torch.dtype) -> list[torch.Tensor | None]:
@@ -85,7 +94,11 @@ class SamplingBatch:
 
     def _rows_where(self, flags: list[bool]) -> torch.Tensor | None:
         """Indices of the flagged rows; None when there are none."""
-        return torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64, device=self.device) if any(flags) else None
+        return (
+            torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64, device=self.device)
+            if any(flags)
+            else None
+        )
 
     def _init_penalties(self, rows: list[SamplingRow], vocab_size: int) -> None:
         """Counts of each output token and the set of tokens seen (prompt and output), for penalized rows."""
@@ -98,7 +111,9 @@ class SamplingBatch:
         which = [i for i, p in enumerate(params) if p.has_penalties]
         out_rows = torch.tensor([i for i in which for _ in rows[i].output_ids], dtype=torch.int64)
         out_ids = torch.tensor([t for i in which for t in rows[i].output_ids], dtype=torch.int64)
-        self.counts.index_put_((out_rows.to(dev), out_ids.to(dev)), torch.ones(len(out_ids), device=dev), accumulate=True)
+        self.counts.index_put_(
+            (out_rows.to(dev), out_ids.to(dev)), torch.ones(len(out_ids), device=dev), accumulate=True
+        )
         prompt_rows = torch.tensor([i for i in which for _ in rows[i].prompt_ids], dtype=torch.int64)
         prompt_ids = torch.tensor([t for i in which for t in rows[i].prompt_ids], dtype=torch.int64)
         self.seen[prompt_rows.to(dev), prompt_ids.to(dev)] = True

@@ -10,13 +10,15 @@ the cause; a batch whose forward fails ends the batch's requests, and the KV it 
 enters the prefix cache (MemoryManager.release caches only computed KV). Every request leaves through
 finish(): out of every queue, the client answered, then its memory freed.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from common.config import ServerConfig
 from common.engine.decode_batch import DecodeBatch
@@ -34,8 +36,15 @@ T = TypeVar("T")
 
 
 class Scheduler:
-    def __init__(self, config: ServerConfig, runner: ModelRunner | None, memory: MemoryManager, output: OutputProcessor,
-                 role: Role | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: ServerConfig,
+        runner: ModelRunner | None,
+        memory: MemoryManager,
+        output: OutputProcessor,
+        role: Role | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config, self.runner, self.memory, self.output = config, runner, memory, output
         self.clock = clock  # for the roles' timeouts; requests' arrival_time is on this clock
         self.prefill = PrefillQueue(config, memory)

@@ -10,12 +10,13 @@ on. `health_problem()` says when the scheduler cannot serve: its thread is gone,
 running for longer than --watchdog-timeout-s (a stuck forward); /health then answers 503 with it, so a
 router takes the worker out of rotation.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from common.engine.scheduler import Scheduler
 
@@ -80,6 +81,8 @@ class SchedulerThread:
             return f"the scheduler thread died: {self.died!r}"
         started = self.step_started
         if started is not None and self.clock() - started > self.watchdog_timeout_s:
-            return (f"a scheduler step has been running for {self.clock() - started:.0f} s "
-                    f"(over --watchdog-timeout-s {self.watchdog_timeout_s:g}): a stuck forward or transfer")
+            return (
+                f"a scheduler step has been running for {self.clock() - started:.0f} s "
+                f"(over --watchdog-timeout-s {self.watchdog_timeout_s:g}): a stuck forward or transfer"
+            )
         return None

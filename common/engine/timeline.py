@@ -16,6 +16,7 @@ Events, in the order a request meets them:
 The log line carries the arrival as an absolute time.monotonic() value, so that on one host the
 timelines of a request's two halves (and the client's own clock) can be lined up: `parse()` reads it.
 """
+
 from __future__ import annotations
 
 import logging

@@ -4,9 +4,10 @@ Page p holds token slots [p * page_size, (p + 1) * page_size). Frees are appende
 list and merged into the sorted free list only when an allocation needs them (SGLang's
 merge_and_sort_free), so allocations take the lowest ids and runs of pages stay contiguous.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -10,6 +10,7 @@ layout makes the same choice). Attention reads a layer through `k_pages(layer)`:
 [num_pages + 1, page_size, kv_heads, head_dim] view (FlashInfer's NHD paged layout, page stride
 num_layers x 2 x page_size x kv_heads x head_dim).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,7 +51,13 @@ class KVPool:
         dtype: torch.dtype,
         device: str,
     ):
-        sizes = {"num_layers": num_layers, "num_pages": num_pages, "page_size": page_size, "kv_heads": kv_heads, "head_dim": head_dim}
+        sizes = {
+            "num_layers": num_layers,
+            "num_pages": num_pages,
+            "page_size": page_size,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+        }
         for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVPool: {name} must be an int >= 1, got {value!r}")

@@ -16,6 +16,7 @@ finish, or a role's deferred release once no peer can write into the pages).
 
 Invariant (check_integrity): free + evictable + locked + owned_by_requests == total pages.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,13 @@ class PageCounts:
     owned: int
 
     def to_dict(self) -> dict[str, int]:
-        return {"total": self.total, "free": self.free, "cached": self.evictable, "locked": self.locked, "in_use": self.owned}
+        return {
+            "total": self.total,
+            "free": self.free,
+            "cached": self.evictable,
+            "locked": self.locked,
+            "in_use": self.owned,
+        }
 
 
 class MemoryManager:
@@ -72,7 +79,7 @@ class MemoryManager:
         """Ids of the pages holding tokens [start, end) of `req`; `start` must be page-aligned."""
         if start % self.page_size:
             raise ValueError(f"start {start} is not a multiple of the page size {self.page_size}")
-        slots = self.req_pool.req_to_token[req.req_pool_idx, start:end:self.page_size]
+        slots = self.req_pool.req_to_token[req.req_pool_idx, start : end : self.page_size]
         return (slots.to(torch.int64) // self.page_size).tolist()
 
     def available_pages(self) -> int:
@@ -93,7 +100,9 @@ class MemoryManager:
         req.kv_len = end
         return slots
 
-    def extend_decode(self, reqs: list[Req], rows: torch.Tensor, kv_lens: torch.Tensor, host_kv_lens: torch.Tensor) -> torch.Tensor:
+    def extend_decode(
+        self, reqs: list[Req], rows: torch.Tensor, kv_lens: torch.Tensor, host_kv_lens: torch.Tensor
+    ) -> torch.Tensor:
         """One more KV slot for every request of a decode batch, allocated at once: the next slot of its
         last page, or the first of a new page when that one is full. `rows` and `kv_lens` (the requests'
         rows and KV lengths) are on the device, `host_kv_lens` is their host copy and grows by one here.
@@ -152,7 +161,9 @@ class MemoryManager:
         self.prefix_cache.check_integrity()
         c = self.page_counts()
         if c.free + c.evictable + c.locked + c.owned != c.total:
-            raise MemoryIntegrityError(f"page leak: free {c.free} + cached {c.evictable} + locked {c.locked} + in_use {c.owned} != total {c.total}")
+            raise MemoryIntegrityError(
+                f"page leak: free {c.free} + cached {c.evictable} + locked {c.locked} + in_use {c.owned} != total {c.total}"
+            )
         if self.req_pool.available_size() + len(self.live) != self.req_pool.size:
             raise MemoryIntegrityError("request rows leaked")
         return c

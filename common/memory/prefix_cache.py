@@ -1,4 +1,5 @@
 """The prefix-cache seam: the radix cache, or NoPrefixCache when --disable-radix-cache is set."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

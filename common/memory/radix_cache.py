@@ -4,6 +4,7 @@ A node's key is a run of token ids (a multiple of page_size long); its value hol
 Children are keyed by their first page of token ids. lock_ref > 0 on a node means some running
 request uses its pages (inc/dec walk the whole path to the root).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -20,7 +21,7 @@ from common.memory.prefix_cache import MatchResult, PrefixCache
 class TreeNode:
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: "TreeNode | None"):
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None):
         self.key = key
         self.value = value
         self.parent = parent

@@ -1,4 +1,5 @@
 """Request-slot table: one row per running request, value = KV slot index of each token position."""
+
 from __future__ import annotations
 
 import torch

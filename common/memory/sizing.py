@@ -7,6 +7,7 @@ else already on the device, i.e. `total * fraction - used` = `free - total * (1 
 `total * (1 - fraction)`, is for activations, the attention workspace and the allocator's slack.
 `--max-total-tokens` caps it. CPU: `--max-total-tokens`, CPU_DEFAULT_TOKENS when not given.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,16 +36,29 @@ class PoolPlan:
         return (self.num_pages + 1) * self.page_size * self.bytes_per_token
 
     def describe(self) -> str:
-        size = f"{self.total_bytes / GIB:.2f} GiB" if self.total_bytes >= GIB / 10 else f"{self.total_bytes / 2**20:.1f} MiB"
+        size = (
+            f"{self.total_bytes / GIB:.2f} GiB"
+            if self.total_bytes >= GIB / 10
+            else f"{self.total_bytes / 2**20:.1f} MiB"
+        )
         return f"KV pool: {self.tokens} tokens ({self.num_pages} pages x {self.page_size}), {size}, {self.source}"
 
 
-def plan_kv_pool(page_size: int, bytes_per_token: int, max_total_tokens: int | None,
-                 device_memory: tuple[int, int] | None, fraction: float) -> PoolPlan:
+def plan_kv_pool(
+    page_size: int,
+    bytes_per_token: int,
+    max_total_tokens: int | None,
+    device_memory: tuple[int, int] | None,
+    fraction: float,
+) -> PoolPlan:
     """`device_memory`: (free, total) bytes of the accelerator after the weights are loaded; None on CPU."""
     if device_memory is None:
         tokens = max_total_tokens or CPU_DEFAULT_TOKENS
-        source = "from --max-total-tokens" if max_total_tokens else f"the CPU default (--max-total-tokens {CPU_DEFAULT_TOKENS})"
+        source = (
+            "from --max-total-tokens"
+            if max_total_tokens
+            else f"the CPU default (--max-total-tokens {CPU_DEFAULT_TOKENS})"
+        )
     else:
         free, total = device_memory
         fits = int((free - total * (1 - fraction)) // bytes_per_token) - page_size  # minus the padding page
@@ -52,13 +66,16 @@ def plan_kv_pool(page_size: int, bytes_per_token: int, max_total_tokens: int | N
             raise PoolSizingError(
                 f"no room for a KV pool: {(total - free) / GIB:.1f} of {total / GIB:.1f} GiB are in use after loading the "
                 f"weights and --mem-fraction-static {fraction:g} allows {total * fraction / GIB:.1f} GiB; raise "
-                "--mem-fraction-static, free the device, or use a smaller model")
+                "--mem-fraction-static, free the device, or use a smaller model"
+            )
         tokens = fits
         source = f"--mem-fraction-static {fraction:g} of {total / GIB:.1f} GiB with {(total - free) / GIB:.1f} GiB in use after the weights"
         if max_total_tokens is not None and max_total_tokens < fits:
             tokens, source = max_total_tokens, f"from --max-total-tokens (the memory would hold {fits})"
     if tokens < page_size:
-        raise PoolSizingError(f"--max-total-tokens {tokens} holds no page of --page-size {page_size}: raise it to at least {page_size}")
+        raise PoolSizingError(
+            f"--max-total-tokens {tokens} holds no page of --page-size {page_size}: raise it to at least {page_size}"
+        )
     return PoolPlan(tokens // page_size, page_size, bytes_per_token, source)
 
 
@@ -71,9 +88,12 @@ def plan_context_len(model_max: int, requested: int | None, pool: PoolPlan) -> t
             raise PoolSizingError(
                 f"--context-length {requested} does not fit the KV pool of {pool.tokens} tokens (at most {capacity}): "
                 "lower --context-length, or give the pool more room with --max-total-tokens (CPU) or "
-                "--mem-fraction-static (CUDA)")
+                "--mem-fraction-static (CUDA)"
+            )
         return requested, None
     if model_max > capacity:
-        return capacity, (f"context length capped to {capacity} tokens by the KV pool of {pool.tokens} tokens (the model "
-                          f"allows {model_max}): raise --max-total-tokens / --mem-fraction-static, or set --context-length")
+        return capacity, (
+            f"context length capped to {capacity} tokens by the KV pool of {pool.tokens} tokens (the model "
+            f"allows {model_max}): raise --max-total-tokens / --mem-fraction-static, or set --context-length"
+        )
     return model_max, None

@@ -2,6 +2,7 @@
 
 Parameter names match Hugging Face's, so a safetensors checkpoint loads with `load_state_dict`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -107,7 +108,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         arch = (config.architectures or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+            raise ValueError(
+                f"architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

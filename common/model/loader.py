@@ -1,5 +1,6 @@
 """Find a model by name or path (common.model.locate), convert GGUF once into a cached safetensors
 directory, load it."""
+
 from __future__ import annotations
 
 import logging

@@ -5,6 +5,7 @@ find a tokenizer in a fraction of a second.
     /path/to/file.gguf               -> dequantized once into $TANDEM_CACHE_DIR/models/<name>-<hash>/
     /path/to/hf_dir (config.json)    -> used as is
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -7,6 +7,7 @@ means there; the two types whose frequencies depend on the sequence length ("dyn
 per request, the request's whole length (prompt and output so far) as transformers' `generate` does for
 one sequence, also when its prompt is prefilled in chunks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,9 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 def default_inv_freq(config: PretrainedConfig, device: str | torch.device) -> torch.Tensor:
     dim = head_dim_of(config)
-    return 1.0 / (rope_parameters(config)["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    return 1.0 / (
+        rope_parameters(config)["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -59,7 +62,9 @@ class RotaryEmbedding(nn.Module):
             return default_inv_freq(self.config, "cpu"), 1.0
         if self.rope_type in ROPE_INIT_FUNCTIONS:
             return ROPE_INIT_FUNCTIONS[self.rope_type](self.config, "cpu")
-        raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+        raise ValueError(
+            f"rope_type {self.rope_type!r} is not supported; supported: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
+        )
 
     def _apply(self, fn, recurse=True):
         """Device moves apply to the frequencies, dtype casts do not: they stay float32."""

@@ -6,6 +6,7 @@ touches count in the process's resident memory until the file is closed, which f
 doubles the peak (benchmarks/load_memory.py). The format is an 8-byte little-endian header length, a
 JSON header {name: {dtype, shape, data_offsets}} and the raw tensor bytes after it.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,10 @@ def plan_shards(shards: list[Path], params: dict[str, torch.Tensor], ignore: fro
         wrong = [n for n in header if n in params and list(header[n]["shape"]) != list(params[n].shape)]
         odd = sorted({header[n]["dtype"] for n in header if n in params} - set(DTYPES))
         if unexpected or wrong or odd:
-            raise ValueError(f"{shard}: weights do not fit the model: unexpected {unexpected[:5]}, wrong shape {wrong[:5]}, "
-                             f"dtypes {odd} (float32/float16/bfloat16/float64 only; quantized checkpoints are not supported)")
+            raise ValueError(
+                f"{shard}: weights do not fit the model: unexpected {unexpected[:5]}, wrong shape {wrong[:5]}, "
+                f"dtypes {odd} (float32/float16/bfloat16/float64 only; quantized checkpoints are not supported)"
+            )
         plan[shard] = [n for n in header if n in params]
     missing = set(params) - {n for names in plan.values() for n in names}
     if missing:

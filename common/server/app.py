@@ -1,9 +1,11 @@
 """The FastAPI app of every engine server (monolithic, prefill, decode): SGLang and OpenAI endpoints."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -110,7 +112,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(error_body("internal error; the server log has the details", "internal_error", 500), status_code=500)
+        return JSONResponse(
+            error_body("internal error; the server log has the details", "internal_error", 500), status_code=500
+        )
 
 
 def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
@@ -118,9 +122,13 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         raise InvalidRequest("give exactly one of text or input_ids", param="text")
     ids = body.input_ids if body.input_ids is not None else tokenize_text(engine, body.text, "text")
     gen = GenInput(
-        rid=body.rid or new_rid(), prompt_ids=ids, params=body.sampling_params,
-        return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-        logprob_start_len=body.logprob_start_len if body.return_logprob else -1, rendezvous=body.rendezvous,
+        rid=body.rid or new_rid(),
+        prompt_ids=ids,
+        params=body.sampling_params,
+        return_logprob=body.return_logprob,
+        top_logprobs_num=body.top_logprobs_num,
+        logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
+        rendezvous=body.rendezvous,
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen
@@ -144,7 +152,9 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
             meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[start:], gen.prompt_ids[start:])]
             if body.top_logprobs_num:
                 tops = c.meta.get("input_top_logprobs") or [None] * n
-                meta["input_top_logprobs"] = [None if top is None else [[lp, t, None] for t, lp in top] for top in tops[start:]]
+                meta["input_top_logprobs"] = [
+                    None if top is None else [[lp, t, None] for t, lp in top] for top in tops[start:]
+                ]
     return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
 
 

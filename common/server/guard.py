@@ -3,6 +3,7 @@
 Pure ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hides http.disconnect from
 request.is_disconnected(), so a plain request whose client (the router) left was never aborted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,7 +46,9 @@ class CountingGuard:
         if _is_rejected_input(status):
             self.metrics.count_rejection("http")
         if path not in self.open_paths:
-            endpoint = path if path in _route_paths(scope["app"]) else "other"  # bounded label values, whatever clients send
+            endpoint = (
+                path if path in _route_paths(scope["app"]) else "other"
+            )  # bounded label values, whatever clients send
             self.metrics.requests.labels(endpoint, str(status)).inc()
             if status >= 400:
                 log.info("%s %s -> %d (%.1f ms)", scope["method"], path, status, 1000 * (time.monotonic() - start))

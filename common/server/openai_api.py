@@ -1,9 +1,11 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)."""
+
 from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,12 +23,7 @@ from common.server.serving import (
     tokenize_text,
     usage,
 )
-from common.wire.api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIBase,
-    parse_body,
-)
+from common.wire.api import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
 from common.wire.body import read_body
 from common.wire.errors import InvalidRequest, NotFound, TandemError
 from common.wire.sse import DONE, sse_event, sse_response
@@ -37,7 +34,13 @@ FINISH = {"stop": "stop", "length": "length"}
 def add_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": engine.context_len}
+        card = {
+            "id": engine.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "max_model_len": engine.context_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -71,50 +74,78 @@ def _check_model(engine: Engine, body: OpenAIBase) -> None:
 def _apply_chat_template(engine: Engine, body: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
     try:
-        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   **(body.chat_template_kwargs or {}))
+        ids = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **(body.chat_template_kwargs or {})
+        )
     except Exception as e:  # jinja errors from the model's own template
         raise InvalidRequest(f"messages: the chat template rejected them: {e}", param="messages") from None
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _gen_input(engine: Engine, body: OpenAIBase, ids: list[int], max_tokens: int | None, param: str, max_param: str,
-               top: int | None, prompt_logprobs: bool = False) -> GenInput:
+def _gen_input(
+    engine: Engine,
+    body: OpenAIBase,
+    ids: list[int],
+    max_tokens: int | None,
+    param: str,
+    max_param: str,
+    top: int | None,
+    prompt_logprobs: bool = False,
+) -> GenInput:
     if max_tokens is None:
         max_tokens = max(engine.context_len - len(ids), 0)
     gen = GenInput(
-        rid=new_rid(), prompt_ids=ids, params=body.sampling_params(max_tokens, max_param),
-        return_logprob=top is not None, top_logprobs_num=top or 0, rendezvous=body.rendezvous,
+        rid=new_rid(),
+        prompt_ids=ids,
+        params=body.sampling_params(max_tokens, max_param),
+        return_logprob=top is not None,
+        top_logprobs_num=top or 0,
+        rendezvous=body.rendezvous,
         logprob_start_len=0 if prompt_logprobs else -1,
     )
     check_input(engine, gen, param, max_param)
     return gen
 
 
-async def _respond(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice, request: Request,
-                   echo: str | None = None) -> Response:
+async def _respond(
+    engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice, request: Request, echo: str | None = None
+) -> Response:
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + gen.rid
     if body.stream:
         return sse_response(_stream(engine, gen, body, kind, rid, echo))
     choices = await collect(engine, gen, request)
-    return JSONResponse({
-        "id": rid, "object": kind, "created": created(), "model": engine.model_name,
-        "choices": [make_choice(engine, c, gen) for c in choices],
-        "usage": usage(choices, len(gen.prompt_ids)),
-    })
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": kind,
+            "created": created(),
+            "model": engine.model_name,
+            "choices": [make_choice(engine, c, gen) for c in choices],
+            "usage": usage(choices, len(gen.prompt_ids)),
+        }
+    )
 
 
 def _completion_choice(engine: Engine, c: Choice, gen: GenInput, echo: str | None = None) -> dict[str, Any]:
     """With `echo` (the prompt's text), the prompt comes first: in the text and, token by token, in the logprobs."""
-    logprobs = _completion_logprobs(engine, c, gen.prompt_ids if echo is not None else None) if gen.return_logprob else None
-    return {"index": c.index, "text": (echo or "") + c.text, "logprobs": logprobs,
-            "finish_reason": FINISH.get(c.finish.type) if c.finish else None}
+    logprobs = (
+        _completion_logprobs(engine, c, gen.prompt_ids if echo is not None else None) if gen.return_logprob else None
+    )
+    return {
+        "index": c.index,
+        "text": (echo or "") + c.text,
+        "logprobs": logprobs,
+        "finish_reason": FINISH.get(c.finish.type) if c.finish else None,
+    }
 
 
 def _chat_choice(engine: Engine, c: Choice, gen: GenInput) -> dict[str, Any]:
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": {"content": _chat_logprobs(engine, c)} if gen.return_logprob else None,
-            "finish_reason": FINISH.get(c.finish.type) if c.finish else None}
+    return {
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": {"content": _chat_logprobs(engine, c)} if gen.return_logprob else None,
+        "finish_reason": FINISH.get(c.finish.type) if c.finish else None,
+    }
 
 
 def _token_str(engine: Engine, token: int) -> str:
@@ -146,11 +177,15 @@ def _chat_logprobs(engine: Engine, c: Choice) -> list[dict[str, Any]]:
         s = _token_str(engine, t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
-    return [entry(t, lp) | {"top_logprobs": [entry(tt, tlp) for tt, tlp in top or []]}
-            for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)]
+    return [
+        entry(t, lp) | {"top_logprobs": [entry(tt, tlp) for tt, tlp in top or []]}
+        for t, lp, top in zip(c.output_ids, c.logprobs, c.top_logprobs)
+    ]
 
 
-async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None) -> AsyncIterator[bytes]:
+async def _stream(
+    engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None
+) -> AsyncIterator[bytes]:
     """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
     base = {"id": rid, "object": chunk_kind, "created": created(), "model": engine.model_name}
@@ -159,7 +194,19 @@ async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, ri
     to_echo = [echo] * gen.params.n
     if is_chat:
         for c in choices:
-            yield sse_event(base | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            yield sse_event(
+                base
+                | {
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                }
+            )
     try:
         async for i, ev in stream_choices(engine, gen):
             c = choices[i]
@@ -171,7 +218,12 @@ async def _stream(engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, ri
             part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
             if is_chat:
                 lp = {"content": _chat_logprobs(engine, part)} if gen.return_logprob else None
-                choice = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "logprobs": lp, "finish_reason": finish}
+                choice = {
+                    "index": i,
+                    "delta": {"content": ev.text} if ev.text else {},
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                }
             else:
                 choice = _completion_choice(engine, part, gen, to_echo[i]) | {"finish_reason": finish}
                 to_echo[i] = None

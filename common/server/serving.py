@@ -1,12 +1,14 @@
 """From a validated API request to engine requests and back: tokenize, check limits, fan out `n`,
 merge the event streams, and accumulate one result per choice."""
+
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from common.engine.engine import Engine
 from common.engine.request import FinishReason, OutputEvent, Req
@@ -66,7 +68,9 @@ def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str
     check_rendezvous(engine, gen)
     queued = engine.scheduler.num_queued()
     if queued + gen.params.n > engine.config.max_queued_requests:
-        raise Overloaded(f"server is full: {queued} requests queued (limit {engine.config.max_queued_requests}); retry later")
+        raise Overloaded(
+            f"server is full: {queued} requests queued (limit {engine.config.max_queued_requests}); retry later"
+        )
     _check_prompt(engine, gen, param, max_tokens_param)
     vocab = engine.hf_config.vocab_size
     check_token_ids(list(gen.params.logit_bias or ()), vocab, _sibling(max_tokens_param, "logit_bias"))
@@ -91,16 +95,20 @@ def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: s
             param=max_tokens_param,
         )
     if gen.logprob_start_len >= n:
-        raise InvalidRequest(f"logprob_start_len ({gen.logprob_start_len}) must be less than the prompt's length ({n})",
-                             param="logprob_start_len")
+        raise InvalidRequest(
+            f"logprob_start_len ({gen.logprob_start_len}) must be less than the prompt's length ({n})",
+            param="logprob_start_len",
+        )
 
 
 def check_rendezvous(engine: Engine, gen: GenInput) -> None:
     """A prefill or decode server serves only what a router paired (it added the bootstrap fields)."""
     mode = engine.config.disagg_mode
     if mode != "null" and gen.rendezvous is None:
-        raise InvalidRequest(f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests "
-                             "through the router", param="bootstrap_room")
+        raise InvalidRequest(
+            f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests through the router",
+            param="bootstrap_room",
+        )
 
 
 def check_token_ids(ids: list[int], vocab: int, param: str) -> None:
@@ -122,15 +130,17 @@ def make_reqs(gen: GenInput) -> list[Req]:
         params = gen.params
         if params.n > 1 and params.seed is not None:
             params = params.model_copy(update={"seed": params.seed + i})
-        reqs.append(Req(
-            rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
-            prompt_ids=gen.prompt_ids,
-            params=params,
-            return_logprob=gen.return_logprob,
-            top_logprobs_num=gen.top_logprobs_num,
-            logprob_start_len=gen.logprob_start_len,
-            rendezvous=gen.rendezvous.for_choice(i) if gen.rendezvous else None,
-        ))
+        reqs.append(
+            Req(
+                rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
+                prompt_ids=gen.prompt_ids,
+                params=params,
+                return_logprob=gen.return_logprob,
+                top_logprobs_num=gen.top_logprobs_num,
+                logprob_start_len=gen.logprob_start_len,
+                rendezvous=gen.rendezvous.for_choice(i) if gen.rendezvous else None,
+            )
+        )
     return reqs
 
 

@@ -6,6 +6,7 @@ field, and so are wrong types and out-of-range values. Types are strict ("2" is 
 no boolean): the router reads some fields too (stream, return_logprob, logprob_start_len, echo,
 logprobs), and a value that meant one thing to it and another to the worker would split a request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -31,7 +32,7 @@ class Rendezvous:
     room: int
     prefill_instance_id: str | None = None
 
-    def for_choice(self, index: int) -> "Rendezvous":
+    def for_choice(self, index: int) -> Rendezvous:
         """Choice `index` of an n > 1 request gets room + index; prefill and decode derive the same."""
         return replace(self, room=(self.room + index) % 2**63)
 
@@ -120,14 +121,29 @@ class OpenAIBase(PDFields):
         """The engine's parameters; values OpenAI's ranges allow but the engine does not are a 400
         naming the request's own field (`max_tokens_param` for the engine's max_new_tokens)."""
         fields = {
-            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "n": self.n, "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids, "seed": self.seed, "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-            "no_stop_trim": self.include_stop_str_in_output, "logit_bias": self.logit_bias,
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "n": self.n,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.include_stop_str_in_output,
+            "logit_bias": self.logit_bias,
         }
-        rename = {"max_new_tokens": max_tokens_param, "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
+        rename = {
+            "max_new_tokens": max_tokens_param,
+            "min_new_tokens": "min_tokens",
+            "no_stop_trim": "include_stop_str_in_output",
+        }
         try:
             return SamplingParams(**fields)
         except ValidationError as e:
@@ -169,9 +185,25 @@ class ChatMessage(BaseModel):
 
 
 # apply_chat_template arguments the server itself passes (or that would change what it returns)
-TEMPLATE_ARGS_SET_BY_SERVER = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                                         "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                                         "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+TEMPLATE_ARGS_SET_BY_SERVER = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class ChatCompletionRequest(OpenAIBase):
@@ -189,7 +221,7 @@ class ChatCompletionRequest(OpenAIBase):
         return data
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: logprobs must be true when top_logprobs is given", param="top_logprobs")
         return self
@@ -210,6 +242,8 @@ def _reject_batch(v: Any, batched: bool) -> Any:
 
 
 M = TypeVar("M", bound=BaseModel)
+
+
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Bytes of an HTTP body -> validated model, or InvalidRequest naming the problem."""
     data = parse_json_object(raw)

@@ -1,5 +1,6 @@
 """The API key (`Authorization: Bearer <key>`) of every Tandem HTTP server, checked in constant time by a
 pure ASGI middleware (a BaseHTTPMiddleware would stand between streaming responses and client disconnects)."""
+
 from __future__ import annotations
 
 import hmac
@@ -27,7 +28,9 @@ class ApiKeyGuard:
 
 def unauthorized() -> dict:
     """The 401 body of a request without the right key (servers, router)."""
-    return error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization")
+    return error_body(
+        "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", 401, "authorization"
+    )
 
 
 def bearer_matches(header: str, key: str) -> bool:

@@ -1,12 +1,14 @@
 """Request bodies at the HTTP edge: read under a size limit (Content-Length or chunked), then parse as a
 JSON object whose strings are valid Unicode. Shared by the engine servers, the router and the bootstrap
 registry; torch-free."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-from typing import Any, AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -27,8 +29,9 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise RequestAborted("the client disconnected before its request body was complete", param="body") from None
 
 
-async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int,
-                       timeout_s: float = ARRIVAL_TIMEOUT_S) -> bytes:
+async def read_limited(
+    headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int, timeout_s: float = ARRIVAL_TIMEOUT_S
+) -> bytes:
     """The body from the request's headers (lower-case names: Content-Length, absent when chunked, and
     Content-Encoding) and its chunks; UnsupportedEncoding (415) for a compressed body, PayloadTooLarge (413)
     as soon as it passes `limit` bytes, BodyTimeout (408) when it is not all there within `timeout_s`.
@@ -45,8 +48,11 @@ def check_encoding(content_encoding: str | None) -> None:
     """Bodies are read as sent: a Content-Encoding other than identity is refused (415) before any byte of
     the body is read, so a compressed or corrupt body never reaches a decompressor or the JSON parser."""
     if content_encoding is not None and content_encoding.strip().lower() not in ("", "identity"):
-        raise UnsupportedEncoding(f"Content-Encoding {content_encoding!r} is not supported: send the request body "
-                                  "uncompressed (no Content-Encoding header, or identity)", param="content-encoding")
+        raise UnsupportedEncoding(
+            f"Content-Encoding {content_encoding!r} is not supported: send the request body "
+            "uncompressed (no Content-Encoding header, or identity)",
+            param="content-encoding",
+        )
 
 
 async def _read_limited(content_length: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:
@@ -84,7 +90,9 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start})", param="body") from None
     except json.JSONDecodeError as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body") from None
+        raise InvalidRequest(
+            f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", param="body"
+        ) from None
     except ValueError as e:  # an integer of more than 4300 digits
         raise InvalidRequest(f"request body is not acceptable JSON: {e}", param="body") from None
     except RecursionError:
@@ -99,11 +107,15 @@ def _reject_lone_surrogates(data: dict[str, Any]) -> None:
     while stack:
         path, value = stack.pop()
         if isinstance(value, str) and not _is_valid_unicode(value):
-            raise InvalidRequest(f"{dotted_path(path) or 'body'}: contains a lone UTF-16 surrogate", param=dotted_path(path) or "body")
+            raise InvalidRequest(
+                f"{dotted_path(path) or 'body'}: contains a lone UTF-16 surrogate", param=dotted_path(path) or "body"
+            )
         if isinstance(value, dict):
             for key, item in value.items():
                 if not _is_valid_unicode(key):
-                    raise InvalidRequest("a key of the request contains a lone UTF-16 surrogate", param=dotted_path(path) or "body")
+                    raise InvalidRequest(
+                        "a key of the request contains a lone UTF-16 surrogate", param=dotted_path(path) or "body"
+                    )
                 stack.append(((*path, key), item))
         elif isinstance(value, list):
             stack.extend(((*path, i), item) for i, item in enumerate(value))

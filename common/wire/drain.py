@@ -7,13 +7,14 @@ it; requests already in flight run on for up to `timeout_s`; then `on_timeout` e
 (their clients get an error, not a cut connection) and the server exits with code 0 once they have
 answered, or FLUSH_S later. A second SIGTERM, or SIGINT, stops at once (uvicorn's own shutdown).
 """
+
 from __future__ import annotations
 
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import Awaitable, Callable
 
 import uvicorn
 from starlette.responses import JSONResponse

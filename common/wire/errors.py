@@ -2,6 +2,7 @@
 
 Body shape (OpenAI-compatible): {"error": {"message": str, "type": str, "code": int, "param": str | None}}
 """
+
 from __future__ import annotations
 
 
@@ -87,8 +88,15 @@ class UpstreamTimeout(TandemError):
 
 
 BY_STATUS: dict[int, type[TandemError]] = {
-    400: InvalidRequest, 404: NotFound, 408: BodyTimeout, 409: Conflict, 413: PayloadTooLarge, 499: RequestAborted,
-    502: UpstreamFailed, 503: Unavailable, 504: UpstreamTimeout,
+    400: InvalidRequest,
+    404: NotFound,
+    408: BodyTimeout,
+    409: Conflict,
+    413: PayloadTooLarge,
+    499: RequestAborted,
+    502: UpstreamFailed,
+    503: Unavailable,
+    504: UpstreamTimeout,
 }
 
 

@@ -6,6 +6,7 @@ nothing or sending its head slowly. The body has the same deadline (common/wire/
 uvicorn has no such knob: its timeout_keep_alive starts only after a response and stops at the first byte of
 the next request. The router and the bootstrap registry get the same bound from aiohttp (keepalive_timeout).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,5 +47,7 @@ class HeadDeadlineProtocol(H11Protocol):
         self._head_timer = None
         waiting_for_head = self.cycle is None or self.cycle.response_complete  # else a request is in progress
         if waiting_for_head and not self.transport.is_closing():
-            log.debug("closing a connection from %s: no complete request head within %g s", self.client, self.head_timeout_s)
+            log.debug(
+                "closing a connection from %s: no complete request head within %g s", self.client, self.head_timeout_s
+            )
             self.transport.close()

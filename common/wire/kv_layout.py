@@ -1,5 +1,6 @@
 """The KV layout a prefill and a decode must share before any byte moves: published by the prefill in
 its bootstrap registration, checked by the decode before it pairs (torch-free)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -9,11 +10,21 @@ LAYOUT_KEYS = ("num_layers", "kv_heads", "head_dim", "dtype", "page_size", "tran
 
 def kv_layout(pool: Any, backend: str) -> dict[str, Any]:
     """The layout of a KV pool (anything with the pool's attributes) moved by `backend`."""
-    return {"num_layers": pool.num_layers, "kv_heads": pool.kv_heads, "head_dim": pool.head_dim,
-            "dtype": str(pool.dtype).removeprefix("torch."), "page_size": pool.page_size, "transfer_backend": backend}
+    return {
+        "num_layers": pool.num_layers,
+        "kv_heads": pool.kv_heads,
+        "head_dim": pool.head_dim,
+        "dtype": str(pool.dtype).removeprefix("torch."),
+        "page_size": pool.page_size,
+        "transfer_backend": backend,
+    }
 
 
 def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """A message naming every layout field that differs, or None when decode and prefill fit."""
-    diffs = [f"{k}: decode has {mine.get(k)!r}, prefill has {theirs.get(k)!r}" for k in LAYOUT_KEYS if mine.get(k) != theirs.get(k)]
+    diffs = [
+        f"{k}: decode has {mine.get(k)!r}, prefill has {theirs.get(k)!r}"
+        for k in LAYOUT_KEYS
+        if mine.get(k) != theirs.get(k)
+    ]
     return "KV layout mismatch: " + "; ".join(diffs) if diffs else None

@@ -5,10 +5,11 @@ when they are scraped without Kubernetes labels.
 prometheus_client has no constant labels, so the label is added at scrape time, on copies of the
 families the registry collects (the registry itself is left as it is).
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -34,7 +35,9 @@ class WithRole:
 
     def _labels(self, family: str, labels: dict[str, str]) -> dict[str, str]:
         if ROLE_LABEL in labels:  # a bug of ours, found by any test that scrapes the process
-            raise ValueError(f"metric {family} has a label named {ROLE_LABEL!r}, which is the process's: name that label otherwise")
+            raise ValueError(
+                f"metric {family} has a label named {ROLE_LABEL!r}, which is the process's: name that label otherwise"
+            )
         return {**labels, ROLE_LABEL: self.role}
 
 

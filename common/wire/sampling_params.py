@@ -1,4 +1,5 @@
 """Per-request sampling parameters (SGLang's names and defaults), validated once at the edge."""
+
 from __future__ import annotations
 
 import math
@@ -105,5 +106,7 @@ def _token_id(key: object) -> int:
 def _bias(value: object) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or abs(value) > LOGIT_BIAS_RANGE:
-        raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value!r}")
+        raise ValueError(
+            f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value!r}"
+        )
     return float(value)

@@ -1,9 +1,11 @@
 """Server-sent events as every Tandem HTTP server writes them: `data: <compact JSON>\n\n` per event and a
 closing `data: [DONE]\n\n` (OpenAI's and SGLang's convention)."""
+
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.responses import StreamingResponse
 

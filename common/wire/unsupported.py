@@ -6,6 +6,7 @@ the answer differ from what the client asked for, so a request that sets one to 
 value is a 400 naming it, as vLLM rejects what it cannot do. Each entry: field -> the values that mean
 "not used" (absent is always fine).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,34 +15,63 @@ from common.wire.errors import InvalidRequest
 
 # vLLM / SGLang extensions of both OpenAI endpoints
 _CONSTRAINED = {
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None, []), "guided_grammar": (None,),
-    "structured_outputs": (None,), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
-    "bad_words": (None, []), "allowed_token_ids": (None,), "logits_processors": (None, []),
-    "use_beam_search": (None, False), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
-    "lora_path": (None,), "return_tokens_as_token_ids": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None, []),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "lora_path": (None,),
+    "return_tokens_as_token_ids": (None, False),
 }
 
 COMPLETION = _CONSTRAINED | {"suffix": (None, "")}  # and best_of: reject_best_of
 
 CHAT = _CONSTRAINED | {
     "response_format": (None, {"type": "text"}),
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"),
-    "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
     "verbosity": (None, "medium"),
     # the prompt: Tandem applies the model's own chat template, with the generation prompt
-    "chat_template": (None,), "documents": (None, []),
-    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "echo": (None, False),
+    "chat_template": (None,),
+    "documents": (None, []),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "echo": (None, False),
 }
 
 GENERATE = {
-    "image_data": (None, []), "audio_data": (None, []), "video_data": (None, []), "input_embeds": (None,),
-    "lora_path": (None,), "custom_logit_processor": (None,), "return_hidden_states": (None, False),
-    "token_ids_logprob": (None,), "session_params": (None,), "return_text_in_logprobs": (None, False),
+    "image_data": (None, []),
+    "audio_data": (None, []),
+    "video_data": (None, []),
+    "input_embeds": (None,),
+    "lora_path": (None,),
+    "custom_logit_processor": (None,),
+    "return_hidden_states": (None, False),
+    "token_ids_logprob": (None,),
+    "session_params": (None,),
+    "return_text_in_logprobs": (None, False),
 }
 
 GENERATE_SAMPLING = {
-    "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,), "custom_params": (None,),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "custom_params": (None,),
 }
 
 
@@ -51,8 +81,9 @@ def reject_unsupported(data: Any, table: dict[str, tuple], prefix: str = "") -> 
         return
     for name, allowed in table.items():
         if name in data and not any(_same(data[name], a) for a in allowed):
-            raise InvalidRequest(f"{prefix}{name} is not supported by this server (got {_short(data[name])})",
-                                 param=prefix + name)
+            raise InvalidRequest(
+                f"{prefix}{name} is not supported by this server (got {_short(data[name])})", param=prefix + name
+            )
 
 
 def reject_best_of(data: Any) -> None:
@@ -61,8 +92,9 @@ def reject_best_of(data: Any) -> None:
         return
     best_of = data.get("best_of")
     if best_of is not None and not (type(best_of) is int and best_of == data.get("n", 1)):
-        raise InvalidRequest(f"best_of is not supported by this server unless it equals n (got {_short(best_of)})",
-                             param="best_of")
+        raise InvalidRequest(
+            f"best_of is not supported by this server unless it equals n (got {_short(best_of)})", param="best_of"
+        )
 
 
 def _same(value: Any, allowed: Any) -> bool:

@@ -1,12 +1,14 @@
 """One streamed request to an endpoint and what it measured: time to first token, the gaps between
 tokens, end-to-end latency, and token counts (the server's usage when it reports one, else the stream's)."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 

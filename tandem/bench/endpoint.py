@@ -1,5 +1,6 @@
 """An endpoint under test: its URL and dialect (--backend), the model name it serves, and whether it
 takes prompts as token ids, found out before a run."""
+
 from __future__ import annotations
 
 import asyncio
@@ -63,13 +64,17 @@ async def connect(session: aiohttp.ClientSession, endpoint: Endpoint, probe: Ben
             short = dataclasses.replace(probe, output_len=1)
             async with session.post(endpoint.url, json=endpoint.body(short, stream=False)) as r:
                 if r.status in (400, 422):
-                    print(f"{endpoint.base_url} rejects token-id prompts (HTTP {r.status}); sending text, so prompt "
-                          "lengths are the server's count of the decoded text")
+                    print(
+                        f"{endpoint.base_url} rejects token-id prompts (HTTP {r.status}); sending text, so prompt "
+                        "lengths are the server's count of the decoded text"
+                    )
                     return dataclasses.replace(endpoint, token_ids=False)
                 await _raise_unless_ok(r, endpoint.url)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise SystemExit(f"{endpoint.base_url}: cannot connect ({type(e).__name__}: {e}); start the server or pass "
-                         "the right --base-url") from None
+        raise SystemExit(
+            f"{endpoint.base_url}: cannot connect ({type(e).__name__}: {e}); start the server or pass "
+            "the right --base-url"
+        ) from None
     return endpoint
 
 

@@ -1,4 +1,5 @@
 """`tandem bench`: build the workload, find out each endpoint's dialect, run the sweep, report."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,9 @@ def make_plans(ns: argparse.Namespace, workload: Workload) -> list[Plan]:
     for rate in ns.request_rate:
         requests = build_workload(ns, workload)
         first = requests[0]
-        warmup = workload.random(ns.warmup_requests, len(first.prompt_ids), min(first.output_len, WARMUP_OUTPUT_LEN), 1.0)
+        warmup = workload.random(
+            ns.warmup_requests, len(first.prompt_ids), min(first.output_len, WARMUP_OUTPUT_LEN), 1.0
+        )
         plans.append(Plan(rate, requests, arrival_times(len(requests), rate, ns.seed), warmup))
     return plans
 
@@ -33,8 +36,15 @@ async def _measure(ns: argparse.Namespace, plans: list[Plan], probe: BenchReques
     async with make_session(ns.api_key, ns.request_timeout_s) as session:
         endpoints = []
         for url, label in targets:
-            wanted = Endpoint(url, ns.backend, ns.model, token_ids=ns.backend != "openai-chat",
-                              ignore_eos=not ns.disable_ignore_eos, extra=ns.extra_request_body, label=label)
+            wanted = Endpoint(
+                url,
+                ns.backend,
+                ns.model,
+                token_ids=ns.backend != "openai-chat",
+                ignore_eos=not ns.disable_ignore_eos,
+                extra=ns.extra_request_body,
+                label=label,
+            )
             endpoints.append(await connect(session, wanted, probe))
         return await sweep(session, endpoints, plans, ns.max_concurrency, dict(ns.goodput), not ns.disable_tqdm)
 

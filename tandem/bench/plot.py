@@ -1,5 +1,6 @@
 """--plot: latency percentiles against request rate for each endpoint (top), and the TTFT and ITL
 distributions as CDFs for each endpoint and rate (bottom), in one PNG."""
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,14 @@ def _percentile_panel(ax, runs: list[RunResult], name: str) -> None:
         mine = sorted((r for r in runs if r.endpoint.name == endpoint), key=_x)
         for q in PERCENTILES:
             ys = [r.summary[f"p{q}_{name}_ms"] for r in mine]
-            ax.plot([_x(r) for r in mine], [np.nan if y is None else y for y in ys], STYLES[q],
-                    marker="o", color=_color(runs, mine[0], 0.8), label=f"{endpoint} p{q}")
+            ax.plot(
+                [_x(r) for r in mine],
+                [np.nan if y is None else y for y in ys],
+                STYLES[q],
+                marker="o",
+                color=_color(runs, mine[0], 0.8),
+                label=f"{endpoint} p{q}",
+            )
     ax.set_xlabel("request rate (req/s; 'inf' runs at the rate achieved)")
     ax.set_ylabel(f"{name.upper()} (ms)")
     ax.set_title(f"{name.upper()} percentiles vs request rate")
@@ -47,8 +54,13 @@ def _cdf_panel(ax, runs: list[RunResult], name: str) -> None:
         values = np.sort(np.asarray(latency_values(run.outputs, name)) * 1000.0)
         if values.size:
             rate = "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}"
-            ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
-                    color=_color(runs, run), label=f"{run.endpoint.name} @ {rate} req/s")
+            ax.step(
+                values,
+                np.arange(1, values.size + 1) / values.size,
+                where="post",
+                color=_color(runs, run),
+                label=f"{run.endpoint.name} @ {rate} req/s",
+            )
     ax.set_xlabel(f"{name.upper()} (ms)")
     ax.set_ylabel("fraction of " + ("requests" if name == "ttft" else "token gaps"))
     ax.set_title(f"{name.upper()} CDF")

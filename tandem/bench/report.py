@@ -1,5 +1,6 @@
 """Results as a table on the terminal and as one JSON document (--output-json): every run, and for
 --compare the ratios compare/base of every number at each request rate."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,14 +15,23 @@ from tandem.bench.stats import LATENCIES, PERCENTILES
 
 LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e_latency": "E2E latency"}
 ROWS = [  # (label, key) of the table, in the order SGLang's bench_serving prints them
-    ("Successful requests", "completed"), ("Failed requests", "failed"), ("Benchmark duration (s)", "duration"),
-    ("Total input tokens", "total_input_tokens"), ("Total generated tokens", "total_output_tokens"),
-    ("Cached prompt tokens", "total_cached_tokens"), ("Request throughput (req/s)", "request_throughput"),
-    ("Request goodput (req/s)", "request_goodput"), ("SLO attainment", "slo_attainment"),
-    ("Input token throughput (tok/s)", "input_throughput"), ("Output token throughput (tok/s)", "output_throughput"),
+    ("Successful requests", "completed"),
+    ("Failed requests", "failed"),
+    ("Benchmark duration (s)", "duration"),
+    ("Total input tokens", "total_input_tokens"),
+    ("Total generated tokens", "total_output_tokens"),
+    ("Cached prompt tokens", "total_cached_tokens"),
+    ("Request throughput (req/s)", "request_throughput"),
+    ("Request goodput (req/s)", "request_goodput"),
+    ("SLO attainment", "slo_attainment"),
+    ("Input token throughput (tok/s)", "input_throughput"),
+    ("Output token throughput (tok/s)", "output_throughput"),
     ("Total token throughput (tok/s)", "total_throughput"),
-] + [(f"{stat.capitalize()} {LATENCY_LABELS[name]} (ms)", f"{stat}_{name}_ms")
-     for name in LATENCIES for stat in ("mean", *(f"p{q}" for q in PERCENTILES))]
+] + [
+    (f"{stat.capitalize()} {LATENCY_LABELS[name]} (ms)", f"{stat}_{name}_ms")
+    for name in LATENCIES
+    for stat in ("mean", *(f"p{q}" for q in PERCENTILES))
+]
 
 
 def rate_label(rate: float) -> str | float:
@@ -32,9 +42,16 @@ def rate_label(rate: float) -> str | float:
 def record(run: RunResult, details: bool) -> dict[str, Any]:
     """One run as JSON: where, how, and its numbers (plus each request's with --output-details)."""
     ep = run.endpoint
-    rec = {"label": ep.name, "base_url": ep.base_url, "backend": ep.backend, "model": ep.model,
-           "prompt_format": "token_ids" if ep.token_ids else "text", "request_rate": rate_label(run.request_rate),
-           "max_concurrency": run.max_concurrency, "num_prompts": len(run.outputs)} | run.summary
+    rec = {
+        "label": ep.name,
+        "base_url": ep.base_url,
+        "backend": ep.backend,
+        "model": ep.model,
+        "prompt_format": "token_ids" if ep.token_ids else "text",
+        "request_rate": rate_label(run.request_rate),
+        "max_concurrency": run.max_concurrency,
+        "num_prompts": len(run.outputs),
+    } | run.summary
     if details:
         rec["requests"] = [asdict(o) for o in run.outputs]
     return rec
@@ -53,8 +70,14 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each request rate with two endpoints: base, compare and their ratios."""
     out = []
     for base, other in zip(records[::2], records[1::2]):
-        out.append({"request_rate": base["request_rate"], "base_url": base["base_url"],
-                    "compare_url": other["base_url"], "ratios": ratios(base, other)})
+        out.append(
+            {
+                "request_rate": base["request_rate"],
+                "base_url": base["base_url"],
+                "compare_url": other["base_url"],
+                "ratios": ratios(base, other),
+            }
+        )
     return out
 
 
@@ -98,7 +121,7 @@ def print_report(doc: dict[str, Any]) -> None:
     runs, compared = doc["runs"], doc["comparisons"]
     if compared:
         for i, c in enumerate(compared):
-            print_table(runs[2 * i: 2 * i + 2], c)
+            print_table(runs[2 * i : 2 * i + 2], c)
     else:
         for r in runs:
             print_table([r])

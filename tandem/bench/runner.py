@@ -1,5 +1,6 @@
 """One run: warm-up, then the workload's requests sent at their arrival times (open loop), at most
 --max-concurrency in flight, with a live progress bar; and a sweep of runs over rates and endpoints."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,10 @@ def make_session(api_key: str | None, request_timeout_s: float) -> aiohttp.Clien
     """No connection cap (aiohttp's default of 100 would cap the load silently)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return aiohttp.ClientSession(
-        headers=headers, timeout=aiohttp.ClientTimeout(total=request_timeout_s),
-        connector=aiohttp.TCPConnector(limit=0), read_bufsize=READ_BUFFER_BYTES,
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=request_timeout_s),
+        connector=aiohttp.TCPConnector(limit=0),
+        read_bufsize=READ_BUFFER_BYTES,
     )
 
 
@@ -56,8 +59,14 @@ async def warm_up(session: aiohttp.ClientSession, endpoint: Endpoint, requests: 
         raise SystemExit(f"{endpoint.url}: every warm-up request failed: {outputs[0].error}")
 
 
-async def run_once(session: aiohttp.ClientSession, endpoint: Endpoint, requests: list[BenchRequest],
-                   arrivals: list[float], max_concurrency: int | None, bar: tqdm) -> tuple[list[RequestOutput], float]:
+async def run_once(
+    session: aiohttp.ClientSession,
+    endpoint: Endpoint,
+    requests: list[BenchRequest],
+    arrivals: list[float],
+    max_concurrency: int | None,
+    bar: tqdm,
+) -> tuple[list[RequestOutput], float]:
     """Send request i at arrivals[i] seconds after the start; return the outputs and the run's duration."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     start = time.perf_counter()
@@ -73,8 +82,14 @@ async def run_once(session: aiohttp.ClientSession, endpoint: Endpoint, requests:
     return list(outputs), time.perf_counter() - start
 
 
-async def sweep(session: aiohttp.ClientSession, endpoints: list[Endpoint], plans: list[Plan],
-                max_concurrency: int | None, slos_ms: dict[str, float], show_progress: bool) -> list[RunResult]:
+async def sweep(
+    session: aiohttp.ClientSession,
+    endpoints: list[Endpoint],
+    plans: list[Plan],
+    max_concurrency: int | None,
+    slos_ms: dict[str, float],
+    show_progress: bool,
+) -> list[RunResult]:
     """For each plan (request rate), each endpoint in turn: the same requests at the same arrival times."""
     results = []
     for plan in plans:
@@ -82,7 +97,9 @@ async def sweep(session: aiohttp.ClientSession, endpoints: list[Endpoint], plans
             await warm_up(session, endpoint, plan.warmup)
             label = f"{endpoint.base_url} @ {'inf' if math.isinf(plan.request_rate) else plan.request_rate} req/s"
             with tqdm(total=len(plan.requests), desc=label, unit="req", disable=not show_progress) as bar:
-                outputs, duration = await run_once(session, endpoint, plan.requests, plan.arrivals, max_concurrency, bar)
+                outputs, duration = await run_once(
+                    session, endpoint, plan.requests, plan.arrivals, max_concurrency, bar
+                )
             summary = summarize(outputs, duration, slos_ms)
             results.append(RunResult(endpoint, plan.request_rate, max_concurrency, outputs, summary))
     return results

@@ -1,6 +1,7 @@
 """The numbers of one run, named as SGLang's and vLLM's benchmark JSON names them (mean_ttft_ms,
 p99_itl_ms, output_throughput, request_goodput, ...). Percentiles interpolate linearly (numpy's default,
 as both of those tools compute them)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -53,11 +54,16 @@ def summarize(outputs: list[RequestOutput], duration: float, slos_ms: dict[str, 
     total_in, total_out = sum(o.prompt_len for o in ok), sum(o.output_len for o in ok)
     cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
     res: dict[str, Any] = {
-        "completed": len(ok), "failed": len(outputs) - len(ok), "duration": duration,
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
         "total_cached_tokens": sum(cached) if cached else None,
-        "request_throughput": len(ok) / duration, "input_throughput": total_in / duration,
-        "output_throughput": total_out / duration, "total_throughput": (total_in + total_out) / duration,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": total_in / duration,
+        "output_throughput": total_out / duration,
+        "total_throughput": (total_in + total_out) / duration,
     }
     if slos_ms:
         good = sum(meets_slos(o, slos_ms) for o in outputs)

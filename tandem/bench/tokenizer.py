@@ -1,6 +1,7 @@
 """The tokenizer that turns bench prompts into token ids: the `tokenizers` library on a model's
 tokenizer.json, so `tandem bench` stays torch-free (a GGUF never served before is converted once,
 which does import torch)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,7 +28,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise SystemExit(f"--tokenizer {spec}: {e}") from None
     path = model_dir / "tokenizer.json"
     if not path.exists():
-        raise SystemExit(f"--tokenizer {spec}: {model_dir} has no tokenizer.json; give a model directory with a fast tokenizer")
+        raise SystemExit(
+            f"--tokenizer {spec}: {model_dir} has no tokenizer.json; give a model directory with a fast tokenizer"
+        )
     return Tokenizer.from_file(str(path))
 
 

@@ -1,5 +1,6 @@
 """The requests of a run: prompts as token ids (so their lengths are exact) and output lengths, from
 a seeded generator or a JSONL file. The same seed gives the same requests on every endpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -58,10 +59,14 @@ class Workload:
             requests.append(self.request(self.random_ids(int(np.clip(i, 4, context_len - out))), out))
         return requests
 
-    def shared_prefix(self, groups: int, per_group: int, system_len: int, question_len: int, output_len: int) -> list[BenchRequest]:
+    def shared_prefix(
+        self, groups: int, per_group: int, system_len: int, question_len: int, output_len: int
+    ) -> list[BenchRequest]:
         """`groups` system prompts x `per_group` questions each, shuffled: the prefix cache's workload."""
         systems = [self.random_ids(system_len) for _ in range(groups)]
-        requests = [self.request(s + self.random_ids(question_len), output_len) for s in systems for _ in range(per_group)]
+        requests = [
+            self.request(s + self.random_ids(question_len), output_len) for s in systems for _ in range(per_group)
+        ]
         return [requests[i] for i in self.rng.permutation(len(requests))]
 
     def jsonl(self, path: Path, n: int, default_output_len: int) -> list[BenchRequest]:
@@ -85,10 +90,10 @@ def _jsonl_line(path: Path, lineno: int, line: str, default_output_len: int) -> 
     except json.JSONDecodeError as e:
         raise SystemExit(f"{where}: not JSON ({e})") from None
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-        raise SystemExit(f"{where}: needs a non-empty string field \"prompt\"")
+        raise SystemExit(f'{where}: needs a non-empty string field "prompt"')
     output_len = row.get("output_len", default_output_len)
     if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
-        raise SystemExit(f"{where}: \"output_len\" must be an integer >= 1")
+        raise SystemExit(f'{where}: "output_len" must be an integer >= 1')
     return row["prompt"], output_len
 
 
@@ -99,10 +104,15 @@ def build_workload(ns: argparse.Namespace, w: Workload) -> list[BenchRequest]:
     if ns.dataset_name == "sharegpt":
         return w.sharegpt(ns.num_prompts, ns.sharegpt_context_len, ns.sharegpt_output_len)
     if ns.dataset_name == "generated-shared-prefix":
-        return w.shared_prefix(ns.gsp_num_groups, ns.gsp_prompts_per_group, ns.gsp_system_prompt_len,
-                               ns.gsp_question_len, ns.gsp_output_len)
+        return w.shared_prefix(
+            ns.gsp_num_groups,
+            ns.gsp_prompts_per_group,
+            ns.gsp_system_prompt_len,
+            ns.gsp_question_len,
+            ns.gsp_output_len,
+        )
     if ns.dataset_path is None:
-        raise SystemExit("--dataset-name jsonl needs --dataset-path FILE (one {\"prompt\": ...} per line)")
+        raise SystemExit('--dataset-name jsonl needs --dataset-path FILE (one {"prompt": ...} per line)')
     path = Path(ns.dataset_path)
     if not path.is_file():
         raise SystemExit(f"--dataset-path {path}: no such file")

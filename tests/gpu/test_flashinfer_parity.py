@@ -3,6 +3,7 @@ on a small random model with the built-in model's attention shapes (9 q heads, 3
 
 In float16 two kernels may pick different tokens where the best two logits (nearly) tie; a sequence
 may diverge only at such a step (top-2 logprob gap < NEAR_TIE), and most must match in full."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,18 +28,28 @@ NEAR_TIE = 0.02
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, vocab_size=2048, max_position_embeddings=4096,
-                         initializer_range=0.06, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+        initializer_range=0.06,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     from tokenizers import Tokenizer, models
-    from transformers import (
-        PreTrainedTokenizerFast,  # a tokenizer file is needed only to start the engine
-    )
+    from transformers import PreTrainedTokenizerFast  # a tokenizer file is needed only to start the engine
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(2048)}, unk_token="t0")),
-                            eos_token="t2047").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(2048)}, unk_token="t0")),
+        eos_token="t2047",
+    ).save_pretrained(path)
     return path
 
 
@@ -51,8 +62,15 @@ def prompts() -> list[list[int]]:
 
 
 def run_engine(model_dir, backend: str, page_size: int) -> tuple[list[list[int]], list[list[float]]]:
-    cfg = ServerConfig(model=str(model_dir), device="cuda", dtype="float16", attention_backend=backend,
-                       page_size=page_size, chunked_prefill_size=64, max_total_tokens=16384)
+    cfg = ServerConfig(
+        model=str(model_dir),
+        device="cuda",
+        dtype="float16",
+        attention_backend=backend,
+        page_size=page_size,
+        chunked_prefill_size=64,
+        max_total_tokens=16384,
+    )
     engine = Engine(cfg)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     reqs = [Req(f"r{i}", p, params, return_logprob=True, top_logprobs_num=2) for i, p in enumerate(prompts())]
@@ -78,7 +96,9 @@ def assert_same_up_to_near_ties(got: list[list[int]], want: list[list[int]], gap
         if first is None:
             full += 1
         else:
-            assert gap[first] < NEAR_TIE, f"diverged at step {first} where the top-2 gap is {gap[first]:.4f}: {g} vs {w}"
+            assert gap[first] < NEAR_TIE, (
+                f"diverged at step {first} where the top-2 gap is {gap[first]:.4f}: {g} vs {w}"
+            )
     assert full >= len(want) - 1, f"only {full} of {len(want)} sequences match in full"
 
 
@@ -88,9 +108,15 @@ def hf_tokens(model_dir):
     out = []
     for p in prompts():
         ids = torch.tensor([p], device="cuda")
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 

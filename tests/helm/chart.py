@@ -1,5 +1,6 @@
 """The Helm chart rendered by the real Helm engine (helm-python-sdk: Helm's Go SDK, no cluster, no
 binary), and what the tests look up in its manifests."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,13 @@ def render(values: dict[str, Any] | None = None, chart: Path = CHART) -> list[di
     """Every Kubernetes object the chart makes for these values (NOTES.txt left out)."""
     with helm_python.Chart.load(chart) as c:
         out = c.render(values, name=RELEASE, namespace=NAMESPACE)
-    return [doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for path, text in sorted(out.items())
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def notes(values: dict[str, Any] | None = None) -> str:

@@ -1,4 +1,5 @@
 """The Grafana dashboard ConfigMap (only when the chart carries a dashboard) and NOTES.txt."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,9 @@ def test_the_charts_dashboard_is_the_repositorys():
     if not repo.exists():
         pytest.skip("the repository has no dashboards/tandem.json")
     shipped = CHART / "dashboards" / "tandem.json"
-    assert shipped.exists(), "copy dashboards/tandem.json to helm/tandem/dashboards/ (Helm reads files inside the chart only)"
+    assert shipped.exists(), (
+        "copy dashboards/tandem.json to helm/tandem/dashboards/ (Helm reads files inside the chart only)"
+    )
     assert json.loads(shipped.read_text()) == json.loads(repo.read_text())
 
 
@@ -47,6 +50,8 @@ def test_notes_tell_how_to_reach_the_endpoint_and_send_a_first_request():
     assert "kubectl -n llm port-forward svc/demo-tandem-router 8000:8000" in text
     assert "curl $TANDEM_URL/v1/chat/completions -H 'Content-Type: application/json'" in text
     assert "http://demo-tandem-router.llm.svc.cluster.local:8000" in text and "Bearer" not in text
-    with_key = notes({"auth": {"apiKey": {"existingSecret": "keys", "key": "k"}}, "router": {"service": {"type": "LoadBalancer"}}})
+    with_key = notes(
+        {"auth": {"apiKey": {"existingSecret": "keys", "key": "k"}}, "router": {"service": {"type": "LoadBalancer"}}}
+    )
     assert "Authorization: Bearer $(kubectl -n llm get secret keys -o jsonpath='{.data.k}' | base64 -d)" in with_key
     assert "status.loadBalancer.ingress[0].ip" in with_key

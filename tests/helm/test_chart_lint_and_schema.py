@@ -1,5 +1,6 @@
 """`helm lint` of the default values and every example, and the values schema turning wrong values
 away with a message that names the key."""
+
 from __future__ import annotations
 
 import helm_python
@@ -18,19 +19,22 @@ def test_lint_passes_strict(values_file):
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # no warning either
 
 
-@pytest.mark.parametrize("values, where, says", [
-    ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum: got -1, want 0"),
-    ({"decode": {"replicas": -2}}, "/decode/replicas", "minimum: got -2, want 0"),
-    ({"transfer": {"backend": "gloo"}}, "/transfer/backend", "value must be one of 'mooncake', 'nixl'"),
-    ({"transfer": {"protocol": "rdma"}}, "/transfer/rdma/devices", "minItems: got 0, want 1"),
-    ({"model": {"source": "hf"}}, "/model/hf", "missing property 'id'"),
-    ({"model": {"source": "pvc"}}, "/model/pvc", "missing property 'claimName'"),
-    ({"model": {"source": "hostPath"}}, "/model/hostPath", "missing property 'path'"),
-    ({"model": {"source": "s3"}}, "/model/source", "value must be one of 'builtin', 'pvc', 'hostPath', 'hf'"),
-    ({"model": {"source": None}}, "/model", "missing property 'source'"),
-    ({"router": {"policy": "fastest"}}, "/router/policy", "value must be one of"),
-    ({"prefil": {"replicas": 2}}, "", "additional properties 'prefil' not allowed"),
-])
+@pytest.mark.parametrize(
+    "values, where, says",
+    [
+        ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum: got -1, want 0"),
+        ({"decode": {"replicas": -2}}, "/decode/replicas", "minimum: got -2, want 0"),
+        ({"transfer": {"backend": "gloo"}}, "/transfer/backend", "value must be one of 'mooncake', 'nixl'"),
+        ({"transfer": {"protocol": "rdma"}}, "/transfer/rdma/devices", "minItems: got 0, want 1"),
+        ({"model": {"source": "hf"}}, "/model/hf", "missing property 'id'"),
+        ({"model": {"source": "pvc"}}, "/model/pvc", "missing property 'claimName'"),
+        ({"model": {"source": "hostPath"}}, "/model/hostPath", "missing property 'path'"),
+        ({"model": {"source": "s3"}}, "/model/source", "value must be one of 'builtin', 'pvc', 'hostPath', 'hf'"),
+        ({"model": {"source": None}}, "/model", "missing property 'source'"),
+        ({"router": {"policy": "fastest"}}, "/router/policy", "value must be one of"),
+        ({"prefil": {"replicas": 2}}, "", "additional properties 'prefil' not allowed"),
+    ],
+)
 def test_the_schema_rejects_wrong_values_naming_the_key(values, where, says):
     with pytest.raises(helm_python.HelmValuesError) as e:
         render(values)

@@ -4,6 +4,7 @@ cluster with the greedy tokens of a monolithic server: the chart and the CLI can
 Only what a cluster provides is swapped: each container's ports for free local ones, 0.0.0.0 for
 127.0.0.1, the Services' DNS names for `localhost`, the pod IP for 127.0.0.1, Secret references for
 the rendered Secret's value."""
+
 from __future__ import annotations
 
 import pytest
@@ -65,10 +66,18 @@ def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(bui
         assert "--max-total-tokens" in prefill.args and "--max-total-tokens" in decode.args  # a small KV pool
         prefill.wait_ready()
         decode.wait_ready()
-        router = process(docs, "router", {
-            "--port": str(r_http), "--prefill-bootstrap-port": str(p_boot),
-            "--prefill-discovery": f"localhost:{p_http}", "--decode-discovery": f"localhost:{d_http}",
-        }, r_http, health="/readiness").wait_ready(60)
+        router = process(
+            docs,
+            "router",
+            {
+                "--port": str(r_http),
+                "--prefill-bootstrap-port": str(p_boot),
+                "--prefill-discovery": f"localhost:{p_http}",
+                "--decode-discovery": f"localhost:{d_http}",
+            },
+            r_http,
+            health="/readiness",
+        ).wait_ready(60)
         assert f"{service_host('prefill')}:30000" in container(docs, "router")["args"]  # what was swapped
         out = generate(router.url, PROMPT, 16)
         assert out["output_ids"] == expected and out["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,5 +1,6 @@
 """Every example rendered by Helm: valid Kubernetes objects (kubernetes-validate, strict) whose
 commands the Tandem CLI itself accepts, and the facts that make a cluster work."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,17 @@ from kubernetes_validate import validate
 from kubernetes_validate.utils import latest_version
 
 from tests.helm.chart import (
-    EXAMPLES, component, container, env_of, example, flag, objects, parse_router, parse_serve, render, secret_value,
+    EXAMPLES,
+    component,
+    container,
+    env_of,
+    example,
+    flag,
+    objects,
+    parse_router,
+    parse_serve,
+    render,
+    secret_value,
     service_host,
 )
 
@@ -53,13 +64,18 @@ def test_services_probes_and_ports_line_up(values_file):
         if role == "prefill":
             assert ports["bootstrap"] == int(flag(c["args"], "--bootstrap-port"))
         assert (c["startupProbe"]["httpGet"], c["livenessProbe"]["httpGet"], c["readinessProbe"]["httpGet"]) == (
-            {"path": "/health", "port": "http"}, {"path": "/health", "port": "http"}, {"path": "/health_generate", "port": "http"})
+            {"path": "/health", "port": "http"},
+            {"path": "/health", "port": "http"},
+            {"path": "/health_generate", "port": "http"},
+        )
         assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600  # a large model loads
     router = component(docs, "Deployment", "router")["spec"]["template"]
     rc = router["spec"]["containers"][0]
     assert rc["ports"] == [{"name": "http", "containerPort": int(flag(rc["args"], "--port"))}]
     assert (rc["livenessProbe"]["httpGet"], rc["readinessProbe"]["httpGet"]) == (
-        {"path": "/health", "port": "http"}, {"path": "/readiness", "port": "http"})
+        {"path": "/health", "port": "http"},
+        {"path": "/readiness", "port": "http"},
+    )
     svc = component(docs, "Service", "router")["spec"]
     assert svc["ports"][0]["targetPort"] == "http" and svc["selector"].items() <= router["metadata"]["labels"].items()
 
@@ -93,7 +109,9 @@ def test_cpu_demo_runs_the_builtin_model_without_gpus_and_signs_with_the_chart_s
         assert len(secret_value(docs, ref["name"], ref["key"])) == 48
         assert env["TANDEM_ADVERTISE_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert "TANDEM_API_KEY" not in env_of(container(docs, "router"))
-    assert objects(docs, "HorizontalPodAutoscaler") == [] and "--bootstrap-url" not in container(docs, "prefill")["args"]
+    assert (
+        objects(docs, "HorizontalPodAutoscaler") == [] and "--bootstrap-url" not in container(docs, "prefill")["args"]
+    )
 
 
 def test_gpu_rdma_asks_for_the_gpu_the_rdma_device_and_ipc_lock():
@@ -103,7 +121,9 @@ def test_gpu_rdma_asks_for_the_gpu_the_rdma_device_and_ipc_lock():
         c = pod["containers"][0]
         assert c["resources"]["limits"] == {"nvidia.com/gpu": 1, "rdma/ib": 1, "memory": "96Gi"}
         assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
-        assert flag(c["args"], "--transfer-protocol") == "rdma" and flag(c["args"], "--transfer-device") == "mlx5_0,mlx5_1"
+        assert (
+            flag(c["args"], "--transfer-protocol") == "rdma" and flag(c["args"], "--transfer-device") == "mlx5_0,mlx5_1"
+        )
         assert flag(c["args"], "--model") == "/models/Meta-Llama-3.1-8B-Instruct"
         models = next(v for v in pod["volumes"] if v["name"] == "models")
         assert models["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
@@ -126,17 +146,24 @@ def test_hf_model_is_downloaded_by_an_init_container_with_the_token_secret():
         assert flag(c["args"], "--model") == local_dir == "/models/hf/Qwen/Qwen2.5-7B-Instruct/main"
         assert flag(c["args"], "--served-model-name") == "Qwen/Qwen2.5-7B-Instruct"
         assert env_of(init)["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
-        assert next(v for v in pod["volumes"] if v["name"] == "models")["persistentVolumeClaim"] == {"claimName": "hf-models"}
+        assert next(v for v in pod["volumes"] if v["name"] == "models")["persistentVolumeClaim"] == {
+            "claimName": "hf-models"
+        }
         assert env_of(c)["UCX_TLS"]["value"] == "tcp,sm,self,cuda_copy,cuda_ipc" and "UCX_NET_DEVICES" not in env_of(c)
     router = container(docs, "router")
-    assert env_of(router)["TANDEM_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "tandem-api-key", "key": "api-key"}}
+    assert env_of(router)["TANDEM_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "tandem-api-key", "key": "api-key"}
+    }
     assert component(docs, "Service", "router")["spec"]["type"] == "LoadBalancer"
     assert objects(docs, "HorizontalPodAutoscaler") == []
 
 
 def test_autoscaling_gives_each_role_an_hpa_on_a_server_metric_and_leaves_replicas_to_it():
     docs = render(example("gpu-2p4d-hf-autoscale.yaml"))
-    for role, metric, bounds in (("prefill", "tandem_num_queue_reqs", (2, 4)), ("decode", "tandem_num_running_reqs", (4, 12))):
+    for role, metric, bounds in (
+        ("prefill", "tandem_num_queue_reqs", (2, 4)),
+        ("decode", "tandem_num_running_reqs", (4, 12)),
+    ):
         hpa = component(docs, "HorizontalPodAutoscaler", role)["spec"]
         assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"demo-tandem-{role}"}
         assert (hpa["minReplicas"], hpa["maxReplicas"]) == bounds
@@ -151,11 +178,17 @@ def test_autoscaling_gives_each_role_an_hpa_on_a_server_metric_and_leaves_replic
 
 
 def test_standalone_bootstrap_and_host_network():
-    values = example("cpu-demo.yaml") | {"bootstrap": {"standalone": {"enabled": True}}, "transfer": {"backend": "nixl", "protocol": "tcp", "hostNetwork": True}}
+    values = example("cpu-demo.yaml") | {
+        "bootstrap": {"standalone": {"enabled": True}},
+        "transfer": {"backend": "nixl", "protocol": "tcp", "hostNetwork": True},
+    }
     docs = render(values)
     registry = container(docs, "bootstrap")
     assert registry["args"] == ["bootstrap", "--host", "0.0.0.0", "--port", "8998"]
-    assert "TANDEM_CLUSTER_SECRET" in env_of(registry) and component(docs, "Service", "bootstrap")["spec"]["ports"][0]["port"] == 8998
+    assert (
+        "TANDEM_CLUSTER_SECRET" in env_of(registry)
+        and component(docs, "Service", "bootstrap")["spec"]["ports"][0]["port"] == 8998
+    )
     assert flag(container(docs, "prefill")["args"], "--bootstrap-url") == f"http://{service_host('bootstrap')}:8998"
     router = parse_router(container(docs, "router")["args"])
     assert (router.prefill_bootstrap_host, router.prefill_bootstrap_port) == (service_host("bootstrap"), 8998)
@@ -166,11 +199,21 @@ def test_standalone_bootstrap_and_host_network():
 
 
 def test_a_pod_monitor_and_a_host_path_model():
-    docs = render({"device": "cpu", "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "path": "m.gguf"},
-                   "metrics": {"podMonitor": {"enabled": True}}})
+    docs = render(
+        {
+            "device": "cpu",
+            "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "path": "m.gguf"},
+            "metrics": {"podMonitor": {"enabled": True}},
+        }
+    )
     pod = component(docs, "Deployment", "decode")["spec"]["template"]["spec"]
     assert flag(pod["containers"][0]["args"], "--model") == "/models/m.gguf"
-    assert next(v for v in pod["volumes"] if v["name"] == "models")["hostPath"] == {"path": "/mnt/models", "type": "Directory"}
-    assert env_of(pod["containers"][0])["TANDEM_CACHE_DIR"]["value"] == "/var/cache/tandem"  # the GGUF is converted there
+    assert next(v for v in pod["volumes"] if v["name"] == "models")["hostPath"] == {
+        "path": "/mnt/models",
+        "type": "Directory",
+    }
+    assert (
+        env_of(pod["containers"][0])["TANDEM_CACHE_DIR"]["value"] == "/var/cache/tandem"
+    )  # the GGUF is converted there
     monitor = objects(docs, "PodMonitor")[0]["spec"]
     assert monitor["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]

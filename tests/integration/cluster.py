@@ -1,5 +1,6 @@
 """A local PD cluster for tests: prefill servers (embedded bootstrap), decode servers and the router,
 each a real process on 127.0.0.1."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,9 +36,17 @@ class Cluster:
                 p.stop()
 
 
-def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int = 1, flags: tuple[str, ...] = (),
-                  decode_flags: tuple[str, ...] = (), policy: str = "round_robin", prefill_flags: tuple[str, ...] = (),
-                  router_flags: tuple[str, ...] = (), standalone_bootstrap: bool = False) -> Cluster:
+def start_cluster(
+    backend: str = "mooncake",
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    flags: tuple[str, ...] = (),
+    decode_flags: tuple[str, ...] = (),
+    policy: str = "round_robin",
+    prefill_flags: tuple[str, ...] = (),
+    router_flags: tuple[str, ...] = (),
+    standalone_bootstrap: bool = False,
+) -> Cluster:
     """Prefills (each with its embedded bootstrap registry, or all registered with one standalone
     `tandem bootstrap`), decodes and a router, all ready."""
     c = Cluster()
@@ -50,17 +59,46 @@ def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int =
             boot = c.bootstrap.port if c.bootstrap else free_port()
             where = ("--bootstrap-url", c.bootstrap.url) if c.bootstrap else ("--bootstrap-port", str(boot))
             c.prefill_bootstrap_ports.append(boot)
-            c.prefills.append(start_server("--disagg-mode", "prefill", "--transfer-backend", backend,
-                                           *where, *flags, *prefill_flags, name=f"prefill{i}"))
+            c.prefills.append(
+                start_server(
+                    "--disagg-mode",
+                    "prefill",
+                    "--transfer-backend",
+                    backend,
+                    *where,
+                    *flags,
+                    *prefill_flags,
+                    name=f"prefill{i}",
+                )
+            )
             prefill_args += ["--prefill", c.prefills[-1].url, str(boot)]
         for j in range(n_decode):
-            c.decodes.append(start_server("--disagg-mode", "decode", "--transfer-backend", backend, *flags, *decode_flags, name=f"decode{j}"))
+            c.decodes.append(
+                start_server(
+                    "--disagg-mode", "decode", "--transfer-backend", backend, *flags, *decode_flags, name=f"decode{j}"
+                )
+            )
         for node in c.nodes:
             node.wait_ready()
         port = free_port()
         decode_args = [a for d in c.decodes for a in ("--decode", d.url)]
-        c.router = ServerProcess(["router", *prefill_args, *decode_args, "--port", str(port), "--policy", policy,
-                                  "--health-check-interval-s", "0.5", *router_flags], port, name="router", health="/readiness").wait_ready()
+        c.router = ServerProcess(
+            [
+                "router",
+                *prefill_args,
+                *decode_args,
+                "--port",
+                str(port),
+                "--policy",
+                policy,
+                "--health-check-interval-s",
+                "0.5",
+                *router_flags,
+            ],
+            port,
+            name="router",
+            health="/readiness",
+        ).wait_ready()
         return c
     except BaseException:
         c.stop()
@@ -68,18 +106,31 @@ def start_cluster(backend: str = "mooncake", n_prefill: int = 1, n_decode: int =
 
 
 def generate(url: str, ids: list[int], max_new: int = 16, **extra) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, **extra.pop("sampling", {})}, **extra}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, **extra.pop("sampling", {})},
+        **extra,
+    }
     r = httpx.post(url + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def start_router(prefills: list[tuple[ServerProcess, int]], decodes: list[ServerProcess], *flags: str,
-                 policy: str = "round_robin", name: str = "router") -> ServerProcess:
+def start_router(
+    prefills: list[tuple[ServerProcess, int]],
+    decodes: list[ServerProcess],
+    *flags: str,
+    policy: str = "round_robin",
+    name: str = "router",
+) -> ServerProcess:
     """A router over running workers: `prefills` are (server, bootstrap port) pairs; waits until it has a
     healthy pair."""
     port = free_port()
     prefill_args = [a for p, boot in prefills for a in ("--prefill", p.url, str(boot))]
     decode_args = [a for d in decodes for a in ("--decode", d.url)]
-    return ServerProcess(["router", *prefill_args, *decode_args, "--port", str(port), "--policy", policy, *flags],
-                         port, name=name, health="/readiness").wait_ready(60)
+    return ServerProcess(
+        ["router", *prefill_args, *decode_args, "--port", str(port), "--policy", policy, *flags],
+        port,
+        name=name,
+        health="/readiness",
+    ).wait_ready(60)

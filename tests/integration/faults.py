@@ -1,13 +1,14 @@
 """Helpers for fault-injection tests: requests run in the background with their timings, SSE
 streams read event by event, and polls of server state with a deadline."""
+
 from __future__ import annotations
 
 import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import httpx
 

@@ -2,11 +2,13 @@
 `decode` with the model's, and `decode_short` with 256, so a 600-token prompt fails on the prefill half
 only and a 300-token prompt on the decode half only. Each test starts its own router (under a second)
 with the flags it needs; every surviving node ends each test with no KV page held (`idle_after`)."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -39,9 +41,22 @@ def nodes() -> Iterator[Nodes]:
     boot = free_port()
     servers: list[ServerProcess] = []
     try:
-        servers.append(start_server("--disagg-mode", "prefill", "--bootstrap-port", str(boot), *FLAGS, "--context-length", "512", name="rf-prefill"))
+        servers.append(
+            start_server(
+                "--disagg-mode",
+                "prefill",
+                "--bootstrap-port",
+                str(boot),
+                *FLAGS,
+                "--context-length",
+                "512",
+                name="rf-prefill",
+            )
+        )
         servers.append(start_server("--disagg-mode", "decode", *FLAGS, name="rf-decode"))
-        servers.append(start_server("--disagg-mode", "decode", *FLAGS, "--context-length", "256", name="rf-decode-short"))
+        servers.append(
+            start_server("--disagg-mode", "decode", *FLAGS, "--context-length", "256", name="rf-decode-short")
+        )
         for s in servers:
             s.wait_ready()
         yield Nodes(*servers, bootstrap_port=boot)
@@ -84,6 +99,7 @@ def reference(nodes) -> list[int]:
 
 # -- helpers ------------------------------------------------------------------------------------
 
+
 def router_over(nodes: Nodes, decodes: list[ServerProcess], *flags: str, name: str) -> ServerProcess:
     return start_router([(nodes.prefill, nodes.bootstrap_port)], decodes, *flags, policy="round_robin", name=name)
 
@@ -123,5 +139,11 @@ def sse_data(lines: Iterator[str]) -> Iterator[Any]:
 
 
 def context_error(tokens: int, context: int, param: str) -> dict:
-    return {"error": {"message": f"{param} has {tokens} tokens; this server's context length is {context}",
-                      "type": "invalid_request_error", "code": 400, "param": param}}
+    return {
+        "error": {
+            "message": f"{param} has {tokens} tokens; this server's context length is {context}",
+            "type": "invalid_request_error",
+            "code": 400,
+            "param": param,
+        }
+    }

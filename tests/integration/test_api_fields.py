@@ -2,6 +2,7 @@
 min_new_tokens / min_tokens change the tokens exactly as SGLang and vLLM do, fields Tandem does not
 implement are a 400 naming them, and malformed values (batched prompts, strings for integers, top_logprobs
 without logprobs, logprob_start_len past the prompt) are 400s naming the field."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -19,7 +20,9 @@ COMMA = 28
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096", name="api-fields").wait_ready()
+    s = start_server(
+        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096", name="api-fields"
+    ).wait_ready()
     yield s
     s.stop()
 
@@ -37,8 +40,9 @@ def tokenizer(builtin_model_dir):
 
 @pytest.fixture(scope="module")
 def chat_ids(tokenizer) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                        add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -64,9 +68,18 @@ def error_of(r: httpx.Response, status: int = 400) -> dict:
 
 # -- logit_bias ------------------------------------------------------------------------------------
 
+
 def test_logit_bias_minus_100_on_the_greedy_first_token_takes_the_runner_up(server, chat_ids):
-    r = post(server, "/generate", {"input_ids": chat_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                   "return_logprob": True, "top_logprobs_num": 2})
+    r = post(
+        server,
+        "/generate",
+        {
+            "input_ids": chat_ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+    )
     first, runner_up = [t for _, t, _ in r.json()["meta_info"]["output_top_logprobs"][0]]
     assert r.json()["output_ids"] == [first] == [504]
     biased = generate(server, chat_ids, max_new_tokens=1, logit_bias={str(first): -100})
@@ -75,8 +88,17 @@ def test_logit_bias_minus_100_on_the_greedy_first_token_takes_the_runner_up(serv
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_openai_logit_bias_plus_100_makes_greedy_repeat_that_token(server, chat_ids, path):
-    body = {"max_tokens": 4, "temperature": 0, "logit_bias": {"7042": 100}, "logprobs": 0 if "chat" not in path else True}
-    body |= {"messages": [{"role": "user", "content": "What is the capital of France?"}]} if "chat" in path else {"prompt": chat_ids}
+    body = {
+        "max_tokens": 4,
+        "temperature": 0,
+        "logit_bias": {"7042": 100},
+        "logprobs": 0 if "chat" not in path else True,
+    }
+    body |= (
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        if "chat" in path
+        else {"prompt": chat_ids}
+    )
     choice = post(server, path, body).json()["choices"][0]
     lp = choice["logprobs"]
     tokens = [t["token"] for t in lp["content"]] if "chat" in path else lp["tokens"]
@@ -95,22 +117,28 @@ def test_a_biased_request_leaves_its_batch_neighbours_alone(server, chat_ids):
     assert alone[0] != 504
 
 
-@pytest.mark.parametrize("path,bias,param", [
-    ("/v1/completions", {"49152": 1}, "logit_bias"),  # the vocabulary is [0, 49152)
-    ("/v1/completions", {"5": 101}, "logit_bias"),
-    ("/v1/completions", {"five": 1}, "logit_bias"),
-    ("/v1/completions", {str(i): 1 for i in range(301)}, "logit_bias"),
-    ("/v1/chat/completions", {"5": "1"}, "logit_bias"),
-    ("/generate", {"49152": 1}, "sampling_params.logit_bias"),
-])
+@pytest.mark.parametrize(
+    "path,bias,param",
+    [
+        ("/v1/completions", {"49152": 1}, "logit_bias"),  # the vocabulary is [0, 49152)
+        ("/v1/completions", {"5": 101}, "logit_bias"),
+        ("/v1/completions", {"five": 1}, "logit_bias"),
+        ("/v1/completions", {str(i): 1 for i in range(301)}, "logit_bias"),
+        ("/v1/chat/completions", {"5": "1"}, "logit_bias"),
+        ("/generate", {"49152": 1}, "sampling_params.logit_bias"),
+    ],
+)
 def test_bad_logit_bias_is_a_400_naming_it(server, path, bias, param):
     body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
-    body = {"text": "hi", "sampling_params": {"logit_bias": bias}} if path == "/generate" else body | {"logit_bias": bias}
+    body = (
+        {"text": "hi", "sampling_params": {"logit_bias": bias}} if path == "/generate" else body | {"logit_bias": bias}
+    )
     err = error_of(post(server, path, body))
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, 400)
 
 
 # -- min_new_tokens --------------------------------------------------------------------------------
+
 
 def test_min_new_tokens_masks_eos_until_it_is_reached(server, chat_ids):
     free = generate(server, chat_ids, max_new_tokens=40)
@@ -159,21 +187,24 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
 
 
-@pytest.mark.parametrize("path,extra,param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/chat/completions", {"regex": "a+"}, "regex"),
-    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"suffix": " end"}, "suffix"),
-    ("/v1/completions", {"json_schema": "{}"}, "json_schema"),
-    ("/generate", {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-    ("/generate", {"lora_path": "adapter"}, "lora_path"),
-])
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/chat/completions", {"regex": "a+"}, "regex"),
+        ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": " end"}, "suffix"),
+        ("/v1/completions", {"json_schema": "{}"}, "json_schema"),
+        ("/generate", {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+        ("/generate", {"lora_path": "adapter"}, "lora_path"),
+    ],
+)
 def test_an_unsupported_field_that_changes_the_output_is_a_400_naming_it(server, path, extra, param):
     body = (CHAT if "chat" in path else {"text": "hi"} if path == "/generate" else COMPLETION) | extra
     err = error_of(post(server, path, body))
@@ -181,13 +212,27 @@ def test_an_unsupported_field_that_changes_the_output_is_a_400_naming_it(server,
     assert "not supported" in err["message"]
 
 
-@pytest.mark.parametrize("path,extra", [
-    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "user": "u",
-                              "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": True, "service_tier": "auto"}),
-    ("/v1/chat/completions", {"tools": None, "functions": None, "response_format": None}),
-    ("/v1/completions", {"best_of": 2, "n": 2, "suffix": None, "user": "u"}),
-    ("/v1/completions", {"best_of": 1}),
-])
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {"type": "text"},
+                "tools": [],
+                "tool_choice": "none",
+                "user": "u",
+                "metadata": {"k": "v"},
+                "store": False,
+                "parallel_tool_calls": True,
+                "service_tier": "auto",
+            },
+        ),
+        ("/v1/chat/completions", {"tools": None, "functions": None, "response_format": None}),
+        ("/v1/completions", {"best_of": 2, "n": 2, "suffix": None, "user": "u"}),
+        ("/v1/completions", {"best_of": 1}),
+    ],
+)
 def test_fields_that_change_nothing_are_accepted(server, path, extra):
     r = post(server, path, (CHAT if "chat" in path else COMPLETION) | extra | {"temperature": 0})
     assert r.status_code == 200, r.text
@@ -195,29 +240,36 @@ def test_fields_that_change_nothing_are_accepted(server, path, extra):
 
 # -- malformed values ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
-    ("/generate", {"text": ["a", "b"]}, "text"),
-    ("/generate", {"input_ids": [[1, 2], [3]]}, "input_ids"),
-])
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
+        ("/generate", {"text": ["a", "b"]}, "text"),
+        ("/generate", {"input_ids": [[1, 2], [3]]}, "input_ids"),
+    ],
+)
 def test_batched_prompts_are_a_400_saying_send_one_per_request(server, path, body, param):
     err = error_of(post(server, path, body))
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
     assert "batched prompts" in err["message"] and "one prompt per request" in err["message"]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", COMPLETION | {"max_tokens": "2"}, "max_tokens"),
-    ("/v1/completions", COMPLETION | {"n": "2"}, "n"),
-    ("/v1/completions", COMPLETION | {"logprobs": "1"}, "logprobs"),
-    ("/v1/completions", COMPLETION | {"seed": 1.5}, "seed"),
-    ("/v1/chat/completions", CHAT | {"max_completion_tokens": "2"}, "max_completion_tokens"),
-    ("/v1/chat/completions", CHAT | {"top_logprobs": "2", "logprobs": True}, "top_logprobs"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "2"}}, "sampling_params.max_new_tokens"),
-    ("/generate", {"text": "hi", "top_logprobs_num": "2", "return_logprob": True}, "top_logprobs_num"),
-    ("/generate", {"input_ids": ["1", "2"]}, "input_ids.0"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", COMPLETION | {"max_tokens": "2"}, "max_tokens"),
+        ("/v1/completions", COMPLETION | {"n": "2"}, "n"),
+        ("/v1/completions", COMPLETION | {"logprobs": "1"}, "logprobs"),
+        ("/v1/completions", COMPLETION | {"seed": 1.5}, "seed"),
+        ("/v1/chat/completions", CHAT | {"max_completion_tokens": "2"}, "max_completion_tokens"),
+        ("/v1/chat/completions", CHAT | {"top_logprobs": "2", "logprobs": True}, "top_logprobs"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "2"}}, "sampling_params.max_new_tokens"),
+        ("/generate", {"text": "hi", "top_logprobs_num": "2", "return_logprob": True}, "top_logprobs_num"),
+        ("/generate", {"input_ids": ["1", "2"]}, "input_ids.0"),
+    ],
+)
 def test_integers_given_as_strings_are_a_400(server, path, body, param):
     err = error_of(post(server, path, body))
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
@@ -238,13 +290,18 @@ def test_logprob_start_len_past_the_prompt_is_a_400_naming_it(server, count_ids)
     assert [t for _, t, _ in ok.json()["meta_info"]["input_token_logprobs"]] == count_ids[-1:]
 
 
-@pytest.mark.parametrize("stop_ids,param", [([49152], "sampling_params.stop_token_ids"), ([-1], "sampling_params.stop_token_ids")])
+@pytest.mark.parametrize(
+    "stop_ids,param", [([49152], "sampling_params.stop_token_ids"), ([-1], "sampling_params.stop_token_ids")]
+)
 def test_stop_token_ids_outside_the_vocabulary_are_a_400(server, stop_ids, param):
-    err = error_of(post(server, "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": stop_ids, "min_new_tokens": 1}}))
+    err = error_of(
+        post(server, "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": stop_ids, "min_new_tokens": 1}})
+    )
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
 
 
 # -- chat_template_kwargs --------------------------------------------------------------------------
+
 
 def test_chat_template_kwargs_reach_the_template(tokenizer):
     """Extra template variables (vLLM's and SGLang's chat_template_kwargs, e.g. Qwen3's enable_thinking) are
@@ -257,12 +314,16 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{% if greet %}Hello! {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     body = ChatCompletionRequest.model_validate({**CHAT, "chat_template_kwargs": {"greet": True}})
-    assert _apply_chat_template(SimpleNamespace(tokenizer=tok), body) == tok.encode("Hello! " + CHAT["messages"][0]["content"])
+    assert _apply_chat_template(SimpleNamespace(tokenizer=tok), body) == tok.encode(
+        "Hello! " + CHAT["messages"][0]["content"]
+    )
 
 
 def test_chat_template_kwargs_the_template_ignores_change_nothing(server):
     plain = post(server, "/v1/chat/completions", CHAT | {"temperature": 0})
-    with_kwargs = post(server, "/v1/chat/completions", CHAT | {"temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
+    with_kwargs = post(
+        server, "/v1/chat/completions", CHAT | {"temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert plain.status_code == with_kwargs.status_code == 200, with_kwargs.text
     assert with_kwargs.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 

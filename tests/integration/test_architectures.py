@@ -1,5 +1,6 @@
 """Llama 3, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm): tiny random models saved by transformers,
 loaded by the engine, greedy tokens equal to transformers' generate."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,31 @@ from common.engine.request import Req
 from common.wire.sampling_params import SamplingParams
 
 VOCAB = 512
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=VOCAB, max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
 ARCHES = {
-    "llama3": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256}, "rope_theta": 500000.0}),
+    "llama3": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
     "mistral": ("mistral", {"head_dim": 16}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 16}),
@@ -29,12 +50,19 @@ def save_tiny(path, model_type: str, extra: dict) -> None:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token=f"t{VOCAB - 1}").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token=f"t{VOCAB - 1}"
+    ).save_pretrained(path)
 
 
 def engine_tokens(path, prompts: list[list[int]], new: int, page_size: int) -> list[list[int]]:
-    engine = Engine(ServerConfig(model=str(path), page_size=page_size, chunked_prefill_size=16 * page_size, max_total_tokens=4096))
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    engine = Engine(
+        ServerConfig(model=str(path), page_size=page_size, chunked_prefill_size=16 * page_size, max_total_tokens=4096)
+    )
+    reqs = [
+        Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     for r in reqs:
         engine.scheduler.add_request(r)
     while engine.scheduler.step():
@@ -54,12 +82,21 @@ def test_greedy_tokens_equal_transformers(tmp_path, arch):
     want = []
     for p in prompts:
         ids = torch.tensor([p])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        want.append(out[0, len(p) :].tolist())
     assert engine_tokens(tmp_path, prompts, 12, page_size=4) == want
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported"):
         Engine(ServerConfig(model=str(tmp_path)))

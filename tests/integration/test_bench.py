@@ -1,5 +1,6 @@
 """`python -m tandem bench` as a user runs it, against real monolithic servers on 127.0.0.1: the JSON
 it writes is checked exactly where it can be (request and token counts), the rest for sense."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ def server():
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem", "bench", "--disable-tqdm", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", "bench", "--disable-tqdm", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def bench_json(tmp_path: Path, *args: str) -> dict:
@@ -44,12 +50,37 @@ def assert_latencies_make_sense(run: dict) -> None:
 
 @pytest.mark.parametrize("backend", ["openai", "sglang", "openai-chat"])
 def test_counts_are_what_was_asked(server: ServerProcess, tmp_path, backend):
-    doc = bench_json(tmp_path, "--backend", backend, "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "24",
-                     "--random-output-len", "5", "--max-concurrency", "3", "--request-rate", "20", "--seed", "11",
-                     "--goodput", "ttft:60000", "itl:60000")
+    doc = bench_json(
+        tmp_path,
+        "--backend",
+        backend,
+        "--base-url",
+        server.url,
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "5",
+        "--max-concurrency",
+        "3",
+        "--request-rate",
+        "20",
+        "--seed",
+        "11",
+        "--goodput",
+        "ttft:60000",
+        "itl:60000",
+    )
     [run] = doc["runs"]
-    assert (run["label"], run["base_url"], run["backend"], run["model"], run["request_rate"], run["max_concurrency"]) == (
-        server.url, server.url, backend, "SmolLM2-135M-Instruct", 20.0, 3)
+    assert (
+        run["label"],
+        run["base_url"],
+        run["backend"],
+        run["model"],
+        run["request_rate"],
+        run["max_concurrency"],
+    ) == (server.url, server.url, backend, "SmolLM2-135M-Instruct", 20.0, 3)
     assert (run["num_prompts"], run["completed"], run["failed"], run["total_output_tokens"]) == (6, 6, 0, 30)
     if backend == "openai-chat":  # text in a chat template: the server counts more tokens than the 24 asked
         assert run["prompt_format"] == "text" and run["total_input_tokens"] > 6 * 24
@@ -69,23 +100,58 @@ def test_compare_and_plot_a_sweep_of_a_prefix_cache_against_none(server: ServerP
     plain = start_server("--disable-radix-cache", name="bench-no-cache").wait_ready()
     try:
         png = tmp_path / "bench.png"
-        doc = bench_json(tmp_path, "--backend", "sglang", "--base-url", server.url, "--compare", plain.url,
-                         "--label", "radix", "--compare-label", "no-cache",
-                         "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
-                         "--gsp-system-prompt-len", "64", "--gsp-question-len", "16", "--gsp-output-len", "3",
-                         "--max-concurrency", "1", "--request-rate", "16", "inf", "--seed", "12", "--plot", str(png))
+        doc = bench_json(
+            tmp_path,
+            "--backend",
+            "sglang",
+            "--base-url",
+            server.url,
+            "--compare",
+            plain.url,
+            "--label",
+            "radix",
+            "--compare-label",
+            "no-cache",
+            "--dataset-name",
+            "generated-shared-prefix",
+            "--gsp-num-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "3",
+            "--gsp-system-prompt-len",
+            "64",
+            "--gsp-question-len",
+            "16",
+            "--gsp-output-len",
+            "3",
+            "--max-concurrency",
+            "1",
+            "--request-rate",
+            "16",
+            "inf",
+            "--seed",
+            "12",
+            "--plot",
+            str(png),
+        )
     finally:
         plain.stop()
     runs = doc["runs"]
     assert [(r["label"], r["base_url"], r["request_rate"]) for r in runs] == [
-        ("radix", server.url, 16.0), ("no-cache", plain.url, 16.0), ("radix", server.url, "inf"), ("no-cache", plain.url, "inf")]
+        ("radix", server.url, 16.0),
+        ("no-cache", plain.url, 16.0),
+        ("radix", server.url, "inf"),
+        ("no-cache", plain.url, "inf"),
+    ]
     for r in runs:
         assert (r["completed"], r["failed"], r["total_input_tokens"], r["total_output_tokens"]) == (6, 0, 6 * 80, 6 * 3)
         assert_latencies_make_sense(r)
     assert [r["total_cached_tokens"] for r in runs[1::2]] == [0, 0]
     assert all(r["total_cached_tokens"] >= 2 * 2 * 64 for r in runs[::2])
     assert [(c["request_rate"], c["base_url"], c["compare_url"]) for c in doc["comparisons"]] == [
-        (16.0, server.url, plain.url), ("inf", server.url, plain.url)]
+        (16.0, server.url, plain.url),
+        ("inf", server.url, plain.url),
+    ]
     for c, base, other in zip(doc["comparisons"], runs[::2], runs[1::2]):
         assert c["ratios"]["total_input_tokens"] == 1.0 and c["ratios"]["total_cached_tokens"] == 0.0
         assert c["ratios"]["p99_ttft_ms"] == other["p99_ttft_ms"] / base["p99_ttft_ms"]
@@ -96,10 +162,27 @@ def test_compare_and_plot_a_sweep_of_a_prefix_cache_against_none(server: ServerP
 
 def test_a_workload_from_jsonl_with_details(server: ServerProcess, tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(json.dumps(row) for row in [{"prompt": "The capital of France is", "output_len": 3},
-                                                          {"prompt": "One, two, three,"}]) + "\n")
-    doc = bench_json(tmp_path, "--base-url", server.url, "--dataset-name", "jsonl", "--dataset-path", str(path),
-                     "--random-output-len", "2", "--warmup-requests", "0", "--output-details")
+    path.write_text(
+        "\n".join(
+            json.dumps(row)
+            for row in [{"prompt": "The capital of France is", "output_len": 3}, {"prompt": "One, two, three,"}]
+        )
+        + "\n"
+    )
+    doc = bench_json(
+        tmp_path,
+        "--base-url",
+        server.url,
+        "--dataset-name",
+        "jsonl",
+        "--dataset-path",
+        str(path),
+        "--random-output-len",
+        "2",
+        "--warmup-requests",
+        "0",
+        "--output-details",
+    )
     [run] = doc["runs"]
     assert [(r["output_len"], r["success"], len(r["itl"])) for r in run["requests"]] == [(3, True, 2), (2, True, 1)]
     assert run["total_output_tokens"] == 5

@@ -1,5 +1,6 @@
 """A standalone bootstrap process (`tandem bootstrap --cluster-secret`) refuses every bad registration
 and lookup with a JSON error naming the field, counts it in /metrics and keeps serving."""
+
 from __future__ import annotations
 
 import gzip
@@ -16,9 +17,20 @@ from tests.conftest import ServerProcess, free_port, sample
 SECRET = "s3cret-for-tests"
 AUTH = {"X-Tandem-Secret": SECRET}
 VALID = {
-    "role": "Prefill", "instance_id": "prefill-a", "tp_size": 2, "tp_rank": 1, "dp_size": 1, "dp_rank": 0,
-    "rank_ip": "10.0.0.7", "rank_port": 17000, "page_size": 16, "num_layers": 30, "kv_heads": 3, "head_dim": 64,
-    "dtype": "bfloat16", "transfer_backend": "mooncake",
+    "role": "Prefill",
+    "instance_id": "prefill-a",
+    "tp_size": 2,
+    "tp_rank": 1,
+    "dp_size": 1,
+    "dp_rank": 0,
+    "rank_ip": "10.0.0.7",
+    "rank_port": 17000,
+    "page_size": 16,
+    "num_layers": 30,
+    "kv_heads": 3,
+    "head_dim": 64,
+    "dtype": "bfloat16",
+    "transfer_backend": "mooncake",
 }
 REQUIRED = [f for f in VALID if f not in ("instance_id", "dp_size", "dp_rank")]
 INT_FIELDS = [f for f, v in VALID.items() if isinstance(v, int)]
@@ -37,7 +49,9 @@ def rejected(server, field: str, method: str | None = None) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     if method is None:
         return sample(text, "tandem_bootstrap_rejected_registrations_total", {"field": field, "role": "bootstrap"})
-    return sample(text, "tandem_bootstrap_rejected_lookups_total", {"method": method, "field": field, "role": "bootstrap"})
+    return sample(
+        text, "tandem_bootstrap_rejected_lookups_total", {"method": method, "field": field, "role": "bootstrap"}
+    )
 
 
 def assert_error(r: httpx.Response, status: int, param: str) -> None:
@@ -86,7 +100,9 @@ BAD_REGISTRATIONS = [
 def test_bad_registration_is_refused_naming_the_field_and_counted(bootstrap, body, status, param):
     before = rejected(bootstrap, param)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.put(bootstrap.url + "/route", content=raw, headers=AUTH | {"content-type": "application/json"}, timeout=10)
+    r = httpx.put(
+        bootstrap.url + "/route", content=raw, headers=AUTH | {"content-type": "application/json"}, timeout=10
+    )
     assert_error(r, status, param)
     assert rejected(bootstrap, param) == before + 1
     assert httpx.get(bootstrap.url + "/health", timeout=5).status_code == 200
@@ -102,19 +118,26 @@ def test_oversize_chunked_registration_is_413(bootstrap):
 
 def test_compressed_registration_is_415(bootstrap):
     before = rejected(bootstrap, "content-encoding")
-    r = httpx.put(bootstrap.url + "/route", content=gzip.compress(json.dumps(VALID).encode()),
-                  headers=AUTH | {"content-type": "application/json", "content-encoding": "gzip"}, timeout=10)
+    r = httpx.put(
+        bootstrap.url + "/route",
+        content=gzip.compress(json.dumps(VALID).encode()),
+        headers=AUTH | {"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=10,
+    )
     assert_error(r, 415, "content-encoding")
     assert rejected(bootstrap, "content-encoding") == before + 1
 
 
-@pytest.mark.parametrize("headers,body", [
-    pytest.param({}, VALID, id="no-secret"),
-    pytest.param({"X-Tandem-Secret": "wrong"}, VALID, id="wrong-header"),
-    pytest.param({}, VALID | {"secret": "wrong"}, id="wrong-in-body"),
-    pytest.param({}, VALID | {"secret": 12345}, id="non-string-in-body"),
-    pytest.param({}, VALID | {"secret": "\ud800"}, id="lone-surrogate-in-body"),
-])
+@pytest.mark.parametrize(
+    "headers,body",
+    [
+        pytest.param({}, VALID, id="no-secret"),
+        pytest.param({"X-Tandem-Secret": "wrong"}, VALID, id="wrong-header"),
+        pytest.param({}, VALID | {"secret": "wrong"}, id="wrong-in-body"),
+        pytest.param({}, VALID | {"secret": 12345}, id="non-string-in-body"),
+        pytest.param({}, VALID | {"secret": "\ud800"}, id="lone-surrogate-in-body"),
+    ],
+)
 def test_registration_without_the_secret_is_401(bootstrap, headers, body):
     before = rejected(bootstrap, "secret")
     r = httpx.put(bootstrap.url + "/route", content=json.dumps(body).encode(), headers=headers, timeout=10)
@@ -128,24 +151,31 @@ def test_valid_registration_after_bad_ones_is_returned_exactly(bootstrap):
     r = httpx.get(bootstrap.url + "/route", params={"engine_rank": 1, "target_dp_group": 0}, headers=AUTH, timeout=10)
     assert r.status_code == 200
     assert r.json() == VALID
-    layout = httpx.get(bootstrap.url + "/route", params={"engine_rank": -1, "target_dp_group": -1}, headers=AUTH, timeout=10)
-    assert layout.json() == {k: VALID[k] for k in ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim",
-                                                    "dtype", "transfer_backend")}
+    layout = httpx.get(
+        bootstrap.url + "/route", params={"engine_rank": -1, "target_dp_group": -1}, headers=AUTH, timeout=10
+    )
+    assert layout.json() == {
+        k: VALID[k]
+        for k in ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim", "dtype", "transfer_backend")
+    }
     metrics = httpx.get(bootstrap.url + "/metrics", timeout=10).text
     assert sample(metrics, "tandem_bootstrap_registered_ranks", {"role": "bootstrap"}) == 1
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
-@pytest.mark.parametrize("query,param", [
-    pytest.param("engine_rank=abc", "engine_rank", id="rank-abc"),
-    pytest.param("engine_rank=1.0", "engine_rank", id="rank-float"),
-    pytest.param("engine_rank=1_0", "engine_rank", id="rank-underscore"),
-    pytest.param("engine_rank=", "engine_rank", id="rank-empty"),
-    pytest.param("engine_rank=-2", "engine_rank", id="rank-negative"),
-    pytest.param("engine_rank=0&target_dp_group=x", "target_dp_group", id="dp-x"),
-    pytest.param("engine_rank=-1&target_dp_group=0", "engine_rank", id="half-layout-query"),
-    pytest.param("engine_rank=99999999999999999999999", "engine_rank", id="rank-huge"),
-])
+@pytest.mark.parametrize(
+    "query,param",
+    [
+        pytest.param("engine_rank=abc", "engine_rank", id="rank-abc"),
+        pytest.param("engine_rank=1.0", "engine_rank", id="rank-float"),
+        pytest.param("engine_rank=1_0", "engine_rank", id="rank-underscore"),
+        pytest.param("engine_rank=", "engine_rank", id="rank-empty"),
+        pytest.param("engine_rank=-2", "engine_rank", id="rank-negative"),
+        pytest.param("engine_rank=0&target_dp_group=x", "target_dp_group", id="dp-x"),
+        pytest.param("engine_rank=-1&target_dp_group=0", "engine_rank", id="half-layout-query"),
+        pytest.param("engine_rank=99999999999999999999999", "engine_rank", id="rank-huge"),
+    ],
+)
 def test_malformed_route_query_is_400_naming_the_field(bootstrap, method, query, param):
     before = rejected(bootstrap, param, method)
     r = httpx.request(method, f"{bootstrap.url}/route?{query}", headers=AUTH, timeout=10)

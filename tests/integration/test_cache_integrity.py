@@ -2,6 +2,7 @@
 dies half way through a prompt's second chunk, after its first layer wrote that chunk's KV and before
 the second did (as a CUDA out-of-memory error would). A later request with the same prompt must reuse
 only the first chunk and get exactly the tokens a fresh server gives."""
+
 from __future__ import annotations
 
 import pytest

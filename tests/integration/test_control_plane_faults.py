@@ -1,6 +1,7 @@
 """The control plane under faults and abuse (tiny model, real processes, cluster secret on): a
 standalone bootstrap server killed and restarted, garbage and forged ZMQ control messages, processes
 without the secret, and which addresses the servers listen on."""
+
 from __future__ import annotations
 
 import signal
@@ -18,17 +19,36 @@ from tests.integration.tiny_model import random_prompts
 from transfer.messages import Abort, Ping, Register, RoomRequest, Status, encode
 
 SECRET = "test-cluster-secret"
-FLAGS = ("--page-size", "4", "--chunked-prefill-size", "32", "--heartbeat-interval-s", "0.5", "--transfer-timeout-s", "5")
+FLAGS = (
+    "--page-size",
+    "4",
+    "--chunked-prefill-size",
+    "32",
+    "--heartbeat-interval-s",
+    "0.5",
+    "--transfer-timeout-s",
+    "5",
+)
 PROMPTS = random_prompts(3, 8, 40, seed=7)
 
 
 class Cluster:
     def __init__(self, model: str):
         self.boot_port = free_port()
-        self.bootstrap = ServerProcess(["bootstrap", "--port", str(self.boot_port), "--cluster-secret", SECRET], self.boot_port, name="bootstrap")
+        self.bootstrap = ServerProcess(
+            ["bootstrap", "--port", str(self.boot_port), "--cluster-secret", SECRET], self.boot_port, name="bootstrap"
+        )
         common = ("--model", model, "--transfer-backend", "mooncake", "--cluster-secret", SECRET, *FLAGS)
-        self.prefill = start_server("--disagg-mode", "prefill", "--bootstrap-url", f"http://127.0.0.1:{self.boot_port}",
-                                    "--bootstrap-port", str(self.boot_port), *common, name="cp-prefill")
+        self.prefill = start_server(
+            "--disagg-mode",
+            "prefill",
+            "--bootstrap-url",
+            f"http://127.0.0.1:{self.boot_port}",
+            "--bootstrap-port",
+            str(self.boot_port),
+            *common,
+            name="cp-prefill",
+        )
         self.decode = start_server("--disagg-mode", "decode", *common, name="cp-decode")
         for node in (self.bootstrap, self.prefill, self.decode):
             node.wait_ready()
@@ -71,7 +91,11 @@ def test_bootstrap_killed_and_restarted(cluster, expected):
     cluster.bootstrap.signal(signal.SIGKILL)
     time.sleep(2.1)  # past the decode's 2 s cache of bootstrap lookups, so the next request must ask
     t0 = time.monotonic()
-    r = httpx.post(cluster.router.url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 8}}, timeout=60)
+    r = httpx.post(
+        cluster.router.url + "/generate",
+        json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 8}},
+        timeout=60,
+    )
     took = time.monotonic() - t0
     assert r.status_code == 502, r.text
     message = r.json()["error"]["message"]
@@ -83,7 +107,11 @@ def test_bootstrap_killed_and_restarted(cluster, expected):
     cluster.bootstrap.restart().wait_ready()
 
     def served() -> bool:
-        r = httpx.post(cluster.router.url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, timeout=60)
+        r = httpx.post(
+            cluster.router.url + "/generate",
+            json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+            timeout=60,
+        )
         return r.status_code == 200 and r.json()["output_ids"] == expected[1]
 
     recovery = wait_until(served, 30, "requests to succeed after the bootstrap restart", interval=0.2)
@@ -110,8 +138,13 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
     decode_ep = cluster.decode.info()["role"]["control_endpoint"]
     before = {n.name: rejected(n) for n in cluster.nodes}
     fake = Register("intruder", "tcp://127.0.0.1:1", b"127.0.0.1:1", [4096], [64], 8, 4, 4096, 188, 2)
-    garbage = [b"", b"\x00" * 7, b"\xff\xfe garbage", encode(Status(1, True, ""), SECRET)[:-5],
-               msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""})]
+    garbage = [
+        b"",
+        b"\x00" * 7,
+        b"\xff\xfe garbage",
+        encode(Status(1, True, ""), SECRET)[:-5],
+        msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""}),
+    ]
     to_decode = garbage + [
         encode(Status(12345, True, ""), None),  # unsigned
         encode(Status(12345, True, ""), "wrong-secret"),
@@ -129,8 +162,16 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
     ]
     push(decode_ep, to_decode)
     push(prefill_ep, to_prefill)
-    wait_until(lambda: rejected(cluster.decode) - before["cp-decode"] == len(to_decode), 10, "decode to count every bad message")
-    wait_until(lambda: rejected(cluster.prefill) - before["cp-prefill"] == len(to_prefill) - 1, 10, "prefill to count every bad message")
+    wait_until(
+        lambda: rejected(cluster.decode) - before["cp-decode"] == len(to_decode),
+        10,
+        "decode to count every bad message",
+    )
+    wait_until(
+        lambda: rejected(cluster.prefill) - before["cp-prefill"] == len(to_prefill) - 1,
+        10,
+        "prefill to count every bad message",
+    )
     for node in cluster.nodes:
         assert httpx.get(node.url + "/health", timeout=5).status_code == 200
     for ids, want in zip(PROMPTS, expected):
@@ -140,15 +181,31 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
 def test_a_decode_without_the_cluster_secret_cannot_pair(cluster, tiny_model_dir):
     r = httpx.put(f"http://127.0.0.1:{cluster.boot_port}/route", json={"role": "Prefill"}, timeout=5)
     assert r.status_code == 401 and r.json()["error"]["param"] == "secret"
-    r = httpx.get(f"http://127.0.0.1:{cluster.boot_port}/route", params={"engine_rank": 0, "target_dp_group": 0},
-                  headers={"X-Tandem-Secret": "guess"}, timeout=5)
+    r = httpx.get(
+        f"http://127.0.0.1:{cluster.boot_port}/route",
+        params={"engine_rank": 0, "target_dp_group": 0},
+        headers={"X-Tandem-Secret": "guess"},
+        timeout=5,
+    )
     assert r.status_code == 401
-    stranger = start_server("--disagg-mode", "decode", "--model", str(tiny_model_dir), "--transfer-backend", "mooncake", *FLAGS,
-                            name="cp-stranger").wait_ready()
+    stranger = start_server(
+        "--disagg-mode",
+        "decode",
+        "--model",
+        str(tiny_model_dir),
+        "--transfer-backend",
+        "mooncake",
+        *FLAGS,
+        name="cp-stranger",
+    ).wait_ready()
     router = start_router([(cluster.prefill, cluster.boot_port)], [stranger], name="cp-router-stranger")
     try:
         t0 = time.monotonic()
-        r = httpx.post(router.url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        r = httpx.post(
+            router.url + "/generate",
+            json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}},
+            timeout=60,
+        )
         assert r.status_code == 502, r.text
         assert "cluster secret" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 5

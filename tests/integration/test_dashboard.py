@@ -1,6 +1,7 @@
 """The Grafana dashboard (dashboards/tandem.json) reads only series that Tandem's processes export, with
 the role that exports them: a monolithic server, then a 1 prefill + 1 decode cluster with its router and
 the prefill's embedded bootstrap registry (tiny model), each scraped after one request."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,12 @@ def exported(tiny_model_dir) -> set[tuple[str, str]]:
     try:
         generate(c.url, PROMPT, 4)
         c.wait_idle()
-        for url, role in ((c.prefills[0].url, "prefill"), (c.decodes[0].url, "decode"), (c.router.url, "router"),
-                          (f"http://127.0.0.1:{c.prefill_bootstrap_ports[0]}", "bootstrap")):
+        for url, role in (
+            (c.prefills[0].url, "prefill"),
+            (c.decodes[0].url, "decode"),
+            (c.router.url, "router"),
+            (f"http://127.0.0.1:{c.prefill_bootstrap_ports[0]}", "bootstrap"),
+        ):
             found |= scrape(url, role)
     finally:
         c.stop()
@@ -94,7 +99,9 @@ def test_every_query_reads_series_that_the_role_it_names_exports(exported):
         for name, matchers in selectors(expr):
             for roles in roles_selected(matchers):
                 if not roles & by_series.get(name, set()):
-                    problems.append(f"{name} with roles {sorted(roles)} (in {expr}): exported only by {sorted(by_series.get(name, []))}")
+                    problems.append(
+                        f"{name} with roles {sorted(roles)} (in {expr}): exported only by {sorted(by_series.get(name, []))}"
+                    )
     assert problems == []
 
 

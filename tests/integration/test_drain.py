@@ -1,6 +1,7 @@
 """Graceful stop on SIGTERM with real processes: a server (and the router) refuses new work with 503 +
 Retry-After, answers its health path with 503, lets the requests in flight finish (or fails them at
 the drain timeout) and exits with code 0; a router takes a draining worker out without cutting it."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,11 @@ class Stream(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        body = {"input_ids": PROMPT, "stream": True,
-                "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "input_ids": PROMPT,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0, "ignore_eos": True},
+        }
         with httpx.stream("POST", self.url + "/generate", json=body, timeout=300) as r:
             self.status = r.status_code
             for line in r.iter_lines():
@@ -39,7 +43,9 @@ class Stream(threading.Thread):
                     self.events.append(json.loads(line.removeprefix("data: ")))
 
     def wait_tokens(self, n: int, timeout: float = 120) -> None:
-        wait_until(lambda: self.events and len(self.events[-1].get("output_ids", [])) >= n, timeout, f"{n} streamed tokens")
+        wait_until(
+            lambda: self.events and len(self.events[-1].get("output_ids", [])) >= n, timeout, f"{n} streamed tokens"
+        )
 
     def finished(self, timeout: float = 180) -> list[dict]:
         self.join(timeout)
@@ -96,7 +102,9 @@ def test_a_router_keeps_streaming_through_a_draining_decode_then_drains_itself(b
         stream.wait_tokens(5)
         decode.proc.send_signal(signal.SIGTERM)
         workers = lambda: httpx.get(cluster.url + "/workers", timeout=5).json()["workers"]  # noqa: E731
-        wait_until(lambda: not [w for w in workers() if w["role"] == "decode"][0]["healthy"], 10, "the decode out of rotation")
+        wait_until(
+            lambda: not [w for w in workers() if w["role"] == "decode"][0]["healthy"], 10, "the decode out of rotation"
+        )
         refused = httpx.post(cluster.url + "/generate", json={"input_ids": PROMPT}, timeout=30)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
         last = stream.finished()[-1]  # the router did not cut it: the decode finished it while draining
@@ -109,7 +117,9 @@ def test_a_router_keeps_streaming_through_a_draining_decode_then_drains_itself(b
         stream = Stream(cluster.url, 120)
         stream.wait_tokens(5)
         cluster.router.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: httpx.get(cluster.url + "/readiness", timeout=5).status_code == 503, 10, "/readiness answering 503")
+        wait_until(
+            lambda: httpx.get(cluster.url + "/readiness", timeout=5).status_code == 503, 10, "/readiness answering 503"
+        )
         assert_refused(httpx.get(cluster.url + "/readiness", timeout=5))
         assert_refused(httpx.post(cluster.url + "/v1/chat/completions", json={"messages": []}, timeout=5))
         assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200  # alive: no kubelet restart

@@ -3,6 +3,7 @@ SIGKILL and SIGSTOP of prefill and decode servers before, during and after a tra
 that vanish. Each test asserts that the client got an error naming the cause within the bound, that
 every surviving node is back to idle with intact pools, and that later requests, also on the
 restarted or resumed node, give exactly the monolithic tokens."""
+
 from __future__ import annotations
 
 import signal
@@ -14,15 +15,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import ServerProcess, record_fault, start_server
 from tests.integration.cluster import Cluster, generate, start_cluster
-from tests.integration.faults import (
-    Background,
-    RawClient,
-    chunks_sent,
-    finished,
-    pages_held,
-    router_sees,
-    wait_until,
-)
+from tests.integration.faults import Background, RawClient, chunks_sent, finished, pages_held, router_sees, wait_until
 from tests.integration.test_parity_hf import LONG_TEXT
 
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "32")
@@ -35,8 +28,13 @@ STREAM_TOKENS = 40
 @pytest.fixture(scope="module")
 def prompts(builtin_model_dir) -> dict[str, list[int]]:
     tok = AutoTokenizer.from_pretrained(builtin_model_dir)
-    return {"long": tok.encode(LONG_TEXT * 4), "story": tok.encode("Once upon a time, in a village by the sea,"),
-            "a": tok.encode("The weather today is"), "b": tok.encode("def quicksort(arr):"), "c": tok.encode("Three colours:")}
+    return {
+        "long": tok.encode(LONG_TEXT * 4),
+        "story": tok.encode("Once upon a time, in a village by the sea,"),
+        "a": tok.encode("The weather today is"),
+        "b": tok.encode("def quicksort(arr):"),
+        "c": tok.encode("Three colours:"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,11 @@ def survivors_idle_after(cluster):
 
 
 def body(ids: list[int], new: int, stream: bool = False) -> dict:
-    return {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}, "stream": stream}
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
+        "stream": stream,
+    }
 
 
 def idle_time(nodes: list[ServerProcess], since: float) -> float:
@@ -100,6 +102,7 @@ def restart(node: ServerProcess) -> float:
 
 def victim_transferring(c: Cluster, before: dict[str, float]) -> ServerProcess:
     """The prefill that started sending chunks since `before` was taken."""
+
     def sending() -> list[ServerProcess]:
         return [p for p in c.prefills if chunks_sent(p) > before[p.url]]
 
@@ -136,7 +139,13 @@ def test_prefill_killed_during_and_before_transfer(cluster, prompts, expected):
     recovery = assert_serves_again(cluster, victim, prompts, expected, restart(victim))
     for name, req in (("during", long_req), ("before (queued behind it)", queued)):
         o = req.outcome
-        record_fault(f"prefill SIGKILL {name} transfer", f"HTTP {o.status}: {o.error_message[:60]}", o.ended_at - t_kill, 0, recovery)
+        record_fault(
+            f"prefill SIGKILL {name} transfer",
+            f"HTTP {o.status}: {o.error_message[:60]}",
+            o.ended_at - t_kill,
+            0,
+            recovery,
+        )
     assert leaked_after < 20
 
 
@@ -189,7 +198,13 @@ def test_prefill_frozen_mid_transfer(cluster, prompts, expected):
     t_cont = time.monotonic()
     victim.wait_idle()
     recovery = assert_serves_again(cluster, victim, prompts, expected, t_cont)
-    record_fault("prefill SIGSTOP mid-transfer (SIGCONT later)", f"HTTP {o.status}: {o.error_message[:60]}", o.ended_at - t_stop, 0, recovery)
+    record_fault(
+        "prefill SIGSTOP mid-transfer (SIGCONT later)",
+        f"HTTP {o.status}: {o.error_message[:60]}",
+        o.ended_at - t_stop,
+        0,
+        recovery,
+    )
 
 
 def test_decode_frozen_mid_stream(cluster, prompts, expected):
@@ -210,7 +225,13 @@ def test_decode_frozen_mid_stream(cluster, prompts, expected):
     t_cont = time.monotonic()
     victim.wait_idle()
     recovery = assert_serves_again(cluster, victim, prompts, expected, t_cont)
-    record_fault("decode SIGSTOP mid-stream (SIGCONT later)", f"SSE error event: {o.error[:60]}", o.ended_at - t_stop, 0, recovery)
+    record_fault(
+        "decode SIGSTOP mid-stream (SIGCONT later)",
+        f"SSE error event: {o.error[:60]}",
+        o.ended_at - t_stop,
+        0,
+        recovery,
+    )
 
 
 def test_client_gone_before_the_first_token_aborts_both_halves(cluster, prompts):
@@ -220,7 +241,9 @@ def test_client_gone_before_the_first_token_aborts_both_halves(cluster, prompts)
     victim_transferring(cluster, before)  # prefill computing and sending; decode waiting for KV
     client.close()
     t_gone = time.monotonic()
-    wait_until(lambda: sum(finished(n, "abort") - aborts[n.url] for n in cluster.nodes) >= 2, BOUND_S, "both halves to abort")
+    wait_until(
+        lambda: sum(finished(n, "abort") - aborts[n.url] for n in cluster.nodes) >= 2, BOUND_S, "both halves to abort"
+    )
     took = time.monotonic() - t_gone
     assert sum(finished(p, "abort") > aborts[p.url] for p in cluster.prefills) == 1
     assert sum(finished(d, "abort") > aborts[d.url] for d in cluster.decodes) == 1
@@ -230,12 +253,16 @@ def test_client_gone_before_the_first_token_aborts_both_halves(cluster, prompts)
 
 def test_client_gone_mid_stream_aborts_the_decode(cluster, prompts):
     aborts = {d.url: finished(d, "abort") for d in cluster.decodes}
-    with httpx.stream("POST", cluster.url + "/generate", json=body(prompts["story"], 400, stream=True), timeout=60) as r:
+    with httpx.stream(
+        "POST", cluster.url + "/generate", json=body(prompts["story"], 400, stream=True), timeout=60
+    ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break
     t_gone = time.monotonic()
-    wait_until(lambda: sum(finished(d, "abort") - aborts[d.url] for d in cluster.decodes) == 1, BOUND_S, "the decode to abort")
+    wait_until(
+        lambda: sum(finished(d, "abort") - aborts[d.url] for d in cluster.decodes) == 1, BOUND_S, "the decode to abort"
+    )
     took = time.monotonic() - t_gone
     idle = idle_time(cluster.nodes, t_gone)
     record_fault("client disconnect mid-stream", "(gone) decode aborted", took, 0, idle)

@@ -1,6 +1,7 @@
 """Thousands of fragmented pieces through the real backends between two processes: every destination
 page stands alone (the decode's free pages interleave with used ones), the room finishes within a
 bound, and every byte lands where it belongs and nowhere else."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -27,17 +28,26 @@ def make_manager(mode: str, backend: str, pages: int, bufs, aux=None):
     from transfer.manager import KVArgs
     from transfer.prefill_manager import PrefillKVManager
 
-    args = KVArgs([b.data_ptr() for b in bufs], [b.numel() * 4 for b in bufs], [PAGE_WORDS * 4] * BUFFERS, pages, 16,
-                  backend=backend, aux_ptr=aux.data_ptr() if aux is not None else 0,
-                  aux_record_bytes=AUX_BYTES if aux is not None else 0, aux_slots=1 if aux is not None else 0,
-                  kv_wait_timeout_s=BOUND_S, transfer_timeout_s=BOUND_S)
+    args = KVArgs(
+        [b.data_ptr() for b in bufs],
+        [b.numel() * 4 for b in bufs],
+        [PAGE_WORDS * 4] * BUFFERS,
+        pages,
+        16,
+        backend=backend,
+        aux_ptr=aux.data_ptr() if aux is not None else 0,
+        aux_record_bytes=AUX_BYTES if aux is not None else 0,
+        aux_slots=1 if aux is not None else 0,
+        kv_wait_timeout_s=BOUND_S,
+        transfer_timeout_s=BOUND_S,
+    )
     return (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)
 
 
 def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue) -> None:
+    from tests.unit.test_transfer_protocol import wait_for
     from transfer.poll import KVPoll
     from transfer.sender import KVSender
-    from tests.unit.test_transfer_protocol import wait_for
 
     bufs = [pattern(i, PAGES) for i in range(BUFFERS)]
     manager = make_manager("prefill", backend, PAGES, bufs)
@@ -47,7 +57,11 @@ def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue) -> No
     per = PAGES // CHUNKS
     for c in range(CHUNKS):
         last = c == CHUNKS - 1
-        sender.send(list(range(1 + c * per, 1 + (c + 1) * per)), is_last=last, aux=bytes(range(1, AUX_BYTES + 1)) if last else None)
+        sender.send(
+            list(range(1 + c * per, 1 + (c + 1) * per)),
+            is_last=last,
+            aux=bytes(range(1, AUX_BYTES + 1)) if last else None,
+        )
     from_decode.get(timeout=2 * BOUND_S)  # keep the memory registered until the decode has checked
     manager.close()
 
@@ -82,8 +96,10 @@ def test_thousands_of_fragmented_pieces_land_exactly_within_the_bound(backend):
     pytest.importorskip(MODULES[backend])
     ctx = mp.get_context("spawn")
     p2d, d2p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=prefill_proc, args=(backend, p2d, d2p)),
-             ctx.Process(target=decode_proc, args=(backend, p2d, d2p, results))]
+    procs = [
+        ctx.Process(target=prefill_proc, args=(backend, p2d, d2p)),
+        ctx.Process(target=decode_proc, args=(backend, p2d, d2p, results)),
+    ]
     for p in procs:
         p.start()
     try:

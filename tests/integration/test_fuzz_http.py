@@ -2,6 +2,7 @@
 valid bodies with fields made wrong-typed or out of range, and raw bytes. Every answer is a 200 that
 is well formed or a 4xx JSON error naming a field; afterwards the server is healthy, holds no KV
 pages, counted every 4xx and still answers a greedy request with the same tokens."""
+
 from __future__ import annotations
 
 import copy
@@ -21,20 +22,17 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.wire.api import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    GenerateRequest,
-    StreamOptions,
-)
+from common.wire.api import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateRequest, StreamOptions
 from common.wire.sampling_params import SamplingParams
 from tests.conftest import start_server
 
 VOCAB = 49152  # the built-in tokenizer's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TIMEOUT = httpx.Timeout(30.0)  # an answer slower than this is a hang
-GREEDY = {"input_ids": [1, 504, 3458, 314, 2095, 28, 9], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+GREEDY = {
+    "input_ids": [1, 504, 3458, 314, 2095, 28, 9],
+    "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+}
 BASES: dict[str, dict[str, Any]] = {
     "/generate": {"text": "Hello there", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
     "/v1/completions": {"prompt": "Hello there", "max_tokens": 2},
@@ -50,7 +48,9 @@ def fields(model: type[BaseModel], prefix: str = "") -> dict[str, FieldInfo]:
 FIELDS: dict[str, dict[str, FieldInfo]] = {
     "/generate": fields(GenerateRequest) | fields(SamplingParams, "sampling_params."),
     "/v1/completions": fields(CompletionRequest) | fields(StreamOptions, "stream_options."),
-    "/v1/chat/completions": fields(ChatCompletionRequest) | fields(ChatMessage, "messages.0.") | fields(StreamOptions, "stream_options."),
+    "/v1/chat/completions": fields(ChatCompletionRequest)
+    | fields(ChatMessage, "messages.0.")
+    | fields(StreamOptions, "stream_options."),
 }
 ALL_FIELDS = sorted({p.rsplit(".", 1)[-1] for paths in FIELDS.values() for p in paths})
 
@@ -69,28 +69,106 @@ def bound_values(info: FieldInfo) -> list[Any]:
 
 
 EDGE_NUMBERS = [
-    0, -1, 1, 2, 16, 17, 20, 21, 255, 256, 257, VOCAB - 1, VOCAB, 65535, 65536, 2**31, -(2**31), 2**53 + 1, 2**63 - 1, 2**63,
-    -(2**63), -(2**63) - 1, 2**64, 10**30, -(10**30), 0.0, -0.0, 0.5, 1.5, 2.0000001, -2.0000001, 1e-5, 9.9e-6, 1e-40, 5e-324,
-    1e-320, 1e308, -1e308,
+    0,
+    -1,
+    1,
+    2,
+    16,
+    17,
+    20,
+    21,
+    255,
+    256,
+    257,
+    VOCAB - 1,
+    VOCAB,
+    65535,
+    65536,
+    2**31,
+    -(2**31),
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    -(2**63),
+    -(2**63) - 1,
+    2**64,
+    10**30,
+    -(10**30),
+    0.0,
+    -0.0,
+    0.5,
+    1.5,
+    2.0000001,
+    -2.0000001,
+    1e-5,
+    9.9e-6,
+    1e-40,
+    5e-324,
+    1e-320,
+    1e308,
+    -1e308,
 ]
 TRICKY_STRINGS = [
-    "", " ", "NaN", "nan", "Infinity", "-Infinity", "inf", "1e309", "-0", "0x10", "1_000", "true", "null", "[]", "{}", "\x00",
-    "\ud800", "a\udfffb", "é", "日本語", "🙂🙂", "<|im_end|>", "<|endoftext|>", "user", "text", "x" * 300,
+    "",
+    " ",
+    "NaN",
+    "nan",
+    "Infinity",
+    "-Infinity",
+    "inf",
+    "1e309",
+    "-0",
+    "0x10",
+    "1_000",
+    "true",
+    "null",
+    "[]",
+    "{}",
+    "\x00",
+    "\ud800",
+    "a\udfffb",
+    "é",
+    "日本語",
+    "🙂🙂",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "user",
+    "text",
+    "x" * 300,
 ]
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.sampled_from(EDGE_NUMBERS),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(TRICKY_STRINGS), st.text(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from(EDGE_NUMBERS),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(TRICKY_STRINGS),
+    st.text(max_size=20),
 )
 json_values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8) | st.sampled_from(ALL_FIELDS), inner, max_size=4),
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=8) | st.sampled_from(ALL_FIELDS), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 token_lists = st.lists(st.integers(0, VOCAB - 1) | st.sampled_from([-1, VOCAB, 2**63, 10**30]), max_size=6)
 # in-range values too, so that bodies get through validation and the engine runs odd but legal requests
-plausible = st.one_of(st.booleans(), st.integers(-3, 300), st.floats(-3, 3), st.sampled_from(["a", "\n", "Hello", " the"]),
-                      st.lists(st.sampled_from(["a", "\n", ",", " the"]), max_size=3))
-nasty_values = st.one_of(scalars, plausible, token_lists, json_values,
-                         st.sampled_from([[], {}, [[]], [{}], {"type": "text"}, {"include_usage": True}]))
+plausible = st.one_of(
+    st.booleans(),
+    st.integers(-3, 300),
+    st.floats(-3, 3),
+    st.sampled_from(["a", "\n", "Hello", " the"]),
+    st.lists(st.sampled_from(["a", "\n", ",", " the"]), max_size=3),
+)
+nasty_values = st.one_of(
+    scalars,
+    plausible,
+    token_lists,
+    json_values,
+    st.sampled_from([[], {}, [[]], [{}], {"type": "text"}, {"include_usage": True}]),
+)
 
 
 def encode(value: Any) -> bytes:
@@ -151,21 +229,46 @@ def raw_bodies(draw) -> tuple[str, bytes]:
     """Bytes that are no JSON object: random, truncated, invalid UTF-8, or JSON Python cannot decode."""
     endpoint = draw(st.sampled_from(ENDPOINTS))
     valid = encode(BASES[endpoint])
-    raw = draw(st.one_of(
-        st.binary(max_size=64),
-        st.integers(0, len(valid) - 1).map(lambda cut: valid[:cut]),  # truncated JSON
-        st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00"]).map(lambda bad: valid.replace(b"Hello", b"Hel" + bad)),
-        st.sampled_from([b"[" * 5000 + b"]" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000, b'{"max_tokens": ' + b"9" * 5000 + b"}",
-                         b'{"text": "\\ud800"}', b'{"\\udfff": 1}', b"", b"null", b"1e999", b"\xef\xbb\xbf{}"]),
-    ))
+    raw = draw(
+        st.one_of(
+            st.binary(max_size=64),
+            st.integers(0, len(valid) - 1).map(lambda cut: valid[:cut]),  # truncated JSON
+            st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00"]).map(
+                lambda bad: valid.replace(b"Hello", b"Hel" + bad)
+            ),
+            st.sampled_from(
+                [
+                    b"[" * 5000 + b"]" * 5000,
+                    b'{"a":' * 3000 + b"1" + b"}" * 3000,
+                    b'{"max_tokens": ' + b"9" * 5000 + b"}",
+                    b'{"text": "\\ud800"}',
+                    b'{"\\udfff": 1}',
+                    b"",
+                    b"null",
+                    b"1e999",
+                    b"\xef\xbb\xbf{}",
+                ]
+            ),
+        )
+    )
     return endpoint, raw
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory, builtin_model_dir):
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     for name in TOKENIZER_FILES:
@@ -175,7 +278,9 @@ def tiny_llama_dir(tmp_path_factory, builtin_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    s = start_server("--model", str(tiny_llama_dir), "--context-length", "256", "--max-total-tokens", "4096", name="fuzz")
+    s = start_server(
+        "--model", str(tiny_llama_dir), "--context-length", "256", "--max-total-tokens", "4096", name="fuzz"
+    )
     yield s.wait_ready()
     s.stop()
 
@@ -186,7 +291,7 @@ def rejected_http(server) -> float:
         for s in family.samples:
             if s.name == "tandem_rejected_inputs_total" and s.labels == {"where": "http", "role": "null"}:
                 return s.value
-    raise AssertionError("tandem_rejected_inputs_total{where=\"http\", role=\"null\"} is missing from /metrics")
+    raise AssertionError('tandem_rejected_inputs_total{where="http", role="null"} is missing from /metrics')
 
 
 def assert_well_formed(endpoint: str, r: httpx.Response) -> None:
@@ -216,8 +321,14 @@ def assert_well_formed(endpoint: str, r: httpx.Response) -> None:
 
 # derandomize: CI explores the same 4 x 1200 examples every run (a random seed that finds a new bug
 # would turn a later, unrelated change red); explore more with derandomize=False locally.
-FUZZ = settings(max_examples=1200, deadline=None, database=None, print_blob=True, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=1200,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 
 
 def test_fuzzed_bodies_get_200_or_a_4xx_naming_the_field_and_break_nothing(server):
@@ -236,7 +347,9 @@ def test_fuzzed_bodies_get_200_or_a_4xx_naming_the_field_and_break_nothing(serve
         assert_well_formed(endpoint, r)
 
     @FUZZ
-    @given(st.sampled_from(ENDPOINTS), json_values | st.dictionaries(st.sampled_from(ALL_FIELDS), json_values, max_size=6))
+    @given(
+        st.sampled_from(ENDPOINTS), json_values | st.dictionaries(st.sampled_from(ALL_FIELDS), json_values, max_size=6)
+    )
     def arbitrary_json(endpoint: str, value: Any) -> None:
         send(endpoint, encode(value))
 
@@ -263,7 +376,9 @@ def test_fuzzed_bodies_get_200_or_a_4xx_naming_the_field_and_break_nothing(serve
             phase()
     finally:
         client.close()
-        print(f"fuzz: {sum(statuses.values())} requests in {time.monotonic() - started:.1f} s, statuses {dict(statuses)}")
+        print(
+            f"fuzz: {sum(statuses.values())} requests in {time.monotonic() - started:.1f} s, statuses {dict(statuses)}"
+        )
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     server.wait_idle()
     assert rejected_http(server) == rejected_before + sum(n for status, n in statuses.items() if 400 <= status < 500)
@@ -275,7 +390,11 @@ CHAT = [{"role": "user", "content": "Hi"}]
 FOUND_BY_FUZZING = [  # each was a 500, or a request that never answered (the scheduler step failed), before its fix
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "seed": 2**64}}, "sampling_params.seed"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": -(2**63) - 1}, "seed"),
-    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "repetition_penalty": 5e-324}}, "sampling_params.repetition_penalty"),
+    (
+        "/generate",
+        {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "repetition_penalty": 5e-324}},
+        "sampling_params.repetition_penalty",
+    ),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "repetition_penalty": 1e-40}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "top_k": 0}, "top_k"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "top_k": False}, "top_k"),
@@ -290,15 +409,25 @@ NAMED_AS_SENT = [  # were 400s naming pydantic's union member ("prompt.str") or 
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages.0.content"),
 ]
 NOT_FINITE = [  # refused as such (an infinite temperature used to be accepted and sample uniformly)
-    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "temperature": float("inf")}}, "sampling_params.temperature"),
+    (
+        "/generate",
+        {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "temperature": float("inf")}},
+        "sampling_params.temperature",
+    ),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "top_p": float("nan")}, "top_p"),
 ]
-RAW_FOUND_BY_FUZZING = [b"[" * 5000 + b"]" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000, b'{"max_tokens": ' + b"9" * 5000 + b"}"]
+RAW_FOUND_BY_FUZZING = [
+    b"[" * 5000 + b"]" * 5000,
+    b'{"a":' * 3000 + b"1" + b"}" * 3000,
+    b'{"max_tokens": ' + b"9" * 5000 + b"}",
+]
 
 
 @pytest.mark.parametrize("endpoint,body,param", FOUND_BY_FUZZING + NAMED_AS_SENT + NOT_FINITE)
 def test_inputs_the_fuzzer_found_are_400_naming_the_field(server, endpoint, body, param):
-    r = httpx.post(server.url + endpoint, content=encode(body), headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    r = httpx.post(
+        server.url + endpoint, content=encode(body), headers={"content-type": "application/json"}, timeout=TIMEOUT
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 

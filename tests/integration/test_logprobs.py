@@ -3,6 +3,7 @@ not, on SGLang's /generate (input_token_logprobs, input_top_logprobs) and OpenAI
 with logprobs: the prompt's tokens first). Only the prefill runs the prompt through the model, so the
 router merges its values into the decode's answer; the monolithic server streams them from the first
 event on. Token ids and strings are compared exactly, logprobs within 1e-4."""
+
 from __future__ import annotations
 
 import json
@@ -82,8 +83,13 @@ def assert_close(got: Any, want: Any, where: str = "") -> None:
 
 
 def generate_body(prompt: list[int]) -> dict:
-    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}
+    return {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+    }
 
 
 def logprob_fields(result: dict) -> dict:
@@ -135,7 +141,8 @@ def flattened(chunks: list[dict]) -> dict:
     """A completion stream's choice 0 as one: its text and its logprobs, chunk after chunk."""
     parts = [e["choices"][0] for e in chunks]
     return {"text": "".join(p["text"] for p in parts)} | {
-        k: [x for p in parts for x in p["logprobs"][k]] for k in ("tokens", "token_logprobs", "top_logprobs")}
+        k: [x for p in parts for x in p["logprobs"][k]] for k in ("tokens", "token_logprobs", "top_logprobs")
+    }
 
 
 def test_completions_stream_with_echo_equals_monolithic(mono, cluster, prompt):

@@ -1,6 +1,7 @@
 """bf16 past 2,000 tokens: greedy tokens equal transformers' (same dtype, same weights) for every RoPE
 scaling type, with chunked prefill and two requests decoding in one batch. A bf16 `inv_freq` (the bug
 this guards against) moves the angles by radians at these positions and changes the tokens at once."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,17 +19,32 @@ NEW_TOKENS = 16
 LENGTHS = (2100, 2600)
 ROPES = {
     "default": {"max_position_embeddings": 4096},
-    "llama3": {"max_position_embeddings": 4096, "rope_theta": 500000.0,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 512}},
+    "llama3": {
+        "max_position_embeddings": 4096,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    },
     "linear": {"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    "yarn": {"max_position_embeddings": 4096,
-             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
+    "yarn": {
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    },
     # longrope switches from the short to the long factors past original_max_position_embeddings
-    "longrope": {"max_position_embeddings": 4096,
-                 "rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 1024,
-                                  "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
-                                  "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}},
+    "longrope": {
+        "max_position_embeddings": 4096,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 1024,
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+        },
+    },
     # dynamic NTK rescales once a sequence outgrows max_position_embeddings: 2,100 and 2,600 both do
     "dynamic": {"max_position_embeddings": 1024, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
 }
@@ -40,17 +56,34 @@ def hf_tokens(path, prompts: list[list[int]]) -> list[list[int]]:
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 
 def engine_tokens(path, prompts: list[list[int]]) -> list[list[int]]:
-    engine = Engine(ServerConfig(model=str(path), dtype="bfloat16", page_size=16, chunked_prefill_size=256,
-                                 max_total_tokens=8192, context_length=4096))
+    engine = Engine(
+        ServerConfig(
+            model=str(path),
+            dtype="bfloat16",
+            page_size=16,
+            chunked_prefill_size=256,
+            max_total_tokens=8192,
+            context_length=4096,
+        )
+    )
     assert engine.runner.model.model.rotary_emb.inv_freq.dtype == torch.float32
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    reqs = [
+        Req(f"r{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     for r in reqs:
         engine.scheduler.add_request(r)
     while engine.scheduler.step():

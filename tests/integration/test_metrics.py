@@ -1,6 +1,7 @@
 """What /metrics says, exactly, about what real processes did (1 prefill + 1 decode + router, tiny model,
 Mooncake TCP): N requests are N everywhere they are counted, a request in flight is one on each worker
 it uses, and a room that fails is counted once under its cause."""
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,9 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    c = start_cluster("mooncake", flags=("--model", str(tiny_model_dir), *FLAGS), decode_flags=("--kv-wait-timeout-s", str(KV_WAIT_S)))
+    c = start_cluster(
+        "mooncake", flags=("--model", str(tiny_model_dir), *FLAGS), decode_flags=("--kv-wait-timeout-s", str(KV_WAIT_S))
+    )
     yield c
     c.stop()
 
@@ -48,7 +51,10 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 def workers(c: Cluster) -> list[dict[str, str]]:
     """The router's labels of its two workers."""
-    return [{"worker": c.prefills[0].url, "worker_role": "prefill"}, {"worker": c.decodes[0].url, "worker_role": "decode"}]
+    return [
+        {"worker": c.prefills[0].url, "worker_role": "prefill"},
+        {"worker": c.decodes[0].url, "worker_role": "decode"},
+    ]
 
 
 def bytes_per_page(c: Cluster) -> int:
@@ -56,7 +62,9 @@ def bytes_per_page(c: Cluster) -> int:
     instance = c.prefills[0].info()["role"]["instance_id"]
     boot = f"http://127.0.0.1:{c.prefill_bootstrap_ports[0]}"
     layout = httpx.get(boot + "/route", params={"instance_id": instance}, timeout=10).json()
-    per_buffer = layout["page_size"] * layout["kv_heads"] * layout["head_dim"] * getattr(torch, layout["dtype"]).itemsize
+    per_buffer = (
+        layout["page_size"] * layout["kv_heads"] * layout["head_dim"] * getattr(torch, layout["dtype"]).itemsize
+    )
     return 2 * layout["num_layers"] * per_buffer
 
 
@@ -101,8 +109,11 @@ def test_n_requests_are_counted_n_times_on_every_process(cluster):
 
 def test_a_stream_in_flight_is_one_request_on_each_worker_of_its_pair(cluster):
     c = cluster
-    body = {"input_ids": random_prompts(1, 20, 20, seed=22)[0], "stream": True,
-            "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": random_prompts(1, 20, 20, seed=22)[0],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True},
+    }
     client = RawClient(c.router, "/generate", body)
     client.read_until(b"data:")  # the first token reached the client: the pair is busy with it
     text = scrape(c.router.url)
@@ -111,7 +122,9 @@ def test_a_stream_in_flight_is_one_request_on_each_worker_of_its_pair(cluster):
         assert value(text, "tandem_router_worker_in_flight_requests", "router", **labels) == 1
     assert value(scrape(c.decodes[0].url), "tandem_num_running_reqs", "decode") == 1
     client.close()  # the client goes away: the router ends both halves
-    wait_until(lambda: value(scrape(c.router.url), "tandem_router_in_flight_requests", "router") == 0, 20, "the stream to end")
+    wait_until(
+        lambda: value(scrape(c.router.url), "tandem_router_in_flight_requests", "router") == 0, 20, "the stream to end"
+    )
     text = scrape(c.router.url)
     for labels in workers(c):
         assert value(text, "tandem_router_worker_in_flight_requests", "router", **labels) == 0
@@ -137,8 +150,12 @@ def test_a_room_id_in_use_counts_one_duplicate_and_the_waiting_room_one_abort(cl
 def test_a_decode_whose_kv_never_comes_counts_one_timeout(cluster):
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     before = {"prefill": failures(scrape(prefill.url), "prefill"), "decode": failures(scrape(decode.url), "decode")}
-    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.prefill_bootstrap_ports[0], "bootstrap_room": 6161,
-          "prefill_instance_id": prefill.info()["role"]["instance_id"]}
+    pd = {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.prefill_bootstrap_ports[0],
+        "bootstrap_room": 6161,
+        "prefill_instance_id": prefill.info()["role"]["instance_id"],
+    }
     body = {"input_ids": random_prompts(1, 12, 12, seed=24)[0], "sampling_params": {"max_new_tokens": NEW}, **pd}
     r = httpx.post(decode.url + "/generate", json=body, timeout=30)  # no prefill request computes room 6161
     assert r.status_code == 502 and f"no KV arrived within {KV_WAIT_S} s" in r.json()["error"]["message"]

@@ -1,5 +1,6 @@
 """The monolithic server through its HTTP API, as a user drives it: OpenAI client, SGLang /generate,
 streaming, n > 1, logprobs, bad input, aborts; pool integrity after everything."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -15,7 +16,9 @@ from tests.conftest import start_server
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096", name="mono").wait_ready()
+    s = start_server(
+        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096", name="mono"
+    ).wait_ready()
     yield s
     s.stop()
 
@@ -34,13 +37,20 @@ def test_openai_client_streams_a_chat_completion(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     full = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, temperature=0,
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
     )
     assert text == full.choices[0].message.content
     assert "Paris" in text
@@ -72,8 +82,13 @@ def test_n_choices_with_seeds_are_reproducible(server):
 
 
 def test_logprobs_match_between_generate_and_top_logprobs(server):
-    body = {"text": "Paris is the capital of", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    body = {
+        "text": "Paris is the capital of",
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+    }
     meta = post(server, "/generate", body).json()["meta_info"]
     out = meta["output_token_logprobs"]
     tops = meta["output_top_logprobs"]
@@ -127,7 +142,11 @@ def test_malformed_bodies_are_400(server, raw):
 
 
 def test_client_disconnect_mid_stream_frees_the_request(server):
-    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}, "stream": True}
+    body = {
+        "text": "Count slowly:",
+        "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:

@@ -1,6 +1,7 @@
 """Overload with real processes (tiny model): decode memory pressure makes prefill wait, not fail,
 until the configured timeout; beyond the bounded queues clients get 503 with Retry-After; nothing
 leaks either way."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -27,10 +28,20 @@ class Setup:
     def __init__(self, model: str):
         common = ("--model", model, "--transfer-backend", "mooncake", *ENGINE)
         self.boot = free_port()
-        self.prefill = start_server("--disagg-mode", "prefill", "--bootstrap-port", str(self.boot), "--max-queued-requests", "12",
-                                    *common, name="ov-prefill")
+        self.prefill = start_server(
+            "--disagg-mode",
+            "prefill",
+            "--bootstrap-port",
+            str(self.boot),
+            "--max-queued-requests",
+            "12",
+            *common,
+            name="ov-prefill",
+        )
         self.patient = start_server("--disagg-mode", "decode", *common, *SMALL_DECODE, name="ov-decode-patient")
-        self.hasty = start_server("--disagg-mode", "decode", *common, *SMALL_DECODE, "--pairing-timeout-s", "0.3", name="ov-decode-hasty")
+        self.hasty = start_server(
+            "--disagg-mode", "decode", *common, *SMALL_DECODE, "--pairing-timeout-s", "0.3", name="ov-decode-hasty"
+        )
         for n in self.nodes:
             n.wait_ready()
         self.to_patient, self.to_hasty = self._router(self.patient), self._router(self.hasty)

@@ -1,4 +1,5 @@
 """Greedy token ids of the monolithic server over HTTP equal Hugging Face transformers' generate."""
+
 from __future__ import annotations
 
 import httpx
@@ -31,7 +32,14 @@ def prompts(tok) -> list[list[int]]:
         "1, 2, 3, 4, 5,",
         LONG_TEXT + "In conclusion,",
     ]
-    chat_ids = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"]) for c in chats]
+    chat_ids = [
+        list(
+            tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
+        for c in chats
+    ]
     return chat_ids + [tok.encode(r) for r in raws]
 
 
@@ -42,9 +50,13 @@ def expected(builtin_model_dir):
     cases = []
     for ids in prompts(tok):
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False)
-        cases.append((ids, out[0, len(ids):].tolist()))
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+        cases.append((ids, out[0, len(ids) :].tolist()))
     assert max(len(ids) for ids, _ in cases) > 300
     return cases
 
@@ -58,10 +70,7 @@ def generate(url: str, ids: list[int]) -> dict:
 
 @pytest.mark.parametrize(
     "flags",
-    [
-        ["--page-size", "16", "--chunked-prefill-size", "64"],
-        ["--page-size", "1", "--chunked-prefill-size", "0"],
-    ],
+    [["--page-size", "16", "--chunked-prefill-size", "64"], ["--page-size", "1", "--chunked-prefill-size", "0"]],
     ids=["page16-chunked64", "page1-unchunked"],
 )
 def test_greedy_output_equals_transformers(expected, flags):

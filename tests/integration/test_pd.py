@@ -1,5 +1,6 @@
 """PD disaggregation end to end: router -> prefill -> (Mooncake | NIXL) -> decode, checked token for
 token against the monolithic server, with every node's pool back to idle after each test."""
+
 from __future__ import annotations
 
 import json
@@ -16,18 +17,32 @@ from tests.conftest import start_server
 from tests.integration.cluster import generate, start_cluster
 from tests.integration.test_parity_hf import LONG_TEXT
 
-FLAGS = {"mooncake": ("--page-size", "16", "--chunked-prefill-size", "64"),
-         "nixl": ("--page-size", "1", "--chunked-prefill-size", "0")}
+FLAGS = {
+    "mooncake": ("--page-size", "16", "--chunked-prefill-size", "64"),
+    "nixl": ("--page-size", "1", "--chunked-prefill-size", "0"),
+}
 
 
 @pytest.fixture(scope="module")
 def prompts(builtin_model_dir) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(builtin_model_dir)
-    chat = lambda c: list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"])  # noqa: E731
-    out = [chat("What is the capital of France?"), chat("Name three colours."), chat("Summarise:\n" + LONG_TEXT),
-           tok.encode("def quicksort(arr):"), tok.encode("The weather today is"), tok.encode(LONG_TEXT + " Therefore,"),
-           tok.encode("A")]
-    out.append(out[5][:200] + tok.encode(" In short,"))  # shares a long prefix with an earlier prompt: radix hit on prefill
+
+    def chat(content: str) -> list[int]:
+        messages = [{"role": "user", "content": content}]
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    out = [
+        chat("What is the capital of France?"),
+        chat("Name three colours."),
+        chat("Summarise:\n" + LONG_TEXT),
+        tok.encode("def quicksort(arr):"),
+        tok.encode("The weather today is"),
+        tok.encode(LONG_TEXT + " Therefore,"),
+        tok.encode("A"),
+    ]
+    out.append(
+        out[5][:200] + tok.encode(" In short,")
+    )  # shares a long prefix with an earlier prompt: radix hit on prefill
     return out
 
 
@@ -78,8 +93,10 @@ def test_seeded_sampling_equals_monolithic(cluster, mono, prompts):
     """A seeded request's random stream follows its token count, so a prefill (first token) and a decode
     (the rest) draw what one monolithic server draws."""
     params = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "repetition_penalty": 1.1}
-    outs = [httpx.post(url + "/generate", json={"input_ids": prompts[4], "sampling_params": params}, timeout=120)
-            for url in (mono.url, cluster.url)]
+    outs = [
+        httpx.post(url + "/generate", json={"input_ids": prompts[4], "sampling_params": params}, timeout=120)
+        for url in (mono.url, cluster.url)
+    ]
     assert [r.status_code for r in outs] == [200, 200], outs[1].text
     ref, got = (r.json()["output_ids"] for r in outs)
     assert got == ref and len(set(ref)) > 4
@@ -88,11 +105,20 @@ def test_seeded_sampling_equals_monolithic(cluster, mono, prompts):
 def test_openai_client_streams_through_the_router(cluster, mono):
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none")
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=msgs,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     ref = openai.OpenAI(base_url=mono.url + "/v1", api_key="none").chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12, temperature=0)
+        model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12, temperature=0
+    )
     assert text == ref.choices[0].message.content and "Paris" in text
     assert chunks[-1].usage.completion_tokens == ref.usage.completion_tokens
 
@@ -122,7 +148,9 @@ def test_generate_stream_through_router_ends_with_exact_tokens(cluster, prompts,
 def test_bad_input_through_the_router_is_a_4xx_and_leaks_nothing(cluster):
     r = httpx.post(cluster.url + "/generate", json={"text": "hi", "sampling_params": {"top_p": 7}}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.top_p"
-    r = httpx.post(cluster.url + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        cluster.url + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
 
@@ -135,9 +163,27 @@ def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
     port = free_port()
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     boot = cluster.prefill_bootstrap_ports[0]
-    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                               "--prefill", prefill.url, str(boot), "--decode", decode.url, "--host", "127.0.0.1",
-                               "--port", str(port), "--policy", "round_robin"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(boot),
+            "--decode",
+            decode.url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -151,9 +197,16 @@ def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
             time.sleep(0.5)
         for ids, want in list(zip(prompts, expected))[:3]:
             assert generate(url, ids)["output_ids"] == want
-        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 12, "temperature": 0})
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 12,
+                "temperature": 0,
+            },
+        )
         assert chat.status_code == 200, chat.text
         assert "Paris" in chat.json()["choices"][0]["message"]["content"]
     finally:
@@ -166,23 +219,39 @@ def test_router_workers_can_be_added_and_removed_at_run_time(cluster, prompts, e
     from tests.conftest import ServerProcess, free_port
 
     port = free_port()
-    router = ServerProcess(["router", "--port", str(port), "--health-check-interval-s", "0.5"], port, name="router-empty").wait_ready()
+    router = ServerProcess(
+        ["router", "--port", str(port), "--health-check-interval-s", "0.5"], port, name="router-empty"
+    ).wait_ready()
     try:
         url = router.url
         assert httpx.get(url + "/readiness", timeout=5).status_code == 503
         r = httpx.post(url + "/generate", json={"input_ids": prompts[0]}, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         boot = cluster.prefill_bootstrap_ports[0]
-        assert httpx.post(url + "/workers", json={"url": cluster.prefills[0].url, "role": "prefill", "bootstrap_port": boot}, timeout=30).json()["healthy"]
-        assert httpx.post(url + "/workers", json={"url": cluster.decodes[0].url, "role": "decode"}, timeout=30).json()["healthy"]
+        assert httpx.post(
+            url + "/workers",
+            json={"url": cluster.prefills[0].url, "role": "prefill", "bootstrap_port": boot},
+            timeout=30,
+        ).json()["healthy"]
+        assert httpx.post(url + "/workers", json={"url": cluster.decodes[0].url, "role": "decode"}, timeout=30).json()[
+            "healthy"
+        ]
         assert httpx.get(url + "/readiness", timeout=5).status_code == 200
         assert generate(url, prompts[0])["output_ids"] == expected[0]
-        assert httpx.request("DELETE", url + "/workers", json={"url": cluster.decodes[0].url}, timeout=5).status_code == 200
+        assert (
+            httpx.request("DELETE", url + "/workers", json={"url": cluster.decodes[0].url}, timeout=5).status_code
+            == 200
+        )
         assert httpx.get(url + "/readiness", timeout=5).status_code == 503
-        for bad, param in (({"role": "decode"}, "url"), ([], "body"), ({"url": "not a url", "role": "decode"}, "url"),
-                           ({"url": "http://h:1", "role": "router"}, "role"), ({"url": "http://h:1"}, "role"),
-                           ({"url": "http://h:1", "role": "prefill", "bootstrap_port": "x"}, "bootstrap_port"),
-                           ({"url": "http://h:1", "role": "prefill", "bootstrap_host": ["a"]}, "bootstrap_host")):
+        for bad, param in (
+            ({"role": "decode"}, "url"),
+            ([], "body"),
+            ({"url": "not a url", "role": "decode"}, "url"),
+            ({"url": "http://h:1", "role": "router"}, "role"),
+            ({"url": "http://h:1"}, "role"),
+            ({"url": "http://h:1", "role": "prefill", "bootstrap_port": "x"}, "bootstrap_port"),
+            ({"url": "http://h:1", "role": "prefill", "bootstrap_host": ["a"]}, "bootstrap_host"),
+        ):
             r = httpx.post(url + "/workers", json=bad, timeout=5)
             assert (r.status_code, r.json()["error"]["param"]) == (400, param), (bad, r.text)
         assert len(httpx.get(url + "/workers", timeout=5).json()["workers"]) == 1

@@ -2,6 +2,7 @@
 min_new_tokens act on the first token too, which the prefill samples, so the output equals a monolithic
 server's token for token; a worker called without the router's bootstrap fields is a 400 before
 anything is scheduled."""
+
 from __future__ import annotations
 
 import httpx
@@ -56,13 +57,16 @@ def test_min_new_tokens_masks_a_stop_token_the_prefill_would_sample(mono, cluste
 def test_a_worker_called_without_bootstrap_fields_is_a_400_before_scheduling(cluster, role):
     node = (cluster.prefills if role == "prefill" else cluster.decodes)[0]
     before = node.log_path.read_text(errors="replace").count("failed: a ")
-    for path, body in [("/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}),
-                       ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})]:
+    for path, body in [
+        ("/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}),
+        ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2}),
+    ]:
         r = httpx.post(node.url + path, json=body, timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "bootstrap_room", 400)
-        assert err["message"] == (f"a {role} server needs bootstrap_room (and the other bootstrap fields): "
-                                  "send requests through the router")
+        assert err["message"] == (
+            f"a {role} server needs bootstrap_room (and the other bootstrap fields): send requests through the router"
+        )
     assert node.log_path.read_text(errors="replace").count("failed: a ") == before  # the role never saw them
     cluster.wait_idle()

@@ -1,5 +1,6 @@
 """PD at scale and with a misconfigured peer: 2 prefill + 2 decode behind one router, and a decode
 that must refuse a prefill whose KV layout differs."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -27,7 +28,9 @@ def test_two_prefill_two_decode_serve_64_concurrent_requests(prompts, expected):
 def test_decode_refuses_a_prefill_with_another_kv_layout(prompts):
     c = start_cluster("mooncake", flags=("--page-size", "16"), decode_flags=("--page-size", "8"))
     try:
-        r = httpx.post(c.url + "/generate", json={"input_ids": prompts[3], "sampling_params": {"max_new_tokens": 4}}, timeout=120)
+        r = httpx.post(
+            c.url + "/generate", json={"input_ids": prompts[3], "sampling_params": {"max_new_tokens": 4}}, timeout=120
+        )
         assert r.status_code == 502, r.text
         assert "page_size: decode has 8, prefill has 16" in r.json()["error"]["message"]
         c.wait_idle()

@@ -1,6 +1,7 @@
 """The per-request timeline through a real PD cluster (router, prefill, decode; Mooncake): one DEBUG line
 per request on each half, whose steps line up across the two processes in the order the protocol
 allows, and the same steps counted in each server's tandem_request_span_seconds histogram."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,20 @@ N = 3
 # The prefill computes while the decode pairs: only its chunks wait for the room request. The first token
 # goes to the decode ahead of the KV, so the decode may stream it before the status arrives.
 ORDER = [
-    ("decode.arrival", "decode.admitted"), ("decode.admitted", "decode.peer_found"),
-    ("decode.peer_found", "decode.pages_reserved"), ("decode.pages_reserved", "prefill.room_request_received"),
-    ("prefill.admitted", "prefill.prefill_start"), ("prefill.room_request_received", "prefill.chunk_queued"),
-    ("prefill.prefill_start", "prefill.forward_done"), ("prefill.forward_done", "prefill.chunk_queued"),
-    ("prefill.chunk_queued", "prefill.chunk_written"), ("prefill.chunk_written", "prefill.aux_written"),
-    ("prefill.aux_written", "decode.status_received"), ("prefill.first_token_sent", "decode.first_token_committed"),
-    ("prefill.forward_done", "prefill.first_token_sent"), ("decode.first_token_committed", "decode.first_token_streamed"),
+    ("decode.arrival", "decode.admitted"),
+    ("decode.admitted", "decode.peer_found"),
+    ("decode.peer_found", "decode.pages_reserved"),
+    ("decode.pages_reserved", "prefill.room_request_received"),
+    ("prefill.admitted", "prefill.prefill_start"),
+    ("prefill.room_request_received", "prefill.chunk_queued"),
+    ("prefill.prefill_start", "prefill.forward_done"),
+    ("prefill.forward_done", "prefill.chunk_queued"),
+    ("prefill.chunk_queued", "prefill.chunk_written"),
+    ("prefill.chunk_written", "prefill.aux_written"),
+    ("prefill.aux_written", "decode.status_received"),
+    ("prefill.first_token_sent", "decode.first_token_committed"),
+    ("prefill.forward_done", "prefill.first_token_sent"),
+    ("decode.first_token_committed", "decode.first_token_streamed"),
 ]
 
 
@@ -49,8 +57,12 @@ def timeline_of(server, rid: str) -> dict[str, float]:
 def test_both_halves_log_their_steps_in_protocol_order_and_count_them(cluster):
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     for i in range(N):
-        body = {"rid": f"timeline-{i}", "input_ids": list(range(100 + i, 170 + i)), "stream": True,
-                "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "rid": f"timeline-{i}",
+            "input_ids": list(range(100 + i, 170 + i)),
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        }
         with httpx.stream("POST", cluster.url + "/generate", json=body, timeout=120) as r:
             assert r.status_code == 200
             chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
@@ -63,8 +75,10 @@ def test_both_halves_log_their_steps_in_protocol_order_and_count_them(cluster):
         steps |= {f"decode.{k}": v for k, v in timeline_of(decode, rid).items()}
         for earlier, later in ORDER:
             assert steps[earlier] <= steps[later], (rid, earlier, later, steps)
-    for server, spans in ((prefill, ("room_request_received", "prefill_start", "first_token_sent", "chunk_written", "aux_written")),
-                          (decode, ("peer_found", "pages_reserved", "room_request_sent", "status_received", "first_token_streamed"))):
+    for server, spans in (
+        (prefill, ("room_request_received", "prefill_start", "first_token_sent", "chunk_written", "aux_written")),
+        (decode, ("peer_found", "pages_reserved", "room_request_sent", "status_received", "first_token_streamed")),
+    ):
         for span in spans:
             assert metric(server.url, "tandem_request_span_seconds_count", span=span) == N, (server.name, span)
     cluster.wait_idle()

@@ -1,6 +1,7 @@
 """The decode's bootstrap lookups stay off the request path (a real `tandem bootstrap` process): steady
 traffic is answered from the cache at once while entries in use are refreshed in the background, and a
 bootstrap that died is still noticed within the cache's lifetime."""
+
 from __future__ import annotations
 
 import signal
@@ -13,7 +14,14 @@ from common.wire.api import Rendezvous
 from decode_node.peers import CACHE_TTL_S, REFRESH_AFTER_S, Peer, PeerDirectory
 from tests.conftest import ServerProcess, free_port
 
-LAYOUT = {"num_layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float32", "page_size": 4, "transfer_backend": "mooncake"}
+LAYOUT = {
+    "num_layers": 2,
+    "kv_heads": 1,
+    "head_dim": 8,
+    "dtype": "float32",
+    "page_size": 4,
+    "transfer_backend": "mooncake",
+}
 INSTANCE = "prefill-0123456789ab"
 
 
@@ -21,8 +29,15 @@ INSTANCE = "prefill-0123456789ab"
 def bootstrap():
     port = free_port()
     p = ServerProcess(["bootstrap", "--port", str(port)], port, name="peer-bootstrap").wait_ready(60)
-    entry = {"role": "Prefill", "instance_id": INSTANCE, "tp_size": 1, "tp_rank": 0, "rank_ip": "127.0.0.1",
-             "rank_port": 5555, **LAYOUT}
+    entry = {
+        "role": "Prefill",
+        "instance_id": INSTANCE,
+        "tp_size": 1,
+        "tp_rank": 0,
+        "rank_ip": "127.0.0.1",
+        "rank_port": 5555,
+        **LAYOUT,
+    }
     assert httpx.put(p.url + "/route", json=entry, timeout=5).status_code == 200
     yield p
     p.stop()

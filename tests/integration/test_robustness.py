@@ -2,6 +2,7 @@
 clients that repeat identifiers, prefill-only requests, a dead prefill's pages, several prefills on one
 standalone bootstrap registry, a forged decode with another layout, and servers exposed without a
 secret. Each test checks exact tokens, status codes and pool counts."""
+
 from __future__ import annotations
 
 import signal
@@ -17,7 +18,16 @@ from tests.integration.faults import Background, RawClient, pages_held, wait_unt
 from tests.integration.tiny_model import random_prompts
 from transfer.messages import Register, RoomRequest, decode, encode
 
-FLAGS = ("--page-size", "4", "--chunked-prefill-size", "32", "--heartbeat-interval-s", "0.5", "--transfer-timeout-s", "60")
+FLAGS = (
+    "--page-size",
+    "4",
+    "--chunked-prefill-size",
+    "32",
+    "--heartbeat-interval-s",
+    "0.5",
+    "--transfer-timeout-s",
+    "60",
+)
 PROMPTS = random_prompts(6, 12, 40, seed=11)
 NEW = 8
 
@@ -77,7 +87,12 @@ def test_client_supplied_pd_fields_are_replaced_by_the_router(cluster, expected)
 
 
 def test_max_new_tokens_zero_returns_no_tokens_but_prompt_logprobs(cluster, mono):
-    ask = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}
+    ask = {
+        "input_ids": PROMPTS[2],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
     want = httpx.post(mono.url + "/generate", json=ask, timeout=60).json()
     got = httpx.post(cluster.url + "/generate", json=ask, timeout=60).json()
     for r in (want, got):
@@ -88,7 +103,9 @@ def test_max_new_tokens_zero_returns_no_tokens_but_prompt_logprobs(cluster, mono
     lp_got = [lp for lp, _, _ in got["meta_info"]["input_token_logprobs"]]
     assert lp_want[0] is None and lp_got[0] is None
     assert lp_got[1:] == pytest.approx(lp_want[1:], abs=1e-4)
-    openai = httpx.post(cluster.url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 0}, timeout=60).json()
+    openai = httpx.post(
+        cluster.url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 0}, timeout=60
+    ).json()
     assert openai["choices"][0]["text"] == "" and openai["usage"]["completion_tokens"] == 0
     cluster.wait_idle()
 
@@ -96,14 +113,19 @@ def test_max_new_tokens_zero_returns_no_tokens_but_prompt_logprobs(cluster, mono
 def test_a_killed_prefills_pages_on_the_decode_come_back_within_the_heartbeat_window(tiny_model_dir, expected):
     """The prefill is frozen while the decode holds pages for it, then killed: the decode frees those
     pages one heartbeat interval after declaring it dead, not after --transfer-timeout-s (60 s)."""
-    c = start_cluster("mooncake", n_prefill=2, flags=("--model", str(tiny_model_dir), *FLAGS), standalone_bootstrap=True)
+    c = start_cluster(
+        "mooncake", n_prefill=2, flags=("--model", str(tiny_model_dir), *FLAGS), standalone_bootstrap=True
+    )
     try:
         decode, victim = c.decodes[0], c.prefills[0]
         victim.signal(signal.SIGSTOP)
         t_stop = time.monotonic()
         stuck = [Background(c.url, body(p)) for p in PROMPTS[:2]]  # round robin: one lands on the victim
-        wait_until(lambda: decode.info()["role"]["transferring"] + decode.info()["role"]["draining"] >= 1, 10,
-                   "the decode to reserve pages for the frozen prefill")
+        wait_until(
+            lambda: decode.info()["role"]["transferring"] + decode.info()["role"]["draining"] >= 1,
+            10,
+            "the decode to reserve pages for the frozen prefill",
+        )
         held = pages_held(decode)
         victim.signal(signal.SIGKILL)
         outcomes = [r.wait(30) for r in stuck]
@@ -112,9 +134,16 @@ def test_a_killed_prefills_pages_on_the_decode_come_back_within_the_heartbeat_wi
         took = time.monotonic() - t_stop
         assert took < 0.5 * 2 + 0.5 + 1.0 + 2.0  # window + one interval + clock slack + polling; not 60 s
         failed = next(o for o in outcomes if o.status == 502)
-        record_fault("prefill frozen then SIGKILLed, decode holding its pages", f"HTTP 502: {failed.error_message[:50]}",
-                     failed.ended_at - t_stop, 0, None)
-        print(f"decode held {held} pages for the dead prefill; freed {freed_after:.2f} s after the kill, {took:.2f} s after the freeze")
+        record_fault(
+            "prefill frozen then SIGKILLed, decode holding its pages",
+            f"HTTP 502: {failed.error_message[:50]}",
+            failed.ended_at - t_stop,
+            0,
+            None,
+        )
+        print(
+            f"decode held {held} pages for the dead prefill; freed {freed_after:.2f} s after the kill, {took:.2f} s after the freeze"
+        )
         for i, p in enumerate(PROMPTS):  # the survivor reuses those pages: every token exact
             assert generate(c.url, p, NEW, sampling={"ignore_eos": True})["output_ids"] == expected[i]
         decode.wait_idle()
@@ -123,7 +152,9 @@ def test_a_killed_prefills_pages_on_the_decode_come_back_within_the_heartbeat_wi
 
 
 def test_a_frozen_prefill_that_wakes_up_writes_nothing_into_reused_pages(tiny_model_dir, expected):
-    c = start_cluster("mooncake", n_prefill=2, flags=("--model", str(tiny_model_dir), *FLAGS), standalone_bootstrap=True)
+    c = start_cluster(
+        "mooncake", n_prefill=2, flags=("--model", str(tiny_model_dir), *FLAGS), standalone_bootstrap=True
+    )
     try:
         decode, victim = c.decodes[0], c.prefills[0]
         victim.signal(signal.SIGSTOP)
@@ -137,7 +168,9 @@ def test_a_frozen_prefill_that_wakes_up_writes_nothing_into_reused_pages(tiny_mo
             if o.status == 200:
                 want = generate(c.url, PROMPTS[i], 40, sampling={"ignore_eos": True})["output_ids"]
                 assert o.output_ids == want, i
-        print(f"fenced writes of the woken prefill: {metric(victim.url, 'tandem_kv_transfer_events_total', event='writes_fenced')}")
+        print(
+            f"fenced writes of the woken prefill: {metric(victim.url, 'tandem_kv_transfer_events_total', event='writes_fenced')}"
+        )
         for i, p in enumerate(PROMPTS):
             assert generate(c.url, p, NEW, sampling={"ignore_eos": True})["output_ids"] == expected[i]
         c.wait_idle()
@@ -146,8 +179,9 @@ def test_a_frozen_prefill_that_wakes_up_writes_nothing_into_reused_pages(tiny_mo
 
 
 def test_one_standalone_bootstrap_two_prefills_two_decodes_match_monolithic(tiny_model_dir, expected):
-    c = start_cluster("mooncake", n_prefill=2, n_decode=2, flags=("--model", str(tiny_model_dir), *FLAGS),
-                      standalone_bootstrap=True)
+    c = start_cluster(
+        "mooncake", n_prefill=2, n_decode=2, flags=("--model", str(tiny_model_dir), *FLAGS), standalone_bootstrap=True
+    )
     try:
         reqs = [Background(c.url, body(p)) for p in PROMPTS * 2]
         assert [r.wait(60).output_ids for r in reqs] == expected * 2
@@ -182,7 +216,9 @@ def test_a_decode_registering_another_layout_is_refused_with_the_field_named(clu
 
 
 def test_a_server_exposed_without_a_cluster_secret_says_so_at_start_up(tiny_model_dir):
-    server = start_server("--disagg-mode", "decode", "--model", str(tiny_model_dir), "--host", "0.0.0.0", name="rb-exposed")
+    server = start_server(
+        "--disagg-mode", "decode", "--model", str(tiny_model_dir), "--host", "0.0.0.0", name="rb-exposed"
+    )
     try:
         wait_until(lambda: "WITHOUT --cluster-secret" in server.log_path.read_text(errors="replace"), 60, "the warning")
         log = server.log_path.read_text(errors="replace")
@@ -193,8 +229,9 @@ def test_a_server_exposed_without_a_cluster_secret_says_so_at_start_up(tiny_mode
 
 def test_health_answers_503_naming_a_stuck_step(builtin_model_dir):
     """A forward longer than --watchdog-timeout-s makes /health fail with the cause, then recover."""
-    server = start_server("--chunked-prefill-size", "0", "--max-prefill-tokens", "8192", "--watchdog-timeout-s", "0.2",
-                          name="rb-watchdog").wait_ready()
+    server = start_server(
+        "--chunked-prefill-size", "0", "--max-prefill-tokens", "8192", "--watchdog-timeout-s", "0.2", name="rb-watchdog"
+    ).wait_ready()
     try:
         long = Background(server.url, body([100 + i % 1000 for i in range(3000)], new=1))
         seen: list[dict] = []

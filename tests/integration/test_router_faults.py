@@ -2,14 +2,16 @@
 refusing worker is retried around, clients that leave cancel both halves. Real processes, real HTTP;
 every surviving node ends with no KV page held (the workers: tests/integration/router_nodes.py).
 """
+
 from __future__ import annotations
 
 import json
 import signal
 import time
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -17,12 +19,29 @@ import pytest
 from tests.conftest import ServerProcess, metric, record_fault
 from tests.integration.faults import RawClient, wait_until
 from tests.integration.router_nodes import (  # noqa: F401  (fixtures)
-    FAST_HEALTH, LONG_RUN, NO_HEALTH_CHECKS, OVER_DECODE_SHORT, OVER_PREFILL, PROMPT, aborted, cancelled, context_error,
-    gen_body, generate, idle_after, nodes, reference, router_over, routers, served, sse_data, worker,
+    FAST_HEALTH,
+    LONG_RUN,
+    NO_HEALTH_CHECKS,
+    OVER_DECODE_SHORT,
+    OVER_PREFILL,
+    PROMPT,
+    aborted,
+    cancelled,
+    context_error,
+    gen_body,
+    generate,
+    idle_after,
+    nodes,
+    reference,
+    router_over,
+    routers,
+    served,
+    sse_data,
+    worker,
 )
 
-
 # -- a failing half cancels the other ------------------------------------------------------------
+
 
 def test_prefill_error_reaches_the_client_at_once_and_the_decode_half_is_aborted(nodes, routers):
     router = routers([nodes.decode])
@@ -33,8 +52,13 @@ def test_prefill_error_reaches_the_client_at_once_and_the_decode_half_is_aborted
     assert cancelled(router, "prefill_failed") == 1
     start = time.monotonic()
     nodes.decode.wait_idle()  # it had reserved KV for the prompt; closing its connection aborted it
-    record_fault("prefill answers an error, decode half waiting for KV", "HTTP 400: the prefill's own error", took, 0,
-                 time.monotonic() - start)
+    record_fault(
+        "prefill answers an error, decode half waiting for KV",
+        "HTTP 400: the prefill's own error",
+        took,
+        0,
+        time.monotonic() - start,
+    )
 
 
 def test_prefill_error_before_any_streamed_byte_is_a_plain_http_error(nodes, routers):
@@ -57,14 +81,25 @@ def test_decode_error_reaches_the_client_at_once_and_the_prefill_half_is_aborted
     # the prefill waits for its decode to reserve memory, so it holds the request until cancelled
     aborted_after = wait_until(lambda: aborted(nodes.prefill) == prefill_aborts + 1, 5, "the prefill to abort")
     nodes.prefill.wait_idle()
-    record_fault("decode answers an error, prefill half waiting for it", "HTTP 400: the decode's own error", took, 0, aborted_after)
+    record_fault(
+        "decode answers an error, prefill half waiting for it",
+        "HTTP 400: the decode's own error",
+        took,
+        0,
+        aborted_after,
+    )
 
 
 def test_prefill_failing_mid_stream_ends_the_stream_with_its_error_event(nodes, routers):
     """A chat stream starts (the decode sends the assistant role at once) while the prefill is frozen;
     thawed, the prefill refuses the prompt, and the client's stream ends with that error, then [DONE]."""
     router = routers([nodes.decode], *NO_HEALTH_CHECKS)
-    body = {"model": "default", "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8, "stream": True}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "word " * 600}],
+        "max_tokens": 8,
+        "stream": True,
+    }
     nodes.prefill.signal(signal.SIGSTOP)
     try:
         with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60) as r:
@@ -83,10 +118,13 @@ def test_prefill_failing_mid_stream_ends_the_stream_with_its_error_event(nodes, 
     assert error["message"].endswith(" tokens; this server's context length is 512")
     assert cancelled(router, "prefill_failed") == 1
     nodes.decode.wait_idle()
-    record_fault("prefill answers an error after the stream started", "SSE error event: the prefill's error", took, 0, None)
+    record_fault(
+        "prefill answers an error after the stream started", "SSE error event: the prefill's error", took, 0, None
+    )
 
 
 # -- the client goes away ------------------------------------------------------------------------
+
 
 def test_client_leaving_a_plain_request_cancels_it(nodes, routers):
     router = routers([nodes.decode])
@@ -117,10 +155,13 @@ def test_client_leaving_a_stream_cancels_it(nodes, routers):
 
 # -- a worker declared dead ends its requests now --------------------------------------------------
 
+
 def test_decode_failing_health_checks_ends_its_streams_and_serves_again_once_healthy(nodes, routers, reference):
     router = routers([nodes.decode], *FAST_HEALTH)
     try:
-        with httpx.stream("POST", router.url + "/generate", json=gen_body(PROMPT, LONG_RUN, stream=True), timeout=60) as r:
+        with httpx.stream(
+            "POST", router.url + "/generate", json=gen_body(PROMPT, LONG_RUN, stream=True), timeout=60
+        ) as r:
             events = sse_data(r.iter_lines())
             assert next(events)["output_ids"] == reference[:1]
             nodes.decode.signal(signal.SIGSTOP)
@@ -137,13 +178,26 @@ def test_decode_failing_health_checks_ends_its_streams_and_serves_again_once_hea
     nodes.decode.wait_idle()
     back = wait_until(lambda: worker(router, nodes.decode)["healthy"], 10, "the decode to be healthy again")
     assert generate(router, PROMPT)["output_ids"] == reference
-    record_fault("decode SIGSTOP mid-stream (1P1D, fast health checks)", f"SSE error event: {error['message'][:60]}", took, 0, back)
+    record_fault(
+        "decode SIGSTOP mid-stream (1P1D, fast health checks)",
+        f"SSE error event: {error['message'][:60]}",
+        took,
+        0,
+        back,
+    )
 
 
 def test_prefill_failing_health_checks_ends_its_requests(nodes, routers, reference):
     # 3 checks of 0.5 s must fail first: the request below reaches the router long before that
-    router = routers([nodes.decode], "--health-check-interval-s", "0.5", "--health-check-timeout-s", "0.5",
-                     "--health-failure-threshold", "3")
+    router = routers(
+        [nodes.decode],
+        "--health-check-interval-s",
+        "0.5",
+        "--health-check-timeout-s",
+        "0.5",
+        "--health-failure-threshold",
+        "3",
+    )
     nodes.prefill.signal(signal.SIGSTOP)
     try:
         stopped = time.monotonic()
@@ -167,6 +221,7 @@ def test_prefill_failing_health_checks_ends_its_requests(nodes, routers, referen
 
 # -- a killed decode (these run last: one kill, one restart) -----------------------------------------
 
+
 @dataclass
 class KilledDecode:
     stream_events: list[Any]
@@ -182,13 +237,19 @@ def decode_killed_mid_stream(nodes) -> Iterator[KilledDecode]:
     through it, one does no more health checks (it learns from refused connections), one checks health
     fast. The module restarts the decode afterwards if no test did."""
     victim = nodes.decode_short
-    routers = [router_over(nodes, [victim], *NO_HEALTH_CHECKS, name="rf-stream"),
-               router_over(nodes, [victim, nodes.decode], *NO_HEALTH_CHECKS, name="rf-retry"),
-               router_over(nodes, [victim, nodes.decode], *FAST_HEALTH, name="rf-health")]
+    routers = [
+        router_over(nodes, [victim], *NO_HEALTH_CHECKS, name="rf-stream"),
+        router_over(nodes, [victim, nodes.decode], *NO_HEALTH_CHECKS, name="rf-retry"),
+        router_over(nodes, [victim, nodes.decode], *FAST_HEALTH, name="rf-health"),
+    ]
     try:
         for r in routers[1:]:
-            wait_until(lambda: worker(r, victim)["healthy"] and worker(r, nodes.decode)["healthy"], 10, "both decodes healthy")
-        with httpx.stream("POST", routers[0].url + "/generate", json=gen_body(PROMPT, 200, stream=True), timeout=60) as resp:
+            wait_until(
+                lambda: worker(r, victim)["healthy"] and worker(r, nodes.decode)["healthy"], 10, "both decodes healthy"
+            )
+        with httpx.stream(
+            "POST", routers[0].url + "/generate", json=gen_body(PROMPT, 200, stream=True), timeout=60
+        ) as resp:
             events = sse_data(resp.iter_lines())
             first = next(events)
             victim.signal(signal.SIGKILL)
@@ -221,9 +282,22 @@ def test_a_refused_connection_is_retried_on_another_decode(nodes, decode_killed_
     # round robin: requests 1 and 2 first went to the dead decode; its 2nd refusal took it out of rotation
     assert metric(router.url, "tandem_router_retries_total") == 2
     assert cancelled(router, "decode_failed") == 2
-    record_fault("decode SIGKILLed, router not yet aware (refused)", "HTTP 200: retried on the other decode, exact tokens", None, 0, None)
-    assert worker(router, nodes.decode_short) == {"url": nodes.decode_short.url, "role": "decode", "bootstrap_port": None, "bootstrap_host": None,
-                                                  "healthy": False, "failures": 2, "in_flight": 0}
+    record_fault(
+        "decode SIGKILLed, router not yet aware (refused)",
+        "HTTP 200: retried on the other decode, exact tokens",
+        None,
+        0,
+        None,
+    )
+    assert worker(router, nodes.decode_short) == {
+        "url": nodes.decode_short.url,
+        "role": "decode",
+        "bootstrap_port": None,
+        "bootstrap_host": None,
+        "healthy": False,
+        "failures": 2,
+        "in_flight": 0,
+    }
 
 
 def test_a_killed_decode_leaves_rotation_and_serves_again_after_restart(nodes, decode_killed_mid_stream, reference):

@@ -1,14 +1,15 @@
 """`tandem router --processes 2`: two router processes serve one port, their metrics add up, a worker added or
 removed at run time reaches both, a process that dies is replaced, and stopping the router stops them all.
 The workers are benchmarks/router_mock.py processes (they answer like Tandem servers, with fixed bodies)."""
+
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -28,8 +29,11 @@ def workers() -> Iterator[dict[str, str]]:
     try:
         for name, role in (("prefill", "prefill"), ("decode", "decode"), ("decode2", "decode")):
             port = free_port()
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "router_mock.py"), "--role", role,
-                                           "--port", str(port)]))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(ROOT / "benchmarks" / "router_mock.py"), "--role", role, "--port", str(port)]
+                )
+            )
             urls[name] = f"http://127.0.0.1:{port}"
         for url in urls.values():
             wait_until(lambda: _up(url), 30, f"the mock worker {url}")
@@ -72,15 +76,38 @@ def every_process_lists(router: ServerProcess, url: str, present: bool) -> bool:
 
 def test_two_processes_share_the_port_the_metrics_and_the_worker_list(workers):
     port = free_port()
-    router = ServerProcess(["router", "--prefill", workers["prefill"], "8998", "--decode", workers["decode"], "--port", str(port),
-                            "--processes", "2", "--health-check-interval-s", "60"], port, name="router-processes",
-                           health="/readiness").wait_ready(60)
+    router = ServerProcess(
+        [
+            "router",
+            "--prefill",
+            workers["prefill"],
+            "8998",
+            "--decode",
+            workers["decode"],
+            "--port",
+            str(port),
+            "--processes",
+            "2",
+            "--health-check-interval-s",
+            "60",
+        ],
+        port,
+        name="router-processes",
+        health="/readiness",
+    ).wait_ready(60)
     try:
         pids = children(router)
         assert len(pids) == 2
-        shared = next(e.split("=", 1)[1] for e in Path(f"/proc/{pids[0]}/environ").read_text().split("\0")
-                      if e.startswith("TANDEM_ROUTER_SHARED_DIR="))
-        wait_until(lambda: all(every_process_lists(router, workers[w], True) for w in ("prefill", "decode")), 10, "both processes ready")
+        shared = next(
+            e.split("=", 1)[1]
+            for e in Path(f"/proc/{pids[0]}/environ").read_text().split("\0")
+            if e.startswith("TANDEM_ROUTER_SHARED_DIR=")
+        )
+        wait_until(
+            lambda: all(every_process_lists(router, workers[w], True) for w in ("prefill", "decode")),
+            10,
+            "both processes ready",
+        )
         before = [cpu_ticks(p) for p in pids]
         for _ in range(300):
             generate(router)
@@ -92,7 +119,10 @@ def test_two_processes_share_the_port_the_metrics_and_the_worker_list(workers):
         added = httpx.post(router.url + "/workers", json={"url": workers["decode2"], "role": "decode"}, timeout=10)
         assert added.status_code == 200 and added.json()["healthy"]
         wait_until(lambda: every_process_lists(router, workers["decode2"], True), 5, "both processes to list decode2")
-        assert httpx.request("DELETE", router.url + "/workers", json={"url": workers["decode2"]}, timeout=10).status_code == 200
+        assert (
+            httpx.request("DELETE", router.url + "/workers", json={"url": workers["decode2"]}, timeout=10).status_code
+            == 200
+        )
         wait_until(lambda: every_process_lists(router, workers["decode2"], False), 5, "both processes to drop decode2")
 
         os.kill(pids[0], signal.SIGKILL)

@@ -1,10 +1,11 @@
 """An engine server with an API key (TANDEM_API_KEY) and a 4096-byte body limit, over real HTTP:
 the key is required, checked and never shown; oversize bodies are refused however they are sent;
 every 4xx is counted in /metrics."""
+
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -51,16 +52,21 @@ def chunked(raw: bytes, piece: int = 500) -> Iterator[bytes]:
         yield raw[i : i + piece]
 
 
-@pytest.mark.parametrize("headers", [
-    pytest.param({}, id="missing"),
-    pytest.param({"Authorization": f"Basic {API_KEY}"}, id="wrong-scheme"),
-    pytest.param({"Authorization": API_KEY}, id="no-scheme"),
-    pytest.param({"Authorization": "Bearer wrong-key"}, id="wrong-key"),
-    pytest.param({"Authorization": f"Bearer {API_KEY}x"}, id="key-with-suffix"),
-    pytest.param({"Authorization": "Bearer"}, id="empty-key"),
-])
-@pytest.mark.parametrize("method,path", [("POST", "/generate"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                                         ("GET", "/get_server_info")])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param({}, id="missing"),
+        pytest.param({"Authorization": f"Basic {API_KEY}"}, id="wrong-scheme"),
+        pytest.param({"Authorization": API_KEY}, id="no-scheme"),
+        pytest.param({"Authorization": "Bearer wrong-key"}, id="wrong-key"),
+        pytest.param({"Authorization": f"Bearer {API_KEY}x"}, id="key-with-suffix"),
+        pytest.param({"Authorization": "Bearer"}, id="empty-key"),
+    ],
+)
+@pytest.mark.parametrize(
+    "method,path",
+    [("POST", "/generate"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/get_server_info")],
+)
 def test_missing_or_wrong_key_is_401_naming_authorization(server, headers, method, path):
     r = httpx.request(method, server.url + path, json=SMALL, headers=headers, timeout=30)
     assert_error(r, 401, "authorization")
@@ -71,7 +77,10 @@ def test_right_key_is_served(server):
     r = httpx.post(server.url + "/generate", json=SMALL, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["output_ids"]) == 3
-    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"}, timeout=10).status_code == 200
+    assert (
+        httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"}, timeout=10).status_code
+        == 200
+    )
 
 
 def test_health_and_metrics_need_no_key(server):
@@ -92,7 +101,9 @@ def test_key_never_leaves_the_server(server):
 def test_body_over_the_limit_is_413_however_it_is_sent(server, send):
     raw = padded_body(5000)
     content = raw if send == "content-length" else chunked(raw)
-    r = httpx.post(server.url + "/generate", content=content, headers=AUTH | {"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        server.url + "/generate", content=content, headers=AUTH | {"content-type": "application/json"}, timeout=30
+    )
     assert_error(r, 413, "body")
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
@@ -115,7 +126,9 @@ def test_every_4xx_is_counted_once_as_a_rejected_input(server):
         httpx.post(server.url + "/generate", json=SMALL, timeout=30),  # 401
         httpx.post(server.url + "/generate", content=chunked(padded_body(5000)), headers=AUTH, timeout=30),  # 413
         httpx.post(server.url + "/generate", content=b"{oops", headers=AUTH, timeout=30),  # 400
-        httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "model": "gpt-x"}, headers=AUTH, timeout=30),  # 404
+        httpx.post(
+            server.url + "/v1/completions", json={"prompt": "hi", "model": "gpt-x"}, headers=AUTH, timeout=30
+        ),  # 404
         httpx.get(server.url + "/no/such/path", headers=AUTH, timeout=30),  # 404
         httpx.get(server.url + "/generate", headers=AUTH, timeout=30),  # 405
         httpx.post(server.url + "/generate", json=SMALL, headers=AUTH, timeout=60),  # 200: not counted
@@ -124,7 +137,9 @@ def test_every_4xx_is_counted_once_as_a_rejected_input(server):
     assert [r.json()["error"]["param"] for r in answers[4:6]] == ["path", "method"]
     after = metrics(server)
     http = {"where": "http", "role": "null"}
-    assert sample(after, "tandem_rejected_inputs_total", http) == sample(before, "tandem_rejected_inputs_total", http) + 6
+    assert (
+        sample(after, "tandem_rejected_inputs_total", http) == sample(before, "tandem_rejected_inputs_total", http) + 6
+    )
     for status, n in (("401", 1), ("413", 1), ("400", 1), ("405", 1), ("200", 1)):
         labels = {"endpoint": "/generate", "status": status, "role": "null"}
         assert sample(after, "tandem_requests_total", labels) == sample(before, "tandem_requests_total", labels) + n

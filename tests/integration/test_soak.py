@@ -2,6 +2,7 @@
 streaming and not, with random client aborts and one prefill SIGKILLed and restarted in the middle.
 Zero hung requests, zero leaked pages, and every request that succeeded is token-identical to the
 monolithic server."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -49,13 +50,24 @@ class Result:
 
 def make_jobs() -> list[Job]:
     rng = random.Random(5)
-    return [Job(i, rng.randrange(len(PROMPTS)), rng.choice(NEW_TOKENS), rng.random() < 0.5,
-                rng.uniform(0.0, 0.3) if rng.random() < ABORT_RATE else None) for i in range(NUM_REQUESTS)]
+    return [
+        Job(
+            i,
+            rng.randrange(len(PROMPTS)),
+            rng.choice(NEW_TOKENS),
+            rng.random() < 0.5,
+            rng.uniform(0.0, 0.3) if rng.random() < ABORT_RATE else None,
+        )
+        for i in range(NUM_REQUESTS)
+    ]
 
 
 def run(url: str, job: Job) -> Result:
-    body = {"input_ids": PROMPTS[job.prompt], "stream": job.stream,
-            "sampling_params": {"max_new_tokens": job.new, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPTS[job.prompt],
+        "stream": job.stream,
+        "sampling_params": {"max_new_tokens": job.new, "temperature": 0, "ignore_eos": True},
+    }
     timeout = job.abort_after_s if job.abort_after_s is not None else CLIENT_TIMEOUT_S
     try:
         result = (_stream if job.stream else _post)(url, body, timeout)
@@ -96,15 +108,20 @@ def _stream(url: str, body: dict, timeout: float) -> Result:
 def expected(tiny_model_dir) -> dict[tuple[int, int], list[int]]:
     mono = start_server("--model", str(tiny_model_dir), *ENGINE, name="soak-mono").wait_ready()
     try:
-        return {(p, n): generate(mono.url, PROMPTS[p], n, sampling={"ignore_eos": True})["output_ids"]
-                for p in range(len(PROMPTS)) for n in NEW_TOKENS}
+        return {
+            (p, n): generate(mono.url, PROMPTS[p], n, sampling={"ignore_eos": True})["output_ids"]
+            for p in range(len(PROMPTS))
+            for n in NEW_TOKENS
+        }
     finally:
         mono.stop()
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_soak_with_random_aborts_and_a_prefill_restart(tiny_model_dir, expected, backend):
-    c = start_cluster(backend, n_prefill=2, n_decode=2, flags=("--model", str(tiny_model_dir), *ENGINE, *FAULTS), router_flags=ROUTER)
+    c = start_cluster(
+        backend, n_prefill=2, n_decode=2, flags=("--model", str(tiny_model_dir), *ENGINE, *FAULTS), router_flags=ROUTER
+    )
     try:
         jobs = make_jobs()
         window: dict[str, float] = {}
@@ -136,8 +153,11 @@ def test_soak_with_random_aborts_and_a_prefill_restart(tiny_model_dir, expected,
 
         kinds = Counter(r.kind for r in results)
         assert kinds["hung"] == 0, kinds
-        wrong = [(j.index, r.output_ids, expected[(j.prompt, j.new)]) for j, r in zip(jobs, results)
-                 if r.kind == "ok" and r.output_ids != expected[(j.prompt, j.new)]]
+        wrong = [
+            (j.index, r.output_ids, expected[(j.prompt, j.new)])
+            for j, r in zip(jobs, results)
+            if r.kind == "ok" and r.output_ids != expected[(j.prompt, j.new)]
+        ]
         assert wrong == [], wrong[:3]
         errors = [(j.index, r.detail, r.at) for j, r in zip(jobs, results) if r.kind == "error"]
         outside = [e for e in errors if not window["kill"] - 1 <= e[2] <= window["back"] + 5]
@@ -146,7 +166,12 @@ def test_soak_with_random_aborts_and_a_prefill_restart(tiny_model_dir, expected,
         for node in c.nodes:
             node.wait_idle()  # integrity of every pool, and no page held by anyone
         print(f"\nsoak: {dict(kinds)} in {elapsed:.1f} s; errors during the restart: {len(errors)}")
-        record_fault(f"soak ({backend}): 500 requests, 15% client aborts, prefill restart", f"{kinds['ok']} ok, {kinds['aborted']} aborted, "
-                     f"{len(errors)} errors (all during the restart), 0 hung", None, 0, window["back"] - window["kill"])
+        record_fault(
+            f"soak ({backend}): 500 requests, 15% client aborts, prefill restart",
+            f"{kinds['ok']} ok, {kinds['aborted']} aborted, {len(errors)} errors (all during the restart), 0 hung",
+            None,
+            0,
+            window["back"] - window["kill"],
+        )
     finally:
         c.stop()

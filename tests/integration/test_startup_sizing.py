@@ -1,5 +1,6 @@
 """Start-up sizing as a user meets it: the KV pool in tokens and GiB in the log, a context length the
 pool caps is stated (and reported by the API), one it cannot hold stops the server with the flags to change."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,13 +12,23 @@ from tests.conftest import ROOT, free_port, start_server
 
 
 def test_a_context_length_the_pool_cannot_hold_stops_start_up_naming_the_flags(tiny_model_dir):
-    args = ["serve", "--model", str(tiny_model_dir), "--port", str(free_port()), "--context-length", "2000",
-            "--max-total-tokens", "1024"]
+    args = [
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(free_port()),
+        "--context-length",
+        "2000",
+        "--max-total-tokens",
+        "1024",
+    ]
     out = subprocess.run([sys.executable, "-m", "tandem", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
         "tandem serve: --context-length 2000 does not fit the KV pool of 1024 tokens (at most 1008): lower "
-        "--context-length, or give the pool more room with --max-total-tokens (CPU) or --mem-fraction-static (CUDA)")
+        "--context-length, or give the pool more room with --max-total-tokens (CPU) or --mem-fraction-static (CUDA)"
+    )
 
 
 def test_a_pool_smaller_than_the_model_context_caps_it_and_says_so(tiny_model_dir):
@@ -31,7 +42,11 @@ def test_a_pool_smaller_than_the_model_context_caps_it_and_says_so(tiny_model_di
         assert info["context_length"] == 1008 and info["kv_pages"]["total"] == 64
         models = httpx.get(server.url + "/v1/models", timeout=10).json()
         assert models["data"][0]["max_model_len"] == 1008
-        r = httpx.post(server.url + "/generate", json={"input_ids": [1] * 1008, "sampling_params": {"max_new_tokens": 1}}, timeout=30)
+        r = httpx.post(
+            server.url + "/generate",
+            json={"input_ids": [1] * 1008, "sampling_params": {"max_new_tokens": 1}},
+            timeout=30,
+        )
         assert r.status_code == 400 and "context length is 1008" in r.json()["error"]["message"]
     finally:
         server.stop()

@@ -1,5 +1,6 @@
 """Mooncake (TCP) and NIXL (UCX) between two separate processes on 127.0.0.1: exact bytes, aux
 record, a prefill abort and a decode timeout; an idle NIXL agent's CPU use."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -74,8 +75,10 @@ def run_pair(backend: str, scenario: str) -> dict:
     pytest.importorskip(MODULES[backend])
     ctx = mp.get_context("spawn")
     p2d, d2p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=prefill_proc, args=(backend, p2d, d2p, scenario)),
-             ctx.Process(target=decode_proc, args=(backend, p2d, d2p, results, scenario))]
+    procs = [
+        ctx.Process(target=prefill_proc, args=(backend, p2d, d2p, scenario)),
+        ctx.Process(target=decode_proc, args=(backend, p2d, d2p, results, scenario)),
+    ]
     for p in procs:
         p.start()
     try:

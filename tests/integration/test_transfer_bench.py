@@ -1,6 +1,7 @@
 """benchmarks/transfer_bench.py run as a user runs it: it ends on its own and prints a row per backend.
 It used to hang with NIXL: the prefill process left through os._exit before its queue had sent the
 result, and the decode process waited for a "done" sent to the wrong queue."""
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,20 @@ BOUND_S = 240
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     """Run the benchmark in its own session, so that a hang kills its spawned children too."""
-    proc = subprocess.Popen([sys.executable, "benchmarks/transfer_bench.py", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "benchmarks/transfer_bench.py", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError(f"transfer_bench.py {' '.join(args)} did not finish within {BOUND_S} s")
+        raise AssertionError(f"transfer_bench.py {' '.join(args)} did not finish within {BOUND_S} s") from e
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -38,5 +45,7 @@ def test_transfer_bench_finishes_and_reports_both_backends():
     assert [r[0] for r in rows] == ["nixl", "mooncake"], done.stdout
     for r in rows:
         mib, pieces, *speeds = r[4:]
-        assert r[3] == "page-major" and mib == "90.0" and pieces == "128"  # one piece per page, none adjacent at the decode
+        assert (
+            r[3] == "page-major" and mib == "90.0" and pieces == "128"
+        )  # one piece per page, none adjacent at the decode
         assert all(float(x) > 0 for x in speeds), r

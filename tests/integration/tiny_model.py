@@ -1,5 +1,6 @@
 """A tiny random Llama (2 layers, vocab 512) saved by transformers, for tests that need many fast
 requests rather than a real model: soak, overload, memory pressure, protocol abuse."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,12 +13,23 @@ VOCAB = 512
 
 
 def save_tiny_llama(path: Path, context: int = 2048) -> Path:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=VOCAB, max_position_embeddings=context, initializer_range=0.2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=context,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token=f"t{VOCAB - 1}")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token=f"t{VOCAB - 1}"
+    )
     tok.save_pretrained(path)
     return path
 

@@ -2,6 +2,7 @@
 fake runners that write each token's id into its KV slot, real pools and role bookkeeping, real transfer
 managers on the loopback backend, a control plane whose frames the test delivers (in any order, twice,
 or never), and one fake clock. No threads: the test decides what runs when."""
+
 from __future__ import annotations
 
 import itertools
@@ -30,9 +31,17 @@ from transfer.prefill_manager import PrefillKVManager
 
 VOCAB, EOS = 1000, 999
 SECRET = "sim-secret"
-CONFIG = ServerConfig(page_size=4, max_total_tokens=4 * 40, max_running_requests=6, chunked_prefill_size=8,
-                      pairing_timeout_s=30, kv_wait_timeout_s=30, transfer_timeout_s=20, heartbeat_interval_s=2,
-                      heartbeat_misses=2)
+CONFIG = ServerConfig(
+    page_size=4,
+    max_total_tokens=4 * 40,
+    max_running_requests=6,
+    chunked_prefill_size=8,
+    pairing_timeout_s=30,
+    kv_wait_timeout_s=30,
+    transfer_timeout_s=20,
+    heartbeat_interval_s=2,
+    heartbeat_misses=2,
+)
 NUM_PAGES = CONFIG.max_total_tokens // CONFIG.page_size
 CONTEXT_LEN = 64  # a prefill computes ahead of pairing in all but 16 of the 40 pages
 
@@ -108,7 +117,9 @@ class KVRunner:
             for buf in self.buffers[:1]:
                 buf[plan.out_cache_locs[0]] = -7  # garbage in the first request's new slots, one layer
             raise RuntimeError("CUDA out of memory (simulated)")
-        tokens = torch.tensor([t for r, ext in zip(plan.reqs, plan.extend_lens) for t in r.fill_ids[r.kv_len - ext : r.kv_len]])
+        tokens = torch.tensor(
+            [t for r, ext in zip(plan.reqs, plan.extend_lens) for t in r.fill_ids[r.kv_len - ext : r.kv_len]]
+        )
         for buf in self.buffers:
             buf[torch.cat(plan.out_cache_locs)] = tokens
         ids = [(r.fill_ids[r.kv_len - 1] + 1) % VOCAB if s else None for r, s in zip(plan.reqs, plan.sample)]
@@ -125,11 +136,23 @@ class FakeTokenizer:
 
 def kv_args(buffers: list[torch.Tensor], aux: AuxPool | None = None) -> KVArgs:
     c = CONFIG
-    return KVArgs([b.data_ptr() for b in buffers], [b.numel() * 8 for b in buffers], [c.page_size * 8] * len(buffers),
-                  NUM_PAGES, c.page_size, backend="loopback", secret=SECRET, aux_ptr=aux.data_ptr if aux else 0,
-                  aux_record_bytes=RECORD_BYTES, aux_slots=aux.num_slots if aux else 0, kv_wait_timeout_s=c.kv_wait_timeout_s,
-                  transfer_timeout_s=c.transfer_timeout_s, heartbeat_interval_s=c.heartbeat_interval_s,
-                  heartbeat_misses=c.heartbeat_misses, max_queued_chunks=4)
+    return KVArgs(
+        [b.data_ptr() for b in buffers],
+        [b.numel() * 8 for b in buffers],
+        [c.page_size * 8] * len(buffers),
+        NUM_PAGES,
+        c.page_size,
+        backend="loopback",
+        secret=SECRET,
+        aux_ptr=aux.data_ptr if aux else 0,
+        aux_record_bytes=RECORD_BYTES,
+        aux_slots=aux.num_slots if aux else 0,
+        kv_wait_timeout_s=c.kv_wait_timeout_s,
+        transfer_timeout_s=c.transfer_timeout_s,
+        heartbeat_interval_s=c.heartbeat_interval_s,
+        heartbeat_misses=c.heartbeat_misses,
+        max_queued_chunks=4,
+    )
 
 
 class Side:
@@ -140,8 +163,12 @@ class Side:
         self.net, self.clock, self.mode = net, clock, mode
         self.buffers = [torch.full(((NUM_PAGES + 1) * c.page_size,), -1, dtype=torch.int64) for _ in range(2)]
         allocator = PagedAllocator(NUM_PAGES, c.page_size)
-        self.memory = MemoryManager(ReqToTokenPool(c.max_running_requests + 8, 200, "cpu"), allocator,
-                                    RadixCache(allocator, c.page_size), c.page_size)
+        self.memory = MemoryManager(
+            ReqToTokenPool(c.max_running_requests + 8, 200, "cpu"),
+            allocator,
+            RadixCache(allocator, c.page_size),
+            c.page_size,
+        )
         output = OutputProcessor(FakeTokenizer(), {EOS}, context_len=CONTEXT_LEN)
         self.runner = KVRunner(self.buffers)
         self.sched = Scheduler(c, self.runner, self.memory, output, clock=clock)

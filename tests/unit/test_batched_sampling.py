@@ -1,6 +1,7 @@
 """The batched sampler: each row keeps to its own settings in a mixed batch, draws follow the
 probabilities, seeded rows follow their own SplitMix64 stream, and the state a decode batch keeps
 across steps equals one rebuilt from the requests."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,13 +63,18 @@ def test_draws_follow_the_probabilities(seeded):
 def test_a_kept_batch_advanced_in_place_equals_one_rebuilt_from_the_requests():
     torch.manual_seed(0)
     vocab = 50
-    params = [dict(temperature=0.9, seed=7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
-              dict(temperature=1.1, top_k=10, seed=-3), dict(temperature=0.8, top_p=0.8)]
+    params = [
+        dict(temperature=0.9, seed=7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+        dict(temperature=1.1, top_k=10, seed=-3),
+        dict(temperature=0.8, top_p=0.8),
+    ]
     outputs: list[list[int]] = [[], [], []]
     kept = SamplingBatch(rows(*params), vocab, "cpu")
     for _ in range(6):
         logits = torch.randn(3, vocab)
-        rebuilt = SamplingBatch([SamplingRow(SamplingParams(**p), [1, 2], list(o)) for p, o in zip(params, outputs)], vocab, "cpu")
+        rebuilt = SamplingBatch(
+            [SamplingRow(SamplingParams(**p), [1, 2], list(o)) for p, o in zip(params, outputs)], vocab, "cpu"
+        )
         assert torch.equal(kept.steps, rebuilt.steps)
         assert torch.equal(apply_penalties(logits, kept), apply_penalties(logits, rebuilt))
         out = Sampler().sample(logits, kept)
@@ -80,7 +86,11 @@ def test_a_kept_batch_advanced_in_place_equals_one_rebuilt_from_the_requests():
 
 def test_logit_bias_moves_greedy_and_sampled_rows_but_not_their_neighbours_or_logprobs():
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]]).repeat(3, 1)
-    params = [dict(temperature=0, logit_bias={"1": -100}), dict(temperature=0), dict(temperature=1.0, seed=5, logit_bias={"3": 100})]
+    params = [
+        dict(temperature=0, logit_bias={"1": -100}),
+        dict(temperature=0),
+        dict(temperature=1.0, seed=5, logit_bias={"3": 100}),
+    ]
     batch = SamplingBatch([SamplingRow(SamplingParams(**p), [1], [], return_logprob=True) for p in params], 4, "cpu")
     out = Sampler().sample(logits, batch)
     assert out.token_ids == [2, 1, 3]

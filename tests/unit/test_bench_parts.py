@@ -1,5 +1,6 @@
 """`tandem bench` pieces without a server: stream parsing per backend, request bodies, workloads,
 arrival times, flag errors."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,25 +29,41 @@ def fold(backend: str, events: list[dict], times: list[float]) -> RequestOutput:
 
 
 def test_openai_stream_times_text_chunks_and_takes_counts_from_usage():
-    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": ""}]}, {"choices": [{"text": "b"}]},
-              {"choices": [{"text": "c", "finish_reason": "length"}]},
-              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}}}]
+    events = [
+        {"choices": [{"text": "a"}]},
+        {"choices": [{"text": ""}]},
+        {"choices": [{"text": "b"}]},
+        {"choices": [{"text": "c", "finish_reason": "length"}]},
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}},
+        },
+    ]
     out = fold("openai", events, [10.25, 10.3, 10.5, 11.0, 11.0])
     assert out.success and out.ttft == 0.25 and out.itl == [0.25, 0.5] and out.latency == 1.5
     assert (out.prompt_len, out.output_len, out.cached_tokens) == (7, 4, 2)
 
 
 def test_chat_stream_without_usage_counts_content_chunks():
-    events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]}, {"choices": [{"delta": {"content": "x"}}]},
-              {"choices": [{"delta": {"content": "y"}}]}, {"choices": [{"delta": {}, "finish_reason": "stop"}]}]
+    events = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "x"}}]},
+        {"choices": [{"delta": {"content": "y"}}]},
+        {"choices": [{"delta": {}, "finish_reason": "stop"}]},
+    ]
     out = fold("openai-chat", events, [10.1, 10.5, 10.75, 10.8])
-    assert out.ttft == 0.5 and out.itl == [0.25] and (out.prompt_len, out.output_len, out.cached_tokens) == (99, 2, None)
+    assert (
+        out.ttft == 0.5 and out.itl == [0.25] and (out.prompt_len, out.output_len, out.cached_tokens) == (99, 2, None)
+    )
 
 
 def test_sglang_stream_counts_tokens_from_cumulative_meta_info():
     meta = {"prompt_tokens": 5, "cached_tokens": 0}
-    events = [{"text": "a", "meta_info": meta | {"completion_tokens": 1}}, {"text": "a", "meta_info": meta | {"completion_tokens": 1}},
-              {"text": "ab", "meta_info": meta | {"completion_tokens": 3}}]
+    events = [
+        {"text": "a", "meta_info": meta | {"completion_tokens": 1}},
+        {"text": "a", "meta_info": meta | {"completion_tokens": 1}},
+        {"text": "ab", "meta_info": meta | {"completion_tokens": 3}},
+    ]
     out = fold("sglang", events, [10.5, 10.6, 11.0])
     assert out.ttft == 0.5 and out.itl == [0.5] and (out.prompt_len, out.output_len, out.cached_tokens) == (5, 3, 0)
 
@@ -63,15 +80,30 @@ def test_bodies_speak_each_backend():
     req = BenchRequest([5, 6, 7], "hi there", 4)
     sglang = Endpoint("http://h:1/", "sglang", None, token_ids=True, extra={"rid": "x"}).body(req)
     assert Endpoint("http://h:1/", "sglang", None, token_ids=True).url == "http://h:1/generate"
-    assert sglang == {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-                      "stream": True, "rid": "x"}
+    assert sglang == {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+        "rid": "x",
+    }
     openai = Endpoint("http://h:1", "openai", "m", token_ids=True, ignore_eos=False)
     assert openai.url == "http://h:1/v1/completions"
-    assert openai.body(req) == {"max_tokens": 4, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-                                "model": "m", "prompt": [5, 6, 7]}
+    assert openai.body(req) == {
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "model": "m",
+        "prompt": [5, 6, 7],
+    }
     chat = Endpoint("http://h:1", "openai-chat", None, token_ids=False).body(req, stream=False)
-    assert chat == {"max_tokens": 4, "temperature": 0.0, "stream": False, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": "hi there"}]}
+    assert chat == {
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "stream": False,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi there"}],
+    }
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -106,8 +138,20 @@ def test_sharegpt_mix_has_a_long_tail_within_the_context(tokenizer):
 
 
 def test_shared_prefix_groups_share_exactly_their_system_prompt(tokenizer):
-    ns = parse("--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4",
-               "--gsp-system-prompt-len", "20", "--gsp-question-len", "5", "--gsp-output-len", "2")
+    ns = parse(
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--gsp-num-groups",
+        "3",
+        "--gsp-prompts-per-group",
+        "4",
+        "--gsp-system-prompt-len",
+        "20",
+        "--gsp-question-len",
+        "5",
+        "--gsp-output-len",
+        "2",
+    )
     reqs = build_workload(ns, Workload(tokenizer, 0))
     assert len(reqs) == 12 and {(len(r.prompt_ids), r.output_len) for r in reqs} == {(25, 2)}
     prefixes = [tuple(r.prompt_ids[:20]) for r in reqs]
@@ -117,13 +161,17 @@ def test_shared_prefix_groups_share_exactly_their_system_prompt(tokenizer):
 
 def test_jsonl_prompts_are_tokenized_and_bad_lines_named(tokenizer, tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": "hello world", "output_len": 3}) + "\n\n" + json.dumps({"prompt": "hi"}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "hello world", "output_len": 3}) + "\n\n" + json.dumps({"prompt": "hi"}) + "\n"
+    )
     ns = parse("--dataset-name", "jsonl", "--dataset-path", str(path), "--random-output-len", "9")
     reqs = build_workload(ns, Workload(tokenizer, 0))
-    assert [(r.prompt_ids, r.output_len) for r in reqs] == [(tokenizer.encode("hello world", add_special_tokens=False).ids, 3),
-                                                           (tokenizer.encode("hi", add_special_tokens=False).ids, 9)]
+    assert [(r.prompt_ids, r.output_len) for r in reqs] == [
+        (tokenizer.encode("hello world", add_special_tokens=False).ids, 3),
+        (tokenizer.encode("hi", add_special_tokens=False).ids, 9),
+    ]
     path.write_text('{"prompt": "ok"}\n{"prompt": "x", "output_len": 0}\n')
-    with pytest.raises(SystemExit, match="line 2: \"output_len\" must be an integer >= 1"):
+    with pytest.raises(SystemExit, match='line 2: "output_len" must be an integer >= 1'):
         build_workload(ns, Workload(tokenizer, 0))
     with pytest.raises(SystemExit, match="needs --dataset-path"):
         build_workload(parse("--dataset-name", "jsonl"), Workload(tokenizer, 0))
@@ -137,14 +185,20 @@ def test_arrivals_are_poisson_at_the_rate_and_the_same_for_the_same_seed():
     assert arrival_times(50, 8.0, 5) == times[:50] and arrival_times(50, 8.0, 6) != times[:50]
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--goodput", "ttfb:100"], "argument --goodput: 'ttfb:100': the metric must be one of ttft, itl, tpot, e2e_latency"),
-    (["--goodput", "ttft:fast"], "argument --goodput: 'ttft:fast': give milliseconds after the colon"),
-    (["--request-rate", "0"], "argument --request-rate: '0': must be > 0 (or inf)"),
-    (["--random-range-ratio", "1.5"], "argument --random-range-ratio: '1.5': must be between 0 and 1"),
-    (["--extra-request-body", "[1]"], "argument --extra-request-body: must be a JSON object"),
-    (["--num-prompts", "0"], "argument --num-prompts: '0': must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--goodput", "ttfb:100"],
+            "argument --goodput: 'ttfb:100': the metric must be one of ttft, itl, tpot, e2e_latency",
+        ),
+        (["--goodput", "ttft:fast"], "argument --goodput: 'ttft:fast': give milliseconds after the colon"),
+        (["--request-rate", "0"], "argument --request-rate: '0': must be > 0 (or inf)"),
+        (["--random-range-ratio", "1.5"], "argument --random-range-ratio: '1.5': must be between 0 and 1"),
+        (["--extra-request-body", "[1]"], "argument --extra-request-body: must be a JSON object"),
+        (["--num-prompts", "0"], "argument --num-prompts: '0': must be >= 1"),
+    ],
+)
 def test_bad_flags_are_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse(*argv)

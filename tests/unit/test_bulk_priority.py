@@ -1,4 +1,5 @@
 """Bulk KV copies run below the threads on a first token's path (transfer/bulk_priority.py)."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,9 @@ def test_a_lowered_constructor_passes_its_error_on():
 
 
 def test_a_transfer_worker_runs_at_bulk_nice():
-    worker = TransferWorker("decode-abc123", write=lambda chunk: 0, notify=lambda *a: None,
-                            mark_failed=lambda *a: True, max_chunks=4)
+    worker = TransferWorker(
+        "decode-abc123", write=lambda chunk: 0, notify=lambda *a: None, mark_failed=lambda *a: True, max_chunks=4
+    )
     thread = next(t for t in threading.enumerate() if t.name == "kv-transfer-abc123")
     for _ in range(100):  # it lowers itself as it starts
         if nice_of(thread) == lowered():

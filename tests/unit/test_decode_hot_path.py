@@ -1,6 +1,7 @@
 """The decode hot path on a real engine (tiny model): one scheduler step does the same tensor work at
 batch 4 and batch 24 (no operation per request, no read of a single value per row) and reads results
 back to the host once; a seeded request draws the same tokens alone or in a batch that changes around it."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -15,8 +16,12 @@ from common.engine.request import Req
 from common.wire.sampling_params import SamplingParams
 from tests.integration.tiny_model import random_prompts
 
-KINDS = [dict(temperature=0), dict(temperature=0.8, top_k=20, seed=5), dict(temperature=1.0, top_p=0.9),
-         dict(temperature=0.7, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.1)]
+KINDS = [
+    dict(temperature=0),
+    dict(temperature=0.8, top_k=20, seed=5),
+    dict(temperature=1.0, top_p=0.9),
+    dict(temperature=0.7, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.1),
+]
 
 
 class OpCounter(TorchDispatchMode):

@@ -1,5 +1,6 @@
 """The engine servers' deadline on the request head (common/wire/head_deadline.py), on a real uvicorn server
 in this process with the deadline shortened to DEADLINE_S: what is closed when, and what is left alone."""
+
 from __future__ import annotations
 
 import asyncio

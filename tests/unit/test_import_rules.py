@@ -1,5 +1,6 @@
 """The import rules of docs/architecture.md, enforced: which package may import which, no torch in the
 router, the bootstrap registry, the shared HTTP edge (common.wire) or the `tandem bench` client."""
+
 from __future__ import annotations
 
 import ast
@@ -53,23 +54,29 @@ def test_packages_import_only_what_the_design_allows():
 
 def test_router_bootstrap_wire_and_bench_start_without_torch(builtin_model_dir):
     """builtin_model_dir: the built-in model is converted already, as after any server ran once."""
-    code = ("import sys, router.app, tandem.router_cli, bootstrap.server, bootstrap.client, common.wire.api, "
-            "common.wire.auth, common.wire.body, common.wire.sse, common.wire.kv_layout, tandem.bench.main, "
-            "tandem.bench.plot; tandem.bench.tokenizer.load_tokenizer('builtin'); print('torch' in sys.modules)")
+    code = (
+        "import sys, router.app, tandem.router_cli, bootstrap.server, bootstrap.client, common.wire.api, "
+        "common.wire.auth, common.wire.body, common.wire.sse, common.wire.kv_layout, tandem.bench.main, "
+        "tandem.bench.plot; tandem.bench.tokenizer.load_tokenizer('builtin'); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def module_graph() -> dict[str, set[str]]:
     """Module -> the modules of ours it imports at import time (TYPE_CHECKING and function bodies aside)."""
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for pkg in TOP for p in (ROOT / pkg).rglob("*.py")}
+    files = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for pkg in TOP
+        for p in (ROOT / pkg).rglob("*.py")
+    }
     graph = {}
     for name, path in files.items():
         found = set()
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or (
-                    isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+                isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            ):
                 continue
             for n in ast.walk(node):
                 if isinstance(n, ast.Import):
@@ -84,7 +91,9 @@ def test_no_import_cycles_between_modules():
     graph, cycles = module_graph(), []
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)) for nxt in graph[start])
+        return any(
+            nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)) for nxt in graph[start]
+        )
 
     for module, imports in graph.items():
         cycles += [f"{module} -> {other} -> ... -> {module}" for other in imports if reaches(other, module, {other})]

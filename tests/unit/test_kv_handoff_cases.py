@@ -1,6 +1,7 @@
 """Targeted scenarios of the KV handoff on the simulated PD pair of the model-based test
 (test_kv_handoff_model.py): one interleaving each, chosen by hand, with exact assertions; each ends with
 the model's teardown (every half ended within its bound, every pool back to idle)."""
+
 from __future__ import annotations
 
 import pytest
@@ -98,7 +99,6 @@ def test_requests_paired_in_the_opposite_order_do_not_wait_on_each_other():
         assert decode.finished and decode.output_ids == [prefill.prompt_ids[-1] + 1, prefill.prompt_ids[-1] + 2], name
     assert m.prefill.sched.role.queue_depths() == {"awaiting_decode": 0, "inflight": 0, "deferred": 0}
     m.teardown()
-
 
 
 def test_a_room_that_fails_during_its_last_forward_announces_no_first_token():

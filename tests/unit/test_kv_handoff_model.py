@@ -13,6 +13,7 @@ and at the end, with every process running, that each request ended within its b
 room and queue is back to idle. Set TANDEM_MODEL_SEED to explore other schedules; a failure prints its
 example (and how to reproduce it).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -73,7 +74,9 @@ class KVHandoff(RuleBasedStateMachine):
 
         side.manager._write = write
         real_batch = side.manager.backend.write_batch
-        side.manager.backend.write_batch = lambda peer, src, dst, n, *a: self._checked_write(side, peer, dst, n, real_batch, src, *a)
+        side.manager.backend.write_batch = lambda peer, src, dst, n, *a: self._checked_write(
+            side, peer, dst, n, real_batch, src, *a
+        )
         return side
 
     def _new_decode(self) -> Side:
@@ -130,7 +133,9 @@ class KVHandoff(RuleBasedStateMachine):
         self.pairs.append(pair)
 
     def _req(self, prompt: list[int], max_new: int, rendezvous: Rendezvous) -> Req:
-        req = Req("same-rid-for-all", prompt, SamplingParams(max_new_tokens=max_new, temperature=0), rendezvous=rendezvous)
+        req = Req(
+            "same-rid-for-all", prompt, SamplingParams(max_new_tokens=max_new, temperature=0), rendezvous=rendezvous
+        )
         req.arrival_time = self.clock.now
         return req
 
@@ -188,7 +193,9 @@ class KVHandoff(RuleBasedStateMachine):
         for p in self.pairs:
             for failed, other in (("prefill", "decode"), ("decode", "prefill")):
                 req = getattr(p, failed)
-                if (not getattr(p, f"{failed}_side").alive or (req.finished and req.finish.type == "abort")) and not p.ended(other):
+                if (
+                    not getattr(p, f"{failed}_side").alive or (req.finished and req.finish.type == "abort")
+                ) and not p.ended(other):
                     getattr(p, f"{other}_side").sched.abort(getattr(p, other), f"{failed} half failed")
 
     @rule()
@@ -234,7 +241,9 @@ class KVHandoff(RuleBasedStateMachine):
                 assert kv[node.value].tolist() == node.key, "the prefix cache holds KV that was not computed"
             for req in side.sched.decode.running:
                 slots = side.memory.req_pool.req_to_token[req.req_pool_idx, : req.kv_computed_len].to(torch.int64)
-                assert kv[slots].tolist() == req.fill_ids[: req.kv_computed_len], f"request {req.rendezvous.room}: KV corrupted"
+                assert kv[slots].tolist() == req.fill_ids[: req.kv_computed_len], (
+                    f"request {req.rendezvous.room}: KV corrupted"
+                )
 
     @invariant()
     def successful_requests_have_the_monolithic_tokens(self) -> None:
@@ -282,12 +291,18 @@ class KVHandoff(RuleBasedStateMachine):
         dec_role, pre = self.decode.sched.role, self.prefill.manager
         workers_busy = any(w.chunks or w.owed for w in pre.workers.alive())
         owned_rooms = [r for r in pre.table.snapshot() if r.owned]
-        return not (dec_role.inbound or self.decode.manager.table.rooms or workers_busy or owned_rooms or self.net.deliverable())
+        return not (
+            dec_role.inbound or self.decode.manager.table.rooms or workers_busy or owned_rooms or self.net.deliverable()
+        )
 
 
 KVHandoff.TestCase.settings = settings(
-    max_examples=int(os.environ.get("TANDEM_MODEL_EXAMPLES", "1500")), stateful_step_count=50, deadline=None,
-    derandomize="TANDEM_MODEL_SEED" not in os.environ, database=None, print_blob=True,
+    max_examples=int(os.environ.get("TANDEM_MODEL_EXAMPLES", "1500")),
+    stateful_step_count=50,
+    deadline=None,
+    derandomize="TANDEM_MODEL_SEED" not in os.environ,
+    database=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 if "TANDEM_MODEL_SEED" in os.environ:
@@ -295,4 +310,3 @@ if "TANDEM_MODEL_SEED" in os.environ:
 
     KVHandoff.TestCase = seed(int(os.environ["TANDEM_MODEL_SEED"]))(KVHandoff.TestCase)
 TestKVHandoff = KVHandoff.TestCase
-

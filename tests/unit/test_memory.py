@@ -1,4 +1,5 @@
 """Pools, the page allocator and the radix cache, without a model."""
+
 from __future__ import annotations
 
 import random
@@ -75,9 +76,9 @@ def test_kv_pool_is_page_major_and_one_buffer():
     # every byte of page 2 lies in [2 * page_bytes, 3 * page_bytes) of the buffer: one transfer piece
     flat = pool.buffer.view(-1)
     per_page = page_bytes // 4
-    assert torch.equal(flat[2 * per_page:3 * per_page].view(3, 2, 4, 2, 8)[1, 0, 1], k[1])
-    assert torch.equal(flat[2 * per_page:3 * per_page].view(3, 2, 4, 2, 8)[1, 1, 1], -k[1])
-    assert flat[:per_page].abs().sum() == 0 and flat[3 * per_page:].abs().sum() == 0
+    assert torch.equal(flat[2 * per_page : 3 * per_page].view(3, 2, 4, 2, 8)[1, 0, 1], k[1])
+    assert torch.equal(flat[2 * per_page : 3 * per_page].view(3, 2, 4, 2, 8)[1, 1, 1], -k[1])
+    assert flat[:per_page].abs().sum() == 0 and flat[3 * per_page :].abs().sum() == 0
 
 
 def test_req_to_token_pool_alloc_free_and_exhaustion():

@@ -1,4 +1,5 @@
 """KV pool and context length sizing from given memory figures (no GPU needed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,10 @@ def test_cpu_pool_is_the_default_or_max_total_tokens():
     plan = plan_kv_pool(16, 1000, None, None, 0.85)
     assert (plan.tokens, plan.num_pages) == (16384, 1024)
     assert plan.total_bytes == 1025 * 16 * 1000  # the padding page included
-    assert plan.describe() == "KV pool: 16384 tokens (1024 pages x 16), 15.6 MiB, the CPU default (--max-total-tokens 16384)"
+    assert (
+        plan.describe()
+        == "KV pool: 16384 tokens (1024 pages x 16), 15.6 MiB, the CPU default (--max-total-tokens 16384)"
+    )
     plan = plan_kv_pool(16, 1000, 8200, None, 0.85)
     assert (plan.tokens, plan.num_pages) == (8192, 512)
 
@@ -24,8 +28,10 @@ def test_cuda_pool_takes_total_times_fraction_minus_what_is_used():
     assert plan.num_pages == (int(budget // LLAMA3_8B_BF16) - 16) // 16 == 56063
     assert plan.tokens == 897008
     assert plan.total_bytes <= budget < plan.total_bytes + 2 * 16 * LLAMA3_8B_BF16
-    assert plan.describe() == ("KV pool: 897008 tokens (56063 pages x 16), 109.50 GiB, "
-                               "--mem-fraction-static 0.9 of 140.0 GiB with 16.5 GiB in use after the weights")
+    assert plan.describe() == (
+        "KV pool: 897008 tokens (56063 pages x 16), 109.50 GiB, "
+        "--mem-fraction-static 0.9 of 140.0 GiB with 16.5 GiB in use after the weights"
+    )
 
 
 def test_max_total_tokens_caps_the_cuda_pool_and_says_so():
@@ -48,5 +54,7 @@ def test_context_length_fits_is_capped_with_a_warning_or_is_an_error():
     length, warning = plan_context_len(131072, None, pool)
     assert length == 8176 and "capped to 8176" in warning and "--max-total-tokens" in warning
     assert plan_context_len(131072, 8000, pool) == (8000, None)
-    with pytest.raises(PoolSizingError, match="--context-length 9000 does not fit.*--max-total-tokens.*--mem-fraction-static"):
+    with pytest.raises(
+        PoolSizingError, match="--context-length 9000 does not fit.*--max-total-tokens.*--mem-fraction-static"
+    ):
         plan_context_len(131072, 9000, pool)

@@ -1,11 +1,12 @@
 """What keeps the PD path's added latency low, without a model: the scheduler thread sleeps until
 something wakes it (no 2 ms polling), control messages and the end of a transfer wake it, and the last
 chunk of a room goes out with its aux record in one backend batch."""
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -77,7 +78,9 @@ def test_a_room_request_a_transfer_end_and_a_status_each_wake_their_scheduler():
     prefill_woken = woken(prefill)
     # the first token comes ahead of the status and wakes the decode too: this waits for the status's wake
     decode_woken = woken(dec, lambda: receiver.room.status_received)
-    dec.manager.register_with(prefill.manager.endpoint, prefill.manager.instance_id)  # its own frame (which wakes too): out of the way first
+    dec.manager.register_with(
+        prefill.manager.endpoint, prefill.manager.instance_id
+    )  # its own frame (which wakes too): out of the way first
     wait_for(lambda: dec.manager.instance_id in prefill.manager.peers)
     prefill_woken.clear()
     receiver.init([2, 3], aux_slot=1)
@@ -97,7 +100,10 @@ def test_the_last_chunk_goes_out_with_its_aux_record_in_one_batch():
         buf.copy_(buf.new_tensor(range(buf.numel())).view_as(buf) + 1000 * i)
     batches: list[list[int]] = []
     real = prefill.manager.backend.write_batch
-    prefill.manager.backend.write_batch = lambda peer, src, dst, n, *a: (batches.append(dst), real(peer, src, dst, n, *a))
+    prefill.manager.backend.write_batch = lambda peer, src, dst, n, *a: (
+        batches.append(dst),
+        real(peer, src, dst, n, *a),
+    )
     sender = KVSender(prefill.manager, 32)
     receiver = KVReceiver(dec.manager, 32, prefill.manager.endpoint, prefill.manager.instance_id)
     receiver.init([7, 8, 9], aux_slot=2)
@@ -114,7 +120,9 @@ def test_the_last_chunk_goes_out_with_its_aux_record_in_one_batch():
     assert dec.aux[2].tolist() == list(range(AUX_BYTES))
 
 
-@pytest.mark.parametrize("event", ["room_request_received", "chunk_queued", "chunk_written", "aux_written", "status_sent"])
+@pytest.mark.parametrize(
+    "event", ["room_request_received", "chunk_queued", "chunk_written", "aux_written", "status_sent"]
+)
 def test_the_prefill_side_of_a_room_marks_its_requests_timeline(event):
     prefill, dec = Side("prefill"), Side("decode")
     marks: list[str] = []

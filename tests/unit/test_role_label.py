@@ -1,4 +1,5 @@
 """Every sample of a process's /metrics carries the process's role (common/wire/prometheus.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,10 +1,11 @@
 """The router's HTTP/1.1 client against scripted servers on 127.0.0.1: every way of framing an answer, answers
 cut into pieces at every byte, connection reuse, a stale pooled connection, and each failure it reports."""
+
 from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -63,7 +64,12 @@ def test_content_length_answers_in_pieces_reuse_one_connection():
     async def client(pool, _):
         for _ in range(3):
             resp = await post(pool)
-            assert (resp.status, resp.header("X-A"), resp.header("nope"), await resp.read()) == (200, "b", None, b'{"ok": 123}')
+            assert (resp.status, resp.header("X-A"), resp.header("nope"), await resp.read()) == (
+                200,
+                "b",
+                None,
+                b'{"ok": 123}',
+            )
             resp.close()
 
     assert run(script, client) == [0]
@@ -135,8 +141,14 @@ def test_a_fresh_connection_closed_unanswered_is_an_error():
     assert run(script, client) == [0]
 
 
-@pytest.mark.parametrize("answer", [b"HTTP/1.1 2x0 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-                                    b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 2x0 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+    ],
+)
 def test_malformed_or_cut_answers_are_connection_lost(answer):
     async def script(reader, writer, _):
         await read_request(reader)

@@ -1,5 +1,6 @@
 """Router pieces without processes: config from flags and environment, worker health bookkeeping,
 SSE framing, upstream error bodies, forwarded bodies, merged prompt logprobs."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,26 @@ def test_flags_win_over_environment_and_environment_over_defaults(monkeypatch):
     monkeypatch.setenv("TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS", "7")
     monkeypatch.setenv("TANDEM_ROUTER_HEALTH_CHECK_TIMEOUT_S", "0.5")
     monkeypatch.setenv("TANDEM_API_KEY", "from-env")
-    config = config_from_args(["--prefill", "http://p:1/", "9000", "--prefill", "http://q:2", "--decode", "http://d:3/",
-                               "--max-concurrent-requests", "3"])
+    config = config_from_args(
+        [
+            "--prefill",
+            "http://p:1/",
+            "9000",
+            "--prefill",
+            "http://q:2",
+            "--decode",
+            "http://d:3/",
+            "--max-concurrent-requests",
+            "3",
+        ]
+    )
     assert config.max_concurrent_requests == 3 and config.health_check_timeout_s == 0.5 and config.api_key == "from-env"
     assert [(p.url, p.bootstrap_port) for p in config.prefill] == [("http://p:1", 9000), ("http://q:2", 8998)]
-    assert config.decode == ["http://d:3"] and config.health_failure_threshold == 2 and config.health_check_interval_s == 5.0
+    assert (
+        config.decode == ["http://d:3"]
+        and config.health_failure_threshold == 2
+        and config.health_check_interval_s == 5.0
+    )
 
 
 def test_bad_values_are_refused(monkeypatch):
@@ -54,8 +70,10 @@ def test_a_worker_leaves_rotation_at_the_threshold_ending_its_calls_and_returns_
     assert w.healthy and call.ended_by == [] and w.failures == 1
     registry.mark(w, False, "GET /health timed out after 2 s")
     assert not w.healthy and registry.healthy("decode") == []
-    assert w.down_reason == ("decode worker http://d:1 failed health checks and was taken out of rotation "
-                             "(2 failures in a row; the last: GET /health timed out after 2 s)")
+    assert w.down_reason == (
+        "decode worker http://d:1 failed health checks and was taken out of rotation "
+        "(2 failures in a row; the last: GET /health timed out after 2 s)"
+    )
     assert call.ended_by == [w.down_reason]
     w.calls.discard(call)  # what the call does when it closes
     registry.mark(w, True)
@@ -64,8 +82,15 @@ def test_a_worker_leaves_rotation_at_the_threshold_ending_its_calls_and_returns_
     w.calls.add(later)
     registry.mark(w, False, "GET /health answered HTTP 500")
     assert later.ended_by == [] and call.ended_by == [call.ended_by[0]]  # one failure: still in rotation
-    assert w.to_dict() == {"url": "http://d:1", "role": "decode", "bootstrap_port": None, "bootstrap_host": None,
-                           "healthy": True, "failures": 1, "in_flight": 0}
+    assert w.to_dict() == {
+        "url": "http://d:1",
+        "role": "decode",
+        "bootstrap_port": None,
+        "bootstrap_host": None,
+        "healthy": True,
+        "failures": 1,
+        "in_flight": 0,
+    }
 
 
 def test_sse_framer_passes_whole_events_only_and_notices_done():
@@ -77,11 +102,19 @@ def test_sse_framer_passes_whole_events_only_and_notices_done():
 
 def test_a_worker_error_body_passes_through_and_anything_else_is_wrapped():
     w = WorkerRegistry(2).add("http://d:1", "decode")
-    own = answered_error(w, 503, b'{"error": {"message": "full", "type": "overloaded_error", "code": 503, "param": null}}')
+    own = answered_error(
+        w, 503, b'{"error": {"message": "full", "type": "overloaded_error", "code": 503, "param": null}}'
+    )
     assert own.body["error"]["message"] == "full" and own.retriable and own.cause == DECODE_FAILED
     other = answered_error(w, 404, b'{"detail": "Not Found"}')
-    assert other.body == {"error": {"message": 'decode worker http://d:1 answered HTTP 404: {"detail": "Not Found"}',
-                                    "type": "upstream_error", "code": 404, "param": None}}
+    assert other.body == {
+        "error": {
+            "message": 'decode worker http://d:1 answered HTTP 404: {"detail": "Not Found"}',
+            "type": "upstream_error",
+            "code": 404,
+            "param": None,
+        }
+    }
     assert not other.retriable
 
 
@@ -102,16 +135,32 @@ def test_forwarded_bodies_are_the_clients_bytes_plus_bootstrap_fields_which_win(
 def test_prompt_logprobs_go_into_every_generate_event_and_the_first_completion_event_of_each_choice():
     lps = [[None, 5, None], [-0.5, 6, None]]
     gen = PromptLogprobs("/generate", json.dumps({"meta_info": {"input_token_logprobs": lps}}).encode())
-    events = gen.events(b'data: {"meta_info": {"input_token_logprobs": [[null, 5, null], [null, 6, null]]}, "index": 0}\n\n'
-                        b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n')
+    events = gen.events(
+        b'data: {"meta_info": {"input_token_logprobs": [[null, 5, null], [null, 6, null]]}, "index": 0}\n\n'
+        b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n'
+    )
     first, error, done = events.split(b"\n\n")[:3]
     assert json.loads(first[6:])["meta_info"]["input_token_logprobs"] == lps
     assert (error, done) == (b'data: {"error": {"message": "m"}}', b"data: [DONE]")
-    prefill = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, -0.5, -0.1], "top_logprobs": [None, {"a": -0.5}, {"b": -0.1}]}}],
-               "usage": {"prompt_tokens": 2}}
+    prefill = {
+        "choices": [
+            {
+                "index": 0,
+                "logprobs": {"token_logprobs": [None, -0.5, -0.1], "top_logprobs": [None, {"a": -0.5}, {"b": -0.1}]},
+            }
+        ],
+        "usage": {"prompt_tokens": 2},
+    }
     comp = PromptLogprobs("/v1/completions", json.dumps(prefill).encode())
-    first = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, None, -0.2], "top_logprobs": [None, {}, {"c": -0.2}]}}]}
+    first = {
+        "choices": [
+            {"index": 0, "logprobs": {"token_logprobs": [None, None, -0.2], "top_logprobs": [None, {}, {"c": -0.2}]}}
+        ]
+    }
     later = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None], "top_logprobs": [{}]}}]}
     merged = [json.loads(e[6:]) for e in comp.events(sse_event(first) + sse_event(later)).split(b"\n\n")[:2]]
-    assert merged[0]["choices"][0]["logprobs"] == {"token_logprobs": [None, -0.5, -0.2], "top_logprobs": [None, {"a": -0.5}, {"c": -0.2}]}
+    assert merged[0]["choices"][0]["logprobs"] == {
+        "token_logprobs": [None, -0.5, -0.2],
+        "top_logprobs": [None, {"a": -0.5}, {"c": -0.2}],
+    }
     assert merged[1] == later  # the prompt came with the first event only

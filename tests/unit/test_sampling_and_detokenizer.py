@@ -1,4 +1,5 @@
 """Sampling parameters, the sampler and the incremental detokenizer."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,13 @@ from common.wire.sampling_params import SamplingParams
 
 
 def row(prompt=(), output=(), seed=None, logprobs=0, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(seed=seed, **params), list(prompt), list(output), top_logprobs_num=logprobs,
-                       return_logprob=logprobs > 0)
+    return SamplingRow(
+        SamplingParams(seed=seed, **params),
+        list(prompt),
+        list(output),
+        top_logprobs_num=logprobs,
+        return_logprob=logprobs > 0,
+    )
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]):
@@ -26,14 +32,27 @@ def penalize(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "params,field",
-    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-     ({"max_new_tokens": -1}, "max_new_tokens"), ({"n": 0}, "n"), ({"top_k": 0}, "top_k"),
-     ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"), ({"unknown": 1}, "unknown"),
-     ({"max_new_tokens": "2"}, "max_new_tokens"), ({"temperature": "0.5"}, "temperature"), ({"seed": 1.0}, "seed"),
-     ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens"),
-     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
-     ({"logit_bias": {"1": 100.5}}, "logit_bias"), ({"logit_bias": {"1": True}}, "logit_bias"),
-     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias")],
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"n": 0}, "n"),
+        ({"top_k": 0}, "top_k"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"unknown": 1}, "unknown"),
+        ({"max_new_tokens": "2"}, "max_new_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"seed": 1.0}, "seed"),
+        ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"1": True}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+    ],
 )
 def test_invalid_sampling_params_name_the_field(params, field):
     with pytest.raises(ValidationError) as e:
@@ -63,7 +82,11 @@ def test_tiny_top_p_keeps_only_the_best_token():
     probs = torch.tensor([0.1, 0.6, 0.3])
     assert top_p_filter(probs, 0.01).tolist() == [0.0, pytest.approx(0.6), 0.0]
     assert top_p_filter(probs, 0.7).tolist() == [0.0, pytest.approx(0.6), pytest.approx(0.3)]
-    assert top_p_filter(probs, 1e-136).tolist() == [0.0, pytest.approx(0.6), 0.0]  # below float32's range (found by fuzzing)
+    assert top_p_filter(probs, 1e-136).tolist() == [
+        0.0,
+        pytest.approx(0.6),
+        0.0,
+    ]  # below float32's range (found by fuzzing)
 
 
 def test_min_p_never_samples_a_token_below_the_threshold():
@@ -98,7 +121,9 @@ def tokenizer(builtin_model_dir):
     return AutoTokenizer.from_pretrained(builtin_model_dir)
 
 
-@pytest.mark.parametrize("text", ["Héllo wörld, ça va? 🎉🚀 done", "日本語のテキストと中文", "plain ascii text", "emoji 👩‍👩‍👧 family"])
+@pytest.mark.parametrize(
+    "text", ["Héllo wörld, ça va? 🎉🚀 done", "日本語のテキストと中文", "plain ascii text", "emoji 👩‍👩‍👧 family"]
+)
 def test_incremental_decoding_equals_full_decoding_and_never_emits_half_characters(tokenizer, text):
     ids = tokenizer.encode(text)
     detok = IncrementalDetokenizer(tokenizer)

@@ -1,5 +1,6 @@
 """The scheduler with real pools and a fake model runner: batching, chunking, prefix reuse,
 retraction and aborts, with pool integrity checked after every step."""
+
 from __future__ import annotations
 
 import pytest
@@ -201,7 +202,13 @@ class PagesElsewhere(Role):
     back at its `give_back_at`-th poll; says they are coming back only when `returning`."""
 
     def __init__(self, s: Scheduler, pages: int, give_back_at: int, returning: bool):
-        self.s, self.held, self.give_back_at, self.returning, self.polls = s, s.memory.allocator.alloc(pages), give_back_at, returning, 0
+        self.s, self.held, self.give_back_at, self.returning, self.polls = (
+            s,
+            s.memory.allocator.alloc(pages),
+            give_back_at,
+            returning,
+            0,
+        )
 
     def poll(self) -> None:
         self.polls += 1

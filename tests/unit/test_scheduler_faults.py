@@ -1,6 +1,7 @@
 """The scheduler under faults it must contain: clients that repeat identifiers, a forward that fails
 half way through a prompt, an error while handling one request, a step that never returns, a thread
 that dies. Real pools, the fake runner of test_scheduler."""
+
 from __future__ import annotations
 
 import threading
@@ -112,7 +113,10 @@ def test_watchdog_reports_a_dead_scheduler_thread():
     thread = SchedulerThread(s, watchdog_timeout_s=60.0)
     thread.start()
     thread._thread.join(5)
-    assert "the scheduler thread died" in thread.health_problem() and "the interpreter is going down" in thread.health_problem()
+    assert (
+        "the scheduler thread died" in thread.health_problem()
+        and "the interpreter is going down" in thread.health_problem()
+    )
 
 
 def test_a_step_that_raises_fails_the_tracked_requests_and_the_loop_goes_on():

@@ -1,11 +1,12 @@
 """scripts/setup.sh picks the CPU or CUDA builds (TANDEM_DEVICE, else nvidia-smi), as a dry run."""
+
 from __future__ import annotations
 
 import os
 import subprocess
-import tomllib
 
 import pytest
+import tomllib
 
 from tests.conftest import ROOT
 
@@ -36,7 +37,9 @@ def test_pyproject_states_the_builds_per_device():
     assert set(e["cuda12"]) == {"flashinfer-python", "mooncake-transfer-engine", "nixl-cu12"}
 
 
-@pytest.mark.parametrize("device,gpus,extra", [("cpu", None, "cpu"), ("cuda", None, "cuda"), (None, True, "cuda"), (None, False, "cpu")])
+@pytest.mark.parametrize(
+    "device,gpus,extra", [("cpu", None, "cpu"), ("cuda", None, "cuda"), (None, True, "cuda"), (None, False, "cpu")]
+)
 def test_the_device_picks_the_extra(tmp_path, device, gpus, extra):
     out = dry_run(tmp_path, device, gpus)
     assert f"[setup] installing the {extra} builds" in out

@@ -1,19 +1,14 @@
 """The transfer layer's bounds and guards (loopback backend, real ZMQ on 127.0.0.1): a full transfer
 queue, a transfer thread that dies, duplicate rooms, replayed and misattributed frames, a decode whose
 registered layout differs, and the write fence of a prefill that was frozen."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from tests.unit.test_transfer_protocol import (
-    AUX_BYTES,
-    Side,
-    block_writes_to,
-    start_room,
-    wait_for,
-)
+from tests.unit.test_transfer_protocol import AUX_BYTES, Side, block_writes_to, start_room, wait_for
 from transfer.messages import ReplayGuard, RoomRequest, Status, encode, open_frame
 from transfer.poll import DuplicateRoom, KVPoll
 from transfer.receiver import KVReceiver

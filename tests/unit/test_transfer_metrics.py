@@ -1,10 +1,11 @@
 """The transfer layer's metrics (loopback backend, real ZMQ on 127.0.0.1), read from the Prometheus text
 a server would expose: one room's latency on each side, and for every failure cause a scenario that
 fails one room and increments that cause, and nothing else, on each side."""
+
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -70,11 +71,15 @@ def test_a_room_that_succeeds_is_counted_and_timed_once_on_each_side(sides):
         assert m["tandem_kv_transfer_events_total"]["rooms_succeeded"] == 1 and failures(side) == {}
         assert m["tandem_kv_transfer_latency_seconds_count"][""] == 1
         assert 0.2 <= m["tandem_kv_transfer_latency_seconds_sum"][""] < 5
-        assert m["tandem_kv_transfer_latency_seconds_bucket"]["0.1"] == 0 and m["tandem_kv_transfer_latency_seconds_bucket"]["5.0"] == 1
+        assert (
+            m["tandem_kv_transfer_latency_seconds_bucket"]["0.1"] == 0
+            and m["tandem_kv_transfer_latency_seconds_bucket"]["5.0"] == 1
+        )
     assert scrape(prefill)["tandem_kv_transfer_events_total"]["bytes_sent"] == 2 * sum(prefill.args.bytes_per_page)
 
 
 # -- one scenario per cause: drive it, wait until both sides are done with the room -----------------
+
 
 def queue_full(prefill: Side, dec: Side) -> None:
     prefill.manager.args.max_queued_chunks = 1
@@ -205,7 +210,9 @@ CASES: list[tuple[Scenario, dict, dict, dict[str, int], dict[str, int]]] = [
 ]
 
 
-@pytest.mark.parametrize(("scenario", "prefill_kw", "decode_kw", "on_prefill", "on_decode"), CASES, ids=[c[0].__name__ for c in CASES])
+@pytest.mark.parametrize(
+    ("scenario", "prefill_kw", "decode_kw", "on_prefill", "on_decode"), CASES, ids=[c[0].__name__ for c in CASES]
+)
 def test_each_failure_is_counted_once_under_its_cause(sides, scenario, prefill_kw, decode_kw, on_prefill, on_decode):
     prefill, dec = sides("prefill", **prefill_kw), sides("decode", **decode_kw)
     scenario(prefill, dec)
@@ -213,7 +220,9 @@ def test_each_failure_is_counted_once_under_its_cause(sides, scenario, prefill_k
     assert failures(prefill) == on_prefill
     assert failures(dec) == on_decode
     events = {side: scrape(side)["tandem_kv_transfer_events_total"] for side in (prefill, dec)}
-    assert events[prefill]["rooms_failed"] == sum(n for c, n in on_prefill.items() if c not in ("duplicate", "refused_layout"))
+    assert events[prefill]["rooms_failed"] == sum(
+        n for c, n in on_prefill.items() if c not in ("duplicate", "refused_layout")
+    )
     assert events[dec]["rooms_failed"] == sum(n for c, n in on_decode.items() if c != "duplicate")
 
 

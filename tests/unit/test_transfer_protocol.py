@@ -1,5 +1,6 @@
 """The transfer layer without a model: run grouping, triples, KVPoll, message validation, and a full
 prefill -> decode room over the loopback backend with exact bytes."""
+
 from __future__ import annotations
 
 import threading
@@ -50,9 +51,14 @@ def test_poll_state_only_moves_up_and_failed_wins():
 
 @pytest.mark.parametrize(
     "raw",
-    [b"\x00garbage", msgpack.packb({"type": "request", "room": 1}), msgpack.packb({"type": "nope"}),
-     msgpack.packb([1, 2]), encode(RoomRequest(1, "d", [1, "x"], 0), None)[:-3],
-     msgpack.packb([msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""}), b""])[:-1]],
+    [
+        b"\x00garbage",
+        msgpack.packb({"type": "request", "room": 1}),
+        msgpack.packb({"type": "nope"}),
+        msgpack.packb([1, 2]),
+        encode(RoomRequest(1, "d", [1, "x"], 0), None)[:-3],
+        msgpack.packb([msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""}), b""])[:-1],
+    ],
 )
 def test_garbage_and_truncated_messages_are_rejected(raw):
     with pytest.raises(BadMessage):
@@ -94,15 +100,32 @@ def test_wrong_field_types_are_rejected():
 class Side:
     """A fake pool (torch buffers) plus a manager, on 127.0.0.1 with the loopback backend."""
 
-    def __init__(self, mode: str, secret: str | None = None, backend: str = "loopback", timeout: float = 2.0,
-                 heartbeat_s: float = 5.0):
+    def __init__(
+        self,
+        mode: str,
+        secret: str | None = None,
+        backend: str = "loopback",
+        timeout: float = 2.0,
+        heartbeat_s: float = 5.0,
+    ):
         self.k = [torch.zeros((PAGES + 1) * PAGE, 8, dtype=torch.float32) for _ in range(2 * LAYERS)]
         self.aux = torch.zeros(4, AUX_BYTES, dtype=torch.uint8)
         bpp = PAGE * 8 * 4
-        self.args = KVArgs([b.data_ptr() for b in self.k], [b.numel() * 4 for b in self.k], [bpp] * len(self.k),
-                           PAGES, PAGE, backend=backend, secret=secret, aux_ptr=self.aux.data_ptr(),
-                           aux_record_bytes=AUX_BYTES, aux_slots=4, kv_wait_timeout_s=timeout,
-                           heartbeat_interval_s=heartbeat_s, heartbeat_misses=2)
+        self.args = KVArgs(
+            [b.data_ptr() for b in self.k],
+            [b.numel() * 4 for b in self.k],
+            [bpp] * len(self.k),
+            PAGES,
+            PAGE,
+            backend=backend,
+            secret=secret,
+            aux_ptr=self.aux.data_ptr(),
+            aux_record_bytes=AUX_BYTES,
+            aux_slots=4,
+            kv_wait_timeout_s=timeout,
+            heartbeat_interval_s=heartbeat_s,
+            heartbeat_misses=2,
+        )
         self.manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(self.args)
 
     def page(self, buf: int, p: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """`tandem up` on GPUs: which GPU each process gets (planned from given GPU lists), how processes sharing
 a GPU split --mem-fraction-static and start in turn, how the visible GPUs are found."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,12 @@ def children(*args: str):
 def test_enough_gpus_give_every_engine_process_its_own():
     kids, by_name, engines = children("--num-prefill", "2", "--num-decode", "2")
     lines = plan_gpus(engines, ["0", "1", "2", "3"], 0.85)
-    assert [by_name[n].env["CUDA_VISIBLE_DEVICES"] for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")] == ["0", "1", "2", "3"]
+    assert [by_name[n].env["CUDA_VISIBLE_DEVICES"] for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")] == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ]
     assert lines == ["prefill-0 -> GPU 0", "prefill-1 -> GPU 1", "decode-0 -> GPU 2", "decode-1 -> GPU 3"]
     assert "CUDA_VISIBLE_DEVICES" not in by_name["router"].env
     assert all("--mem-fraction-static" not in c.argv and c.after is None for c in kids)
@@ -35,9 +41,16 @@ def test_fewer_gpus_are_shared_in_turn_with_a_cumulative_fraction():
     _, by_name, engines = children("--num-prefill", "2", "--num-decode", "2", "--", "--mem-fraction-static", "0.8")
     lines = plan_gpus(engines, ["4", "7"], base_fraction(by_name["prefill-0"].argv))
     assert {n: by_name[n].env["CUDA_VISIBLE_DEVICES"] for n in by_name if n != "router"} == {
-        "prefill-0": "4", "prefill-1": "7", "decode-0": "4", "decode-1": "7"}
+        "prefill-0": "4",
+        "prefill-1": "7",
+        "decode-0": "4",
+        "decode-1": "7",
+    }
     assert by_name["prefill-0"].argv[-2:] == ["--mem-fraction-static", "0.4000"] and by_name["prefill-0"].after is None
-    assert by_name["decode-0"].argv[-2:] == ["--mem-fraction-static", "0.8000"] and by_name["decode-0"].after == "prefill-0"
+    assert (
+        by_name["decode-0"].argv[-2:] == ["--mem-fraction-static", "0.8000"]
+        and by_name["decode-0"].after == "prefill-0"
+    )
     assert lines[1] == "decode-0 -> GPU 4, shared by 2 processes (--mem-fraction-static 0.8000, starts after prefill-0)"
 
 
@@ -66,8 +79,14 @@ def test_visible_gpus_come_from_cuda_visible_devices_or_nvidia_smi(tmp_path, mon
 
 def test_up_with_cuda_and_no_visible_gpu_says_what_to_do():
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-m", "tandem", "up", "--device", "cuda"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem", "up", "--device", "cuda"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "[up] --device cuda but no GPU is visible" in out.stdout and "use --device cpu" in out.stdout
 

@@ -1,5 +1,6 @@
 """The loader: weights built empty in the target dtype, filled from (sharded) safetensors piece by piece,
 equal to transformers' own load; bad checkpoints are clear errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,16 @@ from common.model.loader import load_hf_config, load_model
 
 
 def save(path, tied: bool, shard: str = "5GB") -> None:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=300, tie_word_embeddings=tied, architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=tied,
+        architectures=["LlamaForCausalLM"],
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size=shard)
 

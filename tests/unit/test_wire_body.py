@@ -1,4 +1,5 @@
 """Request bodies at the HTTP edge: the size limit, the deadline and the encoding of read_limited."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,9 +41,15 @@ def test_a_compressed_body_is_a_415_before_any_byte_is_read():
     with pytest.raises(UnsupportedEncoding) as e:
         asyncio.run(read_limited({"content-encoding": "gzip", "content-length": "30"}, never(), 1024))
     assert e.value.status == 415
-    assert e.value.to_dict() == {"error": {
-        "message": "Content-Encoding 'gzip' is not supported: send the request body uncompressed (no Content-Encoding "
-                   "header, or identity)", "type": "invalid_request_error", "code": 415, "param": "content-encoding"}}
+    assert e.value.to_dict() == {
+        "error": {
+            "message": "Content-Encoding 'gzip' is not supported: send the request body uncompressed (no Content-Encoding "
+            "header, or identity)",
+            "type": "invalid_request_error",
+            "code": 415,
+            "param": "content-encoding",
+        }
+    }
 
 
 def test_identity_encoding_is_read_as_sent():

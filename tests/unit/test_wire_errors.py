@@ -1,5 +1,6 @@
 """A request the engine failed leaves with the error type its status says: client errors are never typed
 as internal, a failed or late PD peer reads as upstream / timeout."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,11 +10,21 @@ from common.server.serving import raise_if_failed
 from common.wire.errors import TandemError, error_for_status
 
 
-@pytest.mark.parametrize("status,type_", [
-    (400, "invalid_request_error"), (404, "not_found_error"), (409, "conflict_error"), (422, "invalid_request_error"),
-    (499, "aborted"), (500, "internal_error"), (502, "upstream_error"), (503, "unavailable_error"),
-    (504, "timeout_error"), (507, "internal_error"),
-])
+@pytest.mark.parametrize(
+    "status,type_",
+    [
+        (400, "invalid_request_error"),
+        (404, "not_found_error"),
+        (409, "conflict_error"),
+        (422, "invalid_request_error"),
+        (499, "aborted"),
+        (500, "internal_error"),
+        (502, "upstream_error"),
+        (503, "unavailable_error"),
+        (504, "timeout_error"),
+        (507, "internal_error"),
+    ],
+)
 def test_a_failed_requests_status_picks_its_error_type(status, type_):
     e = error_for_status("why", status)
     assert e.to_dict() == {"error": {"message": "why", "type": type_, "code": status, "param": None}}

@@ -1,4 +1,5 @@
 """The data-plane seam: register memory, learn peers, write batches of (src, dst, nbytes)."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -18,7 +19,9 @@ class TransferBackend(ABC):
         """Learn how to reach a peer; idempotent."""
 
     @abstractmethod
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
+    def write_batch(
+        self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False
+    ) -> None:
         """Copy every src range into the peer's dst range and return when all have landed; raise on
         failure. Any number of pieces: the backend splits them as its engine requires.
         on_device: both sides are GPU memory (KV on CUDA) rather than host memory (aux records)."""
@@ -27,7 +30,9 @@ class TransferBackend(ABC):
         """Release engine resources."""
 
 
-def make_backend(name: str, host: str, protocol: str = "tcp", device: str = "", timeout_s: float = 60.0) -> TransferBackend:
+def make_backend(
+    name: str, host: str, protocol: str = "tcp", device: str = "", timeout_s: float = 60.0
+) -> TransferBackend:
     """`timeout_s` bounds one write_batch call: it raises instead of waiting longer on a stuck peer."""
     if name == "mooncake":
         from transfer.backends.mooncake import MooncakeBackend

@@ -1,4 +1,5 @@
 """In-process memmove: for unit tests of everything above the data plane. Never a server default."""
+
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +18,8 @@ class LoopbackBackend(TransferBackend):
         if address != b"loopback":
             raise ValueError("the loopback backend only reaches its own process")
 
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
+    def write_batch(
+        self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False
+    ) -> None:
         for s, d, n in zip(src, dst, nbytes):
             ctypes.memmove(d, s, n)

@@ -3,6 +3,7 @@
 initialize() takes positional arguments only; peers are named by their session id "host:rpc_port".
 Intra-node NVLink on CUDA builds is MC_INTRANODE_NVLINK=true (never protocol "nvlink" on x86).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,9 @@ class MooncakeBackend(TransferBackend):
         self.engine = TransferEngine()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
-            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed with {rc}")
+            raise RuntimeError(
+                f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed with {rc}"
+            )
         self._address = f"{host}:{self.engine.get_rpc_port()}".encode()
         self.sessions: dict[str, str] = {}
 
@@ -42,7 +45,9 @@ class MooncakeBackend(TransferBackend):
     def add_peer(self, peer_id: str, address: bytes) -> None:
         self.sessions[peer_id] = address.decode()
 
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
+    def write_batch(
+        self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False
+    ) -> None:
         # The sync call polls for completion in C++ without ever sleeping (GIL released): the Python API
         # has no non-blocking status for a whole batch (transfer_check_status sees its first piece only).
         session = self.sessions[peer_id]

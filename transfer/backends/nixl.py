@@ -1,6 +1,7 @@
 """NIXL with its UCX backend (UCX_TLS picks tcp / cuda_ipc / rc). Peers exchange agent metadata over
 the control plane. A process that created a UCX agent can crash at interpreter exit: servers leave
 through os._exit after close()."""
+
 from __future__ import annotations
 
 import time
@@ -62,7 +63,9 @@ class NixlBackend(TransferBackend):
         if peer_id not in self.peers:
             self.peers[peer_id] = self.agent.add_remote_agent(address)
 
-    def write_batch(self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False) -> None:
+    def write_batch(
+        self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False
+    ) -> None:
         if not src:
             return
         mem = "VRAM" if on_device else "DRAM"
