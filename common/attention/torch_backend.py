@@ -1,4 +1,5 @@
-"""Reference attention on any device: gather each request's KV slots, then SDPA."""
+"""Reference attention on any device: gather each request's KV slots (dequantized when the pool is FP8),
+then SDPA. Serves MHA pools and MLA's latent pool (one KV head; V narrower than K)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class TorchAttention(AttentionBackend):
                 q[:, :, None, :], keys, vals, attn_mask=self._decode_mask, scale=self.scaling, enable_gqa=True
             )
             return out[:, :, 0, :]
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # MLA: V (the latent) is narrower than Q and K
         for start, ext, kv_at, mask in self._extend:
             # 4-d like transformers': SDPA's 3-d path rounds bf16 differently
             keys = pool.k_at(layer_id, kv_at).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
