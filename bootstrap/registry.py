@@ -34,8 +34,11 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "transfer_backend": (str,),
     "instance_id": (str,),
+    "model_id": (str,),
+    "attention": (str,),
+    "kv_scales": (str,),
 }
-DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": ""}
+DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "model_id": "", "attention": "mha", "kv_scales": "none"}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024

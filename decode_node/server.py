@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.wire.kv_layout import kv_layout
@@ -12,6 +14,8 @@ from transfer.aux_record import RECORD_BYTES
 from transfer.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
 
+log = logging.getLogger(__name__)
+
 
 def build_decode_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> DecodeRole:
@@ -20,7 +24,9 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         manager = DecodeKVManager(args)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
+        layout = kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id)
+        log.info("KV layout: %s", layout)
+        peers = PeerDirectory(layout, config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)
         return DecodeRole(engine.scheduler, manager, aux, peers.find, engine.hf_config.vocab_size, config)
 

@@ -35,6 +35,7 @@ from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import PoolPlan, plan_context_len, plan_kv_pool
+from common.model.identity import model_identity
 from common.model.kv_scales import read_kv_scales
 from common.model.loader import load_hf_config, load_model, resolve_model_dir
 from common.model.locate import display_name
@@ -52,6 +53,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
+        self.model_id = model_identity(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
