@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import ServerConfig  # noqa: E402
+from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.request import Req  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = [

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from common.core.attention_spec import AttentionSpec
 from common.memory.kv_pool import KVPool, kv_bytes_per_token
 from common.memory.mla_pool import MLAPool
-from common.model.registry import AttentionSpec
 
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 

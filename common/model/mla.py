@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch
 from common.model.llama import RMSNorm
 from common.model.rotary import apply_rotary, rope_parameters
 

@@ -3,11 +3,9 @@ pool and the attention backend are built for)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from transformers import PretrainedConfig
 
+from common.core.attention_spec import AttentionSpec
 from common.model.deepseek import DeepseekForCausalLM
 from common.model.llama import LlamaForCausalLM
 from common.model.mla import mla_scaling
@@ -35,20 +33,6 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[arch]
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """mha: K and V per KV head. mla: one KV "head" per token, the latent (v_head_dim = kv_lora_rank wide)
-    followed by the rope key; attention reads V as the latent, the first v_head_dim of K."""
-
-    kind: Literal["mha", "mla"]
-    num_layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int  # of Q and K as attention sees them
-    v_head_dim: int
-    scaling: float
 
 
 def attention_spec(config: PretrainedConfig) -> AttentionSpec:

@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from common.core.attention_spec import AttentionSpec
 from common.memory.kv_pool import KVPool
 from common.memory.mla_pool import MLAPool
 from common.memory.pool_factory import kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.model.kv_scales import read_kv_scales
-from common.model.registry import AttentionSpec
 from common.wire.kv_layout import kv_layout, layout_mismatch
 
 
