@@ -5,7 +5,7 @@ sequences back (teacher forcing: the prompt plus the 256 tokens as one prefill, 
 through its pool) and reports, over the 256 positions, how often its top-1 token is the reference token
 and the mean |logprob difference| of the reference token against the unquantized cache.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/fp8_kv_accuracy.py [--tokens 256]
+    PYTHONPATH=. .venv/bin/python benchmarks/fp8_kv_accuracy.py [--tokens 256] [--prompts 4]
 """
 
 from __future__ import annotations
@@ -58,17 +58,21 @@ def read_back(engine: Engine, prompts: list[list[int]], outs: list[list[int]]) -
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     args = ap.parse_args()
+    texts = PROMPTS[: args.prompts]
     results, ref_outs, prompts = {}, None, None
     for kv in ("auto", "fp8_e4m3", "fp8_e5m2"):
         engine = Engine(ServerConfig(kv_cache_dtype=kv, max_total_tokens=8192, chunked_prefill_size=128))
         if ref_outs is None:
-            prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+            prompts = [engine.tokenizer.encode(p) for p in texts]
             ref_outs = reference(engine, prompts, args.tokens)
+            print("reference generated", file=sys.stderr, flush=True)
         results[kv] = read_back(engine, prompts, ref_outs)
+        print(f"{kv} read back", file=sys.stderr, flush=True)
         engine.stop()
     base = results["auto"]
-    print(f"| KV cache | top-1 agreement ({len(PROMPTS)} x {args.tokens} tokens) | mean abs logprob diff |")
+    print(f"| KV cache | top-1 agreement ({len(texts)} x {args.tokens} tokens) | mean abs logprob diff |")
     print("|---|---|---|")
     for kv, seqs in results.items():
         agree = total = 0
