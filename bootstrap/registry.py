@@ -38,7 +38,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "attention": (str,),
     "kv_scales": (str,),
 }
-DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "model_id": "", "attention": "mha", "kv_scales": "none"}
+DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": ""}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024
