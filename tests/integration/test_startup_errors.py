@@ -95,11 +95,16 @@ def busy_port() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def results(busy_port, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+def gpt2_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gpt2")
+    (path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(busy_port, gpt2_dir) -> dict[str, subprocess.CompletedProcess]:
     """Every case's command, run side by side."""
-    gpt2 = tmp_path_factory.mktemp("gpt2")
-    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    commands = {name: args for name, (args, _, _) in cases(busy_port, gpt2).items()}
+    commands = {name: args for name, (args, _, _) in cases(busy_port, gpt2_dir).items()}
     commands["debug"] = ["-m", "tandem", "serve", "--model", "/nonexistent/model", "--log-level", "debug"]
     commands["bug"] = ["-c", BUG, "serve"]
     procs = {
@@ -110,13 +115,12 @@ def results(busy_port, tmp_path_factory) -> dict[str, subprocess.CompletedProces
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=120)
         out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout.decode(), stderr.decode())
-    out["cases"] = cases(busy_port, gpt2)
     return out
 
 
 @pytest.mark.parametrize("name", list(cases(0, Path())))
-def test_a_user_error_is_one_line_naming_the_flag_and_a_nonzero_exit(results, name):
-    _, code, line = results["cases"][name]
+def test_a_user_error_is_one_line_naming_the_flag_and_a_nonzero_exit(results, busy_port, gpt2_dir, name):
+    _, code, line = cases(busy_port, gpt2_dir)[name]
     done = results[name]
     assert (done.returncode, done.stderr) == (code, line + "\n"), done.stderr[-3000:]
 
