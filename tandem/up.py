@@ -133,7 +133,7 @@ def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
     """The user's mistakes that show before any process starts: counts, serve flags after `--` (their
     values, and the ones `tandem up` sets itself), the model, every port the cluster will listen on."""
     for flag, n in (("--num-prefill", ns.num_prefill), ("--num-decode", ns.num_decode)):
-        if n < 1:
+        if n < 1 and ns.mode == "pd":
             raise UserError(f"{flag} {n}: a PD cluster needs at least 1 (or --mode monolithic)")
     for flag in ns.extra:
         if flag.split("=")[0] in UP_SETS:
