@@ -7,7 +7,8 @@ pairs), from its own body or from any fixture it uses, through any chain of test
 tests the fast tier keeps carry `@pytest.mark.smoke`.
 
 Hypothesis example counts come from the profile that TANDEM_HYPOTHESIS_PROFILE names (`full` when unset);
-a test's own `settings` leaves `max_examples` to the profile.
+a test's own `settings` leaves `max_examples` to the profile (the HTTP fuzz scales it: its four phases
+share one test's timeout).
 """
 
 from __future__ import annotations
