@@ -127,7 +127,7 @@ def send_room(manager, room: int, pages: int, chunks: int) -> tuple[float, list[
     elapsed = time.perf_counter() - t0
     if s.poll() != KVPoll.Success:
         raise RuntimeError(f"room {room} failed: {s.failure_reason}")
-    dst_pages = s.room.request.dst_pages
+    dst_pages = s.room.room_request.dst_pages
     s.release()
     return elapsed, dst_pages
 
@@ -152,11 +152,15 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
     try:
         for room in range(repeat + 1):  # the three alternate, so load from other processes hits them alike
             elapsed, dst_pages = send_room(manager, room, pages, chunks)
-            peer = manager.peers[decode_id]
-            pieces = chunk_triples(a.kv_ptrs, peer.kv_ptrs, a.bytes_per_page, range(1, pages + 1), dst_pages)
+            registration = manager.registrations[decode_id]
+            pieces = chunk_triples(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, range(1, pages + 1), dst_pages)
             raw = nan
             if layout == "page-major":  # pages 1.. of one pool into pages 1.. of the other, one piece
-                one = [a.kv_ptrs[0] + a.bytes_per_page[0]], [peer.kv_ptrs[0] + peer.bytes_per_page[0]], [total]
+                one = (
+                    [a.kv_ptrs[0] + a.bytes_per_page[0]],
+                    [registration.kv_ptrs[0] + registration.bytes_per_page[0]],
+                    [total],
+                )
                 raw = timed(write, decode_id, *one, a.on_cuda)
             row = elapsed, raw, timed(write, decode_id, *pieces, a.on_cuda)
             if room:  # the first round warms up connections

@@ -17,7 +17,7 @@ less one longest request (the context length) and all rows but one, so a paired 
 memory once the paired ones before it have sent their KV. Past that bound a request is `deferred`: it
 holds nothing and joins the prefill queue when its decode pairs (SGLang's order).
 
-    deferred --(decode paired, or the bound has room)--> prefill queue (computed ahead while unpaired)
+    deferred --(decode paired, or the bound has space)--> prefill queue (computed ahead while unpaired)
 
 A request with max_new_tokens 0 needs no decode: it is computed like a monolithic one, no room.
 
@@ -76,12 +76,12 @@ class PrefillRole(Role):
         if req.params.max_new_tokens == 0:
             return False  # nothing to hand over: computed here, answered here
         try:
-            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.rendezvous.room, req.timeline.mark))
+            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.rendezvous.room_id, req.timeline.mark))
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True
         self.deferred.append(req)
-        self._start_deferred()  # computed at once, while the decode reserves its pages, if the bound has room
+        self._start_deferred()  # computed at once, while the decode reserves its pages, if the bound has space
         return True
 
     def poll(self) -> None:
@@ -91,7 +91,7 @@ class PrefillRole(Role):
 
     def _start_deferred(self) -> None:
         """Queue for prefill every deferred request whose decode paired, and each unpaired one (in order)
-        that the bound on computing ahead still has room for."""
+        that the bound on computing ahead still has space for."""
         for req in list(self.deferred):
             if not self.outbound[req].paired:
                 pages = self._pages(len(req.prompt_ids) + min(req.params.max_new_tokens, 16))  # PrefillQueue's reserve
@@ -124,7 +124,7 @@ class PrefillRole(Role):
         elif not out.paired and self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
             self.scheduler.fail(
                 req,
-                f"no decode server reserved memory for room {req.rendezvous.room} "
+                f"no decode server reserved memory for room {req.rendezvous.room_id} "
                 f"within {self.config.pairing_timeout_s:g} s",
                 504,
             )
@@ -138,7 +138,7 @@ class PrefillRole(Role):
         if sampled is not None:  # the last chunk goes with the aux record, once the first token is known
             token, logprob, top = sampled
             out.aux = AuxRecord(
-                req.rendezvous.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top
+                req.rendezvous.room_id, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top
             ).pack()
         self._flush(req, out)  # first: the decode's first token waits on it
         if sampled is None or req.finished:

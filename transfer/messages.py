@@ -57,7 +57,7 @@ class Register:
 
 @dataclass
 class RoomRequest:
-    room: int
+    room_id: int
     decode_id: str
     dst_pages: list[int]
     aux_slot: int
@@ -65,7 +65,7 @@ class RoomRequest:
 
 @dataclass
 class Abort:
-    room: int
+    room_id: int
     decode_id: str
     reason: str
 
@@ -82,7 +82,7 @@ class Pong:
 
 @dataclass
 class Status:
-    room: int
+    room_id: int
     ok: bool
     reason: str
 
@@ -92,7 +92,7 @@ class FirstToken:
     """The room's aux record (first sampled token), sent as soon as it is known, ahead of the KV: the
     decode may stream the token before the pages land; the same record still comes with the KV."""
 
-    room: int
+    room_id: int
     record: bytes
 
 
@@ -116,7 +116,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "aux_ptr": (int,),
     "aux_record_bytes": (int,),
     "aux_slots": (int,),
-    "room": (int,),
+    "room_id": (int,),
     "dst_pages": (list,),
     "aux_slot": (int,),
     "reason": (str,),
@@ -240,7 +240,7 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
 
 
 def _check_ranges(msg: Any) -> None:
-    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room < 2**63:
+    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room_id < 2**63:
         raise BadMessage("room out of range")
     if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):

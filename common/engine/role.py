@@ -35,7 +35,7 @@ class Role:
         return False
 
     def memory_returning(self) -> bool:
-        """Whether pages of ended requests come back soon with no one's action (a decode's draining
+        """Whether pages of ended requests come back soon with no one's action (a decode's quarantined
         rooms, each within its bound): the scheduler then waits for them rather than failing a running
         request that the pool cannot fit."""
         return False

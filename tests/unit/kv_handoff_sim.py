@@ -19,7 +19,7 @@ from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from decode_node.peers import Peer
+from decode_node.peers import PeerInfo
 from decode_node.role import DecodeRole
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
@@ -203,7 +203,7 @@ class Side:
                     pass
 
 
-def done_future(result: Peer | None = None, error: Exception | None = None) -> Future:
+def done_future(result: PeerInfo | None = None, error: Exception | None = None) -> Future:
     f: Future = Future()
     f.set_exception(error) if error is not None else f.set_result(result)
     return f

@@ -80,7 +80,7 @@ def test_each_side_imports_only_its_own_transfer_files():
 def test_router_bootstrap_wire_and_bench_start_without_torch(builtin_model_dir):
     """builtin_model_dir: the built-in model is converted already, as after any server ran once."""
     code = (
-        "import sys, router.app, tandem.router_cli, bootstrap.server, bootstrap.client, common.wire.api, "
+        "import sys, router.app, tandem.router_cli, bootstrap.app, bootstrap.client, common.wire.api, "
         "common.wire.auth, common.wire.body, common.wire.sse, common.wire.kv_layout, tandem.bench.main, "
         "tandem.bench.plot; tandem.bench.tokenizer.load_tokenizer('builtin'); print('torch' in sys.modules)"
     )

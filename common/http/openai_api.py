@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
-from common.server.serving import (
+from common.http.serving import (
     Choice,
     GenInput,
     check_input,

@@ -27,7 +27,7 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url
         if bootstrap_url is None:
-            from bootstrap.server import start_in_thread
+            from bootstrap.app import start_in_thread
 
             registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret)
             engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
