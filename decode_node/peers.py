@@ -86,13 +86,13 @@ class PeerDirectory:
         """Blocking, uncached; waits a while for a prefill that has not registered yet."""
         url = f"http://{rendezvous.bootstrap_host}:{rendezvous.bootstrap_port}"
         # a named instance was healthy when the router picked it: if it is gone, it is not coming back
-        deadline = time.monotonic() + (INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S)
+        wait_s = INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S
+        deadline = time.monotonic() + wait_s
         while (entry := self._lookup(url, rendezvous.prefill_instance_id)) is None:
             if time.monotonic() > deadline:
-                what = (
-                    f"prefill {rendezvous.prefill_instance_id}" if rendezvous.prefill_instance_id else "no prefill rank"
-                )
-                raise RuntimeError(f"{what} registered at bootstrap {url} within {REGISTER_WAIT_S:.0f} s")
+                iid = rendezvous.prefill_instance_id
+                what = f"prefill {iid} was not" if iid else "no prefill rank was"
+                raise RuntimeError(f"{what} registered at bootstrap {url} within {wait_s:g} s")
             time.sleep(0.2)
         mismatch = layout_mismatch(self.layout, entry)
         if mismatch:

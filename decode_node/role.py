@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from common.config import ServerConfig
 from common.core.request import FinishReason, Req, ReqStatus
-from common.engine.role import Role
-from common.engine.scheduler import Scheduler
+from common.engine.prefill_queue import decode_reserve
+from common.engine.role import Role, SchedulerView
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
 from decode_node.peers import PeerInfo
@@ -61,9 +61,11 @@ class Inbound:
 
 
 class DecodeRole(Role):
+    mode = "decode"
+
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: SchedulerView,
         kv_manager: DecodeKVManager,
         aux_pool: AuxPool,
         lookup: Lookup,
@@ -73,18 +75,13 @@ class DecodeRole(Role):
         self.scheduler, self.kv_manager, self.aux_pool = scheduler, kv_manager, aux_pool
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
         self.instance_id = kv_manager.instance_id
-        kv_manager.wake_scheduler = scheduler.wake
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
         self.quarantined: list[Req] = []  # ended; their pages wait until no write can land in them
         self.inbound: dict[Req, Inbound] = {}
 
     def admit(self, req: Req) -> bool:
-        if req.rendezvous is None:
-            self.scheduler.fail(
-                req, "a decode server needs bootstrap_host/port/room: send requests through the router", 400
-            )
-        elif req.params.max_new_tokens == 0:
+        if req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
             lookup = self.lookup(req.rendezvous)  # done already when the peer directory knew the answer
@@ -140,11 +137,15 @@ class DecodeRole(Role):
             self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
             return True
         memory, n = self.scheduler.memory, len(req.prompt_ids)
-        starved = self.scheduler.starved_since is not None  # returning pages go to the running batch first
-        if starved or self.scheduler.slots_left() <= 0 or not memory.can_admit() or not self.aux_pool.can_alloc():
+        if (
+            self.scheduler.starved()
+            or self.scheduler.rows_left() <= 0
+            or not memory.can_admit()
+            or not self.aux_pool.can_alloc()
+        ):
             return False
         memory.admit(req, 0)
-        if not memory.can_extend(req, n + min(req.params.max_new_tokens, 16)):
+        if not memory.can_extend(req, n + decode_reserve(req)):
             memory.release(req)
             return False
         memory.extend(req, n)
@@ -176,7 +177,7 @@ class DecodeRole(Role):
             return
         inb.committed_ahead = raw
         req.prefix_hit_len = rec.cached_tokens
-        inb.finish_ahead = self.scheduler.output.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
+        inb.finish_ahead = self.scheduler.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
 
     def _kv_arrived(self, req: Req, inb: Inbound) -> None:
         raw = self.aux_pool.read(inb.aux_slot)
@@ -195,7 +196,7 @@ class DecodeRole(Role):
         if inb.finish_ahead is not None:
             self.scheduler.finish(req, inb.finish_ahead)
         else:
-            self.scheduler.decode.add(req)
+            self.scheduler.join_decode(req)
 
     def _valid_record(self, req: Req, raw: bytes) -> AuxRecord | None:
         """The aux record, or None after failing the request (502) when it is unusable."""

@@ -6,8 +6,10 @@ and counted.
     decode -> prefill  request   per room: destination pages and aux slot
     decode -> prefill  abort     per room: stop sending (prefill answers with a status once no write is in flight)
     decode -> prefill  ping      every heartbeat interval, to each prefill it waits on
-    prefill -> decode  pong      the answer to a ping
-    prefill -> decode  status    per room: ok or failed(reason), after the last write of that room
+    prefill -> decode  pong         the answer to a ping
+    prefill -> decode  first_token  per room: its aux record (first sampled token), once the last chunk is queued,
+                                    ahead of the KV
+    prefill -> decode  status       per room: ok or failed(reason), after the last write of that room
 
 Frame: msgpack [body, mac]; mac = HMAC-SHA256(cluster secret, body), empty without a secret, so the
 secret itself never crosses the wire. The signed body carries an envelope: the sender's instance id, a

@@ -11,20 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from common.core.request import GenInput
 from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.guard import CountingGuard
-from common.http.serving import (
-    Choice,
-    GenInput,
-    check_input,
-    collect,
-    new_rid,
-    raise_if_failed,
-    stream_choices,
-    tokenize_text,
-)
+from common.http.serving import Choice, check_input, collect, new_rid, raise_if_failed, stream_choices, tokenize_text
 from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body

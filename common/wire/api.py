@@ -37,6 +37,16 @@ class Rendezvous:
         return replace(self, room_id=(self.room_id + index) % 2**63)
 
 
+def rendezvous_problem(mode: str, rendezvous: Rendezvous | None) -> str | None:
+    """Why a server in `mode` cannot serve a request with this rendezvous, or None: a prefill or decode
+    server serves only what a router paired (it added the bootstrap fields)."""
+    if mode in ("prefill", "decode") and rendezvous is None:
+        return (
+            f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests through the router"
+        )
+    return None
+
+
 class PDFields(BaseModel):
     """Injected by the router (SGLang's PD convention, plus the prefill's instance id); absent in
     monolithic use."""

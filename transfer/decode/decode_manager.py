@@ -58,7 +58,7 @@ class DecodeKVManager(KVManager):
         room.mark("status_received")
         self.liveness.seen(room.prefill_endpoint, envelope.sent_at)
         if not msg.ok:
-            self.fail_room(room, msg.reason, "peer_failed")
+            self.mark_failed(room, msg.reason, "peer_failed")
         elif room.poll.advance(KVPoll.Success) and room.requested_at is not None:
             self.counters["rooms_succeeded"] += 1
             self.metrics.latency.observe(self.clock() - room.requested_at)
@@ -74,14 +74,6 @@ class DecodeKVManager(KVManager):
             raise
         room.mark = mark
         return room
-
-    def fail_room(self, room: DecodeRoomState, reason: str, cause: str) -> bool:
-        """Fail the room, counted by `cause` (transfer.metrics.CAUSES); False if it had already ended."""
-        if not room.poll.fail(reason):
-            return False
-        self.counters["rooms_failed"] += 1
-        self.metrics.failed(cause)
-        return True
 
     def forget(self, room: DecodeRoomState) -> None:
         self.table.forget(room)
@@ -134,7 +126,7 @@ class DecodeKVManager(KVManager):
             if room.prefill_endpoint == peer and not room.status_received:
                 if room.requested:  # its pages come back once the prefill's write fence has closed
                     room.prefill_dead_at = now
-                self.fail_room(room, reason, "peer_dead")
+                self.mark_failed(room, reason, "peer_dead")
         self.registered_with.pop(peer, None)
         self.control.drop(peer)
         for callback in self.on_peer_dead:

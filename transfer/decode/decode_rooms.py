@@ -1,4 +1,5 @@
-"""The decode's table of rooms: one entry per request waiting for a prefill's KV (or, quarantined, for its last write).
+"""The decode's table of rooms: one entry per request waiting for a prefill's KV (or, quarantined, for the
+last write that may still land).
 
 When may a room's pages be reused? Only when no write of the prefill can land in them any more:
 

@@ -41,7 +41,7 @@ class KVReceiver:
     def poll(self) -> KVPoll:
         s = self.room.poll
         if not s.done and self.deadline is not None and self.manager.clock() > self.deadline:
-            self.manager.fail_room(
+            self.manager.mark_failed(
                 self.room, f"no KV arrived within {self.manager.args.kv_wait_timeout_s:g} s", "timeout"
             )
         return s.state
@@ -65,7 +65,7 @@ class KVReceiver:
 
     def abort(self, reason: str) -> None:
         """Stop waiting; ask the prefill to stop writing (it confirms with a status)."""
-        self.manager.fail_room(self.room, reason, "aborted")
+        self.manager.mark_failed(self.room, reason, "aborted")
         if not (self.writes_settled or self.abort_sent or self.room.prefill_dead_at is not None):
             self.abort_sent = True
             self.manager.send(self.prefill_endpoint, Abort(self.room_id, self.manager.instance_id, reason))

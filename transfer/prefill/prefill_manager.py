@@ -41,7 +41,7 @@ class PrefillKVManager(KVManager):
 
     def _make_worker(self, decode_id: str) -> TransferWorker:
         return TransferWorker(
-            decode_id, self._write, self._notify, self._mark_failed, self.args.max_queued_chunks, self.threaded
+            decode_id, self._write, self._notify, self.mark_failed, self.args.max_queued_chunks, self.threaded
         )
 
     # -- messages ------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class PrefillKVManager(KVManager):
     def fail_room(self, room: PrefillRoomState, reason: str, cause: str) -> None:
         """Fail the room (`cause`: one of transfer.metrics.CAUSES); if a decode waits on it, its worker
         tells it once no write is in flight."""
-        if self._mark_failed(room, reason, cause) and room.room_request is not None:
+        if self.mark_failed(room, reason, cause) and room.room_request is not None:
             self.workers.owe_failure(room.room_request.decode_id, room)
 
     def announce_first_token(self, room: PrefillRoomState, record: bytes) -> None:
@@ -157,14 +157,6 @@ class PrefillKVManager(KVManager):
         if chunk.room.first_chunk_at is None:
             chunk.room.first_chunk_at = self.clock()
         self.workers.submit(chunk.room.room_request.decode_id, chunk)
-
-    def _mark_failed(self, room: PrefillRoomState, reason: str, cause: str) -> bool:
-        if not room.poll.fail(reason):
-            return False
-        self.counters["rooms_failed"] += 1
-        self.metrics.failed(cause)
-        self.wake_scheduler()
-        return True
 
     # -- data plane (on a worker) --------------------------------------------------------------
     def _write(self, chunk: Chunk) -> None:
