@@ -14,9 +14,10 @@ from transformers import AutoConfig, PretrainedConfig
 
 from common.model.kv_scales import is_kv_scale
 from common.model.llama import LlamaForCausalLM
-from common.model.locate import converted_dir, existing_model_dir, gguf_source
+from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source
 from common.model.registry import model_class
 from common.model.weights import fill_from_shard, plan_shards, read_header
+from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,8 @@ def convert_gguf(gguf: Path, name: str) -> Path:
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(model_dir)
-    try:
-        model_class(config)
-    except ValueError as e:
-        raise ValueError(f"{model_dir}: {e}") from None
-    return config
+    check_architecture(model_dir)  # also for a converted GGUF, whose architecture shows only now
+    return AutoConfig.from_pretrained(model_dir)
 
 
 def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
@@ -66,7 +63,7 @@ def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, de
     piece of a tensor at a time: no float32 stage and no second copy of the model in host memory."""
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+        raise UserError(f"--model {model_dir}: no *.safetensors weights; give the directory that holds them")
     with torch.device("meta"):
         model = model_class(config)(config)
     materialize(model, dtype, device)
