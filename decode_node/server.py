@@ -20,7 +20,9 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         manager = DecodeKVManager(args)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
+        peers = PeerDirectory(
+            kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret, tls=config.peer_tls
+        )
         manager.on_peer_dead.append(peers.invalidate)
         return DecodeRole(engine.scheduler, manager, aux, peers.find, engine.hf_config.vocab_size, config)
 

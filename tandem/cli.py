@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     boot.add_argument(
         "--cluster-secret", default=os.environ.get("TANDEM_CLUSTER_SECRET"), help="[env TANDEM_CLUSTER_SECRET]"
     )
+    boot.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate")
+    boot.add_argument("--ssl-keyfile", help="the certificate's private key (default: in --ssl-certfile)")
 
     ns = parser.parse_args(argv)
     if ns.command == "serve":
@@ -53,8 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         run_bench(ns)
     elif ns.command == "bootstrap":
         from bootstrap.server import run_bootstrap
+        from common.wire.tls import server_context
 
-        run_bootstrap(ns.host, ns.port, ns.cluster_secret)
+        try:
+            tls = server_context(ns.ssl_certfile, ns.ssl_keyfile) if ns.ssl_certfile else None
+        except (OSError, ValueError) as e:
+            sys.exit(f"tandem bootstrap: --ssl-certfile {ns.ssl_certfile} / --ssl-keyfile {ns.ssl_keyfile}: {e}")
+        run_bootstrap(ns.host, ns.port, ns.cluster_secret, tls)
 
 
 if __name__ == "__main__":

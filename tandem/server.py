@@ -15,6 +15,7 @@ from common.config import ServerConfig
 from common.memory.sizing import PoolSizingError
 from common.wire.drain import DrainingServer
 from common.wire.head_deadline import HeadDeadlineProtocol
+from common.wire.tls import behind_tls, server_context
 
 log = logging.getLogger("tandem")
 
@@ -61,6 +62,16 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
     return out
 
 
+def tls_context(config: ServerConfig):
+    """The HTTPS port's context (None without --ssl-certfile); exits naming the file that does not load."""
+    if not config.ssl_certfile:
+        return None
+    try:
+        return server_context(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        sys.exit(f"tandem serve: --ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: {e}")
+
+
 def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
@@ -81,6 +92,7 @@ def serve(config: ServerConfig) -> None:
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     for warning in exposure_warnings(config):
         log.warning(warning)
+    tls = tls_context(config)
     t0 = time.monotonic()
     try:
         engine = build_engine(config)
@@ -103,7 +115,7 @@ def serve(config: ServerConfig) -> None:
         type(engine.runner.attn).__name__,
         engine.pool_plan.describe(),
     )
-    log.info("serving on http://%s:%d", config.host, config.port)
+    log.info("serving on %s://%s:%d", config.scheme, config.host, config.port)
     try:
         # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it;
         # h11 with a deadline on the request head, also where httptools is installed
@@ -114,7 +126,7 @@ def serve(config: ServerConfig) -> None:
             log_level="warning",
             timeout_graceful_shutdown=5,
             loop="asyncio",
-            http=HeadDeadlineProtocol,
+            http=behind_tls(HeadDeadlineProtocol, tls),
         )
         DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:
