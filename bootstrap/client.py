@@ -23,14 +23,7 @@ def send_signed(
     request = client.build_request(method, url, params=params, content=content, headers=headers)
     if secret:
         request.headers[SIGNATURE_HEADER] = sign(secret, method, request.url.raw_path.decode("ascii"), content)
-    try:
-        return client.send(request)
-    except httpx.RemoteProtocolError as e:
-        if url.startswith("http://"):  # what a TLS port does with a plain request: close without a word
-            raise httpx.RemoteProtocolError(
-                f"{e} (if the bootstrap server has --ssl-certfile, use https:// and --ssl-ca-certs)"
-            ) from None
-        raise
+    return client.send(request)  # an http:// URL of a TLS registry: a 400 saying "use https://"
 
 
 def register_prefill(

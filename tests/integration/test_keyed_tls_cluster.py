@@ -14,6 +14,7 @@ import httpx
 import pytest
 import zmq
 
+from bootstrap.client import lookup_prefill, register_prefill
 from bootstrap.signing import SIGNATURE_HEADER, sign
 from common.server.app import OPEN_PATHS, create_app
 from tests.conftest import ServerProcess, free_port, start_server
@@ -119,6 +120,12 @@ def test_plain_http_to_a_tls_port_is_a_400_naming_the_scheme(pair):
         assert httpx.get(s.url + "/health", verify=s.verify, timeout=10).status_code == 200
 
 
+def test_a_decode_that_looks_up_over_plain_http_is_told_to_use_https(pair):
+    with pytest.raises(RuntimeError, match="answered 400: this port speaks HTTPS.*use https://"):
+        lookup_prefill(f"http://127.0.0.1:{pair.boot_port}", None, SECRET)
+    assert lookup_prefill(pair.boot_url, None, SECRET, httpx.Client(verify=pair.verify))["rank_port"] > 0
+
+
 def test_a_client_that_does_not_trust_the_certificate_cannot_connect(pair):
     for url in [s.url for s in pair.servers] + [pair.boot_url]:
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
@@ -180,3 +187,33 @@ def test_every_control_port_drops_and_counts_unsigned_and_forged_frames(pair):
         sock.close()
         wait_until(lambda: rejected_frames(server) - before == len(frames), 10, f"{server.name} to count the frames")
     assert pd_generate(pair, PROMPTS[1], room=4000)
+
+
+def test_a_standalone_bootstrap_serves_https_and_refuses_plain_http(certs):
+    port = free_port()
+    tls = ["--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key)]
+    boot = ServerProcess(
+        ["bootstrap", "--port", str(port), "--cluster-secret", SECRET, *tls],
+        port,
+        name="tls-boot",
+        tls_ca=str(certs.ca),
+    )
+    try:
+        boot.wait_ready(60)
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "scheme"
+        entry = {"role": "Prefill", "tp_size": 1, "tp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 9}
+        entry |= {"page_size": 4, "num_layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float32"}
+        register_prefill(boot.url, entry | {"transfer_backend": "mooncake"}, SECRET, verify=str(certs.ca))
+        assert lookup_prefill(boot.url, None, SECRET, httpx.Client(verify=boot.verify))["rank_port"] == 9
+    finally:
+        boot.stop()
+
+
+def test_a_bootstrap_whose_certificate_does_not_load_says_which_file(tmp_path):
+    port = free_port()
+    missing = str(tmp_path / "nope.pem")
+    boot = ServerProcess(["bootstrap", "--port", str(port), "--ssl-certfile", missing], port, name="tls-boot-bad")
+    assert boot.proc.wait(60) != 0
+    assert f"--ssl-certfile {missing}" in boot.log_path.read_text()
+    boot.stop()
