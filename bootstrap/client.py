@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from bootstrap.signing import SIGNATURE_HEADER, sign
-from common.wire.tls import client_verify
+from common.edge.tls import client_verify
 
 
 def send_signed(

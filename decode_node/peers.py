@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import httpx
 
 from bootstrap.client import lookup_prefill
+from common.edge.tls import client_verify
 from common.wire.api import Rendezvous
 from common.wire.kv_layout import layout_mismatch
-from common.wire.tls import client_verify
 
 CACHE_TTL_S = 2.0
 REFRESH_AFTER_S = 1.0

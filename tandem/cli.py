@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         run_bench(ns)
     elif ns.command == "bootstrap":
         from bootstrap.server import run_bootstrap
-        from common.wire.tls import server_context
+        from common.edge.tls import server_context
 
         try:
             tls = server_context(ns.ssl_certfile, ns.ssl_keyfile) if ns.ssl_certfile else None

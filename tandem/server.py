@@ -12,10 +12,10 @@ import uvicorn
 from pydantic import ValidationError
 
 from common.config import ServerConfig
+from common.edge.draining_server import DrainingServer
+from common.edge.head_deadline import HeadDeadlineProtocol
+from common.edge.tls import behind_tls, server_context
 from common.memory.sizing import PoolSizingError
-from common.wire.drain import DrainingServer
-from common.wire.head_deadline import HeadDeadlineProtocol
-from common.wire.tls import behind_tls, server_context
 
 log = logging.getLogger("tandem")
 

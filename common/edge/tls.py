@@ -6,7 +6,7 @@ reads as a broken server. So the listening socket speaks both at first: `TlsOrPl
 first byte; a TLS handshake record (0x16) hands the connection to asyncio's TLS protocol wrapping the
 server's HTTP protocol, anything else gets a 400 JSON error naming `scheme` ("use https://") and is closed.
 A connection that sends nothing within ARRIVAL_TIMEOUT_S, or does not finish its handshake in that time, is
-closed, as common/wire/head_deadline.py closes one that sends no request head.
+closed, as common/edge/head_deadline.py closes one that sends no request head.
 """
 
 from __future__ import annotations
