@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
         run_bench(ns)
     elif ns.command == "bootstrap":
-        from bootstrap.server import run_bootstrap
+        from bootstrap.app import run_bootstrap
         from common.edge.tls import server_context
 
         try:

@@ -16,7 +16,7 @@ import zmq
 
 from bootstrap.client import lookup_prefill, register_prefill
 from bootstrap.signing import SIGNATURE_HEADER, sign
-from common.server.app import OPEN_PATHS, create_app
+from common.http.app import OPEN_PATHS, create_app
 from tests.conftest import ServerProcess, free_port, start_server
 from tests.integration.faults import wait_until
 from tests.integration.tiny_model import random_prompts
