@@ -104,7 +104,7 @@ class Registry:
     (also as Prometheus metrics). Used from one event loop; `clock` is injectable for tests."""
 
     def __init__(self, secret: str | None, clock: Callable[[], float] = time.monotonic):
-        self.guard = SignatureGuard(secret) if secret is not None else None
+        self.guard = SignatureGuard(secret) if secret else None  # empty: no secret, as for control frames
         self.clock = clock
         self.entries: dict[str, dict[str, Any]] = {}  # instance key -> entry
         self._seen: dict[str, float] = {}  # instance key -> when it last registered
