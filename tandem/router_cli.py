@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import ssl
 import sys
 from typing import Any
 
 from pydantic import ValidationError
 
-from router.config import PrefillSpec, RouterConfig, split_host_port
+from router.config import SECRET_FIELDS, PrefillSpec, RouterConfig, split_host_port
 from tandem.flags import add_model_flags
 
 
@@ -70,7 +71,16 @@ def run_router_cli(argv: list[str]) -> None:
     except (ValidationError, ValueError) as e:
         sys.exit(f"tandem router: {e}")
     from router.serve import serve_router
+    from router.tls import client_context, server_context
+
+    try:  # the files are checked at once: a bad one is one line here, not a traceback in every process
+        server_context(config)
+        client_context(config)
+    except (ssl.SSLError, OSError) as e:
+        sys.exit(f"tandem router: --ssl-certfile, --ssl-keyfile or --ssl-ca-certs do not load: {e}")
 
     log = logging.getLogger("tandem.router")
-    log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
+    scheme = "https" if config.ssl_certfile else "http"
+    shown = config.model_dump(exclude=SECRET_FIELDS)
+    log.info("router on %s://%s:%d, config %s", scheme, config.host, config.port, shown)
     serve_router(config, argv)
