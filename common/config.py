@@ -87,10 +87,11 @@ class ServerConfig(BaseSettings):
     def _check(self) -> ServerConfig:
         if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:
             raise ValueError(
-                f"chunked_prefill_size ({self.chunked_prefill_size}) must be a multiple of page_size ({self.page_size})"
+                f"--chunked-prefill-size {self.chunked_prefill_size} is not a multiple of --page-size {self.page_size}: "
+                "give a multiple, or 0 to turn chunked prefill off"
             )
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
-            raise ValueError("transfer_backend 'loopback' is for unit tests only; use mooncake or nixl")
+            raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
 
     @property

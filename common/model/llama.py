@@ -12,9 +12,8 @@ from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
+from common.model.locate import SUPPORTED_ARCHITECTURES
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
-
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 class RMSNorm(nn.Module):

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from common.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from common.model.locate import converted_dir, existing_model_dir, gguf_source
+from common.model.llama import LlamaForCausalLM
+from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source
 from common.model.weights import fill_from_shard, plan_shards
+from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +51,8 @@ def convert_gguf(gguf: Path, name: str) -> Path:
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(model_dir)
-    arch = (getattr(config, "architectures", None) or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{model_dir}: architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return config
+    check_architecture(model_dir)  # also for a converted GGUF, whose architecture shows only now
+    return AutoConfig.from_pretrained(model_dir)
 
 
 def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
@@ -64,7 +60,7 @@ def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, de
     piece of a tensor at a time: no float32 stage and no second copy of the model in host memory."""
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+        raise UserError(f"--model {model_dir}: no *.safetensors weights; give the directory that holds them")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     materialize(model, dtype, device)
