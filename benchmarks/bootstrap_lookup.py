@@ -28,6 +28,7 @@ from tests.integration.tls_certs import make_certs  # noqa: E402
 SECRET = "bench-secret"
 ENTRY = {"role": "Prefill", "tp_size": 1, "tp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 9, "page_size": 16}
 ENTRY |= {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "bfloat16", "transfer_backend": "mooncake"}
+ENTRY |= {"model_id": "0123456789abcdef", "attention": "mha", "kv_scales": "none"}
 
 
 def measure(url: str, secret: str | None, verify, lookups: int) -> tuple[float, float]:

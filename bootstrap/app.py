@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import ssl
 import threading
@@ -38,6 +39,7 @@ from common.edge.prometheus import render
 from common.edge.tls import behind_tls
 from common.wire.body import ARRIVAL_TIMEOUT_S, load_json_object, read_limited
 from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, UnsupportedEncoding, error_body
+from common.wire.user_error import require_free_ports
 
 log = logging.getLogger("tandem.bootstrap")
 
@@ -161,8 +163,11 @@ async def listen(registry: Registry, host: str, port: int, tls: ssl.SSLContext |
 
 def run_bootstrap(host: str, port: int, secret: str | None = None, tls: ssl.SSLContext | None = None) -> None:
     """The standalone registry (`tandem bootstrap`): serves until SIGTERM or SIGINT."""
+    require_free_ports(host, {"--port": port})
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s [bootstrap] %(levelname)s %(message)s", datefmt="%H:%M:%S"
+        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+        format="%(asctime)s [bootstrap] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     loop = asyncio.new_event_loop()

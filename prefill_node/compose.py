@@ -12,7 +12,7 @@ from common.config import ServerConfig
 from common.edge.tls import server_context
 from common.engine.engine import Engine
 from common.engine.role import SchedulerView
-from common.wire.kv_layout import kv_layout
+from common.wire.kv_layout import LAYOUT_KEYS, kv_layout
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
@@ -46,8 +46,9 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend),
+            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id),
         }
+        log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
         verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain
         register_prefill(bootstrap_url, info, config.cluster_secret, verify=verify)
         interval_s = min(config.heartbeat_interval_s, REREGISTER_MAX_S)

@@ -15,7 +15,8 @@ from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
 from common.edge.tls import behind_tls, server_context
-from common.memory.sizing import PoolSizingError
+from common.model.locate import check_model
+from common.wire.user_error import UserError, config_error, require_free_ports
 
 log = logging.getLogger("tandem")
 
@@ -32,14 +33,27 @@ def setup_logging(role: str) -> None:
 
 
 def serve_from_args(ns: argparse.Namespace) -> None:
-    kwargs = {k: v for k, v in vars(ns).items() if k != "command"}
-    try:
-        config = ServerConfig(**kwargs)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "config"
-        sys.exit(f"tandem serve: --{field.replace('_', '-')}: {err['msg']}")
+    config = server_config(ns)
+    check_before_loading(config)
     serve(config)
+
+
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    """The config `tandem serve`'s flags (and TANDEM_* variables) give; a UserError naming a bad one."""
+    try:
+        return ServerConfig(**{k: v for k, v in vars(ns).items() if k != "command"})
+    except ValidationError as e:
+        raise config_error(e) from None
+
+
+def check_before_loading(config: ServerConfig) -> None:
+    """The user's mistakes that show without loading a model: the model's path and architecture, the ports."""
+    check_model(config.model)
+    ports = {"--port": config.port}
+    if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
+        ports["--bootstrap-port"] = config.bootstrap_port
+    require_free_ports(config.host, ports)
+    tls_context(config)  # the certificate and key load
 
 
 def exposure_warnings(config: ServerConfig) -> list[str]:
@@ -63,13 +77,13 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
 
 
 def tls_context(config: ServerConfig):
-    """The HTTPS port's context (None without --ssl-certfile); exits naming the file that does not load."""
+    """The HTTPS port's context (None without --ssl-certfile); a UserError naming the file that does not load."""
     if not config.ssl_certfile:
         return None
     try:
         return server_context(config.ssl_certfile, config.ssl_keyfile)
     except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
-        sys.exit(f"tandem serve: --ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: {e}")
+        raise UserError(f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: {e}") from None
 
 
 def build_engine(config: ServerConfig):
@@ -94,10 +108,7 @@ def serve(config: ServerConfig) -> None:
         log.warning(warning)
     tls = tls_context(config)
     t0 = time.monotonic()
-    try:
-        engine = build_engine(config)
-    except PoolSizingError as e:
-        sys.exit(f"tandem serve: {e}")
+    engine = build_engine(config)
     engine.start()
     from common.http.app import create_app
     from common.http.drain import engine_drain, fail_in_flight
