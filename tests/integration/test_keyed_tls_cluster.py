@@ -204,7 +204,12 @@ def test_a_standalone_bootstrap_serves_https_and_refuses_plain_http(certs):
         assert r.status_code == 400 and r.json()["error"]["param"] == "scheme"
         entry = {"role": "Prefill", "tp_size": 1, "tp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 9}
         entry |= {"page_size": 4, "num_layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float32"}
-        entry |= {"transfer_backend": "mooncake", "model_id": "0123456789abcdef", "attention": "mha", "kv_scales": "none"}
+        entry |= {
+            "transfer_backend": "mooncake",
+            "model_id": "0123456789abcdef",
+            "attention": "mha",
+            "kv_scales": "none",
+        }
         register_prefill(boot.url, entry, SECRET, verify=str(certs.ca))
         assert lookup_prefill(boot.url, None, SECRET, httpx.Client(verify=boot.verify))["rank_port"] == 9
     finally:
