@@ -26,6 +26,9 @@ class ServerConfig(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     seed: int = 0
+    tp_size: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"
+    )
 
     # memory
     page_size: int = Field(16, ge=1, le=256)
@@ -89,6 +92,8 @@ class ServerConfig(BaseSettings):
             raise ValueError(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be a multiple of page_size ({self.page_size})"
             )
+        if self.tp_size > 1 and self.disagg_mode != "null":
+            raise ValueError("tp_size > 1 serves monolithic servers only for now (--disagg-mode null)")
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("transfer_backend 'loopback' is for unit tests only; use mooncake or nixl")
         return self

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from common.config import ServerConfig
 from common.memory.sizing import PoolSizingError
+from common.parallel.partition import TPSizeError
 from common.wire.drain import DrainingServer
 from common.wire.head_deadline import HeadDeadlineProtocol
 
@@ -84,7 +85,7 @@ def serve(config: ServerConfig) -> None:
     t0 = time.monotonic()
     try:
         engine = build_engine(config)
-    except PoolSizingError as e:
+    except (PoolSizingError, TPSizeError) as e:
         sys.exit(f"tandem serve: {e}")
     engine.start()
     from common.server.app import create_app
@@ -93,13 +94,14 @@ def serve(config: ServerConfig) -> None:
     drain = engine_drain(engine)
     app = create_app(engine, drain)
     log.info(
-        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, attention %s; %s",
+        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d, attention %s; %s",
         time.monotonic() - t0,
         engine.model_name,
         engine.hf_config.num_hidden_layers,
         engine.context_len,
         config.torch_dtype_name,
         config.device,
+        config.tp_size,
         type(engine.runner.attn).__name__,
         engine.pool_plan.describe(),
     )

@@ -14,6 +14,8 @@ from transformers import AutoConfig, PretrainedConfig
 from common.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from common.model.locate import converted_dir, existing_model_dir, gguf_source
 from common.model.weights import fill_from_shard, plan_shards
+from common.parallel.group import SINGLE, TensorParallel
+from common.parallel.layers import param_shards
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +61,22 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
     return config
 
 
-def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str, tp: TensorParallel = SINGLE
+) -> LlamaForCausalLM:
     """The model with its weights created empty in `dtype` on `device` and filled shard by shard, a
-    piece of a tensor at a time: no float32 stage and no second copy of the model in host memory."""
+    piece of a tensor at a time: no float32 stage and no second copy of the model in host memory. With
+    several TP ranks, this rank's share of the weights only."""
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     materialize(model, dtype, device)
     params = dict(model.named_parameters())  # a tied lm_head is not listed: it is the embedding
-    for shard, names in plan_shards(shards, params, ignore=frozenset({"lm_head.weight"})).items():
-        fill_from_shard(shard, names, params)
+    parts = param_shards(model) if tp.enabled else {}
+    for shard, names in plan_shards(shards, params, frozenset({"lm_head.weight"}), parts).items():
+        fill_from_shard(shard, names, params, parts)
     return model.eval()
 
 
