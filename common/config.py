@@ -92,8 +92,8 @@ class ServerConfig(BaseSettings):
             raise ValueError(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be a multiple of page_size ({self.page_size})"
             )
-        if self.tp_size > 1 and self.disagg_mode != "null":
-            raise ValueError("tp_size > 1 serves monolithic servers only for now (--disagg-mode null)")
+        if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
+            raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("transfer_backend 'loopback' is for unit tests only; use mooncake or nixl")
         return self

@@ -16,11 +16,11 @@ from transfer.manager import kv_args_from_pool
 def build_decode_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> DecodeRole:
         aux = AuxPool(2 * config.max_running_requests + 16)
-        args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
+        args = kv_args_from_pool(engine.kv_buffers, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
         manager = DecodeKVManager(args)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
+        peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend, config.tp_size), config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)
         return DecodeRole(engine.scheduler, manager, aux, peers.find, engine.hf_config.vocab_size, config)
 

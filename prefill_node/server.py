@@ -22,7 +22,7 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
-        manager = PrefillKVManager(kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES))
+        manager = PrefillKVManager(kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES))
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url
@@ -36,13 +36,12 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
         info = {
             "role": "Prefill",
             "instance_id": manager.instance_id,
-            "tp_size": 1,
             "tp_rank": 0,
             "dp_size": 1,
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend),
+            **kv_layout(engine.kv_pool, config.transfer_backend, config.tp_size),
         }
         register_prefill(bootstrap_url, info, config.cluster_secret)
         keep_registered(bootstrap_url, info, config.cluster_secret, min(config.heartbeat_interval_s, REREGISTER_MAX_S))

@@ -28,6 +28,7 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.timeline import report
 from common.memory.allocator import PagedAllocator
+from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
@@ -39,6 +40,7 @@ from common.parallel.group import SINGLE
 from common.parallel.leader import LeaderModel
 from common.parallel.partition import check_tp_size
 from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
+from common.parallel.rank_pools import RankPools
 from common.parallel.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class Engine:
             self.ranks.serving = True
             log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
         self.pool_plan, self.kv_pool = built.pool_plan, built.kv_pool
+        self.kv_buffers = self._kv_buffers()
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         num_pages = self.pool_plan.num_pages
@@ -91,6 +94,12 @@ class Engine:
         hf = self.hf_config
         check_tp_size(self.config.tp_size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size)
         return Ranks(self.config) if self.config.tp_size > 1 else None
+
+    def _kv_buffers(self) -> KVPool | RankPools:
+        """What a PD role's transfer engine moves: every rank's pool (see common.parallel.rank_pools)."""
+        if self.ranks is None or self.config.disagg_mode == "null":
+            return self.kv_pool
+        return RankPools(self.kv_pool, self.ranks.progress.path, self.config.tp_size)
 
     def _context_len(self) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", 4096)

@@ -40,6 +40,13 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: tor
     return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
 
 
+def map_shared(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
 class KVPool:
     def __init__(
         self,
@@ -50,7 +57,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str,
+        shared_file: str | None = None,
     ):
+        """`shared_file` (CPU): the buffer is that file, mapped shared, so that another process (rank 0 of a
+        tensor-parallel PD server) can map it too and move this rank's pages."""
         sizes = {
             "num_layers": num_layers,
             "num_pages": num_pages,
@@ -66,7 +76,10 @@ class KVPool:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         shape = (num_pages + 1, num_layers, 2, page_size, kv_heads, head_dim)
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        if shared_file is None:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # created zero-filled
+            self.buffer = map_shared(shared_file, shape, dtype)
         self._k = [self.buffer[:, layer, 0] for layer in range(num_layers)]
         self._v = [self.buffer[:, layer, 1] for layer in range(num_layers)]
 

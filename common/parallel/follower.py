@@ -24,6 +24,7 @@ from common.model.loader import load_hf_config, resolve_model_dir
 from common.parallel.group import init_group
 from common.parallel.progress import Progress
 from common.parallel.rank_model import RankModel, build_rank_model, rank_report
+from common.parallel.rank_pools import pool_file
 from common.parallel.ranks import GROUP_TIMEOUT_S
 from common.parallel.step import StepChannel
 
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(config.seed)
     tp = init_group(ns.rank, ns.size, ns.port, config.device, GROUP_TIMEOUT_S)
     model_dir = resolve_model_dir(config.model)
-    built = build_rank_model(config, model_dir, load_hf_config(model_dir), getattr(torch, config.torch_dtype_name), tp)
+    kv_file = pool_file(ns.progress, ns.rank) if config.disagg_mode != "null" else None
+    dtype = getattr(torch, config.torch_dtype_name)
+    built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)
     tp.all_gather_objects(rank_report(ns.rank, built))
     serve_steps(ns.rank, built, StepChannel(tp, config.device), Progress(ns.progress, ns.size))
     log.info("stopped by rank 0")

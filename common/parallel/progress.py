@@ -17,7 +17,8 @@ class Progress:
 
     @classmethod
     def create(cls, size: int) -> Progress:
-        fd, path = tempfile.mkstemp(prefix="tandem-tp-progress-")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not a disk file
+        fd, path = tempfile.mkstemp(prefix="tandem-tp-progress-", dir=shm)
         os.write(fd, bytes(8 * size))
         os.close(fd)
         return cls(path, size)

@@ -33,9 +33,15 @@ class RankModel:
 
 
 def build_rank_model(
-    config: ServerConfig, model_dir: Path, hf: PretrainedConfig, dtype: torch.dtype, tp: TensorParallel
+    config: ServerConfig,
+    model_dir: Path,
+    hf: PretrainedConfig,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+    kv_file: str | None = None,
 ) -> RankModel:
-    """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
+    """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds
+    (in `kv_file`, shared, when given: common.parallel.rank_pools)."""
     model = load_model(model_dir, hf, dtype, config.device, tp)
     heads = head_partition(hf.num_attention_heads, hf.num_key_value_heads, tp)
     head_dim = head_dim_of(hf)
@@ -44,7 +50,14 @@ def build_rank_model(
     plan = plan_kv_pool(config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static)
     plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
     pool = KVPool(
-        hf.num_hidden_layers, plan.num_pages, config.page_size, heads.num_kv_heads, head_dim, dtype, config.device
+        hf.num_hidden_layers,
+        plan.num_pages,
+        config.page_size,
+        heads.num_kv_heads,
+        head_dim,
+        dtype,
+        config.device,
+        kv_file,
     )
     attn = make_attention_backend(
         config.attention_backend, config.device, pool, heads.num_heads, head_dim, head_dim**-0.5

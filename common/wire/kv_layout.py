@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-LAYOUT_KEYS = ("num_layers", "kv_heads", "head_dim", "dtype", "page_size", "transfer_backend")
+LAYOUT_KEYS = ("tp_size", "num_layers", "kv_heads", "head_dim", "dtype", "page_size", "transfer_backend")
 
 
-def kv_layout(pool: Any, backend: str) -> dict[str, Any]:
-    """The layout of a KV pool (anything with the pool's attributes) moved by `backend`."""
+def kv_layout(pool: Any, backend: str, tp_size: int = 1) -> dict[str, Any]:
+    """The layout of a KV pool (anything with the pool's attributes; with `tp_size` ranks, each rank's
+    pool) moved by `backend`."""
     return {
+        "tp_size": tp_size,
         "num_layers": pool.num_layers,
         "kv_heads": pool.kv_heads,
         "head_dim": pool.head_dim,
