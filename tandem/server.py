@@ -12,10 +12,10 @@ import uvicorn
 from pydantic import ValidationError
 
 from common.config import ServerConfig
+from common.edge.draining_server import DrainingServer
+from common.edge.head_deadline import HeadDeadlineProtocol
 from common.memory.sizing import PoolSizingError
 from common.parallel.partition import TPSizeError
-from common.wire.drain import DrainingServer
-from common.wire.head_deadline import HeadDeadlineProtocol
 
 log = logging.getLogger("tandem")
 

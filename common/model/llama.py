@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
 from common.parallel.group import SINGLE, TensorParallel
 from common.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding

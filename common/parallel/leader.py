@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch
 from common.model.llama import LlamaForCausalLM
 from common.parallel.ranks import Ranks
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from common.config import ServerConfig
-from common.engine.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch
 from common.parallel.group import TensorParallel, init_group
 from common.parallel.launch import end_followers, free_port, kill, spawn_followers, state_of
 from common.parallel.progress import Progress

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.parallel.group import TensorParallel
 
 HEADER = 8
