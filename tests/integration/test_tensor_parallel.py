@@ -63,6 +63,7 @@ def builtin_servers():
         tp3.stop()
 
 
+@pytest.mark.timeout(900)  # two servers of the built-in model start first
 def test_builtin_tp3_equals_tp1(builtin_servers, builtin_model_dir):
     tp1, tp3 = builtin_servers
     ids = parity_prompts(AutoTokenizer.from_pretrained(builtin_model_dir))
