@@ -10,6 +10,7 @@ from the all-gathered ones). An error ends the process; rank 0 sees the exit and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -31,11 +32,15 @@ from common.parallel.step import StepChannel
 log = logging.getLogger(__name__)
 
 
-def exit_with_rank0() -> None:
-    """Exit as soon as rank 0's end of our stdin closes (rank 0 exited, however it did)."""
+def exit_with_rank0(files: list[str]) -> None:
+    """Exit as soon as rank 0's end of our stdin closes (rank 0 exited, however it did), removing the
+    shared `files` rank 0 may not have removed (it died before)."""
 
     def wait() -> None:
         sys.stdin.buffer.read()
+        for path in files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os._exit(0)
 
     threading.Thread(target=wait, name="rank0-watch", daemon=True).start()
@@ -66,12 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    exit_with_rank0()
     config = ServerConfig.model_validate(json.loads(ns.config))
+    kv_file = pool_file(ns.progress, ns.rank) if config.disagg_mode != "null" else None
+    exit_with_rank0([ns.progress, *([kv_file] if kv_file else [])])
     torch.manual_seed(config.seed)
     tp = init_group(ns.rank, ns.size, ns.port, config.device, GROUP_TIMEOUT_S)
     model_dir = resolve_model_dir(config.model)
-    kv_file = pool_file(ns.progress, ns.rank) if config.disagg_mode != "null" else None
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)
     tp.all_gather_objects(rank_report(ns.rank, built))
