@@ -14,7 +14,6 @@ from common.parallel.ranks import Ranks
 class LeaderModel:
     def __init__(self, model: LlamaForCausalLM, ranks: Ranks):
         self.model, self.ranks = model, ranks
-        self.config = model.config
 
     def __call__(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         return self.ranks.forward(batch, lambda: self.model(batch, attn))
