@@ -25,6 +25,9 @@ class ServerConfig(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"
+    )
     seed: int = 0
     tp_size: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"
@@ -90,12 +93,13 @@ class ServerConfig(BaseSettings):
     def _check(self) -> ServerConfig:
         if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:
             raise ValueError(
-                f"chunked_prefill_size ({self.chunked_prefill_size}) must be a multiple of page_size ({self.page_size})"
+                f"--chunked-prefill-size {self.chunked_prefill_size} is not a multiple of --page-size {self.page_size}: "
+                "give a multiple, or 0 to turn chunked prefill off"
             )
         if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
             raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
-            raise ValueError("transfer_backend 'loopback' is for unit tests only; use mooncake or nixl")
+            raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
 
     @property

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
-from common.memory.sizing import PoolSizingError
-from common.parallel.partition import TPSizeError
+from common.model.locate import check_model
+from common.wire.user_error import config_error, require_free_ports
 
 log = logging.getLogger("tandem")
 
@@ -32,14 +32,26 @@ def setup_logging(role: str) -> None:
 
 
 def serve_from_args(ns: argparse.Namespace) -> None:
-    kwargs = {k: v for k, v in vars(ns).items() if k != "command"}
-    try:
-        config = ServerConfig(**kwargs)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "config"
-        sys.exit(f"tandem serve: --{field.replace('_', '-')}: {err['msg']}")
+    config = server_config(ns)
+    check_before_loading(config)
     serve(config)
+
+
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    """The config `tandem serve`'s flags (and TANDEM_* variables) give; a UserError naming a bad one."""
+    try:
+        return ServerConfig(**{k: v for k, v in vars(ns).items() if k != "command"})
+    except ValidationError as e:
+        raise config_error(e) from None
+
+
+def check_before_loading(config: ServerConfig) -> None:
+    """The user's mistakes that show without loading a model: the model's path and architecture, the ports."""
+    check_model(config.model)
+    ports = {"--port": config.port}
+    if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
+        ports["--bootstrap-port"] = config.bootstrap_port
+    require_free_ports(config.host, ports)
 
 
 def exposure_warnings(config: ServerConfig) -> list[str]:
@@ -66,11 +78,11 @@ def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
     if config.disagg_mode == "prefill":
-        from prefill_node.server import build_prefill_engine
+        from prefill_node.compose import build_prefill_engine
 
         return build_prefill_engine(config)
     if config.disagg_mode == "decode":
-        from decode_node.server import build_decode_engine
+        from decode_node.compose import build_decode_engine
 
         return build_decode_engine(config)
     return Engine(config)
@@ -83,13 +95,10 @@ def serve(config: ServerConfig) -> None:
     for warning in exposure_warnings(config):
         log.warning(warning)
     t0 = time.monotonic()
-    try:
-        engine = build_engine(config)
-    except (PoolSizingError, TPSizeError) as e:
-        sys.exit(f"tandem serve: {e}")
+    engine = build_engine(config)
     engine.start()
-    from common.server.app import create_app
-    from common.server.drain import engine_drain, fail_in_flight
+    from common.http.app import create_app
+    from common.http.drain import engine_drain, fail_in_flight
 
     drain = engine_drain(engine)
     app = create_app(engine, drain)

@@ -1,4 +1,5 @@
-"""Shared fixtures: real server processes on 127.0.0.1 and the built-in model."""
+"""Shared fixtures: real server processes on 127.0.0.1 and the built-in model; the test tiers
+(tests/tiers.py: which tests are slow, Hypothesis example counts)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.tiers import load_hypothesis_profile, mark_slow_tests, starts_processes
+
 ROOT = Path(__file__).resolve().parent.parent
+load_hypothesis_profile()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_slow_tests(items)
 
 
 def free_port() -> int:
@@ -22,6 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@starts_processes
 class ServerProcess:
     """A `python -m tandem <args>` child process; stop() kills it and its log is kept for failures."""
 

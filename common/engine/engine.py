@@ -34,11 +34,14 @@ from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import plan_context_len
+from common.model.identity import model_identity
+from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
+from common.model.registry import architecture_of, model_class
 from common.parallel.group import SINGLE
 from common.parallel.leader import LeaderModel
-from common.parallel.partition import check_tp_size
+from common.parallel.partition import TPSizeError, check_tp_size
 from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
 from common.parallel.rank_pools import RankPools
 from common.parallel.ranks import Ranks
@@ -55,6 +58,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
+        self.model_id = model_identity(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
@@ -91,9 +95,11 @@ class Engine:
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
-        hf = self.hf_config
-        check_tp_size(self.config.tp_size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size)
-        return Ranks(self.config) if self.config.tp_size > 1 else None
+        hf, size = self.hf_config, self.config.tp_size
+        if size > 1 and model_class(hf) is not LlamaForCausalLM:
+            raise TPSizeError(f"--tp-size {size}: {architecture_of(hf)} runs at --tp-size 1 only for now")
+        check_tp_size(size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size)
+        return Ranks(self.config) if size > 1 else None
 
     def _kv_buffers(self) -> KVPool | RankPools:
         """What a PD role's transfer engine moves: every rank's pool (see common.parallel.rank_pools)."""
@@ -135,7 +141,7 @@ class Engine:
         m.labelled_gauges(
             "tandem_pd_queue_requests",
             "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
-            "inflight; decode: prealloc, transferring, draining)",
+            "inflight; decode: prealloc, transferring, quarantined)",
             "queue",
             lambda: s.role.queue_depths(),
         )

@@ -1,8 +1,10 @@
-"""Llama-architecture decoder (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2) over a paged KV cache.
+"""Llama-architecture decoder (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2) over a paged KV cache; the base
+of the MoE families (common.model.moe_families) and DeepSeek (common.model.deepseek).
 
 Parameter names match Hugging Face's, so a safetensors checkpoint loads with `load_state_dict`. With a
 TensorParallel group of several ranks each rank holds its heads, its share of the MLP and of the
-vocabulary (common.parallel.layers); the loader reads only that share.
+vocabulary (common.parallel.layers); the loader reads only that share. The MoE and DeepSeek families
+run at TP 1 (their layers are whole).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from common.parallel.group import SINGLE, TensorParallel
 from common.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from common.parallel.partition import head_partition
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +54,7 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, kv_rows, qkv_bias, tp, kv_slice)
         self.v_proj = ColumnParallelLinear(hidden, kv_rows, qkv_bias, tp, kv_slice)
         self.o_proj = RowParallelLinear(q_rows, hidden, o_bias, tp)
-        self.qk_norm = arch == "Qwen3ForCausalLM"
+        self.qk_norm = arch in QK_NORM_ARCHITECTURES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -70,13 +72,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
+    """down(silu(gate(x)) * up(x)): a dense layer, one expert of an MoE layer, or its shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
-        hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = ColumnParallelLinear(hidden, inter, bias, tp)
-        self.up_proj = ColumnParallelLinear(hidden, inter, bias, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -85,10 +87,17 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(config, layer_id, tp)
-        self.mlp = MLP(config, tp)
+        self.tp = tp
+        self.self_attn = self.make_attention(config, layer_id)
+        self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_attention(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        return Attention(config, layer_id, self.tp)
+
+    def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        return MLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), self.tp)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn, batch)
@@ -96,10 +105,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
+    def __init__(
+        self, config: PretrainedConfig, layer_class: type[DecoderLayer] = DecoderLayer, tp: TensorParallel = SINGLE
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -112,17 +123,21 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """Subclasses (the MoE and DeepSeek families) change the decoder layer; the rest is shared."""
+
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        arch = (config.architectures or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
         self.config = config
-        self.model = LlamaModel(config, tp)
+        self.model = LlamaModel(config, self.layer_class, tp)
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """The checkpoint's name of the parameter `name` (the same unless a family names it otherwise)."""
+        return name
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.wire.user_error import UserError
+
 if TYPE_CHECKING:  # torch-free: `tandem serve` checks the flag before importing torch
     from common.parallel.group import TensorParallel
 
 
-class TPSizeError(ValueError):
+class TPSizeError(UserError):
     """`--tp-size` cannot split this model; the message names the flag and the sizes."""
 
 

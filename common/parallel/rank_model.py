@@ -4,6 +4,7 @@ every rank) and its attention backend, and the report of what it holds."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import resource
 from dataclasses import dataclass
@@ -14,13 +15,17 @@ from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend, make_attention_backend
 from common.config import ServerConfig
-from common.memory.kv_pool import KVPool, kv_bytes_per_token
+from common.memory.kv_pool import KVPool
+from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.memory.sizing import PoolPlan, plan_kv_pool
+from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model.rotary import head_dim_of
+from common.model.registry import attention_spec
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,24 +48,19 @@ def build_rank_model(
     """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds
     (in `kv_file`, shared, when given: common.parallel.rank_pools)."""
     model = load_model(model_dir, hf, dtype, config.device, tp)
-    heads = head_partition(hf.num_attention_heads, hf.num_key_value_heads, tp)
-    head_dim = head_dim_of(hf)
-    per_token = kv_bytes_per_token(hf.num_hidden_layers, heads.num_kv_heads, head_dim, dtype)
+    whole = attention_spec(hf)
+    heads = head_partition(whole.q_heads, whole.kv_heads, tp)
+    spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's
+    store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
     memory = torch.cuda.mem_get_info() if config.device == "cuda" else None  # (free, total) after the weights
+    per_token = pool_bytes_per_token(spec, store_dtype)
     plan = plan_kv_pool(config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static)
     plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
-    pool = KVPool(
-        hf.num_hidden_layers,
-        plan.num_pages,
-        config.page_size,
-        heads.num_kv_heads,
-        head_dim,
-        dtype,
-        config.device,
-        kv_file,
-    )
+    scales, source = read_kv_scales(model_dir, spec.num_layers)
+    log.info("%s", describe_kv_cache(spec, store_dtype, source))
+    pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales, kv_file)
     attn = make_attention_backend(
-        config.attention_backend, config.device, pool, heads.num_heads, head_dim, head_dim**-0.5
+        config.attention_backend, config.device, pool, spec.q_heads, spec.head_dim, spec.scaling
     )
     return RankModel(model, heads, plan, pool, attn)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,6 +34,7 @@ from bootstrap.registry import (
 from common.edge.prometheus import render
 from common.wire.body import ARRIVAL_TIMEOUT_S, load_json_object, read_limited
 from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, UnsupportedEncoding, error_body
+from common.wire.user_error import require_free_ports
 
 log = logging.getLogger("tandem.bootstrap")
 
@@ -141,8 +143,11 @@ def _errors_as_json(reg: Registry) -> Callable:
 
 
 def run_bootstrap(host: str, port: int, secret: str | None = None) -> None:
+    require_free_ports(host, {"--port": port})
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s [bootstrap] %(levelname)s %(message)s", datefmt="%H:%M:%S"
+        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+        format="%(asctime)s [bootstrap] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     log.info("bootstrap server on http://%s:%d", host, port)

@@ -10,7 +10,8 @@ from typing import Any
 from bootstrap.client import register_prefill
 from common.config import ServerConfig
 from common.engine.engine import Engine
-from common.wire.kv_layout import kv_layout
+from common.engine.role import SchedulerView
+from common.wire.kv_layout import LAYOUT_KEYS, kv_layout
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
@@ -22,12 +23,13 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
-        manager = PrefillKVManager(kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES))
+        args = kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES)
+        manager = PrefillKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url
         if bootstrap_url is None:
-            from bootstrap.server import start_in_thread
+            from bootstrap.app import start_in_thread
 
             registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret)
             engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
@@ -41,8 +43,9 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend, config.tp_size),
+            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size),
         }
+        log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
         register_prefill(bootstrap_url, info, config.cluster_secret)
         keep_registered(bootstrap_url, info, config.cluster_secret, min(config.heartbeat_interval_s, REREGISTER_MAX_S))
         log.info(
@@ -51,7 +54,7 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             manager.instance_id,
             manager.endpoint,
         )
-        return PrefillRole(engine.scheduler, manager, config)
+        return PrefillRole(SchedulerView(engine.scheduler), manager, config)
 
     return Engine(config, make_role)
 
