@@ -29,6 +29,9 @@ class ServerConfig(BaseSettings):
         "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"
     )
     seed: int = 0
+    tp_size: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"
+    )
 
     # memory
     page_size: int = Field(16, ge=1, le=256)
@@ -104,6 +107,8 @@ class ServerConfig(BaseSettings):
             )
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
+        if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
+            raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self

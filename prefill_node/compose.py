@@ -24,7 +24,7 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
-        args = kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES)
+        args = kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES)
         manager = PrefillKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
@@ -40,13 +40,12 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
         info = {
             "role": "Prefill",
             "instance_id": manager.instance_id,
-            "tp_size": 1,
             "tp_rank": 0,
             "dp_size": 1,
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id),
+            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size),
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
         verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain

@@ -116,13 +116,14 @@ def serve(config: ServerConfig) -> None:
     drain = engine_drain(engine)
     app = create_app(engine, drain)
     log.info(
-        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, attention %s; %s",
+        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d, attention %s; %s",
         time.monotonic() - t0,
         engine.model_name,
         engine.hf_config.num_hidden_layers,
         engine.context_len,
         config.torch_dtype_name,
         config.device,
+        config.tp_size,
         type(engine.runner.attn).__name__,
         engine.pool_plan.describe(),
     )

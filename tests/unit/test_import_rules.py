@@ -19,7 +19,12 @@ ALLOWED = {
     "common/core": {"common/wire"},
     "common/memory": {"common/core", "common/wire/user_error"},
     "common/attention": {"common/core", "common/memory"},
-    "common/model": {"common/core", "common/attention", "common/wire/user_error"},
+    "common/model": {
+        "common/core",
+        "common/attention",
+        "common/wire/user_error",
+        *(f"common/parallel/{m}" for m in ("group", "layers", "partition")),
+    },
     "transfer": {"common/wire"},
     "bootstrap": {"common/wire", "common/edge/prometheus", "common/edge/tls"},
     "prefill_node": {"common", "transfer", "bootstrap"},
