@@ -34,6 +34,9 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "transfer_backend": (str,),
     "instance_id": (str,),
+    "model_id": (str,),
+    "attention": (str,),
+    "kv_scales": (str,),
 }
 DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": ""}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")

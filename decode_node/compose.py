@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.engine.role import SchedulerView
@@ -13,6 +15,8 @@ from transfer.decode.aux_pool import AuxPool
 from transfer.decode.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
 
+log = logging.getLogger(__name__)
+
 
 def build_decode_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> DecodeRole:
@@ -21,7 +25,9 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
+        layout = kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id)
+        log.info("KV layout: %s", layout)
+        peers = PeerDirectory(layout, config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)
         return DecodeRole(
             SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config

@@ -11,7 +11,7 @@ from bootstrap.client import register_prefill
 from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.engine.role import SchedulerView
-from common.wire.kv_layout import kv_layout
+from common.wire.kv_layout import LAYOUT_KEYS, kv_layout
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
@@ -44,8 +44,9 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend),
+            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id),
         }
+        log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
         register_prefill(bootstrap_url, info, config.cluster_secret)
         keep_registered(bootstrap_url, info, config.cluster_secret, min(config.heartbeat_interval_s, REREGISTER_MAX_S))
         log.info(

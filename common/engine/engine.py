@@ -29,15 +29,17 @@ from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.memory.allocator import PagedAllocator
-from common.memory.kv_pool import KVPool, kv_bytes_per_token
 from common.memory.manager import MemoryManager
+from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import PoolPlan, plan_context_len, plan_kv_pool
+from common.model.identity import model_identity
+from common.model.kv_scales import read_kv_scales
 from common.model.loader import load_hf_config, load_model, resolve_model_dir
 from common.model.locate import display_name
-from common.model.rotary import head_dim_of
+from common.model.registry import attention_spec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +53,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
+        self.model_id = model_identity(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
@@ -58,19 +61,14 @@ class Engine:
         model = load_model(
             self.model_dir, self.hf_config, self.dtype, config.device
         )  # first: the pool gets what is left
-        head_dim = head_dim_of(self.hf_config)
-        self.pool_plan = self._plan_pool(head_dim)
+        spec = attention_spec(self.hf_config)
+        store_dtype = kv_store_dtype(config.kv_cache_dtype, self.dtype)
+        self.pool_plan = self._plan_pool(pool_bytes_per_token(spec, store_dtype))
         self.context_len = self._context_len()
         num_pages = self.pool_plan.num_pages
-        self.kv_pool = KVPool(
-            self.hf_config.num_hidden_layers,
-            num_pages,
-            config.page_size,
-            self.hf_config.num_key_value_heads,
-            head_dim,
-            self.dtype,
-            config.device,
-        )
+        scales, source = read_kv_scales(self.model_dir, spec.num_layers)
+        log.info("%s", describe_kv_cache(spec, store_dtype, source))
+        self.kv_pool = make_kv_pool(spec, num_pages, config.page_size, store_dtype, self.dtype, config.device, scales)
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
         prefix = (
@@ -80,12 +78,7 @@ class Engine:
         )
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         attn = make_attention_backend(
-            config.attention_backend,
-            config.device,
-            self.kv_pool,
-            self.hf_config.num_attention_heads,
-            head_dim,
-            head_dim**-0.5,
+            config.attention_backend, config.device, self.kv_pool, spec.q_heads, spec.head_dim, spec.scaling
         )
         eos_ids = self._eos_ids()
         self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
@@ -96,11 +89,8 @@ class Engine:
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
 
-    def _plan_pool(self, head_dim: int) -> PoolPlan:
+    def _plan_pool(self, per_token: int) -> PoolPlan:
         c = self.config
-        per_token = kv_bytes_per_token(
-            self.hf_config.num_hidden_layers, self.hf_config.num_key_value_heads, head_dim, self.dtype
-        )
         memory = torch.cuda.mem_get_info() if c.device == "cuda" else None  # (free, total) after the weights
         plan = plan_kv_pool(c.page_size, per_token, c.max_total_tokens, memory, c.mem_fraction_static)
         log.info("%s", plan.describe())

@@ -1,4 +1,5 @@
-"""Llama-architecture decoder (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2) over a paged KV cache.
+"""Llama-architecture decoder (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2) over a paged KV cache; the base
+of the MoE families (common.model.moe_families) and DeepSeek (common.model.deepseek).
 
 Parameter names match Hugging Face's, so a safetensors checkpoint loads with `load_state_dict`.
 """
@@ -12,8 +13,9 @@ from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
-from common.model.locate import SUPPORTED_ARCHITECTURES
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
+
+QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +46,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.qk_norm = arch == "Qwen3ForCausalLM"
+        self.qk_norm = arch in QK_NORM_ARCHITECTURES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -62,12 +64,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    """down(silu(gate(x)) * up(x)): a dense layer, one expert of an MoE layer, or its shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -76,10 +79,16 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int):
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = self.make_attention(config, layer_id)
+        self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_attention(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        return Attention(config, layer_id)
+
+    def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        return MLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn, batch)
@@ -87,10 +96,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, layer_class: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -103,18 +112,22 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """Subclasses (the MoE and DeepSeek families) change the decoder layer; the rest is shared."""
+
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        arch = (config.architectures or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.layer_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """The checkpoint's name of the parameter `name` (the same unless a family names it otherwise)."""
+        return name
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from common.model.kv_scales import is_kv_scale
 from common.model.llama import LlamaForCausalLM
 from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source
-from common.model.weights import fill_from_shard, plan_shards
+from common.model.registry import model_class
+from common.model.weights import fill_from_shard, plan_shards, read_header
 from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
@@ -62,12 +65,26 @@ def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, de
     if not shards:
         raise UserError(f"--model {model_dir}: no *.safetensors weights; give the directory that holds them")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     materialize(model, dtype, device)
-    params = dict(model.named_parameters())  # a tied lm_head is not listed: it is the embedding
-    for shard, names in plan_shards(shards, params, ignore=frozenset({"lm_head.weight"})).items():
+    # a tied lm_head is not listed: it is the embedding
+    params = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
+    for shard, names in plan_shards(shards, params, ignore=skipped_names(shards, config)).items():
         fill_from_shard(shard, names, params)
     return model.eval()
+
+
+def skipped_names(shards: list[Path], config: PretrainedConfig) -> frozenset[str]:
+    """Checkpoint tensors that are no parameter: a tied lm_head, KV cache scales (read by
+    common.model.kv_scales) and layers past num_hidden_layers (DeepSeek-V3's multi-token prediction)."""
+    extra_layers = re.compile(r"model\.layers\.(\d+)\.")
+    names = {"lm_head.weight"}
+    for shard in shards:
+        for name in read_header(shard)[0]:
+            layer = extra_layers.match(name)
+            if is_kv_scale(name) or (layer and int(layer[1]) >= config.num_hidden_layers):
+                names.add(name)
+    return frozenset(names)
 
 
 def materialize(model: torch.nn.Module, dtype: torch.dtype, device: str) -> None:

