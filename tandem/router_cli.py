@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import ssl
 from typing import Any
 
 from pydantic import ValidationError
 
 from common.wire.user_error import UserError, config_error, require_free_ports
-from router.config import PrefillSpec, RouterConfig, split_host_port
+from router.config import SECRET_FIELDS, PrefillSpec, RouterConfig, split_host_port
 from tandem.flags import FlagParser, add_log_level_flag, add_model_flags
 
 
@@ -77,10 +78,19 @@ def run_router_cli(argv: list[str]) -> None:
         raise config_error(e) from None
     from router.processes import shared_dir
     from router.serve import serve_router
+    from router.tls import client_context, server_context
+
+    try:  # the files are checked at once: a bad one is one line here, not a traceback in every process
+        server_context(config)
+        client_context(config)
+    except (ssl.SSLError, OSError) as e:
+        raise UserError(f"--ssl-certfile, --ssl-keyfile or --ssl-ca-certs do not load ({e}): give PEM files") from None
 
     if not shared_dir():  # the supervisor checks; its processes then share the port (SO_REUSEPORT)
         require_free_ports(config.host, {"--port": config.port})
 
     log = logging.getLogger("tandem.router")
-    log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
+    scheme = "https" if config.ssl_certfile else "http"
+    shown = config.model_dump(exclude=SECRET_FIELDS)
+    log.info("router on %s://%s:%d, config %s", scheme, config.host, config.port, shown)
     serve_router(config, argv)

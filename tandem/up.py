@@ -40,15 +40,34 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="clients send it to the router (Bearer), the router to the servers; every process gets it "
+        "[env TANDEM_API_KEY]",
+    )
     p.add_argument("extra", nargs="*", help="more `tandem serve` flags for every engine server, after --")
 
 
 def plan_children(ns: argparse.Namespace) -> list[Child]:
+    """Every process of the cluster; the secrets go in their environment, not argv (`ps` shows argv)."""
     py = [sys.executable, "-m", "tandem"]
     common = ["--model", ns.model, "--host", ns.host, "--device", ns.device, *ns.extra]
     if ns.mode == "monolithic":
         argv = py + ["serve", "--disagg-mode", "null", "--port", str(ns.port), *common]
-        return [Child("server", argv, f"http://{ns.host}:{ns.port}/health")]
+        children = [Child("server", argv, f"http://{ns.host}:{ns.port}/health")]
+    else:
+        children = _pd_children(ns, py, common)
+        secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
+        for c in children:
+            c.env["TANDEM_CLUSTER_SECRET"] = secret
+    for c in children:
+        if ns.api_key:
+            c.env["TANDEM_API_KEY"] = ns.api_key
+    return children
+
+
+def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> list[Child]:
     children, prefills, decodes = [], [], []
     for i in range(ns.num_prefill):
         port, boot = ns.base_port + i, ns.bootstrap_port + i
@@ -83,9 +102,6 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
         decodes += ["--decode", f"http://{ns.host}:{port}"]
     router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port)]
     children.append(Child("router", router, f"http://{ns.host}:{ns.port}/readiness"))
-    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
-    for c in children:
-        c.env["TANDEM_CLUSTER_SECRET"] = secret  # in the environment, not argv: `ps` shows argv
     return children
 
 
@@ -214,9 +230,10 @@ def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:
     if stopping():
         return 0
     url = f"http://{ns.host}:{ns.port}"
+    auth = "-H 'Authorization: Bearer <your --api-key>' " if ns.api_key else ""
     print(
         f"\n[up] Tandem is serving on {url} (OpenAI-compatible). Try:\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' {auth}"
         f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'\n'
         f"[up] press Ctrl-C to stop\n",
         flush=True,
