@@ -32,10 +32,13 @@ class ServerProcess:
         name: str = "server",
         health: str = "/health",
         env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: tuple[str, ...] = (),
     ):
         self.port = port
         self.env = env or {}  # on top of this process's environment
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
+        self.prefix = prefix  # runs the command inside something, e.g. ("ip", "netns", "exec", NAME)
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
         self.args = args
@@ -46,7 +49,11 @@ class ServerProcess:
     def _spawn(self) -> subprocess.Popen:
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(
-            [sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            [*self.prefix, sys.executable, "-m", "tandem", *self.args],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
 
     def signal(self, sig: int) -> None:
