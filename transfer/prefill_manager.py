@@ -71,6 +71,9 @@ class PrefillKVManager(KVManager):
             log.warning("refusing decode %s: %s", msg.decode_id, problem)
             return
         if msg.decode_id in self.peers:  # it declared this prefill dead: it will reuse the pages of its rooms here
+            # what the old socket still queues is stale, and after a partition its TCP connection may sit in
+            # retransmission backoff for seconds: what follows (these statuses, pongs) goes over a fresh one
+            self.control.drop(self.peers[msg.decode_id].status_endpoint)
             self._fail_rooms_of(
                 msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
             )

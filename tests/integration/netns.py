@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,6 +144,20 @@ def ns_server(host: Host, args: list[str], name: str, port: int = PORT, **kw) ->
     """`python -m tandem <args>` inside the host's namespace; clients reach it at the host's address."""
     prefix = ("ip", "netns", "exec", host.netns)
     return ServerProcess(args, port, name=name, host=host.address, prefix=prefix, **kw)
+
+
+@contextmanager
+def ns_cluster(backend: str, flags: tuple[str, ...] = (), router_flags: tuple[str, ...] = (), env=None):
+    """A fresh network with a cluster on it (see start_ns_cluster); everything is removed on exit."""
+    net = Network()
+    try:
+        c = start_ns_cluster(net, backend, flags, router_flags, env)
+        try:
+            yield c, net
+        finally:
+            c.stop()
+    finally:
+        net.close()
 
 
 def start_ns_cluster(

@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from tests.conftest import start_server
 from tests.integration.cluster import generate
-from tests.integration.netns import Network, start_ns_cluster, unavailable
+from tests.integration.netns import ns_cluster, unavailable
 
-pytestmark = pytest.mark.skipif(bool(why := unavailable()), reason=str(why))
+pytestmark = [pytest.mark.skipif(bool(why := unavailable()), reason=str(why)), pytest.mark.timeout(900)]
 
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "64")
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}  # eth0: the namespace's only link to the others
@@ -37,16 +37,8 @@ def expected(prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
 def cluster(request):
-    net = Network()
-    try:
-        env = UCX_TCP if request.param == "nixl" else None
-        c = start_ns_cluster(net, request.param, ENGINE, env=env)
-        try:
-            yield c, net
-        finally:
-            c.stop()
-    finally:
-        net.close()
+    with ns_cluster(request.param, ENGINE, env=UCX_TCP if request.param == "nixl" else None) as running:
+        yield running
 
 
 def test_pd_across_hosts_equals_monolithic(cluster, prompts, expected):
