@@ -54,9 +54,9 @@ def make_buffers(layout: str, device: str, layers: int, heads: int, dim: int, pa
 
 
 def make_manager(mode: str, backend: str, device: str, layout: str, layers: int, heads: int, dim: int, pages: int, aux):
-    from transfer.decode_manager import DecodeKVManager
+    from transfer.decode.decode_manager import DecodeKVManager
     from transfer.manager import KVArgs
-    from transfer.prefill_manager import PrefillKVManager
+    from transfer.prefill.prefill_manager import PrefillKVManager
 
     bufs, infos = make_buffers(layout, device, layers, heads, dim, pages)
     args = KVArgs(
@@ -80,7 +80,7 @@ def make_manager(mode: str, backend: str, device: str, layout: str, layers: int,
 def decode_side(backend, device, layout, case, q_out, q_in):
     import torch
 
-    from transfer.receiver import KVReceiver
+    from transfer.decode.receiver import KVReceiver
 
     layers, heads, dim, tokens, _, frag = CASES[case]
     pages = tokens // PAGE
@@ -114,7 +114,7 @@ def send_room(manager, room: int, pages: int, chunks: int) -> tuple[float, list[
     """Seconds from queueing a room's first chunk to its success (the aux record written last), and
     the destination pages the decode asked for."""
     from transfer.poll import KVPoll
-    from transfer.sender import KVSender
+    from transfer.prefill.sender import KVSender
 
     s = KVSender(manager, room)
     wait_until_done(manager, s, KVPoll.WaitingForInput)
@@ -139,7 +139,7 @@ def timed(fn, *args) -> float:
 
 
 def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
-    from transfer.runs import chunk_triples
+    from transfer.prefill.runs import chunk_triples
 
     layers, heads, dim, tokens, chunks, _ = CASES[case]
     pages = tokens // PAGE

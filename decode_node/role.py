@@ -14,7 +14,7 @@ prefill's writes finish normally.
                                     draining: the client already has its error; row, pages and aux slot
                                     wait until no write of the prefill can land in them (its status
                                     arrived, or one heartbeat interval after it was declared dead, see
-                                    transfer/decode_rooms.py), or --transfer-timeout-s, then are freed
+                                    transfer/decode/decode_rooms.py), or --transfer-timeout-s, then are freed
 
 A request with max_new_tokens 0 needs nothing from a prefill: it ends at once with no tokens.
 
@@ -32,17 +32,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from common.config import ServerConfig
-from common.engine.request import FinishReason, Req, ReqStatus
+from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
-from decode_node.aux_pool import AuxPool
 from decode_node.peers import Peer
 from transfer.aux_record import AuxRecord
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.aux_pool import AuxPool
+from transfer.decode.decode_manager import DecodeKVManager
+from transfer.decode.receiver import KVReceiver
 from transfer.poll import DuplicateRoom, KVPoll
-from transfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
 Lookup = Callable[[Rendezvous], "Future[Peer]"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.wire.kv_layout import kv_layout
-from decode_node.aux_pool import AuxPool
 from decode_node.peers import PeerDirectory
 from decode_node.role import DecodeRole
 from transfer.aux_record import RECORD_BYTES
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.aux_pool import AuxPool
+from transfer.decode.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
 
 

@@ -33,14 +33,14 @@ import logging
 from dataclasses import dataclass
 
 from common.config import ServerConfig
-from common.engine.request import FinishReason, Req, ReqStatus
+from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.role import Role, Sampled
 from common.engine.scheduler import Scheduler
 from common.memory.errors import MemoryIntegrityError
 from transfer.aux_record import AuxRecord
 from transfer.poll import DuplicateRoom, KVPoll
-from transfer.prefill_manager import PrefillKVManager
-from transfer.sender import KVSender
+from transfer.prefill.prefill_manager import PrefillKVManager
+from transfer.prefill.sender import KVSender
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from common.wire.kv_layout import kv_layout
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
-from transfer.prefill_manager import PrefillKVManager
+from transfer.prefill.prefill_manager import PrefillKVManager
 
 log = logging.getLogger(__name__)
 REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minute

@@ -12,9 +12,9 @@ import uvicorn
 from pydantic import ValidationError
 
 from common.config import ServerConfig
+from common.edge.draining_server import DrainingServer
+from common.edge.head_deadline import HeadDeadlineProtocol
 from common.memory.sizing import PoolSizingError
-from common.wire.drain import DrainingServer
-from common.wire.head_deadline import HeadDeadlineProtocol
 
 log = logging.getLogger("tandem")
 

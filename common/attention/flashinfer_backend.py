@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.core.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 

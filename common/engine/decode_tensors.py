@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch, ForwardMode
-from common.engine.request import Req
+from common.core.forward_batch import ForwardBatch, ForwardMode
+from common.core.request import Req
 from common.engine.sampling_batch import SamplingBatch
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from common.attention.base import AttentionBackend
+from common.core.forward_batch import ForwardBatch, ForwardMode
+from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
-from common.engine.forward_batch import ForwardBatch, ForwardMode
-from common.engine.request import Req
 from common.engine.sampler import Sampler
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM

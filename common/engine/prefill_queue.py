@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import deque
 
 from common.config import ServerConfig
-from common.engine.forward_batch import ForwardMode
+from common.core.forward_batch import ForwardMode
+from common.core.request import Req
 from common.engine.model_runner import BatchPlan
-from common.engine.request import Req
 from common.memory.manager import MemoryManager
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.engine.request import FinishReason, Req
+from common.core.request import FinishReason, Req
 
 Sampled = tuple[int, float | None, Any]  # (token, logprob, top logprobs) of a prompt's first sample
 

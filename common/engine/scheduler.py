@@ -21,12 +21,12 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from common.config import ServerConfig
+from common.core.forward_batch import ForwardMode
+from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.decode_batch import DecodeBatch
-from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.engine.output import OutputProcessor
 from common.engine.prefill_queue import PrefillQueue
-from common.engine.request import FinishReason, Req, ReqStatus
 from common.engine.role import Role
 from common.memory.errors import MemoryIntegrityError
 from common.memory.manager import MemoryManager, PageCounts

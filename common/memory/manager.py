@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.request import Req
+from common.core.request import Req
 from common.memory.allocator import PagedAllocator
 from common.memory.errors import MemoryIntegrityError
 from common.memory.prefix_cache import PrefixCache

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.server import openai_api
 from common.server.guard import CountingGuard
@@ -25,11 +26,9 @@ from common.server.serving import (
     tokenize_text,
 )
 from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
-from common.wire.auth import ApiKeyGuard
-from common.wire.body import read_body
-from common.wire.drain import Drain, DrainGuard
+from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
-from common.wire.sse import DONE, sse_event, sse_response
+from common.wire.sse import DONE, sse_event
 
 log = logging.getLogger("tandem.http")
 OPEN_PATHS = frozenset({"/health", "/metrics"})

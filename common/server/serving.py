@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.core.request import FinishReason, OutputEvent, Req
 from common.engine.engine import Engine
-from common.engine.request import FinishReason, OutputEvent, Req
 from common.wire.api import Rendezvous
 from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, error_for_status
 from common.wire.sampling_params import SamplingParams

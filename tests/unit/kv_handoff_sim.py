@@ -19,15 +19,15 @@ from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from decode_node.aux_pool import AuxPool
 from decode_node.peers import Peer
 from decode_node.role import DecodeRole
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.aux_pool import AuxPool
+from transfer.decode.decode_manager import DecodeKVManager
 from transfer.manager import KVArgs
 from transfer.messages import encode, next_seq
-from transfer.prefill_manager import PrefillKVManager
+from transfer.prefill.prefill_manager import PrefillKVManager
 
 VOCAB, EOS = 1000, 999
 SECRET = "sim-secret"

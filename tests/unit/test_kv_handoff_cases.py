@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.request import ReqStatus
+from common.core.request import ReqStatus
 from common.wire.api import Rendezvous
 from tests.unit.kv_handoff_sim import SECRET
 from tests.unit.test_kv_handoff_model import KVHandoff

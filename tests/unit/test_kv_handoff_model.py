@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.engine.request import Req
+from common.core.request import Req
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 from decode_node.peers import Peer

@@ -11,14 +11,14 @@ from collections.abc import Callable
 import pytest
 
 import common.engine.scheduler_thread as scheduler_thread
-from common.engine.request import Req
+from common.core.request import Req
 from common.engine.role import Role
 from common.engine.scheduler_thread import SchedulerThread
 from tests.unit.test_scheduler import expected_output, make, req
 from tests.unit.test_transfer_protocol import AUX_BYTES, Side, wait_for
+from transfer.decode.receiver import KVReceiver
 from transfer.poll import KVPoll
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.prefill.sender import KVSender
 
 
 class PeerRole(Role):

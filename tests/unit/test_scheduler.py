@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from common.config import ServerConfig
-from common.engine.forward_batch import ForwardMode
+from common.core.forward_batch import ForwardMode
+from common.core.request import Req
 from common.engine.model_runner import BatchPlan, BatchResult
 from common.engine.output import OutputProcessor
-from common.engine.request import Req
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator

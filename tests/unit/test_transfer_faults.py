@@ -9,10 +9,10 @@ import time
 import pytest
 
 from tests.unit.test_transfer_protocol import AUX_BYTES, Side, block_writes_to, start_room, wait_for
+from transfer.decode.receiver import KVReceiver
 from transfer.messages import ReplayGuard, RoomRequest, Status, encode, open_frame
 from transfer.poll import DuplicateRoom, KVPoll
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.prefill.sender import KVSender
 
 
 def test_a_full_transfer_queue_fails_the_room_instead_of_blocking():

@@ -10,14 +10,14 @@ import msgpack
 import pytest
 import torch
 
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.decode_manager import DecodeKVManager
+from transfer.decode.receiver import KVReceiver
 from transfer.manager import KVArgs
 from transfer.messages import BadMessage, Register, RoomRequest, Status, decode, encode
 from transfer.poll import KVPoll, PollState
-from transfer.prefill_manager import PrefillKVManager
-from transfer.receiver import KVReceiver
-from transfer.runs import chunk_triples
-from transfer.sender import KVSender
+from transfer.prefill.prefill_manager import PrefillKVManager
+from transfer.prefill.runs import chunk_triples
+from transfer.prefill.sender import KVSender
 
 PAGE, LAYERS, PAGES = 4, 2, 16
 AUX_BYTES = 32

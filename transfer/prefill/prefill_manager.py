@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 
-from transfer.kv_writer import KVWriter, layout_problem
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import Abort, BadMessage, Envelope, FirstToken, Ping, Pong, Register, RoomRequest, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
-from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
-from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
+from transfer.prefill.kv_writer import KVWriter, layout_problem
+from transfer.prefill.prefill_rooms import PrefillRoom, PrefillRoomTable
+from transfer.prefill.transfer_worker import Chunk, TransferWorker, WorkerPool
 
 log = logging.getLogger(__name__)
 MAX_REFUSED_REMEMBERED = 1024

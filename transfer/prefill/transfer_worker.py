@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from transfer.bulk_priority import lower_this_thread
-from transfer.prefill_rooms import PrefillRoom
+from transfer.prefill.prefill_rooms import PrefillRoom
 
 log = logging.getLogger(__name__)
 IDLE_EXIT_S = 30.0

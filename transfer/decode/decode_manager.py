@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
+from transfer.decode.decode_rooms import DecodeRoom, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import BadMessage, Envelope, FirstToken, Ping, Pong, Register, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark

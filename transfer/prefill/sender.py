@@ -4,8 +4,8 @@ and, with the last one, the aux record."""
 from __future__ import annotations
 
 from transfer.poll import KVPoll, Mark, no_mark
-from transfer.prefill_manager import PrefillKVManager
-from transfer.transfer_worker import Chunk, TransferQueueFull
+from transfer.prefill.prefill_manager import PrefillKVManager
+from transfer.prefill.transfer_worker import Chunk, TransferQueueFull
 
 
 class KVSender:

@@ -1,11 +1,11 @@
 """Decode side of one room: claims the room, sends the page indices to the prefill, waits for its status.
 
-`pages_reusable(now)` says when the reserved pages may be reused (see transfer/decode_rooms.py).
+`pages_reusable(now)` says when the reserved pages may be reused (see transfer/decode/decode_rooms.py).
 """
 
 from __future__ import annotations
 
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.decode_manager import DecodeKVManager
 from transfer.messages import Abort, RoomRequest
 from transfer.poll import KVPoll, Mark, no_mark
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from transfer.backends.base import TransferBackend
 from transfer.messages import Register, RoomRequest
 from transfer.poll import Mark, no_mark
-from transfer.runs import chunk_triples
+from transfer.prefill.runs import chunk_triples
 
 
 class AuxStaging:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.engine.timeline import Timeline
+from common.core.timeline import Timeline
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 
@@ -86,7 +86,7 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    timeline: Timeline = field(default_factory=Timeline)  # diagnostics: see common/engine/timeline.py
+    timeline: Timeline = field(default_factory=Timeline)  # diagnostics: see common/core/timeline.py
 
     @property
     def fill_ids(self) -> list[int]:
