@@ -156,6 +156,7 @@ def test_partition_then_heal(cluster, prompts, expected, partition, moment):
     saw = check_outcome(o, partition, moment, want)
     assert untouched(partition, moment) or took < BOUND_S, (took, saw)
     time.sleep(max(0.0, t_cut + HOLD_S - time.monotonic()))
+    assert all(net.dropped(net.hosts[dst]) for _, dst in PARTITIONS[partition]), "the cut was never crossed"
     net.heal()
     recovery = serves_again(c, prompts, expected, time.monotonic())
     leaked = 0
