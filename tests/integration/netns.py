@@ -24,6 +24,7 @@ from tests.integration.cluster import Cluster
 
 PORT = 8000  # every host has its own port space
 BOOTSTRAP_PORT = 8998
+STARTUP_S = 400.0  # four servers load the model at once, on a machine that may be shared
 TAG_RE = re.compile(r"^tnd(\d+)(?:-|v\d+$|$)")
 
 
@@ -147,11 +148,12 @@ def ns_server(host: Host, args: list[str], name: str, port: int = PORT, **kw) ->
 
 
 @contextmanager
-def ns_cluster(backend: str, flags: tuple[str, ...] = (), router_flags: tuple[str, ...] = (), env=None):
-    """A fresh network with a cluster on it (see start_ns_cluster); everything is removed on exit."""
+def ns_cluster(label: str, backend: str, flags: tuple[str, ...] = (), router_flags: tuple[str, ...] = (), env=None):
+    """A fresh network with a cluster on it (see start_ns_cluster); everything is removed on exit. `label`
+    names the servers' logs."""
     net = Network()
     try:
-        c = start_ns_cluster(net, backend, flags, router_flags, env)
+        c = start_ns_cluster(net, label, backend, flags, router_flags, env)
         try:
             yield c, net
         finally:
@@ -162,6 +164,7 @@ def ns_cluster(backend: str, flags: tuple[str, ...] = (), router_flags: tuple[st
 
 def start_ns_cluster(
     net: Network,
+    label: str,
     backend: str,
     flags: tuple[str, ...] = (),
     router_flags: tuple[str, ...] = (),
@@ -174,7 +177,10 @@ def start_ns_cluster(
     try:
         boot = hosts["bootstrap"]
         c.bootstrap = ns_server(
-            boot, ["bootstrap", "--host", "0.0.0.0", "--port", str(BOOTSTRAP_PORT)], "ns-bootstrap", BOOTSTRAP_PORT
+            boot,
+            ["bootstrap", "--host", "0.0.0.0", "--port", str(BOOTSTRAP_PORT)],
+            f"ns-{label}-bootstrap",
+            BOOTSTRAP_PORT,
         )
         c.bootstrap.wait_ready(60)
         for role in ("prefill", "decode"):
@@ -184,14 +190,14 @@ def start_ns_cluster(
             if role == "prefill":
                 args += ["--bootstrap-url", c.bootstrap.url]
             (c.prefills if role == "prefill" else c.decodes).append(
-                ns_server(host, args, f"ns-{backend}-{role}", env=env)
+                ns_server(host, args, f"ns-{label}-{role}", env=env)
             )
         for node in c.nodes:
-            node.wait_ready()
+            node.wait_ready(STARTUP_S)
         where = ["--prefill", c.prefills[0].url, f"{boot.address}:{BOOTSTRAP_PORT}", "--decode", c.decodes[0].url]
         args = ["router", "--host", "0.0.0.0", "--port", str(PORT), *where, "--health-check-interval-s", "0.5"]
-        c.router = ns_server(hosts["router"], [*args, *router_flags], f"ns-{backend}-router", health="/readiness")
-        c.router.wait_ready()
+        c.router = ns_server(hosts["router"], [*args, *router_flags], f"ns-{label}-router", health="/readiness")
+        c.router.wait_ready(STARTUP_S)
         return c
     except BaseException:
         c.stop()

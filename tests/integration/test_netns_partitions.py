@@ -65,7 +65,7 @@ def expected(prompts) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    with ns_cluster("mooncake", ENGINE + FAULTS, ROUTER) as running:
+    with ns_cluster("partitions", "mooncake", ENGINE + FAULTS, ROUTER) as running:
         yield running
 
 
@@ -156,7 +156,8 @@ def test_partition_then_heal(cluster, prompts, expected, partition, moment):
     saw = check_outcome(o, partition, moment, want)
     assert untouched(partition, moment) or took < BOUND_S, (took, saw)
     time.sleep(max(0.0, t_cut + HOLD_S - time.monotonic()))
-    assert all(net.dropped(net.hosts[dst]) for _, dst in PARTITIONS[partition]), "the cut was never crossed"
+    # some direction saw traffic (before pairing, the side that was never reached has nothing to answer)
+    assert any(net.dropped(net.hosts[dst]) for _, dst in PARTITIONS[partition]), "the cut was never crossed"
     net.heal()
     recovery = serves_again(c, prompts, expected, time.monotonic())
     leaked = 0

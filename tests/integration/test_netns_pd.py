@@ -37,7 +37,9 @@ def expected(prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
 def cluster(request):
-    with ns_cluster(request.param, ENGINE, env=UCX_TCP if request.param == "nixl" else None) as running:
+    with ns_cluster(
+        f"pd-{request.param}", request.param, ENGINE, env=UCX_TCP if request.param == "nixl" else None
+    ) as running:
         yield running
 
 
