@@ -65,11 +65,11 @@ def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
     if config.disagg_mode == "prefill":
-        from prefill_node.server import build_prefill_engine
+        from prefill_node.compose import build_prefill_engine
 
         return build_prefill_engine(config)
     if config.disagg_mode == "decode":
-        from decode_node.server import build_decode_engine
+        from decode_node.compose import build_decode_engine
 
         return build_decode_engine(config)
     return Engine(config)
@@ -87,8 +87,8 @@ def serve(config: ServerConfig) -> None:
     except PoolSizingError as e:
         sys.exit(f"tandem serve: {e}")
     engine.start()
-    from common.server.app import create_app
-    from common.server.drain import engine_drain, fail_in_flight
+    from common.http.app import create_app
+    from common.http.drain import engine_drain, fail_in_flight
 
     drain = engine_drain(engine)
     app = create_app(engine, drain)

@@ -51,16 +51,25 @@ class OutputEvent:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
-class Req:
+@dataclass(eq=False)
+class GenInput:
+    """What a client asked for: the HTTP layer builds one per API request (all `n` choices), and each
+    choice's Req starts from the same fields (common/http/serving.py make_reqs)."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
-    sink: Callable[[OutputEvent], None] | None = None
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
+
+
+@dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
+class Req(GenInput):
+    """One choice of a client's request as the scheduler, the pools and the output stream carry it."""
+
+    sink: Callable[[OutputEvent], None] | None = None
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

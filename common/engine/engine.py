@@ -140,7 +140,7 @@ class Engine:
         m.labelled_gauges(
             "tandem_pd_queue_requests",
             "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
-            "inflight; decode: prealloc, transferring, draining)",
+            "inflight; decode: prealloc, transferring, quarantined)",
             "queue",
             lambda: s.role.queue_depths(),
         )

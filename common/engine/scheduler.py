@@ -30,6 +30,7 @@ from common.engine.prefill_queue import PrefillQueue
 from common.engine.role import Role
 from common.memory.errors import MemoryIntegrityError
 from common.memory.manager import MemoryManager, PageCounts
+from common.wire.api import rendezvous_problem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,7 +107,10 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         req.timeline.mark("admitted")
         self.output.prepare(req)
-        if not self.role.admit(req):
+        problem = rendezvous_problem(self.role.mode, req.rendezvous) if self.role.mode else None
+        if problem is not None:
+            self.fail(req, problem, 400)
+        elif not self.role.admit(req):
             self.prefill.add(req)
 
     def abort_now(self, req: Req, reason: str, status: int) -> None:

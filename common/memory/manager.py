@@ -92,7 +92,7 @@ class MemoryManager:
     def extend(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Allocate KV slots for the next `num_tokens` tokens of `req`; returns them (int64)."""
         start, end = req.kv_len, req.kv_len + num_tokens
-        self._make_room(self.allocator.pages_needed(start, end))
+        self._evict_for(self.allocator.pages_needed(start, end))
         row = req.req_pool_idx
         last_loc = int(self.req_pool.req_to_token[row, start - 1]) if start > 0 else -1
         slots = self.allocator.alloc_token_slots(start, end, last_loc)
@@ -110,7 +110,7 @@ class MemoryManager:
         ps, table = self.page_size, self.req_pool.req_to_token
         new_page = host_kv_lens % ps == 0
         num_new = int(new_page.sum())
-        self._make_room(num_new)
+        self._evict_for(num_new)
         pages = torch.tensor(self.allocator.alloc(num_new), dtype=torch.int64)
         first = torch.zeros(len(reqs), dtype=torch.int64).masked_scatter_(new_page, pages * ps)
         after_last = table[rows, kv_lens - 1].long() + 1  # a decoding request has KV, so kv_lens >= 1
@@ -121,7 +121,7 @@ class MemoryManager:
             req.kv_len += 1
         return slots
 
-    def _make_room(self, pages: int) -> None:
+    def _evict_for(self, pages: int) -> None:
         short = pages - self.allocator.available_pages()
         if short > 0:
             self.prefix_cache.evict(short)

@@ -77,10 +77,17 @@ def test_each_side_imports_only_its_own_transfer_files():
     assert violations == []
 
 
+def test_roles_reach_the_scheduler_only_through_the_view_they_are_built_with():
+    """common/engine/role.py's SchedulerView: no role imports the Scheduler or rewires its KV manager."""
+    for role in ("prefill_node/role.py", "decode_node/role.py"):
+        assert "common.engine.scheduler" not in imported_modules(ROOT / role), role
+        assert ".wake_scheduler" not in (ROOT / role).read_text(), role
+
+
 def test_router_bootstrap_wire_and_bench_start_without_torch(builtin_model_dir):
     """builtin_model_dir: the built-in model is converted already, as after any server ran once."""
     code = (
-        "import sys, router.app, tandem.router_cli, bootstrap.server, bootstrap.client, common.wire.api, "
+        "import sys, router.app, tandem.router_cli, bootstrap.app, bootstrap.client, common.wire.api, "
         "common.wire.auth, common.wire.body, common.wire.sse, common.wire.kv_layout, tandem.bench.main, "
         "tandem.bench.plot; tandem.bench.tokenizer.load_tokenizer('builtin'); print('torch' in sys.modules)"
     )

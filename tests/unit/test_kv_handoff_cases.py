@@ -69,7 +69,7 @@ def test_the_decode_streams_the_first_token_before_the_kv_lands(max_new):
             break
     assert pair.decode.output_ids == [11] and not pair.decode.finished
     assert pair.decode.status == ReqStatus.TRANSFERRING and pair.decode not in m.decode.sched.decode.running
-    assert not m.decode.manager.rooms[pair.decode.rendezvous.room].status_received
+    assert not m.decode.manager.rooms[pair.decode.rendezvous.room_id].status_received
     m.teardown()
     assert pair.decode.finish.type == "length" and pair.decode.output_ids == list(range(11, 11 + max_new))
     assert pair.prefill.finish.type == "length"

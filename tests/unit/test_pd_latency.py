@@ -81,7 +81,7 @@ def test_a_room_request_a_transfer_end_and_a_status_each_wake_their_scheduler():
     dec.manager.register_with(
         prefill.manager.endpoint, prefill.manager.instance_id
     )  # its own frame (which wakes too): out of the way first
-    wait_for(lambda: dec.manager.instance_id in prefill.manager.peers)
+    wait_for(lambda: dec.manager.instance_id in prefill.manager.registrations)
     prefill_woken.clear()
     receiver.init([2, 3], aux_slot=1)
     assert prefill_woken.wait(5), "the decode's room request did not wake the prefill's scheduler"

@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from common.core.request import GenInput
 from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
-from common.server.serving import (
+from common.http.serving import (
     Choice,
-    GenInput,
     check_input,
     collect,
     created,
