@@ -33,8 +33,9 @@ class AttentionBackend(ABC):
 def make_attention_backend(
     name: str, device: str, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float
 ) -> AttentionBackend:
+    plain = kv_pool.kind == "mha" and not kv_pool.quantized
     if name == "auto":
-        name = "flashinfer" if device == "cuda" else "torch"
+        name = "flashinfer" if device == "cuda" and plain else "torch"
     if name == "torch":
         from common.attention.torch_backend import TorchAttention
 
@@ -42,6 +43,11 @@ def make_attention_backend(
     if name == "flashinfer":
         if device != "cuda":
             raise ValueError("attention_backend 'flashinfer' needs --device cuda")
+        if not plain:
+            raise ValueError(
+                "attention_backend 'flashinfer' reads MHA pools in the model's dtype only; this one is "
+                f"{kv_pool.kind.upper()} of {str(kv_pool.dtype).removeprefix('torch.')}: use --attention-backend torch"
+            )
         from common.attention.flashinfer_backend import FlashInferAttention
 
         return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling)
