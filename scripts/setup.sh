@@ -35,6 +35,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   run env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 libnuma1
 fi
 
+# The several-hosts tests (tests/integration/netns.py) put each server in a network namespace: as root, ip and nft.
+if [ "$(id -u)" -eq 0 ] && ! { command -v ip && command -v nft; } >/dev/null 2>&1; then
+  echo "[setup] installing Debian packages iproute2 nftables (the network-namespace tests need them)"
+  run apt-get update -qq
+  run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables
+fi
+
 [ -x .venv/bin/python ] || run "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip)
 run "${PIP[@]}" install -q --upgrade pip

@@ -90,7 +90,11 @@ class KVManager(ABC):
         self.metrics = TransferMetrics(self.counters)  # the engine's /metrics exposes it
         self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses, clock, wall_clock)
         self.replay = ReplayGuard(clock=wall_clock)
-        make = control or (lambda sender, counters: ZmqControlPlane(args.host, sender, args.secret, counters))
+        make = control or (
+            lambda sender, counters: ZmqControlPlane(
+                args.host, sender, args.secret, counters, stall_s=args.heartbeat_interval_s
+            )
+        )
         self.control = make(self.instance_id, self.counters)
         self.endpoint: str = self.control.endpoint
         self._stop = threading.Event()
