@@ -168,6 +168,8 @@ class PrefillKVManager(KVManager):
         if peer is None:
             raise FencedError(f"decode {req.decode_id} is no longer registered")
         fence = lambda: self._fence(req.decode_id, chunk.room)  # noqa: E731
+        if chunk.ready is not None:  # the forward that wrote the pages may still run on the device
+            chunk.ready.synchronize()
         written = self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark)
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] += written

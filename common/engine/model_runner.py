@@ -9,6 +9,7 @@ import torch
 from common.attention.base import AttentionBackend
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.kv_ready import KVReady, record_kv_ready
 from common.engine.request import Req
 from common.engine.sampler import Sampler
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
@@ -41,6 +42,7 @@ class BatchResult:
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
     input_logprobs: list[InputLogprobs | None]  # per request
+    kv_ready: KVReady | None = None  # EXTEND: recorded after the forward that wrote the batch's KV
 
 
 class ModelRunner:
@@ -66,10 +68,11 @@ class ModelRunner:
         batch, logit_spans = self._build(plan)
         self.attn.init_forward(batch)
         logits = self.model(batch, self.attn)
+        kv_ready = record_kv_ready(self.device)  # before sampling: the transfer need not wait for it
         last_rows = torch.tensor([end - 1 for _, end in logit_spans], device=logits.device)
         sample_idx = [i for i, s in enumerate(plan.sample) if s]
         result = BatchResult(
-            [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs)
+            [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), kv_ready
         )
         if sample_idx:
             rows = [self._sampling_row(plan.reqs[i]) for i in sample_idx]
