@@ -25,6 +25,9 @@ class ServerConfig(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    kernel_cache_dir: str | None = Field(
+        None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
+    )
     seed: int = 0
 
     # memory

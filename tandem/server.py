@@ -11,10 +11,12 @@ import time
 import uvicorn
 from pydantic import ValidationError
 
+from common.attention.base import AttentionChoiceError
 from common.config import ServerConfig
 from common.memory.sizing import PoolSizingError
 from common.wire.drain import DrainingServer
 from common.wire.head_deadline import HeadDeadlineProtocol
+from transfer.backends.base import TransportUnavailable
 
 log = logging.getLogger("tandem")
 
@@ -84,7 +86,8 @@ def serve(config: ServerConfig) -> None:
     t0 = time.monotonic()
     try:
         engine = build_engine(config)
-    except PoolSizingError as e:
+        engine.warm_up()  # the port opens after: /health never answers while kernels build
+    except (PoolSizingError, AttentionChoiceError, TransportUnavailable) as e:
         sys.exit(f"tandem serve: {e}")
     engine.start()
     from common.server.app import create_app

@@ -30,18 +30,45 @@ class AttentionBackend(ABC):
         """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq, D]."""
 
 
+FLASHINFER_DTYPES = ("bfloat16", "float16")
+
+
+class AttentionChoiceError(ValueError):
+    """The flags ask for an attention backend that cannot run here; the message names them."""
+
+
+def choose_attention_backend(name: str, device: str, dtype: str) -> tuple[str, str | None]:
+    """The backend for `--attention-backend name` on `device` with weights of `dtype`, and a warning when
+    "auto" cannot take the fast one; a combination that cannot run is refused at start-up, naming the
+    flags, instead of failing every forward (FlashInfer has no float32 kernels)."""
+    if name == "auto" and device == "cuda" and dtype not in FLASHINFER_DTYPES:
+        return "torch", (
+            f"--dtype {dtype} on --device cuda: FlashInfer has no {dtype} kernels, using the torch attention "
+            "backend (slower); use --dtype bfloat16 for FlashInfer"
+        )
+    if name == "auto":
+        return ("flashinfer" if device == "cuda" else "torch"), None
+    if name == "flashinfer" and device != "cuda":
+        raise AttentionChoiceError(
+            "--attention-backend flashinfer needs --device cuda; use --attention-backend torch on cpu"
+        )
+    if name == "flashinfer" and dtype not in FLASHINFER_DTYPES:
+        raise AttentionChoiceError(
+            f"--attention-backend flashinfer has no {dtype} kernels: use --dtype bfloat16 (or float16), "
+            "or --attention-backend torch"
+        )
+    return name, None
+
+
 def make_attention_backend(
     name: str, device: str, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float
 ) -> AttentionBackend:
-    if name == "auto":
-        name = "flashinfer" if device == "cuda" else "torch"
+    """`name`: what choose_attention_backend picked."""
     if name == "torch":
         from common.attention.torch_backend import TorchAttention
 
         return TorchAttention(kv_pool, num_q_heads, head_dim, scaling)
     if name == "flashinfer":
-        if device != "cuda":
-            raise ValueError("attention_backend 'flashinfer' needs --device cuda")
         from common.attention.flashinfer_backend import FlashInferAttention
 
         return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling)

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.attention.base import make_attention_backend
+from common.attention.base import choose_attention_backend, make_attention_backend
 from common.config import ServerConfig
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
@@ -28,6 +28,7 @@ from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.timeline import report
+from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.kv_pool import KVPool, kv_bytes_per_token
 from common.memory.manager import MemoryManager
@@ -48,6 +49,11 @@ class Engine:
     def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None):
         """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic)."""
         self.config = config
+        self.attention_backend, warning = choose_attention_backend(
+            config.attention_backend, config.device, config.torch_dtype_name
+        )  # before loading anything: a refusal comes at once
+        if warning:
+            log.warning("%s", warning)
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
@@ -59,6 +65,7 @@ class Engine:
             self.model_dir, self.hf_config, self.dtype, config.device
         )  # first: the pool gets what is left
         head_dim = head_dim_of(self.hf_config)
+        use_kernel_cache(config.kernel_cache_dir)
         self.pool_plan = self._plan_pool(head_dim)
         self.context_len = self._context_len()
         num_pages = self.pool_plan.num_pages
@@ -80,7 +87,7 @@ class Engine:
         )
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         attn = make_attention_backend(
-            config.attention_backend,
+            self.attention_backend,
             config.device,
             self.kv_pool,
             self.hf_config.num_attention_heads,
@@ -146,6 +153,22 @@ class Engine:
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def warm_up(self) -> float:
+        """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
+        c = self.config
+        tokens = min(
+            c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens, self.context_len - 2
+        )
+        seconds = warm_up(self.runner, self.memory, tokens, c.device)
+        cache = c.kernel_cache_dir or "the default location"
+        log.info(
+            "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
+            seconds,
+            tokens,
+            cache,
+        )
+        return seconds
+
     def start(self) -> None:
         self.thread.start()
 

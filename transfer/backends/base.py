@@ -5,6 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 
+class TransportUnavailable(RuntimeError):
+    """The transfer engine cannot move KV the way the flags ask (a transport it lacks); the message says
+    which one is missing and what to change. Raised at start-up, before the server answers /health."""
+
+
 class TransferBackend(ABC):
     @abstractmethod
     def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:

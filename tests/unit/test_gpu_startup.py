@@ -1,0 +1,78 @@
+"""Start-up decisions for a GPU, checked on any machine: which attention backend a dtype and device get
+(or a refusal naming the flags), and the warm-up that builds every kernel before /health answers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from common.attention.base import AttentionChoiceError, choose_attention_backend
+from common.config import ServerConfig
+from common.engine.engine import Engine
+from common.engine.forward_batch import ForwardMode
+from common.engine.warmup import FLASHINFER_CACHE_ENV
+
+
+@pytest.mark.parametrize(
+    "name, device, dtype, picked, warns",
+    [
+        ("auto", "cuda", "bfloat16", "flashinfer", False),
+        ("auto", "cuda", "float16", "flashinfer", False),
+        ("auto", "cuda", "float32", "torch", True),  # FlashInfer has no float32 kernels
+        ("auto", "cpu", "float32", "torch", False),
+        ("auto", "cpu", "bfloat16", "torch", False),
+        ("torch", "cuda", "float32", "torch", False),
+        ("flashinfer", "cuda", "bfloat16", "flashinfer", False),
+    ],
+)
+def test_the_attention_backend_for_a_device_and_dtype(name, device, dtype, picked, warns):
+    chosen, warning = choose_attention_backend(name, device, dtype)
+    assert chosen == picked
+    assert (warning is not None) == warns
+    if warns:
+        assert "--dtype float32" in warning and "--dtype bfloat16" in warning
+
+
+@pytest.mark.parametrize(
+    "device, dtype, names",
+    [
+        ("cuda", "float32", ["--attention-backend flashinfer", "--dtype bfloat16", "--attention-backend torch"]),
+        ("cpu", "bfloat16", ["--attention-backend flashinfer", "--device cuda"]),
+    ],
+)
+def test_flashinfer_where_it_cannot_run_is_refused_naming_the_flags(device, dtype, names):
+    with pytest.raises(AttentionChoiceError) as e:
+        choose_attention_backend("flashinfer", device, dtype)
+    assert all(n in str(e.value) for n in names)
+
+
+def test_the_refusal_comes_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr("common.engine.engine.load_model", lambda *a: pytest.fail("loaded a model it refuses"))
+    with pytest.raises(AttentionChoiceError):
+        Engine(ServerConfig(attention_backend="flashinfer", device="cpu"))
+
+
+def test_warm_up_runs_a_prefill_chunk_and_a_decode_step_and_leaves_nothing_behind(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.delenv(FLASHINFER_CACHE_ENV, raising=False)
+    cache = tmp_path / "kernels"
+    engine = Engine(
+        ServerConfig(
+            model=str(tiny_model_dir), max_total_tokens=4096, chunked_prefill_size=256, kernel_cache_dir=str(cache)
+        )
+    )
+    assert os.environ[FLASHINFER_CACHE_ENV] == str(cache) and cache.is_dir()
+    before = engine.memory.check_integrity()
+    runs = []
+    real_run = engine.runner.run
+    monkeypatch.setattr(
+        engine.runner, "run", lambda plan: runs.append((plan.mode, sum(plan.extend_lens))) or real_run(plan)
+    )
+    seconds = engine.warm_up()
+    assert seconds > 0
+    assert runs == [(ForwardMode.EXTEND, 256), (ForwardMode.DECODE, 1)]  # the longest chunk, then a decode step
+    after = engine.memory.check_integrity()
+    assert after == before and after.free == after.total  # nothing cached, nothing held
+    assert not engine.memory.live
