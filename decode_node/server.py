@@ -15,6 +15,7 @@ from transfer.manager import kv_args_from_pool
 
 def build_decode_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> DecodeRole:
+        config = engine.config  # with the batch limits derived for the device
         aux = AuxPool(2 * config.max_running_requests + 16)
         args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
         manager = DecodeKVManager(args)

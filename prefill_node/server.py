@@ -22,6 +22,7 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
+        config = engine.config  # with the batch limits derived for the device
         manager = PrefillKVManager(kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES))
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])

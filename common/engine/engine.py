@@ -35,7 +35,7 @@ from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.memory.sizing import PoolPlan, plan_context_len, plan_kv_pool
+from common.memory.sizing import PoolPlan, gpu_batch_limits, plan_context_len, plan_kv_pool
 from common.model.loader import load_hf_config, load_model, resolve_model_dir
 from common.model.locate import display_name
 from common.model.rotary import head_dim_of
@@ -68,6 +68,7 @@ class Engine:
         use_kernel_cache(config.kernel_cache_dir)
         self.pool_plan = self._plan_pool(head_dim)
         self.context_len = self._context_len()
+        self.config = config = self._batch_limits(config)
         num_pages = self.pool_plan.num_pages
         self.kv_pool = KVPool(
             self.hf_config.num_hidden_layers,
@@ -112,6 +113,17 @@ class Engine:
         plan = plan_kv_pool(c.page_size, per_token, c.max_total_tokens, memory, c.mem_fraction_static)
         log.info("%s", plan.describe())
         return plan
+
+    def _batch_limits(self, config: ServerConfig) -> ServerConfig:
+        """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
+        if config.device != "cuda":
+            return config
+        derived = gpu_batch_limits(torch.cuda.mem_get_info()[1], self.pool_plan, self.context_len)
+        unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
+        log.info(
+            "batch limits for this GPU and pool: %s (flags override)", ", ".join(f"{k} {v}" for k, v in unset.items())
+        )
+        return config.model_copy(update=unset)
 
     def _context_len(self) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", 4096)

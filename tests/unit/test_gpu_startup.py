@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.engine.forward_batch import ForwardMode
 from common.engine.warmup import FLASHINFER_CACHE_ENV
+from common.memory.sizing import GIB, PoolPlan
 
 
 @pytest.mark.parametrize(
@@ -76,3 +78,17 @@ def test_warm_up_runs_a_prefill_chunk_and_a_decode_step_and_leaves_nothing_behin
     after = engine.memory.check_integrity()
     assert after == before and after.free == after.total  # nothing cached, nothing held
     assert not engine.memory.live
+
+
+def test_on_cuda_the_batch_limits_the_flags_leave_unset_come_from_the_device_and_pool(monkeypatch):
+    """An 80 GiB device with a 400,000-token pool: chunk 8192, budget 16384, 4096 requests, except what
+    the flags (or the environment) set; the CPU keeps 512 / 4096 / 32."""
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (70 * GIB, 80 * GIB))
+    engine = SimpleNamespace(pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192)
+    cpu = Engine._batch_limits(engine, ServerConfig())
+    assert (cpu.chunked_prefill_size, cpu.max_prefill_tokens, cpu.max_running_requests) == (512, 4096, 32)
+    gpu = Engine._batch_limits(engine, ServerConfig(device="cuda"))
+    assert (gpu.chunked_prefill_size, gpu.max_prefill_tokens, gpu.max_running_requests) == (8192, 16384, 4096)
+    monkeypatch.setenv("TANDEM_MAX_PREFILL_TOKENS", "9000")
+    config = Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=64))
+    assert (config.chunked_prefill_size, config.max_prefill_tokens, config.max_running_requests) == (8192, 9000, 64)
