@@ -47,8 +47,36 @@ pod at its own address. */}}
 {{ include "tandem.clusterSecretEnv" .root }}
 {{ include "tandem.model.env" .root }}
 {{ include "tandem.transfer.env" .root }}
+{{- if eq $v.device "cuda" }}
+- name: TANDEM_KERNEL_CACHE_DIR
+  value: {{ include "tandem.engine.kernelCacheDir" . }}
+{{- end }}
 {{- with (concat $v.engine.extraEnv (index $v .component).extraEnv) }}
 {{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.engine.kernelCacheDir" -}}/var/cache/tandem-kernels{{- end -}}
+
+{{/* The kernel cache's volume and mount, on CUDA (see values.yaml engine.kernelCache). */}}
+{{- define "tandem.engine.kernelCacheVolumes" -}}
+{{- $k := .Values.engine.kernelCache -}}
+{{- if eq .Values.device "cuda" }}
+- name: kernel-cache
+{{- if $k.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ $k.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $k.sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.engine.kernelCacheMounts" -}}
+{{- if eq .root.Values.device "cuda" }}
+- name: kernel-cache
+  mountPath: {{ include "tandem.engine.kernelCacheDir" . }}
 {{- end }}
 {{- end -}}
 
@@ -118,10 +146,10 @@ containers:
     {{- end }}
     {{- $mounts := list (dict "name" "dshm" "mountPath" "/dev/shm") }}
     volumeMounts:
-      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
+      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) (fromYamlArray (include "tandem.engine.kernelCacheMounts" .)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
 {{- $shm := dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" $v.shm.sizeLimit) }}
 volumes:
-  {{- concat (list $shm) (fromYamlArray (include "tandem.model.volumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
+  {{- concat (list $shm) (fromYamlArray (include "tandem.model.volumes" .root)) (fromYamlArray (include "tandem.engine.kernelCacheVolumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
 {{- with $role.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
