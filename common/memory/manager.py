@@ -113,6 +113,12 @@ class MemoryManager:
             req.kv_len += 1
         return first
 
+    def undo_decode_pages(self, reqs: list[Req], first_slots: list[int]) -> None:
+        """alloc_decode_pages undone (its slots could not be written): lengths back, new pages freed."""
+        for req in reqs:
+            req.kv_len -= 1
+        self.allocator.free(slot // self.page_size for slot in first_slots if slot >= 0)
+
     def write_decode_slots(
         self, rows: torch.Tensor, positions: torch.Tensor, first_slots: torch.Tensor
     ) -> torch.Tensor:
