@@ -168,9 +168,7 @@ class Engine:
     def warm_up(self) -> float:
         """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
         c = self.config
-        tokens = min(
-            c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens, self.context_len - 2
-        )
+        tokens = min(2 * c.page_size + 1, self.context_len - 2)  # whole pages and a partial one
         seconds = warm_up(self.runner, self.memory, tokens, c.device)
         cache = c.kernel_cache_dir or "the default location"
         log.info(

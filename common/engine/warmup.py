@@ -1,7 +1,9 @@
-"""Before the server answers /health: one forward of each kind it will run (a prefill chunk and a decode
-step), so that every kernel is built or loaded then, not inside the scheduler's first request (FlashInfer
-compiles a kernel the first time it sees a configuration, for seconds or minutes, and past
---watchdog-timeout-s /health would answer 503). Compiled kernels are kept in --kernel-cache-dir across
+"""Before the server answers /health: one forward of each kind it will run (a prefill over whole pages
+and a partial one, then a decode step), so that every kernel is built or loaded then, not inside the
+scheduler's first request (FlashInfer compiles a kernel the first time it sees a configuration, for
+seconds or minutes, and past --watchdog-timeout-s /health would answer 503). Its kernels specialize on
+dtype, head dimensions and page size, not on lengths: a short prompt builds the ones a long one uses, and
+on the CPU the warm-up costs one short forward. Compiled kernels are kept in --kernel-cache-dir across
 restarts (the Helm chart mounts a volume there), so only a first start pays for the build.
 
 The warm-up request is computed like any other (pool, rows, attention metadata, sampler) and leaves
@@ -33,8 +35,8 @@ def use_kernel_cache(directory: str | None) -> None:
 
 
 def warm_up(runner: ModelRunner, memory: MemoryManager, prefill_tokens: int, device: str) -> float:
-    """A prefill forward of `prefill_tokens` tokens (the longest chunk the server runs, within the pool)
-    and one decode step of the same request; returns the seconds it took."""
+    """A prefill forward of `prefill_tokens` tokens (within the pool) and one decode step of the same
+    request; returns the seconds it took."""
     start = time.monotonic()
     page_size = memory.page_size
     tokens = max(1, min(prefill_tokens, (memory.available_pages() - 1) * page_size))

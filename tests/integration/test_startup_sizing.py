@@ -41,7 +41,7 @@ def test_a_pool_smaller_than_the_model_context_caps_it_and_says_so(tiny_model_di
         pool = "KV pool: 1024 tokens (64 pages x 16), 0.5 MiB, from --max-total-tokens"  # 65 pages x 16 x 512 bytes
         assert f"attention TorchAttention; {pool}\n" in log
         assert "context length capped to 1008 tokens by the KV pool of 1024 tokens (the model allows 2048)" in log
-        warm = re.search(r"warm-up: kernels built or loaded in [0-9.]+ s \(512-token prefill, decode step", log)
+        warm = re.search(r"warm-up: kernels built or loaded in [0-9.]+ s \(33-token prefill, decode step", log)
         assert warm is not None and warm.start() < log.index("ready in")
         info = server.info()
         assert info["context_length"] == 1008 and info["kv_pages"]["total"] == 64

@@ -60,11 +60,7 @@ def test_warm_up_runs_a_prefill_chunk_and_a_decode_step_and_leaves_nothing_behin
 ):
     monkeypatch.delenv(FLASHINFER_CACHE_ENV, raising=False)
     cache = tmp_path / "kernels"
-    engine = Engine(
-        ServerConfig(
-            model=str(tiny_model_dir), max_total_tokens=4096, chunked_prefill_size=256, kernel_cache_dir=str(cache)
-        )
-    )
+    engine = Engine(ServerConfig(model=str(tiny_model_dir), max_total_tokens=4096, kernel_cache_dir=str(cache)))
     assert os.environ[FLASHINFER_CACHE_ENV] == str(cache) and cache.is_dir()
     before = engine.memory.check_integrity()
     runs = []
@@ -74,7 +70,7 @@ def test_warm_up_runs_a_prefill_chunk_and_a_decode_step_and_leaves_nothing_behin
     )
     seconds = engine.warm_up()
     assert seconds > 0
-    assert runs == [(ForwardMode.EXTEND, 256), (ForwardMode.DECODE, 1)]  # the longest chunk, then a decode step
+    assert runs == [(ForwardMode.EXTEND, 33), (ForwardMode.DECODE, 1)]  # two pages and a partial one, a decode step
     after = engine.memory.check_integrity()
     assert after == before and after.free == after.total  # nothing cached, nothing held
     assert not engine.memory.live
