@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ServerConfig  # noqa: E402
+from common.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from common.core.page_meta import build_page_meta  # noqa: E402
+from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from common.engine.page_meta import build_page_meta  # noqa: E402
-from common.engine.request import Req  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
 from tests.integration.tiny_model import random_prompts, save_tiny_llama  # noqa: E402
 

@@ -3,7 +3,7 @@ per-request timeline that says where the difference goes.
 
 Starts a monolithic server, a PD cluster (one prefill, one decode, the router) and a second monolithic
 server (the control) side by side with their request timelines on (TANDEM_LOG_LEVEL=DEBUG, see
-common/engine/timeline.py), sends the same fresh random prompts to all three, one request at a time,
+common/core/timeline.py), sends the same fresh random prompts to all three, one request at a time,
 rotating which goes first, and prints the median TTFT of each at every prompt length with PD's ratio
 and difference to the first monolithic server; then, per length, the median time from the client's send
 to every step of the PD request (both halves on one clock: all processes run on this host) and of the
@@ -28,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.pd_vs_monolithic import chunk_arrivals  # noqa: E402
-from common.engine.timeline import parse  # noqa: E402
+from common.core.timeline import parse  # noqa: E402
 from tests.conftest import ServerProcess, start_server  # noqa: E402
 from tests.integration.cluster import start_cluster  # noqa: E402
 

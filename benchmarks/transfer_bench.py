@@ -54,9 +54,9 @@ def make_buffers(layout: str, device: str, layers: int, heads: int, dim: int, pa
 
 
 def make_manager(mode: str, backend: str, device: str, layout: str, layers: int, heads: int, dim: int, pages: int, aux):
-    from transfer.decode_manager import DecodeKVManager
+    from transfer.decode.decode_manager import DecodeKVManager
     from transfer.manager import KVArgs
-    from transfer.prefill_manager import PrefillKVManager
+    from transfer.prefill.prefill_manager import PrefillKVManager
 
     bufs, infos = make_buffers(layout, device, layers, heads, dim, pages)
     args = KVArgs(
@@ -81,7 +81,7 @@ def make_manager(mode: str, backend: str, device: str, layout: str, layers: int,
 def decode_side(backend, device, layout, case, q_out, q_in):
     import torch
 
-    from transfer.receiver import KVReceiver
+    from transfer.decode.receiver import KVReceiver
 
     layers, heads, dim, tokens, _, frag = CASES[case]
     pages = tokens // PAGE
@@ -90,8 +90,8 @@ def decode_side(backend, device, layout, case, q_out, q_in):
     endpoint, prefill_id, rooms = q_in.get()
     dst = list(range(1, 2 * pages + 1, 2)) if frag else list(range(1, pages + 1))
     q_out.put(manager.instance_id)
-    for room in range(rooms):
-        r = KVReceiver(manager, room, endpoint, prefill_id)
+    for room_id in range(rooms):
+        r = KVReceiver(manager, room_id, endpoint, prefill_id)
         r.init(dst, 0)
         wait_until_done(manager, r)
         r.release()
@@ -111,13 +111,13 @@ def wait_until_done(manager, end, until=None) -> None:
         manager.bench_wake.clear()
 
 
-def send_room(manager, room: int, pages: int, chunks: int) -> tuple[float, list[int]]:
+def send_room(manager, room_id: int, pages: int, chunks: int) -> tuple[float, list[int]]:
     """Seconds from queueing a room's first chunk to its success (the aux record written last), and
     the destination pages the decode asked for."""
     from transfer.poll import KVPoll
-    from transfer.sender import KVSender
+    from transfer.prefill.sender import KVSender
 
-    s = KVSender(manager, room)
+    s = KVSender(manager, room_id)
     wait_until_done(manager, s, KVPoll.WaitingForInput)
     per = pages // chunks
     t0 = time.perf_counter()
@@ -127,8 +127,8 @@ def send_room(manager, room: int, pages: int, chunks: int) -> tuple[float, list[
     wait_until_done(manager, s)
     elapsed = time.perf_counter() - t0
     if s.poll() != KVPoll.Success:
-        raise RuntimeError(f"room {room} failed: {s.failure_reason}")
-    dst_pages = s.room.request.dst_pages
+        raise RuntimeError(f"room {room_id} failed: {s.failure_reason}")
+    dst_pages = s.room.room_request.dst_pages
     s.release()
     return elapsed, dst_pages
 
@@ -140,7 +140,7 @@ def timed(fn, *args) -> float:
 
 
 def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
-    from transfer.runs import chunk_triples
+    from transfer.prefill.runs import chunk_triples
 
     layers, heads, dim, tokens, chunks, _ = CASES[case]
     pages = tokens // PAGE
@@ -153,11 +153,15 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
     try:
         for room in range(repeat + 1):  # the three alternate, so load from other processes hits them alike
             elapsed, dst_pages = send_room(manager, room, pages, chunks)
-            peer = manager.peers[decode_id]
-            pieces = chunk_triples(a.kv_ptrs, peer.kv_ptrs, a.bytes_per_page, range(1, pages + 1), dst_pages)
+            registration = manager.registrations[decode_id]
+            pieces = chunk_triples(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, range(1, pages + 1), dst_pages)
             raw = nan
             if layout == "page-major":  # pages 1.. of one pool into pages 1.. of the other, one piece
-                one = [a.kv_ptrs[0] + a.bytes_per_page[0]], [peer.kv_ptrs[0] + peer.bytes_per_page[0]], [total]
+                one = (
+                    [a.kv_ptrs[0] + a.bytes_per_page[0]],
+                    [registration.kv_ptrs[0] + registration.bytes_per_page[0]],
+                    [total],
+                )
                 raw = timed(write, decode_id, *one, a.on_cuda)
             row = elapsed, raw, timed(write, decode_id, *pieces, a.on_cuda)
             if room:  # the first round warms up connections

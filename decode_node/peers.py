@@ -29,13 +29,13 @@ Key = tuple[str | None, int | None, str | None]
 
 
 @dataclass(frozen=True)
-class Peer:
+class PeerInfo:
     endpoint: str
     instance_id: str
 
 
-def _done(peer: Peer) -> Future[Peer]:
-    fut: Future[Peer] = Future()
+def _done(peer: PeerInfo) -> Future[PeerInfo]:
+    fut: Future[PeerInfo] = Future()
     fut.set_result(peer)
     return fut
 
@@ -44,14 +44,14 @@ class PeerDirectory:
     def __init__(self, layout: dict, secret: str | None, workers: int = 4):
         self.layout = layout
         self.secret = secret
-        self._cache: dict[Key, tuple[float, Peer]] = {}  # when the lookup answered, what it said
-        self._pending: dict[Key, Future[Peer]] = {}
+        self._cache: dict[Key, tuple[float, PeerInfo]] = {}  # when the lookup answered, what it said
+        self._pending: dict[Key, Future[PeerInfo]] = {}
         self._generation = 0  # grows with every invalidate(): a lookup that started before it is not cached
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-lookup")
         self._http = httpx.Client(timeout=5)  # keep-alive: a lookup is one round trip, not a new connection
 
-    def find(self, rendezvous: Rendezvous) -> Future[Peer]:
+    def find(self, rendezvous: Rendezvous) -> Future[PeerInfo]:
         """The request's prefill: a done future from the cache, else the future of a lookup."""
         key = (rendezvous.bootstrap_host, rendezvous.bootstrap_port, rendezvous.prefill_instance_id)
         with self._lock:
@@ -63,14 +63,14 @@ class PeerDirectory:
                 self._start(key, rendezvous)  # refresh ahead, off this request's path
             return _done(hit[1])
 
-    def _start(self, key: Key, rendezvous: Rendezvous) -> Future[Peer]:
+    def _start(self, key: Key, rendezvous: Rendezvous) -> Future[PeerInfo]:
         """The lookup of `key` in flight, or a new one (call with the lock held)."""
         fut = self._pending.get(key)
         if fut is None:
             fut = self._pending[key] = self._pool.submit(self._refresh, key, rendezvous)
         return fut
 
-    def _refresh(self, key: Key, rendezvous: Rendezvous) -> Peer:
+    def _refresh(self, key: Key, rendezvous: Rendezvous) -> PeerInfo:
         generation = self._generation
         try:
             peer = self.lookup(rendezvous)
@@ -82,22 +82,22 @@ class PeerDirectory:
             with self._lock:
                 self._pending.pop(key, None)
 
-    def lookup(self, rendezvous: Rendezvous) -> Peer:
+    def lookup(self, rendezvous: Rendezvous) -> PeerInfo:
         """Blocking, uncached; waits a while for a prefill that has not registered yet."""
         url = f"http://{rendezvous.bootstrap_host}:{rendezvous.bootstrap_port}"
         # a named instance was healthy when the router picked it: if it is gone, it is not coming back
-        deadline = time.monotonic() + (INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S)
+        wait_s = INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S
+        deadline = time.monotonic() + wait_s
         while (entry := self._lookup(url, rendezvous.prefill_instance_id)) is None:
             if time.monotonic() > deadline:
-                what = (
-                    f"prefill {rendezvous.prefill_instance_id}" if rendezvous.prefill_instance_id else "no prefill rank"
-                )
-                raise RuntimeError(f"{what} registered at bootstrap {url} within {REGISTER_WAIT_S:.0f} s")
+                iid = rendezvous.prefill_instance_id
+                what = f"prefill {iid} was not" if iid else "no prefill rank was"
+                raise RuntimeError(f"{what} registered at bootstrap {url} within {wait_s:g} s")
             time.sleep(0.2)
         mismatch = layout_mismatch(self.layout, entry)
         if mismatch:
             raise RuntimeError(f"refusing prefill at {url}: {mismatch}")
-        return Peer(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])
+        return PeerInfo(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])
 
     def _lookup(self, url: str, instance_id: str | None) -> dict | None:
         try:

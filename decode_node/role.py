@@ -11,16 +11,16 @@ prefill's writes finish normally.
                                                                          |
                                                      (failed / aborted before the prefill's status)
                                                                          v
-                                    draining: the client already has its error; row, pages and aux slot
+                                 quarantined: the client already has its error; row, pages and aux slot
                                     wait until no write of the prefill can land in them (its status
                                     arrived, or one heartbeat interval after it was declared dead, see
-                                    transfer/decode_rooms.py), or --transfer-timeout-s, then are freed
+                                    transfer/decode/decode_rooms.py), or --transfer-timeout-s, then are freed
 
 A request with max_new_tokens 0 needs nothing from a prefill: it ends at once with no tokens.
 
 Who frees what: every exit goes through Scheduler.finish -> release() here. Without a transfer in flight
 the row and pages go back at once (MemoryManager.release caches only KV marked computed, and a transfer
-that never completed marked none); with one, release() keeps them (draining) and _poll_drains frees
+that never completed marked none); with one, release() keeps them (quarantined) and _poll_quarantined frees
 them through Scheduler.free; the aux slot and the room go with the pages.
 """
 
@@ -32,38 +32,40 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from common.config import ServerConfig
-from common.engine.request import FinishReason, Req, ReqStatus
-from common.engine.role import Role
-from common.engine.scheduler import Scheduler
+from common.core.request import FinishReason, Req, ReqStatus
+from common.engine.prefill_queue import decode_reserve
+from common.engine.role import Role, SchedulerView
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
-from decode_node.aux_pool import AuxPool
-from decode_node.peers import Peer
+from decode_node.peers import PeerInfo
 from transfer.aux_record import AuxRecord
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.aux_pool import AuxPool
+from transfer.decode.decode_manager import DecodeKVManager
+from transfer.decode.receiver import KVReceiver
 from transfer.poll import DuplicateRoom, KVPoll
-from transfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
-Lookup = Callable[[Rendezvous], "Future[Peer]"]
+Lookup = Callable[[Rendezvous], "Future[PeerInfo]"]
 
 
 @dataclass(eq=False)
 class Inbound:
     """One request's transfer: where its prefill is, the room it waits on, its aux slot."""
 
-    lookup: Future[Peer]
+    lookup: Future[PeerInfo]
     receiver: KVReceiver | None = None
     aux_slot: int | None = None
-    drain_deadline: float | None = None
+    quarantine_deadline: float | None = None
     committed_ahead: bytes | None = None  # the aux record whose first token was committed (ahead of the KV, or with it)
     finish_ahead: FinishReason | None = None  # that token ended the request: it ends once the KV is in
 
 
 class DecodeRole(Role):
+    mode = "decode"
+
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: SchedulerView,
         kv_manager: DecodeKVManager,
         aux_pool: AuxPool,
         lookup: Lookup,
@@ -73,18 +75,13 @@ class DecodeRole(Role):
         self.scheduler, self.kv_manager, self.aux_pool = scheduler, kv_manager, aux_pool
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
         self.instance_id = kv_manager.instance_id
-        kv_manager.wake_scheduler = scheduler.wake
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
-        self.draining: list[Req] = []  # ended; their pages wait until no write can land in them
+        self.quarantined: list[Req] = []  # ended; their pages wait until no write can land in them
         self.inbound: dict[Req, Inbound] = {}
 
     def admit(self, req: Req) -> bool:
-        if req.rendezvous is None:
-            self.scheduler.fail(
-                req, "a decode server needs bootstrap_host/port/room: send requests through the router", 400
-            )
-        elif req.params.max_new_tokens == 0:
+        if req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
             lookup = self.lookup(req.rendezvous)  # done already when the peer directory knew the answer
@@ -94,7 +91,7 @@ class DecodeRole(Role):
             self.prealloc.append(req)
         return True
 
-    def _peer_found(self, req: Req, lookup: Future[Peer]) -> None:
+    def _peer_found(self, req: Req, lookup: Future[PeerInfo]) -> None:
         """The lookup ended, on its thread (or this one, for a cached answer): the next step goes on."""
         if lookup.exception() is None:
             req.timeline.mark("peer_found")
@@ -108,8 +105,8 @@ class DecodeRole(Role):
                 break  # FIFO: wait for memory before reserving for later requests
         for req in list(self.transferring):
             s.guarded(req, "waiting for the KV", lambda: self._poll_transfer(req))
-        for req in list(self.draining):
-            self._poll_drain(req)
+        for req in list(self.quarantined):
+            self._poll_quarantined(req)
 
     def _poll_prealloc(self, req: Req) -> bool:
         """False while the request waits for memory."""
@@ -127,11 +124,11 @@ class DecodeRole(Role):
                 return self._try_prealloc(req, inb, inb.lookup.result())
         return True
 
-    def _try_prealloc(self, req: Req, inb: Inbound, peer: Peer) -> bool:
+    def _try_prealloc(self, req: Req, inb: Inbound, peer: PeerInfo) -> bool:
         if inb.receiver is None:
             try:
                 inb.receiver = KVReceiver(
-                    self.kv_manager, req.rendezvous.room, peer.endpoint, peer.instance_id, req.timeline.mark
+                    self.kv_manager, req.rendezvous.room_id, peer.endpoint, peer.instance_id, req.timeline.mark
                 )
             except DuplicateRoom as e:
                 self.scheduler.fail(req, str(e), 409)
@@ -140,11 +137,15 @@ class DecodeRole(Role):
             self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
             return True
         memory, n = self.scheduler.memory, len(req.prompt_ids)
-        starved = self.scheduler.starved_since is not None  # returning pages go to the running batch first
-        if starved or self.scheduler.slots_left() <= 0 or not memory.can_admit() or not self.aux_pool.can_alloc():
+        if (
+            self.scheduler.starved()
+            or self.scheduler.rows_left() <= 0
+            or not memory.can_admit()
+            or not self.aux_pool.can_alloc()
+        ):
             return False
         memory.admit(req, 0)
-        if not memory.can_extend(req, n + min(req.params.max_new_tokens, 16)):
+        if not memory.can_extend(req, n + decode_reserve(req)):
             memory.release(req)
             return False
         memory.extend(req, n)
@@ -176,7 +177,7 @@ class DecodeRole(Role):
             return
         inb.committed_ahead = raw
         req.prefix_hit_len = rec.cached_tokens
-        inb.finish_ahead = self.scheduler.output.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
+        inb.finish_ahead = self.scheduler.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
 
     def _kv_arrived(self, req: Req, inb: Inbound) -> None:
         raw = self.aux_pool.read(inb.aux_slot)
@@ -195,7 +196,7 @@ class DecodeRole(Role):
         if inb.finish_ahead is not None:
             self.scheduler.finish(req, inb.finish_ahead)
         else:
-            self.scheduler.decode.add(req)
+            self.scheduler.join_decode(req)
 
     def _valid_record(self, req: Req, raw: bytes) -> AuxRecord | None:
         """The aux record, or None after failing the request (502) when it is unusable."""
@@ -210,27 +211,27 @@ class DecodeRole(Role):
             return None
         return rec
 
-    def _poll_drain(self, req: Req) -> None:
+    def _poll_quarantined(self, req: Req) -> None:
         inb = self.inbound[req]
         reusable = inb.receiver.pages_reusable()
-        if reusable or self.scheduler.clock() > inb.drain_deadline:
+        if reusable or self.scheduler.clock() > inb.quarantine_deadline:
             if not reusable:
                 log.warning(
                     "room %d: no final status from prefill %s within %.0f s; reusing its pages",
                     inb.receiver.room_id,
-                    inb.receiver.endpoint,
+                    inb.receiver.prefill_endpoint,
                     self.config.transfer_timeout_s,
                 )
-            self.draining.remove(req)
+            self.quarantined.remove(req)
             self._drop_transfer_state(req)
             self.scheduler.free(req)
 
     def _aux_problem(self, req: Req, rec: AuxRecord) -> str | None:
         """What makes the record unusable, if anything: it must belong to this room and prompt, and
         every token id must index the vocabulary before it reaches the model."""
-        room, n = req.rendezvous.room, len(req.prompt_ids)
-        if rec.room != room or rec.prompt_len != n:
-            return f"it is for room {rec.room} / {rec.prompt_len} tokens, expected {room} / {n}"
+        room, n = req.rendezvous.room_id, len(req.prompt_ids)
+        if rec.room_id != room or rec.prompt_len != n:
+            return f"it is for room {rec.room_id} / {rec.prompt_len} tokens, expected {room} / {n}"
         tokens = [rec.first_token] + [t for t, _ in rec.top_logprobs or []]
         if any(not 0 <= t < self.vocab_size for t in tokens):
             return f"token id outside the vocabulary of {self.vocab_size}"
@@ -256,21 +257,21 @@ class DecodeRole(Role):
         if inb.receiver is not None:
             inb.receiver.abort(reason.message or "aborted")  # tells the prefill to stop writing
             if not inb.receiver.pages_reusable():
-                inb.drain_deadline = self.scheduler.clock() + self.config.transfer_timeout_s
-                self.draining.append(req)
+                inb.quarantine_deadline = self.scheduler.clock() + self.config.transfer_timeout_s
+                self.quarantined.append(req)
                 return False
         self._drop_transfer_state(req)
         return True
 
     def memory_returning(self) -> bool:
-        return bool(self.draining)
+        return bool(self.quarantined)
 
     def requests(self) -> list[Req]:
-        return self.prealloc + self.transferring + self.draining
+        return self.prealloc + self.transferring + self.quarantined
 
     def check_integrity(self) -> None:
         self.aux_pool.check_integrity(sum(1 for inb in self.inbound.values() if inb.aux_slot is not None))
-        if set(self.inbound) != {*self.prealloc, *self.transferring, *self.draining}:
+        if set(self.inbound) != {*self.prealloc, *self.transferring, *self.quarantined}:
             raise MemoryIntegrityError("decode transfer state held by a request no queue of the role knows")
 
     def info(self) -> dict:
@@ -282,7 +283,11 @@ class DecodeRole(Role):
         }
 
     def queue_depths(self) -> dict[str, int]:
-        return {"prealloc": len(self.prealloc), "transferring": len(self.transferring), "draining": len(self.draining)}
+        return {
+            "prealloc": len(self.prealloc),
+            "transferring": len(self.transferring),
+            "quarantined": len(self.quarantined),
+        }
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

@@ -17,7 +17,7 @@ less one longest request (the context length) and all rows but one, so a paired 
 memory once the paired ones before it have sent their KV. Past that bound a request is `deferred`: it
 holds nothing and joins the prefill queue when its decode pairs (SGLang's order).
 
-    deferred --(decode paired, or the bound has room)--> prefill queue (computed ahead while unpaired)
+    deferred --(decode paired, or the bound has space)--> prefill queue (computed ahead while unpaired)
 
 A request with max_new_tokens 0 needs no decode: it is computed like a monolithic one, no room.
 
@@ -33,14 +33,15 @@ import logging
 from dataclasses import dataclass
 
 from common.config import ServerConfig
-from common.engine.request import FinishReason, Req, ReqStatus
-from common.engine.role import Role, Sampled
-from common.engine.scheduler import Scheduler
+from common.core.request import FinishReason, Req, ReqStatus
+from common.engine.prefill_queue import decode_reserve
+from common.engine.role import Role, Sampled, SchedulerView
+from common.memory.allocator import pages_for
 from common.memory.errors import MemoryIntegrityError
 from transfer.aux_record import AuxRecord
 from transfer.poll import DuplicateRoom, KVPoll
-from transfer.prefill_manager import PrefillKVManager
-from transfer.sender import KVSender
+from transfer.prefill.prefill_manager import PrefillKVManager
+from transfer.prefill.sender import KVSender
 
 log = logging.getLogger(__name__)
 
@@ -58,30 +59,29 @@ class Outbound:
 
 
 class PrefillRole(Role):
-    def __init__(self, scheduler: Scheduler, kv_manager: PrefillKVManager, config: ServerConfig):
+    mode = "prefill"
+
+    def __init__(self, scheduler: SchedulerView, kv_manager: PrefillKVManager, config: ServerConfig):
+        """`kv_manager` wakes `scheduler` (its wake_scheduler) when a room moves."""
         self.scheduler, self.kv_manager, self.config = scheduler, kv_manager, config
         self.instance_id = kv_manager.instance_id
-        kv_manager.wake_scheduler = scheduler.wake
         self.inflight: list[Req] = []  # prompt computed, KV on its way (or waiting for the decode to pair)
         self.deferred: list[Req] = []  # not computing until their decode pairs: the bound on computing ahead is reached
         self.ahead: dict[Req, int] = {}  # computing or computed while unpaired -> the pages it may take
         self.outbound: dict[Req, Outbound] = {}
-        self.ahead_page_limit = scheduler.memory.page_counts().total - self._pages(scheduler.output.context_len)
+        self.ahead_page_limit = scheduler.memory.page_counts().total - self._pages(scheduler.context_len)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, req: Req) -> bool:
-        if req.rendezvous is None:
-            self.scheduler.fail(req, "a prefill server needs bootstrap_room: send requests through the router", 400)
-            return True
         if req.params.max_new_tokens == 0:
             return False  # nothing to hand over: computed here, answered here
         try:
-            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.rendezvous.room, req.timeline.mark))
+            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.rendezvous.room_id, req.timeline.mark))
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True
         self.deferred.append(req)
-        self._start_deferred()  # computed at once, while the decode reserves its pages, if the bound has room
+        self._start_deferred()  # computed at once, while the decode reserves its pages, if the bound has space
         return True
 
     def poll(self) -> None:
@@ -91,10 +91,10 @@ class PrefillRole(Role):
 
     def _start_deferred(self) -> None:
         """Queue for prefill every deferred request whose decode paired, and each unpaired one (in order)
-        that the bound on computing ahead still has room for."""
+        that the bound on computing ahead still has space for."""
         for req in list(self.deferred):
             if not self.outbound[req].paired:
-                pages = self._pages(len(req.prompt_ids) + min(req.params.max_new_tokens, 16))  # PrefillQueue's reserve
+                pages = self._pages(len(req.prompt_ids) + decode_reserve(req))
                 if (
                     sum(self.ahead.values()) + pages > self.ahead_page_limit
                     or len(self.ahead) + 2 > self.config.max_running_requests
@@ -102,10 +102,10 @@ class PrefillRole(Role):
                     continue
                 self.ahead[req] = pages
             self.deferred.remove(req)
-            self.scheduler.prefill.add(req)
+            self.scheduler.queue_for_prefill(req)
 
     def _pages(self, tokens: int) -> int:
-        return -(-tokens // self.config.page_size)
+        return pages_for(tokens, self.config.page_size)
 
     def _poll_room(self, req: Req) -> None:
         """A room that failed ends its request at once, also one whose prompt is still being computed (its
@@ -124,7 +124,7 @@ class PrefillRole(Role):
         elif not out.paired and self.scheduler.clock() - req.arrival_time > self.config.pairing_timeout_s:
             self.scheduler.fail(
                 req,
-                f"no decode server reserved memory for room {req.rendezvous.room} "
+                f"no decode server reserved memory for room {req.rendezvous.room_id} "
                 f"within {self.config.pairing_timeout_s:g} s",
                 504,
             )
@@ -138,12 +138,12 @@ class PrefillRole(Role):
         if sampled is not None:  # the last chunk goes with the aux record, once the first token is known
             token, logprob, top = sampled
             out.aux = AuxRecord(
-                req.rendezvous.room, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top
+                req.rendezvous.room_id, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top
             ).pack()
         self._flush(req, out)  # first: the decode's first token waits on it
         if sampled is None or req.finished:
             return True
-        self.scheduler.output.commit_token(req, token, logprob, top)
+        self.scheduler.commit_token(req, token, logprob, top)
         req.status = ReqStatus.TRANSFERRING
         self.inflight.append(req)
         return True
@@ -161,7 +161,7 @@ class PrefillRole(Role):
 
     def _pair(self, req: Req, out: Outbound) -> bool:
         """The decode asked for the room: True if its pages fit the prompt, else the request fails."""
-        need = -(-len(req.prompt_ids) // self.config.page_size)
+        need = self._pages(len(req.prompt_ids))
         if out.sender.num_dst_pages != need:
             self.scheduler.fail(req, f"decode reserved {out.sender.num_dst_pages} pages, the prompt needs {need}", 500)
             return False

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
-from common.wire.prometheus import render
+from common.edge.prometheus import render
 from router.workers import WorkerRegistry
 
 REFRESH_S = 0.5

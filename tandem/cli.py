@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
         run_bench(ns)
     elif ns.command == "bootstrap":
-        from bootstrap.server import run_bootstrap
+        from bootstrap.app import run_bootstrap
 
         run_bootstrap(ns.host, ns.port, ns.cluster_secret)
 

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from common.attention.base import AttentionChoiceError
 from common.config import ServerConfig
+from common.edge.draining_server import DrainingServer
+from common.edge.head_deadline import HeadDeadlineProtocol
 from common.memory.sizing import PoolSizingError
-from common.wire.drain import DrainingServer
-from common.wire.head_deadline import HeadDeadlineProtocol
 from transfer.backends.base import TransportUnavailable
 
 log = logging.getLogger("tandem")
@@ -67,11 +67,11 @@ def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
     if config.disagg_mode == "prefill":
-        from prefill_node.server import build_prefill_engine
+        from prefill_node.compose import build_prefill_engine
 
         return build_prefill_engine(config)
     if config.disagg_mode == "decode":
-        from decode_node.server import build_decode_engine
+        from decode_node.compose import build_decode_engine
 
         return build_decode_engine(config)
     return Engine(config)
@@ -90,8 +90,8 @@ def serve(config: ServerConfig) -> None:
     except (PoolSizingError, AttentionChoiceError, TransportUnavailable) as e:
         sys.exit(f"tandem serve: {e}")
     engine.start()
-    from common.server.app import create_app
-    from common.server.drain import engine_drain, fail_in_flight
+    from common.http.app import create_app
+    from common.http.drain import engine_drain, fail_in_flight
 
     drain = engine_drain(engine)
     app = create_app(engine, drain)

@@ -14,7 +14,7 @@ NO_LOGPROB = float("nan")
 
 @dataclass
 class AuxRecord:
-    room: int
+    room_id: int
     first_token: int
     cached_tokens: int
     prompt_len: int
@@ -27,7 +27,7 @@ class AuxRecord:
         lps = [lp for _, lp in top] + [0.0] * (MAX_TOP - len(top))
         lp = NO_LOGPROB if self.logprob is None else self.logprob
         n_top = len(top) if self.top_logprobs is not None else -1
-        return _HEAD.pack(self.room, self.first_token, self.cached_tokens, self.prompt_len, lp, n_top) + _TOP.pack(
+        return _HEAD.pack(self.room_id, self.first_token, self.cached_tokens, self.prompt_len, lp, n_top) + _TOP.pack(
             *ids, *lps
         )
 

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from transfer.backends.base import make_backend
 from transfer.bulk_priority import create_lowered
@@ -27,9 +27,17 @@ from transfer.control_plane import ZmqControlPlane
 from transfer.liveness import Liveness
 from transfer.messages import BadMessage, Envelope, ReplayGuard, open_frame
 from transfer.metrics import TransferMetrics
+from transfer.poll import PollState
 
 log = logging.getLogger(__name__)
 ControlFactory = Callable[[str, Counter], Any]
+
+
+class RoomState(Protocol):
+    """Either side's state of one room (PrefillRoomState, DecodeRoomState)."""
+
+    room_id: int
+    poll: PollState
 
 
 @dataclass
@@ -66,8 +74,11 @@ class KVManager(ABC):
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         threaded: bool = True,
+        wake_scheduler: Callable[[], None] = lambda: None,
     ):
-        """`control(instance_id, counters)` builds the control plane (default: ZMQ on args.host)."""
+        """`control(instance_id, counters)` builds the control plane (default: ZMQ on args.host);
+        `wake_scheduler` is the scheduler's wake, called from this manager's threads when a room may have
+        moved (a message, a write's end, a peer declared dead), so no step waits on a timer."""
         self.args = args
         self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
         self.clock, self.threaded = clock, threaded
@@ -95,9 +106,7 @@ class KVManager(ABC):
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._last_ping = float("-inf")
-        # called from this manager's threads when a room may have moved (a message, a write's end, a
-        # peer declared dead): the role sets it to its scheduler's wake(), so no step waits on a timer
-        self.wake_scheduler: Callable[[], None] = lambda: None
+        self.wake_scheduler = wake_scheduler
 
     def start(self) -> None:
         """Connect the control plane to on_frame and, in threaded mode, start the heartbeat thread; the
@@ -129,6 +138,17 @@ class KVManager(ABC):
     @abstractmethod
     def handle(self, msg: object, envelope: Envelope) -> None:
         """Act on one verified message; raise BadMessage for one this role does not accept."""
+
+    # -- rooms ---------------------------------------------------------------------------------
+    def mark_failed(self, room: RoomState, reason: str, cause: str) -> bool:
+        """Fail the room here, counted by `cause` (transfer.metrics.CAUSES), and wake the scheduler to end
+        its request; False if it had already ended. (A prefill's fail_room also owes the decode a status.)"""
+        if not room.poll.fail(reason):
+            return False
+        self.counters["rooms_failed"] += 1
+        self.metrics.failed(cause)
+        self.wake_scheduler()
+        return True
 
     # -- heartbeat -----------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:

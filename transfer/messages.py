@@ -6,8 +6,10 @@ and counted.
     decode -> prefill  request   per room: destination pages and aux slot
     decode -> prefill  abort     per room: stop sending (prefill answers with a status once no write is in flight)
     decode -> prefill  ping      every heartbeat interval, to each prefill it waits on
-    prefill -> decode  pong      the answer to a ping
-    prefill -> decode  status    per room: ok or failed(reason), after the last write of that room
+    prefill -> decode  pong         the answer to a ping
+    prefill -> decode  first_token  per room: its aux record (first sampled token), once the last chunk is queued,
+                                    ahead of the KV
+    prefill -> decode  status       per room: ok or failed(reason), after the last write of that room
 
 Frame: msgpack [body, mac]; mac = HMAC-SHA256(cluster secret, body), empty without a secret, so the
 secret itself never crosses the wire. The signed body carries an envelope: the sender's instance id, a
@@ -57,7 +59,7 @@ class Register:
 
 @dataclass
 class RoomRequest:
-    room: int
+    room_id: int
     decode_id: str
     dst_pages: list[int]
     aux_slot: int
@@ -65,7 +67,7 @@ class RoomRequest:
 
 @dataclass
 class Abort:
-    room: int
+    room_id: int
     decode_id: str
     reason: str
 
@@ -82,7 +84,7 @@ class Pong:
 
 @dataclass
 class Status:
-    room: int
+    room_id: int
     ok: bool
     reason: str
 
@@ -92,7 +94,7 @@ class FirstToken:
     """The room's aux record (first sampled token), sent as soon as it is known, ahead of the KV: the
     decode may stream the token before the pages land; the same record still comes with the KV."""
 
-    room: int
+    room_id: int
     record: bytes
 
 
@@ -116,7 +118,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "aux_ptr": (int,),
     "aux_record_bytes": (int,),
     "aux_slots": (int,),
-    "room": (int,),
+    "room_id": (int,),
     "dst_pages": (list,),
     "aux_slot": (int,),
     "reason": (str,),
@@ -240,7 +242,7 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
 
 
 def _check_ranges(msg: Any) -> None:
-    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room < 2**63:
+    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room_id < 2**63:
         raise BadMessage("room out of range")
     if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):

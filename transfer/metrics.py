@@ -1,6 +1,6 @@
 """A KVManager's Prometheus metrics: its event counters (read at scrape time), the per-room transfer
-latency and the transfer failures by cause. The engine's registry exposes them (prefill_node/server.py,
-decode_node/server.py)."""
+latency and the transfer failures by cause. The engine's registry exposes them (prefill_node/compose.py,
+decode_node/compose.py)."""
 
 from __future__ import annotations
 

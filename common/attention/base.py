@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch
 from common.memory.kv_pool import KVPool
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch, ForwardMode
-from common.engine.page_meta import page_indices
+from common.core.forward_batch import ForwardBatch, ForwardMode
+from common.core.page_meta import page_indices
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.core.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchAttention(AttentionBackend):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 
 from common.config import ServerConfig
+from common.core.forward_batch import ForwardMode
+from common.core.request import Req, ReqStatus
 from common.engine.decode_tensors import DecodeTensors
-from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan
 from common.engine.prefill_queue import PrefillQueue
-from common.engine.request import Req, ReqStatus
 from common.memory.manager import MemoryManager
 
 log = logging.getLogger(__name__)

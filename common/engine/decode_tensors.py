@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch, ForwardMode
-from common.engine.page_meta import PageMeta, build_page_meta
-from common.engine.request import Req
+from common.core.forward_batch import ForwardBatch, ForwardMode
+from common.core.page_meta import PageMeta, build_page_meta
+from common.core.request import Req
 from common.engine.sampling_batch import SamplingBatch
 
 

@@ -20,14 +20,14 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from common.attention.base import choose_attention_backend, make_attention_backend
 from common.config import ServerConfig
+from common.core.request import OutputEvent, Req
+from common.core.timeline import report
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor
-from common.engine.request import OutputEvent, Req
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
-from common.engine.timeline import report
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.kv_pool import KVPool, kv_bytes_per_token
@@ -159,7 +159,7 @@ class Engine:
         m.labelled_gauges(
             "tandem_pd_queue_requests",
             "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
-            "inflight; decode: prealloc, transferring, draining)",
+            "inflight; decode: prealloc, transferring, quarantined)",
             "queue",
             lambda: s.role.queue_depths(),
         )

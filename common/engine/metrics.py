@@ -1,5 +1,5 @@
 """Prometheus metrics of one server process (own registry, so tests can run several engines); /metrics
-labels every sample with the server's role (common/wire/prometheus.py)."""
+labels every sample with the server's role (common/edge/prometheus.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from common.wire.prometheus import render
+from common.edge.prometheus import render
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SPAN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -101,7 +101,7 @@ class EngineMetrics:
         )
         self.spans = Histogram(
             "tandem_request_span_seconds",
-            "seconds from a request's arrival to one step of it (span: the step, see common/engine/timeline.py)",
+            "seconds from a request's arrival to one step of it (span: the step, see common/core/timeline.py)",
             ["span"],
             buckets=SPAN_BUCKETS,
             registry=r,

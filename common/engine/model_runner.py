@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from common.attention.base import AttentionBackend
+from common.core.forward_batch import ForwardBatch, ForwardMode
+from common.core.page_meta import build_page_meta
+from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
-from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.engine.kv_ready import KVReady, record_kv_ready
-from common.engine.page_meta import build_page_meta
-from common.engine.request import Req
 from common.engine.sampler import Sampler
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM

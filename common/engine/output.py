@@ -6,9 +6,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from common.core.request import FinishReason, OutputEvent, Req
 from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from common.engine.metrics import EngineMetrics
-from common.engine.request import FinishReason, OutputEvent, Req
 
 if TYPE_CHECKING:
     from common.engine.model_runner import InputLogprobs

@@ -7,10 +7,20 @@ from __future__ import annotations
 from collections import deque
 
 from common.config import ServerConfig
-from common.engine.forward_batch import ForwardMode
+from common.core.forward_batch import ForwardMode
+from common.core.request import Req
 from common.engine.model_runner import BatchPlan
-from common.engine.request import Req
 from common.memory.manager import MemoryManager
+
+FIRST_DECODE_STEPS = 16  # token slots kept past a prompt (at most) for its first decode steps
+
+
+def decode_reserve(req: Req) -> int:
+    """The slots a request's first decode steps need beyond its prompt. The prefill queue keeps them free
+    when it computes a prompt's last chunk, a PD prefill counts them in its bound on computing ahead, and a
+    decode reserves them with the prompt's pages: the deadlock bound of prefill_node/role.py holds only
+    while all three agree, so this is their one definition."""
+    return min(req.params.max_new_tokens, FIRST_DECODE_STEPS)
 
 
 class PrefillQueue:
@@ -84,7 +94,7 @@ class PrefillQueue:
         """Add the next chunk of `req` to the plan if memory allows; returns its length or 0."""
         n = self._chunk_len(req, budget)
         is_last = n == len(req.fill_ids) - req.kv_len
-        reserve = min(req.params.max_new_tokens, 16) if is_last else 0  # room for the first decode steps
+        reserve = decode_reserve(req) if is_last else 0
         alone = decode_idle and not plan.reqs
         if n <= 0 or not (self.memory.can_extend(req, n + reserve) or (alone and self.memory.can_extend(req, n))):
             return 0

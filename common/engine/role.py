@@ -4,18 +4,73 @@ A role is composed into the scheduler, not derived from it: it keeps its own que
 wait on the peer, moves requests into the scheduler's prefill queue or decode batch when they are
 ready, and frees its own resources when the scheduler ends a request. The monolithic server uses
 Role itself, which does nothing.
+
+The scheduler calls the role's methods below on its thread; the role reaches the scheduler only through
+the SchedulerView it is built with.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from common.engine.request import FinishReason, Req
+from common.core.request import FinishReason, Req
+from common.memory.manager import MemoryManager
+
+if TYPE_CHECKING:
+    from common.engine.scheduler import Scheduler
 
 Sampled = tuple[int, float | None, Any]  # (token, logprob, top logprobs) of a prompt's first sample
+T = TypeVar("T")
+
+
+class SchedulerView:
+    """What a role may do to its scheduler, all on the scheduler thread except wake(): end a request
+    (fail, finish; free the memory of one whose release it deferred), run a step of one guarded, hand a
+    request to the prefill queue or the decode batch, commit a prompt's first token, reserve and free
+    pages through the MemoryManager, and read the clock, the free request rows and whether the running
+    batch is starved of pages. wake() is for the role's transfer threads (the KV manager's wake_scheduler)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        self.memory: MemoryManager = scheduler.memory
+        self.clock: Callable[[], float] = scheduler.clock
+        self.context_len: int = scheduler.output.context_len
+
+    def wake(self) -> None:
+        self._scheduler.wake()
+
+    def fail(self, req: Req, message: str, status: int = 502) -> None:
+        self._scheduler.fail(req, message, status)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        self._scheduler.finish(req, reason)
+
+    def free(self, req: Req) -> None:
+        self._scheduler.free(req)
+
+    def guarded(self, req: Req, what: str, fn: Callable[[], T]) -> T | None:
+        return self._scheduler.guarded(req, what, fn)
+
+    def queue_for_prefill(self, req: Req) -> None:
+        self._scheduler.prefill.add(req)
+
+    def join_decode(self, req: Req) -> None:
+        self._scheduler.decode.add(req)
+
+    def commit_token(self, req: Req, token: int, logprob: float | None, top: Any) -> FinishReason | None:
+        return self._scheduler.output.commit_token(req, token, logprob, top)
+
+    def rows_left(self) -> int:
+        return self._scheduler.slots_left()
+
+    def starved(self) -> bool:
+        """No running request fits the pool: pages that come back go to the running batch first."""
+        return self._scheduler.starved_since is not None
 
 
 class Role:
+    mode: str | None = None  # "prefill" or "decode": a PD role serves only requests a router paired
     instance_id: str | None = None  # a PD role's transfer instance (routers pass a prefill's to decodes)
 
     def admit(self, req: Req) -> bool:
@@ -35,7 +90,7 @@ class Role:
         return False
 
     def memory_returning(self) -> bool:
-        """Whether pages of ended requests come back soon with no one's action (a decode's draining
+        """Whether pages of ended requests come back soon with no one's action (a decode's quarantined
         rooms, each within its bound): the scheduler then waits for them rather than failing a running
         request that the pool cannot fit."""
         return False

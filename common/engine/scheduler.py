@@ -21,15 +21,16 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from common.config import ServerConfig
+from common.core.forward_batch import ForwardMode
+from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.decode_batch import DecodeBatch
-from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.engine.output import OutputProcessor
 from common.engine.prefill_queue import PrefillQueue
-from common.engine.request import FinishReason, Req, ReqStatus
 from common.engine.role import Role
 from common.memory.errors import MemoryIntegrityError
 from common.memory.manager import MemoryManager, PageCounts
+from common.wire.api import rendezvous_problem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,7 +107,10 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         req.timeline.mark("admitted")
         self.output.prepare(req)
-        if not self.role.admit(req):
+        problem = rendezvous_problem(self.role.mode, req.rendezvous) if self.role.mode else None
+        if problem is not None:
+            self.fail(req, problem, 400)
+        elif not self.role.admit(req):
             self.prefill.add(req)
 
     def abort_now(self, req: Req, reason: str, status: int) -> None:

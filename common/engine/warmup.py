@@ -16,10 +16,10 @@ import logging
 import os
 import time
 
+from common.core.forward_batch import ForwardMode
+from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
-from common.engine.forward_batch import ForwardMode
 from common.engine.model_runner import BatchPlan, ModelRunner
-from common.engine.request import Req
 from common.memory.manager import MemoryManager
 from common.wire.sampling_params import SamplingParams
 

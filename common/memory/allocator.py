@@ -14,6 +14,11 @@ import torch
 from common.memory.errors import MemoryIntegrityError
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` token slots: the one round-up of tokens to pages."""
+    return -(-tokens // page_size)
+
+
 class PagedAllocator:
     def __init__(self, num_pages: int, page_size: int, device: str = "cpu"):
         if num_pages < 1:
@@ -77,17 +82,16 @@ class PagedAllocator:
         the last one possibly partially."""
         if not 0 <= prefix_len <= seq_len:
             raise ValueError(f"need 0 <= prefix_len ({prefix_len}) <= seq_len ({seq_len})")
-        ps = self.page_size
-        return -(-seq_len // ps) - -(-prefix_len // ps)
+        return pages_for(seq_len, self.page_size) - pages_for(prefix_len, self.page_size)
 
     def alloc_token_slots(self, prefix_len: int, seq_len: int, last_loc: int) -> torch.Tensor:
         """KV slots (int64) for tokens [prefix_len, seq_len): first the rest of the page holding
         last_loc (the slot of token prefix_len - 1, or -1 when prefix_len == 0), then new pages."""
         ps = self.page_size
-        room = (-prefix_len) % ps  # free slots left in the last page
-        if room and (last_loc < ps or last_loc % ps != (prefix_len - 1) % ps):
+        free_in_page = (-prefix_len) % ps  # free slots left in the last page
+        if free_in_page and (last_loc < ps or last_loc % ps != (prefix_len - 1) % ps):
             raise ValueError(f"last_loc {last_loc} cannot hold token {prefix_len - 1} with page_size {ps}")
-        head = min(room, seq_len - prefix_len)
+        head = min(free_in_page, seq_len - prefix_len)
         pages = self.alloc(self.pages_needed(prefix_len, seq_len))
         in_page = torch.arange(last_loc + 1, last_loc + 1 + head, dtype=torch.int64)
         new = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).flatten()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.request import Req
+from common.core.request import Req
 from common.memory.allocator import PagedAllocator
 from common.memory.errors import MemoryIntegrityError
 from common.memory.prefix_cache import PrefixCache
@@ -92,7 +92,7 @@ class MemoryManager:
     def extend(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Allocate KV slots for the next `num_tokens` tokens of `req`; returns them (int64)."""
         start, end = req.kv_len, req.kv_len + num_tokens
-        self._make_room(self.allocator.pages_needed(start, end))
+        self._evict_for(self.allocator.pages_needed(start, end))
         row = req.req_pool_idx
         last_loc = int(self.req_pool.req_to_token[row, start - 1]) if start > 0 else -1
         slots = self.allocator.alloc_token_slots(start, end, last_loc)
@@ -106,7 +106,7 @@ class MemoryManager:
         of its new page, or -1 (the token goes to the slot after its last one: write_decode_slots)."""
         ps = self.page_size
         new_page = [r.kv_len % ps == 0 for r in reqs]
-        self._make_room(sum(new_page))
+        self._evict_for(sum(new_page))
         pages = iter(self.allocator.alloc(sum(new_page)))
         first = [next(pages) * ps if new else -1 for new in new_page]
         for req in reqs:
@@ -130,7 +130,7 @@ class MemoryManager:
         table[rows, positions] = slots.to(torch.int32)
         return slots
 
-    def _make_room(self, pages: int) -> None:
+    def _evict_for(self, pages: int) -> None:
         short = pages - self.allocator.available_pages()
         if short > 0:
             self.prefix_cache.evict(short)

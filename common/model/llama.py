@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}

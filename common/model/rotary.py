@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from common.engine.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch
 
 LENGTH_DEPENDENT = {"dynamic", "longrope"}
 

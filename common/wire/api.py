@@ -29,12 +29,22 @@ class Rendezvous:
 
     bootstrap_host: str | None
     bootstrap_port: int | None
-    room: int
+    room_id: int
     prefill_instance_id: str | None = None
 
     def for_choice(self, index: int) -> Rendezvous:
         """Choice `index` of an n > 1 request gets room + index; prefill and decode derive the same."""
-        return replace(self, room=(self.room + index) % 2**63)
+        return replace(self, room_id=(self.room_id + index) % 2**63)
+
+
+def rendezvous_problem(mode: str, rendezvous: Rendezvous | None) -> str | None:
+    """Why a server in `mode` cannot serve a request with this rendezvous, or None: a prefill or decode
+    server serves only what a router paired (it added the bootstrap fields)."""
+    if mode in ("prefill", "decode") and rendezvous is None:
+        return (
+            f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests through the router"
+        )
+    return None
 
 
 class PDFields(BaseModel):
@@ -61,7 +71,7 @@ class GenerateRequest(PDFields):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    logprob_start_len: int = Field(-1, ge=-1)  # checked against the prompt's length by common/server/serving.py
+    logprob_start_len: int = Field(-1, ge=-1)  # checked against the prompt's length by common/http/serving.py
     rid: str | None = Field(None, max_length=256)
 
     @model_validator(mode="before")

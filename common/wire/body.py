@@ -10,23 +10,12 @@ import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
-
-from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, RequestAborted, UnsupportedEncoding
+from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, UnsupportedEncoding
 
 # A request head or body still arriving after this is cut off: a client trickling bytes holds no slot and
 # no connection for long. The body's deadline is here (408); the head's is the HTTP server's (router/serve.py,
-# common/wire/head_deadline.py), counted from the connection's start or its previous response.
+# common/edge/head_deadline.py), counted from the connection's start or its previous response.
 ARRIVAL_TIMEOUT_S = 30.0
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body of a Starlette request (see read_limited); a client that left before sending all of
-    it is RequestAborted (499), no server fault."""
-    try:
-        return await read_limited(request.headers, request.stream(), limit)
-    except ClientDisconnect:
-        raise RequestAborted("the client disconnected before its request body was complete", param="body") from None
 
 
 async def read_limited(

@@ -5,20 +5,17 @@ paths that routers and kubelets watch) are answered 503 with Retry-After and the
 header, so routers retry elsewhere and take the server out of rotation without cutting what runs on
 it; requests already in flight run on for up to `timeout_s`; then `on_timeout` ends what is left
 (their clients get an error, not a cut connection) and the server exits with code 0 once they have
-answered, or FLUSH_S later. A second SIGTERM, or SIGINT, stops at once (uvicorn's own shutdown).
+answered, or FLUSH_S later. A second SIGTERM, or SIGINT, stops at once.
+
+This module is the drain's state and its 503, free of any HTTP framework; the engine servers' uvicorn and
+Starlette adapters are in common/edge/ (draining_server.py, asgi.py), the router's in router/app.py and
+router/serve.py.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import time
-from collections.abc import Awaitable, Callable
-from types import FrameType
-
-import uvicorn
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.wire.errors import Unavailable
 
@@ -28,7 +25,7 @@ FLUSH_S = 5.0  # after on_timeout, for the ended requests' answers to reach thei
 
 
 class Drain:
-    """The drain state one server's middleware and its uvicorn server share."""
+    """The drain state one server's middleware and its serving loop share."""
 
     def __init__(self, timeout_s: float, refused: frozenset[str]):
         self.timeout_s = timeout_s
@@ -72,46 +69,3 @@ def refusal() -> tuple[dict, dict[str, str]]:
     """The JSON body and the headers of a draining server's 503."""
     error = Unavailable("this server is shutting down and takes no new requests; retry on another server")
     return error.to_dict(), {**error.headers, DRAINING_HEADER: "1"}
-
-
-class DrainGuard:
-    """ASGI middleware: counts requests in flight; while draining, refuses the drain's paths."""
-
-    def __init__(self, app: ASGIApp, drain: Drain) -> None:
-        self.app, self.drain = app, drain
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.drain.draining and scope["path"] in self.drain.refused:
-            body, headers = refusal()
-            await JSONResponse(body, 503, headers=headers)(scope, receive, send)
-            return
-        self.drain.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.drain.in_flight -= 1
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM drains (see the module docstring) instead of closing the port."""
-
-    def __init__(self, config: uvicorn.Config, drain: Drain, on_timeout: Callable[[], Awaitable[None]] | None = None):
-        super().__init__(config)
-        self.drain = drain
-        self.on_timeout = on_timeout
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or not self.drain.on_sigterm():
-            super().handle_exit(sig, frame)
-
-    async def on_tick(self, counter: int) -> bool:
-        if self.drain.draining and not self.should_exit:
-            step = self.drain.next_step(time.monotonic())
-            if step == "exit":
-                self.should_exit = True
-            elif step == "end_requests" and self.on_timeout is not None:
-                await self.on_timeout()
-        return await super().on_tick(counter)

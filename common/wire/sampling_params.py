@@ -41,7 +41,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=16)
     # token id -> added to its logit before sampling (greedy too); JSON's string keys become ints. Ids are
-    # checked against the vocabulary where it is known (common/server/serving.py).
+    # checked against the vocabulary where it is known (common/http/serving.py).
     logit_bias: dict[int, float] | None = None
 
     @field_validator("min_new_tokens")

@@ -17,10 +17,10 @@ pytest.importorskip("flashinfer")
 from common.attention.flashinfer_backend import FlashInferAttention  # noqa: E402
 from common.attention.torch_backend import TorchAttention  # noqa: E402
 from common.config import ServerConfig  # noqa: E402
+from common.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from common.core.page_meta import build_page_meta  # noqa: E402
+from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from common.engine.page_meta import build_page_meta  # noqa: E402
-from common.engine.request import Req  # noqa: E402
 from common.memory.kv_pool import KVPool  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
 from tests.unit.test_decode_hot_path import ScalarReads  # noqa: E402

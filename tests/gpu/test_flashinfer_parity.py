@@ -17,8 +17,8 @@ pytest.importorskip("flashinfer")
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from common.config import ServerConfig  # noqa: E402
+from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.request import Req  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 16

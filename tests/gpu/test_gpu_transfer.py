@@ -27,7 +27,7 @@ def pattern(buf: torch.Tensor, i: int) -> torch.Tensor:
 def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue) -> None:
     from common.engine.kv_ready import record_kv_ready
     from transfer.poll import KVPoll
-    from transfer.sender import KVSender
+    from transfer.prefill.sender import KVSender
 
     side = Side("prefill", backend=backend, timeout=30.0, device="cuda")
     to_decode.put((side.manager.endpoint, side.manager.instance_id))
@@ -44,8 +44,8 @@ def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue) -> No
 
 
 def decode_proc(backend: str, from_prefill: mp.Queue, to_prefill: mp.Queue, results: mp.Queue) -> None:
+    from transfer.decode.receiver import KVReceiver
     from transfer.poll import KVPoll
-    from transfer.receiver import KVReceiver
 
     side = Side("decode", backend=backend, timeout=30.0, device="cuda")
     endpoint, prefill_id = from_prefill.get(timeout=60)

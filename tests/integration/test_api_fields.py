@@ -308,7 +308,7 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     passed to the model's chat template."""
     from types import SimpleNamespace
 
-    from common.server.openai_api import _apply_chat_template
+    from common.http.openai_api import _apply_chat_template
     from common.wire.api import ChatCompletionRequest
 
     tok = copy.deepcopy(tokenizer)

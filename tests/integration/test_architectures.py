@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, models
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from common.config import ServerConfig
+from common.core.request import Req
 from common.engine.engine import Engine
-from common.engine.request import Req
 from common.wire.sampling_params import SamplingParams
 
 VOCAB = 512

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bootstrap.server import start_in_thread
+from bootstrap.app import start_in_thread
 from common.engine.metrics import EngineMetrics
 from tests.conftest import ServerProcess, free_port, sample
 

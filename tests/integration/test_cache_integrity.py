@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from common.config import ServerConfig
+from common.core.request import Req
 from common.engine.engine import Engine
-from common.engine.request import Req
 from common.wire.sampling_params import SamplingParams
 from tests.integration.tiny_model import random_prompts
 

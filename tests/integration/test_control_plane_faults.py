@@ -143,7 +143,7 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
         b"\x00" * 7,
         b"\xff\xfe garbage",
         encode(Status(1, True, ""), SECRET)[:-5],
-        msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""}),
+        msgpack.packb({"type": "status", "room_id": 1, "ok": True, "reason": ""}),
     ]
     to_decode = garbage + [
         encode(Status(12345, True, ""), None),  # unsigned

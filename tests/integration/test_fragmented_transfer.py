@@ -24,9 +24,9 @@ def pattern(buffer: int, pages: int):
 
 
 def make_manager(mode: str, backend: str, pages: int, bufs, aux=None):
-    from transfer.decode_manager import DecodeKVManager
+    from transfer.decode.decode_manager import DecodeKVManager
     from transfer.manager import KVArgs
-    from transfer.prefill_manager import PrefillKVManager
+    from transfer.prefill.prefill_manager import PrefillKVManager
 
     args = KVArgs(
         [b.data_ptr() for b in bufs],
@@ -47,7 +47,7 @@ def make_manager(mode: str, backend: str, pages: int, bufs, aux=None):
 def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue) -> None:
     from tests.unit.test_transfer_protocol import wait_for
     from transfer.poll import KVPoll
-    from transfer.sender import KVSender
+    from transfer.prefill.sender import KVSender
 
     bufs = [pattern(i, PAGES) for i in range(BUFFERS)]
     manager = make_manager("prefill", backend, PAGES, bufs)
@@ -69,8 +69,8 @@ def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue) -> No
 def decode_proc(backend: str, from_prefill: mp.Queue, to_prefill: mp.Queue, results: mp.Queue) -> None:
     import torch
 
+    from transfer.decode.receiver import KVReceiver
     from transfer.poll import KVPoll
-    from transfer.receiver import KVReceiver
 
     bufs = [torch.zeros(2 * PAGES + 1, PAGE_WORDS, dtype=torch.int32) for _ in range(BUFFERS)]
     aux = torch.zeros(1, AUX_BYTES, dtype=torch.uint8)

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.config import ServerConfig
+from common.core.request import Req
 from common.engine.engine import Engine
-from common.engine.request import Req
 from common.model.rotary import RotaryEmbedding
 from common.wire.sampling_params import SamplingParams
 from tests.integration.test_architectures import VOCAB, save_tiny

@@ -100,7 +100,7 @@ def test_n_requests_are_counted_n_times_on_every_process(cluster):
         text = after[node.name]
         kv = {s: value(text, f"tandem_kv_pages_{s}", role) for s in ("used", "cached", "free", "total")}
         assert kv["used"] == 0 and kv["used"] + kv["cached"] + kv["free"] == kv["total"]
-        queues = ("awaiting_decode", "inflight") if role == "prefill" else ("prealloc", "transferring", "draining")
+        queues = ("awaiting_decode", "inflight") if role == "prefill" else ("prealloc", "transferring", "quarantined")
         assert [value(text, "tandem_pd_queue_requests", role, queue=q) for q in queues] == [0] * len(queues)
     for labels in workers(c):
         assert value(after["router"], "tandem_router_worker_healthy", "router", **labels) == 1

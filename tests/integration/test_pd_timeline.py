@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from common.engine.timeline import parse
+from common.core.timeline import parse
 from tests.conftest import metric
 from tests.integration.cluster import start_cluster
 from tests.integration.faults import wait_until

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from common.wire.api import Rendezvous
-from decode_node.peers import CACHE_TTL_S, REFRESH_AFTER_S, Peer, PeerDirectory
+from decode_node.peers import CACHE_TTL_S, REFRESH_AFTER_S, PeerDirectory, PeerInfo
 from tests.conftest import ServerProcess, free_port
 
 LAYOUT = {
@@ -55,7 +55,7 @@ def test_lookups_refresh_in_the_background_and_a_dead_bootstrap_is_noticed(boots
     peers = PeerDirectory(LAYOUT, None)
     calls = counted(peers)
     rendezvous = Rendezvous("127.0.0.1", bootstrap.port, 7, INSTANCE)
-    want = Peer("tcp://127.0.0.1:5555", INSTANCE)
+    want = PeerInfo("tcp://127.0.0.1:5555", INSTANCE)
     assert peers.find(rendezvous).result(10) == want and len(calls) == 1
     start = time.monotonic()
     while time.monotonic() - start < 2 * CACHE_TTL_S:  # steady traffic, past two cache lifetimes

@@ -122,7 +122,7 @@ def test_a_killed_prefills_pages_on_the_decode_come_back_within_the_heartbeat_wi
         t_stop = time.monotonic()
         stuck = [Background(c.url, body(p)) for p in PROMPTS[:2]]  # round robin: one lands on the victim
         wait_until(
-            lambda: decode.info()["role"]["transferring"] + decode.info()["role"]["draining"] >= 1,
+            lambda: decode.info()["role"]["transferring"] + decode.info()["role"]["quarantined"] >= 1,
             10,
             "the decode to reserve pages for the frozen prefill",
         )
@@ -208,7 +208,7 @@ def test_a_decode_registering_another_layout_is_refused_with_the_field_named(clu
     out.send(encode(RoomRequest(31337, "liar", [1], 0), None))
     assert inbox.poll(5000), "the prefill never answered the refused decode"
     status = decode(inbox.recv(), None)
-    assert status.room == 31337 and not status.ok and "bytes_per_page" in status.reason
+    assert status.room_id == 31337 and not status.ok and "bytes_per_page" in status.reason
     assert metric(prefill.url, "tandem_kv_transfer_events_total", event="peers_refused") == refused_before + 1
     out.close(linger=0)
     inbox.close(linger=0)

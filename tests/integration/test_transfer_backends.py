@@ -24,7 +24,7 @@ def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue, scena
     import torch
 
     from transfer.poll import KVPoll
-    from transfer.sender import KVSender
+    from transfer.prefill.sender import KVSender
 
     side = _make("prefill", backend)
     for i, buf in enumerate(side.k):
@@ -47,8 +47,8 @@ def prefill_proc(backend: str, to_decode: mp.Queue, from_decode: mp.Queue, scena
 def decode_proc(backend: str, from_prefill: mp.Queue, to_prefill: mp.Queue, results: mp.Queue, scenario: str) -> None:
     import torch
 
+    from transfer.decode.receiver import KVReceiver
     from transfer.poll import KVPoll
-    from transfer.receiver import KVReceiver
 
     side = _make("decode", backend, timeout=3.0 if scenario == "silent" else 30.0)
     endpoint, prefill_id = from_prefill.get(timeout=60)

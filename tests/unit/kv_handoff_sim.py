@@ -15,20 +15,21 @@ from common.config import ServerConfig
 from common.engine.kv_ready import HostEvent
 from common.engine.model_runner import BatchResult
 from common.engine.output import OutputProcessor
+from common.engine.role import SchedulerView
 from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from decode_node.aux_pool import AuxPool
-from decode_node.peers import Peer
+from decode_node.peers import PeerInfo
 from decode_node.role import DecodeRole
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.aux_pool import AuxPool
+from transfer.decode.decode_manager import DecodeKVManager
 from transfer.manager import KVArgs
 from transfer.messages import encode, next_seq
-from transfer.prefill_manager import PrefillKVManager
+from transfer.prefill.prefill_manager import PrefillKVManager
 
 VOCAB, EOS = 1000, 999
 SECRET = "sim-secret"
@@ -204,14 +205,16 @@ class Side:
         self.runner = KVRunner(self.buffers)
         self.sched = Scheduler(c, self.runner, self.memory, output, clock=clock)
         make_control = lambda sender, counters: FakeControlPlane(net, sender)  # noqa: E731
-        common = dict(control=make_control, clock=clock, wall_clock=clock, threaded=False)
+        common = dict(
+            control=make_control, clock=clock, wall_clock=clock, threaded=False, wake_scheduler=self.sched.wake
+        )
         if mode == "prefill":
             self.manager = PrefillKVManager(kv_args(self.buffers), **common)
-            self.sched.role = PrefillRole(self.sched, self.manager, c)
+            self.sched.role = PrefillRole(SchedulerView(self.sched), self.manager, c)
         else:
             self.aux = AuxPool(2 * c.max_running_requests)
             self.manager = DecodeKVManager(kv_args(self.buffers, self.aux), **common)
-            self.sched.role = DecodeRole(self.sched, self.manager, self.aux, lookup, VOCAB, c)
+            self.sched.role = DecodeRole(SchedulerView(self.sched), self.manager, self.aux, lookup, VOCAB, c)
         self.alive, self.frozen = True, False
 
     @property
@@ -234,7 +237,7 @@ class Side:
                     pass
 
 
-def done_future(result: Peer | None = None, error: Exception | None = None) -> Future:
+def done_future(result: PeerInfo | None = None, error: Exception | None = None) -> Future:
     f: Future = Future()
     f.set_exception(error) if error is not None else f.set_result(result)
     return f

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from transfer.bulk_priority import BULK_NICE, create_lowered
-from transfer.transfer_worker import TransferWorker
+from transfer.prefill.transfer_worker import TransferWorker
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getpriority"), reason="nice is a POSIX notion")
 

@@ -12,8 +12,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.config import ServerConfig
+from common.core.request import Req
 from common.engine.engine import Engine
-from common.engine.request import Req
 from common.wire.sampling_params import SamplingParams
 from tests.integration.tiny_model import random_prompts
 

@@ -10,8 +10,8 @@ import pytest
 
 from common.attention.base import AttentionChoiceError, choose_attention_backend
 from common.config import ServerConfig
+from common.core.forward_batch import ForwardMode
 from common.engine.engine import Engine
-from common.engine.forward_batch import ForwardMode
 from common.engine.warmup import FLASHINFER_CACHE_ENV
 from common.memory.sizing import GIB, PoolPlan
 

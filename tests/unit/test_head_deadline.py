@@ -1,4 +1,4 @@
-"""The engine servers' deadline on the request head (common/wire/head_deadline.py), on a real uvicorn server
+"""The engine servers' deadline on the request head (common/edge/head_deadline.py), on a real uvicorn server
 in this process with the deadline shortened to DEADLINE_S: what is closed when, and what is left alone."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from common.wire.head_deadline import HeadDeadlineProtocol
+from common.edge.head_deadline import HeadDeadlineProtocol
 from tests.conftest import free_port
 
 DEADLINE_S = 0.5

@@ -1,5 +1,6 @@
-"""The import rules of docs/architecture.md, enforced: which package may import which, no torch in the
-router, the bootstrap registry, the shared HTTP edge (common.wire) or the `tandem bench` client."""
+"""The import rules of docs/architecture.md, enforced: which package may import which, each side of the PD
+protocol apart from the other, no torch in the router, the bootstrap registry, the wire schemas (common.wire) or
+the `tandem bench` client, and no uvicorn or Starlette in the router or common.wire."""
 
 from __future__ import annotations
 
@@ -14,18 +15,28 @@ TOP = {"common", "transfer", "bootstrap", "prefill_node", "decode_node", "router
 ALLOWED = {
     "common": {"common"},
     "common/wire": set(),
+    "common/edge": {"common/wire"},
+    "common/core": {"common/wire"},
+    "common/memory": {"common/core"},
+    "common/attention": {"common/core", "common/memory"},
+    "common/model": {"common/core", "common/attention"},
     "transfer": {"common/wire"},
-    "bootstrap": {"common/wire"},
+    "bootstrap": {"common/wire", "common/edge/prometheus"},
     "prefill_node": {"common", "transfer", "bootstrap"},
     "decode_node": {"common", "transfer", "bootstrap"},
-    "router": {"common/wire"},
+    "router": {"common/wire", "common/edge/prometheus"},
     "tandem": TOP,
 }
+# each side's transfer files and role: none imports the other side's (shared transfer files import neither)
+SIDES = {"prefill": ("transfer/prefill", "prefill_node"), "decode": ("transfer/decode", "decode_node")}
 
 
 def imported_modules(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    """The modules of ours a file imports when it runs (TYPE_CHECKING imports aside)."""
+    found, tree = set(), ast.parse(path.read_text())
+    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]:
+        block.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -52,15 +63,46 @@ def test_packages_import_only_what_the_design_allows():
     assert violations == []
 
 
+def test_each_side_imports_only_its_own_transfer_files():
+    violations = []
+    for side, (files, role) in SIDES.items():
+        other = next(f for s, (f, _) in SIDES.items() if s != side)
+        owners = [ROOT / files, ROOT / role, *(p for p in (ROOT / "transfer").glob("*.py"))]
+        for path in (p for owner in owners for p in ([owner] if owner.is_file() else owner.rglob("*.py"))):
+            bad = sorted(m for m in imported_modules(path) if m.replace(".", "/").startswith(other))
+            if path.parent == ROOT / "transfer":
+                bad += sorted(m for m in imported_modules(path) if m.replace(".", "/").startswith(files))
+            if bad:
+                violations.append(f"{path.relative_to(ROOT)} imports {bad}")
+    assert violations == []
+
+
+def test_roles_reach_the_scheduler_only_through_the_view_they_are_built_with():
+    """common/engine/role.py's SchedulerView: no role imports the Scheduler or rewires its KV manager."""
+    for role in ("prefill_node/role.py", "decode_node/role.py"):
+        assert "common.engine.scheduler" not in imported_modules(ROOT / role), role
+        assert ".wake_scheduler" not in (ROOT / role).read_text(), role
+
+
 def test_router_bootstrap_wire_and_bench_start_without_torch(builtin_model_dir):
     """builtin_model_dir: the built-in model is converted already, as after any server ran once."""
     code = (
-        "import sys, router.app, tandem.router_cli, bootstrap.server, bootstrap.client, common.wire.api, "
+        "import sys, router.app, tandem.router_cli, bootstrap.app, bootstrap.client, common.wire.api, "
         "common.wire.auth, common.wire.body, common.wire.sse, common.wire.kv_layout, tandem.bench.main, "
         "tandem.bench.plot; tandem.bench.tokenizer.load_tokenizer('builtin'); print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_router_and_wire_start_without_uvicorn_or_starlette():
+    """The HTTP frameworks of the engine servers stay in common/edge; the router serves with aiohttp."""
+    code = (
+        "import sys, router.app, router.serve, common.wire.api, common.wire.auth, common.wire.body, "
+        "common.wire.drain, common.wire.sse; print(sorted({'uvicorn', 'starlette', 'fastapi'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def module_graph() -> dict[str, set[str]]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.request import ReqStatus
+from common.core.request import ReqStatus
 from common.wire.api import Rendezvous
 from tests.unit.kv_handoff_sim import SECRET
 from tests.unit.test_kv_handoff_model import KVHandoff
 from transfer.messages import FirstToken, open_frame
-from transfer.sender import KVSender
+from transfer.prefill.sender import KVSender
 
 
 def test_a_prefill_stops_computing_a_prompt_whose_room_failed():
@@ -70,7 +70,7 @@ def test_the_decode_streams_the_first_token_before_the_kv_lands(max_new):
             break
     assert pair.decode.output_ids == [11] and not pair.decode.finished
     assert pair.decode.status == ReqStatus.TRANSFERRING and pair.decode not in m.decode.sched.decode.running
-    assert not m.decode.manager.rooms[pair.decode.rendezvous.room].status_received
+    assert not m.decode.manager.rooms[pair.decode.rendezvous.room_id].status_received
     m.teardown()
     assert pair.decode.finish.type == "length" and pair.decode.output_ids == list(range(11, 11 + max_new))
     assert pair.prefill.finish.type == "length"

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.engine.request import Req
+from common.core.request import Req
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
-from decode_node.peers import Peer
+from decode_node.peers import PeerInfo
 from tests.unit.kv_handoff_sim import CONFIG, Clock, Network, Side, done_future
 
 BOUND_S = CONFIG.pairing_timeout_s + CONFIG.kv_wait_timeout_s + CONFIG.transfer_timeout_s + 30
@@ -66,7 +66,7 @@ class KVHandoff(RuleBasedStateMachine):
         real_write, side.writing = side.manager._write, None
 
         def write(chunk):
-            side.writing = chunk.room.room
+            side.writing = chunk.room.room_id
             try:
                 real_write(chunk)
             finally:
@@ -86,7 +86,7 @@ class KVHandoff(RuleBasedStateMachine):
         p = self.prefill
         if not p.alive or rendezvous.prefill_instance_id != p.manager.instance_id:
             return done_future(error=RuntimeError(f"prefill {rendezvous.prefill_instance_id} is not registered"))
-        return done_future(Peer(p.manager.endpoint, p.manager.instance_id))
+        return done_future(PeerInfo(p.manager.endpoint, p.manager.instance_id))
 
     def _checked_write(self, side: Side, peer: str, dst: list[int], nbytes: list[int], real, src, *args) -> None:
         dec = self.decode
@@ -254,7 +254,7 @@ class KVHandoff(RuleBasedStateMachine):
             for req in side.sched.decode.running:
                 slots = side.memory.req_pool.req_to_token[req.req_pool_idx, : req.kv_computed_len].to(torch.int64)
                 assert kv[slots].tolist() == req.fill_ids[: req.kv_computed_len], (
-                    f"request {req.rendezvous.room}: KV corrupted"
+                    f"request {req.rendezvous.room_id}: KV corrupted"
                 )
 
     @invariant()
@@ -275,7 +275,7 @@ class KVHandoff(RuleBasedStateMachine):
                 break
         for p in self.pairs:
             for half in ("prefill", "decode"):
-                assert p.ended(half), f"room {p.prefill.rendezvous.room}: the {half} half never ended"
+                assert p.ended(half), f"room {p.prefill.rendezvous.room_id}: the {half} half never ended"
                 at = p.finished_at.get(half)
                 assert at is None or at <= max(start, getattr(p, half).arrival_time) + BOUND_S, f"{half} ended late"
         assert self._idle(), "pools, rooms or queues not back to idle"

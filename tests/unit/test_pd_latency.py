@@ -11,14 +11,14 @@ from collections.abc import Callable
 import pytest
 
 import common.engine.scheduler_thread as scheduler_thread
-from common.engine.request import Req
+from common.core.request import Req
 from common.engine.role import Role
 from common.engine.scheduler_thread import SchedulerThread
 from tests.unit.test_scheduler import expected_output, make, req
 from tests.unit.test_transfer_protocol import AUX_BYTES, Side, wait_for
+from transfer.decode.receiver import KVReceiver
 from transfer.poll import KVPoll
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.prefill.sender import KVSender
 
 
 class PeerRole(Role):
@@ -81,7 +81,7 @@ def test_a_room_request_a_transfer_end_and_a_status_each_wake_their_scheduler():
     dec.manager.register_with(
         prefill.manager.endpoint, prefill.manager.instance_id
     )  # its own frame (which wakes too): out of the way first
-    wait_for(lambda: dec.manager.instance_id in prefill.manager.peers)
+    wait_for(lambda: dec.manager.instance_id in prefill.manager.registrations)
     prefill_woken.clear()
     receiver.init([2, 3], aux_slot=1)
     assert prefill_woken.wait(5), "the decode's room request did not wake the prefill's scheduler"

@@ -1,4 +1,4 @@
-"""Every sample of a process's /metrics carries the process's role (common/wire/prometheus.py)."""
+"""Every sample of a process's /metrics carries the process's role (common/edge/prometheus.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.wire.prometheus import render
+from common.edge.prometheus import render
 
 
 def test_every_sample_gets_the_role_and_keeps_its_own_labels():

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from common.config import ServerConfig
-from common.engine.forward_batch import ForwardMode
+from common.core.forward_batch import ForwardMode
+from common.core.request import Req
 from common.engine.model_runner import BatchPlan, BatchResult
 from common.engine.output import OutputProcessor
-from common.engine.request import Req
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
@@ -198,7 +198,7 @@ def test_without_radix_cache_every_page_returns_to_the_free_list():
 
 
 class PagesElsewhere(Role):
-    """Holds `pages` of the pool outside any request, as a decode's draining rooms do, and gives them
+    """Holds `pages` of the pool outside any request, as a decode's quarantined rooms do, and gives them
     back at its `give_back_at`-th poll; says they are coming back only when `returning`."""
 
     def __init__(self, s: Scheduler, pages: int, give_back_at: int, returning: bool):
@@ -223,7 +223,7 @@ class PagesElsewhere(Role):
 @pytest.mark.parametrize("returning", [True, False])
 def test_a_request_the_pool_cannot_fit_waits_for_pages_coming_back_else_fails_503(returning):
     """One running request needs a third page while two of the four are held elsewhere: it waits when
-    they are on their way back (a decode's draining rooms) and then finishes exactly; otherwise it
+    they are on their way back (a decode's quarantined rooms) and then finishes exactly; otherwise it
     fails with 503 at once, as nothing would free them."""
     s, _ = make(pages=4, page_size=4)
     s.role = PagesElsewhere(s, 2, give_back_at=30, returning=returning)

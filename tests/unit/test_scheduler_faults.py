@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
+from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
-from common.engine.request import Req
 from common.engine.scheduler_thread import SchedulerThread
 from common.wire.sampling_params import SamplingParams
 from tests.unit.test_scheduler import expected_output, make, req, run_until_idle

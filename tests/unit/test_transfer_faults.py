@@ -9,10 +9,10 @@ import time
 import pytest
 
 from tests.unit.test_transfer_protocol import AUX_BYTES, Side, block_writes_to, start_room, wait_for
+from transfer.decode.receiver import KVReceiver
 from transfer.messages import ReplayGuard, RoomRequest, Status, encode, open_frame
 from transfer.poll import DuplicateRoom, KVPoll
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.prefill.sender import KVSender
 
 
 def test_a_full_transfer_queue_fails_the_room_instead_of_blocking():
@@ -113,7 +113,7 @@ def test_a_decode_whose_layout_differs_is_refused_and_told_why():
     wait_for(lambda: receiver.poll() == KVPoll.Failed)
     assert "bytes_per_page" in receiver.failure_reason and receiver.writes_settled
     assert prefill.manager.counters["peers_refused"] == 1
-    assert dec.manager.instance_id not in prefill.manager.peers
+    assert dec.manager.instance_id not in prefill.manager.registrations
 
 
 def test_a_prefill_does_not_write_into_a_decode_whose_pings_are_stale():
@@ -186,7 +186,7 @@ def test_a_room_that_failed_before_it_was_requested_is_never_requested():
     waiting = KVReceiver(dec.manager, 61, prefill.manager.endpoint, prefill.manager.instance_id)
     prefill.manager.close()
     wait_for(lambda: first.poll() == KVPoll.Failed, timeout=5)
-    assert waiting.poll() == KVPoll.Failed and waiting.room.peer_dead_at is None
+    assert waiting.poll() == KVPoll.Failed and waiting.room.prefill_dead_at is None
     assert waiting.init([2], aux_slot=1) is False
     assert not waiting.room.requested and waiting.pages_reusable()
 

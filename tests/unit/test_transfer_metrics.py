@@ -11,13 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.wire.prometheus import render
+from common.edge.prometheus import render
 from tests.unit.test_transfer_faults import Fatal
 from tests.unit.test_transfer_protocol import AUX_BYTES, Side, block_writes_to, start_room, wait_for
+from transfer.decode.receiver import KVReceiver
 from transfer.metrics import CAUSES
 from transfer.poll import DuplicateRoom, KVPoll
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.prefill.sender import KVSender
 
 AUX = bytes(AUX_BYTES)
 

@@ -10,14 +10,14 @@ import msgpack
 import pytest
 import torch
 
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.decode_manager import DecodeKVManager
+from transfer.decode.receiver import KVReceiver
 from transfer.manager import KVArgs
 from transfer.messages import BadMessage, Register, RoomRequest, Status, decode, encode
 from transfer.poll import KVPoll, PollState
-from transfer.prefill_manager import PrefillKVManager
-from transfer.receiver import KVReceiver
-from transfer.runs import chunk_triples
-from transfer.sender import KVSender
+from transfer.prefill.prefill_manager import PrefillKVManager
+from transfer.prefill.runs import chunk_triples
+from transfer.prefill.sender import KVSender
 
 PAGE, LAYERS, PAGES = 4, 2, 16
 AUX_BYTES = 32
@@ -53,11 +53,11 @@ def test_poll_state_only_moves_up_and_failed_wins():
     "raw",
     [
         b"\x00garbage",
-        msgpack.packb({"type": "request", "room": 1}),
+        msgpack.packb({"type": "request", "room_id": 1}),
         msgpack.packb({"type": "nope"}),
         msgpack.packb([1, 2]),
         encode(RoomRequest(1, "d", [1, "x"], 0), None)[:-3],
-        msgpack.packb([msgpack.packb({"type": "status", "room": 1, "ok": True, "reason": ""}), b""])[:-1],
+        msgpack.packb([msgpack.packb({"type": "status", "room_id": 1, "ok": True, "reason": ""}), b""])[:-1],
     ],
 )
 def test_garbage_and_truncated_messages_are_rejected(raw):
@@ -90,11 +90,11 @@ def frame(fields: dict) -> bytes:
 
 def test_wrong_field_types_are_rejected():
     with pytest.raises(BadMessage, match="room"):
-        decode(frame({"type": "status", "room": "5", "ok": True, "reason": ""}), None)
+        decode(frame({"type": "status", "room_id": "5", "ok": True, "reason": ""}), None)
     with pytest.raises(BadMessage, match="room"):
-        decode(frame({"type": "status", "room": True, "ok": True, "reason": ""}), None)
+        decode(frame({"type": "status", "room_id": True, "ok": True, "reason": ""}), None)
     with pytest.raises(BadMessage, match="room out of range"):
-        decode(frame({"type": "status", "room": -1, "ok": True, "reason": ""}), None)
+        decode(frame({"type": "status", "room_id": -1, "ok": True, "reason": ""}), None)
 
 
 class Side:
@@ -170,7 +170,7 @@ def test_out_of_range_pages_are_rejected_counted_and_never_written():
     receiver = KVReceiver(dec.manager, 5, prefill.manager.endpoint, prefill.manager.instance_id)
     receiver.init([PAGES + 1], aux_slot=0)
     wait_for(lambda: prefill.manager.counters["rejected_messages"] == 1)
-    assert prefill.manager.rooms.get(5) is None or prefill.manager.rooms[5].request is None
+    assert prefill.manager.rooms.get(5) is None or prefill.manager.rooms[5].room_request is None
 
 
 def test_prefill_abort_reaches_decode_with_the_reason():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.request import FinishReason
-from common.server.serving import raise_if_failed
+from common.core.request import FinishReason
+from common.http.serving import raise_if_failed
 from common.wire.errors import TandemError, error_for_status
 
 

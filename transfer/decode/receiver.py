@@ -1,26 +1,26 @@
 """Decode side of one room: claims the room, sends the page indices to the prefill, waits for its status.
 
-`pages_reusable(now)` says when the reserved pages may be reused (see transfer/decode_rooms.py).
+`pages_reusable(now)` says when the reserved pages may be reused (see transfer/decode/decode_rooms.py).
 """
 
 from __future__ import annotations
 
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.decode_manager import DecodeKVManager
 from transfer.messages import Abort, RoomRequest
 from transfer.poll import KVPoll, Mark, no_mark
 
 
 class KVReceiver:
     def __init__(
-        self, manager: DecodeKVManager, room: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark
+        self, manager: DecodeKVManager, room_id: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark
     ):
-        """Raises DuplicateRoom if another request of this server waits on `room`; `mark` records the
+        """Raises DuplicateRoom if another request of this server waits on room `room_id`; `mark` records the
         room's steps on the request's timeline."""
         self.manager = manager
-        self.room_id = room
-        self.endpoint = prefill_endpoint
+        self.room_id = room_id
+        self.prefill_endpoint = prefill_endpoint
         self.prefill_id = prefill_id
-        self.room = manager.claim(room, prefill_endpoint, prefill_id, mark)
+        self.room = manager.claim(room_id, prefill_endpoint, prefill_id, mark)
         self.deadline: float | None = None
         self.abort_sent = False
 
@@ -30,8 +30,8 @@ class KVReceiver:
         if self.room.poll.state == KVPoll.Failed:
             return False
         m = self.manager
-        m.register_with(self.endpoint, self.prefill_id)
-        m.send(self.endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot))
+        m.register_with(self.prefill_endpoint, self.prefill_id)
+        m.send(self.prefill_endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot))
         self.room.mark("room_request_sent")
         self.room.requested, self.room.requested_at = True, m.clock()
         self.room.poll.advance(KVPoll.WaitingForInput)
@@ -41,7 +41,7 @@ class KVReceiver:
     def poll(self) -> KVPoll:
         s = self.room.poll
         if not s.done and self.deadline is not None and self.manager.clock() > self.deadline:
-            self.manager.fail_room(
+            self.manager.mark_failed(
                 self.room, f"no KV arrived within {self.manager.args.kv_wait_timeout_s:g} s", "timeout"
             )
         return s.state
@@ -65,10 +65,10 @@ class KVReceiver:
 
     def abort(self, reason: str) -> None:
         """Stop waiting; ask the prefill to stop writing (it confirms with a status)."""
-        self.manager.fail_room(self.room, reason, "aborted")
-        if not (self.writes_settled or self.abort_sent or self.room.peer_dead_at is not None):
+        self.manager.mark_failed(self.room, reason, "aborted")
+        if not (self.writes_settled or self.abort_sent or self.room.prefill_dead_at is not None):
             self.abort_sent = True
-            self.manager.send(self.endpoint, Abort(self.room_id, self.manager.instance_id, reason))
+            self.manager.send(self.prefill_endpoint, Abort(self.room_id, self.manager.instance_id, reason))
 
     def release(self) -> None:
         self.manager.forget(self.room)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from transfer.bulk_priority import lower_this_thread
-from transfer.prefill_rooms import PrefillRoom
+from transfer.prefill.prefill_rooms import PrefillRoomState
 
 log = logging.getLogger(__name__)
 IDLE_EXIT_S = 30.0
@@ -40,7 +40,7 @@ class Ready(Protocol):
 
 @dataclass
 class Chunk:
-    room: PrefillRoom
+    room: PrefillRoomState
     src_pages: list[int]
     dst_pages: list[int]
     aux: bytes | None  # set on the last chunk: the record written after the pages
@@ -48,9 +48,9 @@ class Chunk:
 
 
 Write = Callable[[Chunk], None]  # raises on failure; the exception's `cause` attribute, if any, names it
-Notify = Callable[[PrefillRoom, bool, str], None]  # (room, ok, reason): send the room's final status
+Notify = Callable[[PrefillRoomState, bool, str], None]  # (room, ok, reason): send the room's final status
 MarkFailed = Callable[
-    [PrefillRoom, str, str], bool
+    [PrefillRoomState, str, str], bool
 ]  # (room, reason, cause): fail a room and count it; False if it had already ended
 
 
@@ -68,7 +68,7 @@ class TransferWorker:
         self.write, self.notify, self.mark_failed = write, notify, mark_failed
         self.max_chunks = max_chunks
         self.chunks: deque[Chunk] = deque()
-        self.owed: list[PrefillRoom] = []  # failed rooms whose decode still waits for the word
+        self.owed: list[PrefillRoomState] = []  # failed rooms whose decode still waits for the word
         self.cond = threading.Condition()
         self.retired = False
         self.died: BaseException | None = None
@@ -95,7 +95,7 @@ class TransferWorker:
             self.cond.notify()
             return True
 
-    def owe_failure(self, room: PrefillRoom) -> bool:
+    def owe_failure(self, room: PrefillRoomState) -> bool:
         """`room` failed: tell its decode once no write of it is in flight. False if this worker retired
         or died (ask the pool again)."""
         with self.cond:
@@ -115,7 +115,7 @@ class TransferWorker:
             self._run(chunk)
         return bool(owed) or chunk is not None
 
-    def _take(self, wait_s: float) -> tuple[list[PrefillRoom], Chunk | None]:
+    def _take(self, wait_s: float) -> tuple[list[PrefillRoomState], Chunk | None]:
         with self.cond:
             if not self.owed and not self.chunks and wait_s > 0:
                 self.cond.wait(wait_s)
@@ -139,7 +139,7 @@ class TransferWorker:
             try:
                 self.write(c)
             except Exception as e:
-                log.warning("room %d: transfer to %s failed: %s", c.room.room, self.decode_id, e)
+                log.warning("room %d: transfer to %s failed: %s", c.room.room_id, self.decode_id, e)
                 if self.mark_failed(c.room, f"transfer error: {e}", getattr(e, "cause", "transfer_error")):
                     self.notify(c.room, False, f"transfer error: {e}")
             else:
@@ -178,7 +178,7 @@ class TransferWorker:
             try:
                 self.notify(room, False, room.poll.reason or "failed")
             except Exception:
-                log.exception("room %d: could not send its failure status", room.room)
+                log.exception("room %d: could not send its failure status", room.room_id)
 
 
 class WorkerPool:
@@ -201,7 +201,7 @@ class WorkerPool:
         while not self.get(decode_id).submit(chunk):
             pass  # it retired or died between get() and submit(): the next get() makes a new one
 
-    def owe_failure(self, decode_id: str, room: PrefillRoom) -> None:
+    def owe_failure(self, decode_id: str, room: PrefillRoomState) -> None:
         while not self.get(decode_id).owe_failure(room):
             pass
 

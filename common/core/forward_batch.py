@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.page_meta import PageMeta
+from common.core.page_meta import PageMeta
 
 
 class ForwardMode(enum.Enum):

@@ -10,10 +10,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from common.core.request import GenInput
+from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
-from common.server.serving import (
+from common.http.serving import (
     Choice,
-    GenInput,
     check_input,
     collect,
     created,
@@ -24,9 +25,8 @@ from common.server.serving import (
     usage,
 )
 from common.wire.api import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
-from common.wire.body import read_body
 from common.wire.errors import InvalidRequest, NotFound, TandemError
-from common.wire.sse import DONE, sse_event, sse_response
+from common.wire.sse import DONE, sse_event
 
 FINISH = {"stop": "stop", "length": "length"}
 

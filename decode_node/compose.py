@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from common.config import ServerConfig
 from common.engine.engine import Engine
+from common.engine.role import SchedulerView
 from common.wire.kv_layout import kv_layout
-from decode_node.aux_pool import AuxPool
 from decode_node.peers import PeerDirectory
 from decode_node.role import DecodeRole
 from transfer.aux_record import RECORD_BYTES
-from transfer.decode_manager import DecodeKVManager
+from transfer.decode.aux_pool import AuxPool
+from transfer.decode.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
 
 
@@ -18,11 +19,13 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         config = engine.config  # with the batch limits derived for the device
         aux = AuxPool(2 * config.max_running_requests + 16)
         args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
-        manager = DecodeKVManager(args)
+        manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         peers = PeerDirectory(kv_layout(engine.kv_pool, config.transfer_backend), config.cluster_secret)
         manager.on_peer_dead.append(peers.invalidate)
-        return DecodeRole(engine.scheduler, manager, aux, peers.find, engine.hf_config.vocab_size, config)
+        return DecodeRole(
+            SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config
+        )
 
     return Engine(config, make_role)

@@ -22,12 +22,12 @@ SWEEP_INTERVAL_S = 1.0
 
 
 @dataclass(eq=False)
-class PrefillRoom:
-    room: int
+class PrefillRoomState:
+    room_id: int
     created: float
     first_chunk_at: float | None = None  # when its first chunk was queued (the table's clock), for its latency
     poll: PollState = field(default_factory=PollState)
-    request: RoomRequest | None = None  # where the decode wants the KV; None until it asked
+    room_request: RoomRequest | None = None  # where the decode wants the KV; None until it asked
     requested_at: float | None = None  # when the decode's request arrived (the clock of the table)
     owned: bool = False  # a KVSender of this process holds the room
     mark: Mark = no_mark  # the owning request's timeline
@@ -36,67 +36,67 @@ class PrefillRoom:
 class PrefillRoomTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        self.rooms: dict[int, PrefillRoom] = {}
+        self.rooms: dict[int, PrefillRoomState] = {}
         self.tombstones: dict[int, tuple[str, float]] = {}  # failed rooms already forgotten: reason, when
         self.lock = threading.Lock()
         self._next_sweep = 0.0
 
-    def claim(self, room: int, mark: Mark = no_mark) -> PrefillRoom:
+    def claim(self, room_id: int, mark: Mark = no_mark) -> PrefillRoomState:
         """The room, now held by a local request whose timeline `mark` records the room's steps;
         DuplicateRoom if another request holds it."""
         with self.lock:
-            state = self.rooms.get(room)
-            if (state is not None and state.owned) or room in self.tombstones:
-                raise DuplicateRoom(f"bootstrap_room {room} is already in use on this prefill server")
+            state = self.rooms.get(room_id)
+            if (state is not None and state.owned) or room_id in self.tombstones:
+                raise DuplicateRoom(f"bootstrap_room {room_id} is already in use on this prefill server")
             if state is None:
-                state = self.rooms[room] = PrefillRoom(room, self.clock())
+                state = self.rooms[room_id] = PrefillRoomState(room_id, self.clock())
             state.owned, state.mark = True, mark
             if state.requested_at is not None:
                 mark("room_request_received", state.requested_at)
             return state
 
-    def on_request(self, msg: RoomRequest) -> tuple[PrefillRoom | None, str | None]:
+    def on_request(self, msg: RoomRequest) -> tuple[PrefillRoomState | None, str | None]:
         """Record a decode's request: (room, None), or (None, reason) if this prefill already gave up on
         the room. Raises ValueError when another decode asked for the room first."""
         self.sweep()
         with self.lock:
-            tomb = self.tombstones.get(msg.room)
+            tomb = self.tombstones.get(msg.room_id)
             if tomb is not None:
                 return None, tomb[0]
-            state = self.rooms.setdefault(msg.room, PrefillRoom(msg.room, self.clock()))
-            if state.request is not None:
-                raise ValueError(f"room {msg.room} was requested twice")
-            state.request, state.requested_at = msg, self.clock()
+            state = self.rooms.setdefault(msg.room_id, PrefillRoomState(msg.room_id, self.clock()))
+            if state.room_request is not None:
+                raise ValueError(f"room {msg.room_id} was requested twice")
+            state.room_request, state.requested_at = msg, self.clock()
             state.mark("room_request_received", state.requested_at)
             return state, None
 
-    def get(self, room: int) -> PrefillRoom | None:
+    def get(self, room_id: int) -> PrefillRoomState | None:
         with self.lock:
-            return self.rooms.get(room)
+            return self.rooms.get(room_id)
 
-    def gave_up(self, room: int) -> bool:
+    def gave_up(self, room_id: int) -> bool:
         """The room failed here and was forgotten (a tombstone remains)."""
         with self.lock:
-            return room in self.tombstones
+            return room_id in self.tombstones
 
-    def drop_unowned(self, room: int) -> bool:
+    def drop_unowned(self, room_id: int) -> bool:
         """Forget a room no local request holds (nothing was ever written for it)."""
         with self.lock:
-            state = self.rooms.get(room)
+            state = self.rooms.get(room_id)
             if state is None or state.owned:
                 return False
-            del self.rooms[room]
+            del self.rooms[room_id]
             return True
 
-    def forget(self, room: PrefillRoom) -> None:
+    def forget(self, room: PrefillRoomState) -> None:
         """Drop the room; a failed one leaves a tombstone so a late request for it is answered."""
         with self.lock:
-            if self.rooms.get(room.room) is room:
-                del self.rooms[room.room]
+            if self.rooms.get(room.room_id) is room:
+                del self.rooms[room.room_id]
                 if room.poll.reason is not None:
-                    self.tombstones[room.room] = (room.poll.reason, self.clock())
+                    self.tombstones[room.room_id] = (room.poll.reason, self.clock())
 
-    def snapshot(self) -> list[PrefillRoom]:
+    def snapshot(self) -> list[PrefillRoomState]:
         with self.lock:
             return list(self.rooms.values())
 

@@ -10,11 +10,12 @@ from typing import Any
 from bootstrap.client import register_prefill
 from common.config import ServerConfig
 from common.engine.engine import Engine
+from common.engine.role import SchedulerView
 from common.wire.kv_layout import kv_layout
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
-from transfer.prefill_manager import PrefillKVManager
+from transfer.prefill.prefill_manager import PrefillKVManager
 
 log = logging.getLogger(__name__)
 REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minute
@@ -23,12 +24,13 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
         config = engine.config  # with the batch limits derived for the device
-        manager = PrefillKVManager(kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES))
+        args = kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES)
+        manager = PrefillKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url
         if bootstrap_url is None:
-            from bootstrap.server import start_in_thread
+            from bootstrap.app import start_in_thread
 
             registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret)
             engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
@@ -53,7 +55,7 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             manager.instance_id,
             manager.endpoint,
         )
-        return PrefillRole(engine.scheduler, manager, config)
+        return PrefillRole(SchedulerView(engine.scheduler), manager, config)
 
     return Engine(config, make_role)
 

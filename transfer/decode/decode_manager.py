@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from transfer.decode_rooms import DecodeRoom, DecodeRoomTable
+from transfer.decode.decode_rooms import DecodeRoomState, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import BadMessage, Envelope, FirstToken, Ping, Pong, Register, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
@@ -27,7 +27,7 @@ class DecodeKVManager(KVManager):
         self.start()
 
     @property
-    def rooms(self) -> dict[int, DecodeRoom]:
+    def rooms(self) -> dict[int, DecodeRoomState]:
         """The room table by room id (read-only use)."""
         return self.table.rooms
 
@@ -35,53 +35,47 @@ class DecodeKVManager(KVManager):
         if isinstance(msg, Status):
             self._on_status(msg, envelope)
         elif isinstance(msg, FirstToken):
-            self._room_of(msg.room, envelope, "first token").first_record = msg.record
+            self._room_of(msg.room_id, envelope, "first token").first_record = msg.record
         elif isinstance(msg, Pong):
             self.liveness.seen(msg.endpoint, envelope.sent_at)
         else:
             raise BadMessage(f"{type(msg).__name__} is not for a decode server")
 
-    def _room_of(self, room_id: int, envelope: Envelope, what: str) -> DecodeRoom:
+    def _room_of(self, room_id: int, envelope: Envelope, what: str) -> DecodeRoomState:
         """The room a prefill's message is about; BadMessage unless that prefill owns it."""
         room = self.table.get(room_id)
         if room is None:
             raise BadMessage(f"{what} for unknown room {room_id}")
-        if envelope.sender != room.peer_id:
-            raise BadMessage(f"{what} for room {room_id} from {envelope.sender}, not from its prefill {room.peer_id}")
+        if envelope.sender != room.prefill_id:
+            raise BadMessage(
+                f"{what} for room {room_id} from {envelope.sender}, not from its prefill {room.prefill_id}"
+            )
         return room
 
     def _on_status(self, msg: Status, envelope: Envelope) -> None:
-        room = self._room_of(msg.room, envelope, "status")
+        room = self._room_of(msg.room_id, envelope, "status")
         room.status_received = True
         room.mark("status_received")
-        self.liveness.seen(room.peer, envelope.sent_at)
+        self.liveness.seen(room.prefill_endpoint, envelope.sent_at)
         if not msg.ok:
-            self.fail_room(room, msg.reason, "peer_failed")
+            self.mark_failed(room, msg.reason, "peer_failed")
         elif room.poll.advance(KVPoll.Success) and room.requested_at is not None:
             self.counters["rooms_succeeded"] += 1
             self.metrics.latency.observe(self.clock() - room.requested_at)
 
     # -- rooms (called by KVReceiver on the scheduler thread) ----------------------------------
-    def claim(self, room: int, peer: str, peer_id: str, mark: Mark = no_mark) -> DecodeRoom:
-        """A room waiting on prefill `peer_id` at control endpoint `peer` (its request's timeline: `mark`);
+    def claim(self, room_id: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark) -> DecodeRoomState:
+        """A room waiting on prefill `prefill_id` at `prefill_endpoint` (its request's timeline: `mark`);
         DuplicateRoom if taken."""
         try:
-            room_state = self.table.claim(room, peer, peer_id)
+            room = self.table.claim(room_id, prefill_endpoint, prefill_id)
         except DuplicateRoom:
             self.metrics.failed("duplicate")
             raise
-        room_state.mark = mark
-        return room_state
+        room.mark = mark
+        return room
 
-    def fail_room(self, room: DecodeRoom, reason: str, cause: str) -> bool:
-        """Fail the room, counted by `cause` (transfer.metrics.CAUSES); False if it had already ended."""
-        if not room.poll.fail(reason):
-            return False
-        self.counters["rooms_failed"] += 1
-        self.metrics.failed(cause)
-        return True
-
-    def forget(self, room: DecodeRoom) -> None:
+    def forget(self, room: DecodeRoomState) -> None:
         self.table.forget(room)
 
     def register_with(self, endpoint: str, prefill_id: str) -> None:
@@ -113,7 +107,9 @@ class DecodeKVManager(KVManager):
         of their rooms: the frames a heartbeat sends follow the rooms' order, not the hashes of peer ids."""
         rooms = self.table.snapshot()
         return list(
-            dict.fromkeys(r.peer for r in rooms if r.requested and not r.status_received and r.peer_dead_at is None)
+            dict.fromkeys(
+                r.prefill_endpoint for r in rooms if r.requested and not r.status_received and r.prefill_dead_at is None
+            )
         )
 
     def ping(self, peers: list[str]) -> None:
@@ -122,15 +118,15 @@ class DecodeKVManager(KVManager):
 
     def declare_dead(self, peer: str, silent_s: float) -> None:
         """Fail the rooms waiting on `peer` and stop pinging it; their pages become reusable one interval
-        later (DecodeRoom.pages_reusable), once the prefill's write fence has closed."""
+        later (DecodeRoomState.pages_reusable), once the prefill's write fence has closed."""
         reason = f"prefill {peer} answered no heartbeat for {silent_s:.1f} s (dead or frozen)"
         log.warning("%s: failing the rooms waiting on it", reason)
         now = self.clock()
         for room in self.table.snapshot():
-            if room.peer == peer and not room.status_received:
+            if room.prefill_endpoint == peer and not room.status_received:
                 if room.requested:  # its pages come back once the prefill's write fence has closed
-                    room.peer_dead_at = now
-                self.fail_room(room, reason, "peer_dead")
+                    room.prefill_dead_at = now
+                self.mark_failed(room, reason, "peer_dead")
         self.registered_with.pop(peer, None)
         self.control.drop(peer)
         for callback in self.on_peer_dead:

@@ -11,25 +11,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from common.core.request import GenInput
+from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
-from common.server import openai_api
-from common.server.guard import CountingGuard
-from common.server.serving import (
-    Choice,
-    GenInput,
-    check_input,
-    collect,
-    new_rid,
-    raise_if_failed,
-    stream_choices,
-    tokenize_text,
-)
+from common.http import openai_api
+from common.http.guard import CountingGuard
+from common.http.serving import Choice, check_input, collect, new_rid, raise_if_failed, stream_choices, tokenize_text
 from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
-from common.wire.auth import ApiKeyGuard
-from common.wire.body import read_body
-from common.wire.drain import Drain, DrainGuard
+from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
-from common.wire.sse import DONE, sse_event, sse_response
+from common.wire.sse import DONE, sse_event
 
 log = logging.getLogger("tandem.http")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -38,7 +29,7 @@ ROUTING_PARAMS = {404: "path", 405: "method"}
 
 
 def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
-    """`drain`: the server's graceful stop (common/server/drain.py); None in tests that never stop it."""
+    """`drain`: the server's graceful stop (common/http/drain.py); None in tests that never stop it."""
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.engine = engine
     # outermost last: the counting guard sees the API key guard's 401s and the drain's 503s too

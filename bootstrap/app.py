@@ -30,9 +30,9 @@ from bootstrap.registry import (
     parse_ranks,
     validate_registration,
 )
+from common.edge.prometheus import render
 from common.wire.body import ARRIVAL_TIMEOUT_S, load_json_object, read_limited
 from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, UnsupportedEncoding, error_body
-from common.wire.prometheus import render
 
 log = logging.getLogger("tandem.bootstrap")
 

@@ -4,26 +4,26 @@ and, with the last one, the aux record."""
 from __future__ import annotations
 
 from transfer.poll import KVPoll, Mark, no_mark
-from transfer.prefill_manager import PrefillKVManager
-from transfer.transfer_worker import Chunk, Ready, TransferQueueFull
+from transfer.prefill.prefill_manager import PrefillKVManager
+from transfer.prefill.transfer_worker import Chunk, Ready, TransferQueueFull
 
 
 class KVSender:
-    def __init__(self, manager: PrefillKVManager, room: int, mark: Mark = no_mark):
-        """Raises DuplicateRoom if another request of this server holds `room`; `mark` records the
+    def __init__(self, manager: PrefillKVManager, room_id: int, mark: Mark = no_mark):
+        """Raises DuplicateRoom if another request of this server holds room `room_id`; `mark` records the
         room's steps on the request's timeline."""
         self.manager = manager
-        self.room = manager.claim(room, mark)
+        self.room = manager.claim(room_id, mark)
         self.offset = 0  # destination pages used by earlier chunks
 
     def poll(self) -> KVPoll:
-        if self.room.poll.state == KVPoll.Pairing and self.room.request is not None:
+        if self.room.poll.state == KVPoll.Pairing and self.room.room_request is not None:
             self.room.poll.advance(KVPoll.WaitingForInput)
         return self.room.poll.state
 
     @property
     def num_dst_pages(self) -> int:
-        return len(self.room.request.dst_pages) if self.room.request else 0
+        return len(self.room.room_request.dst_pages) if self.room.room_request else 0
 
     @property
     def failure_reason(self) -> str | None:
@@ -33,7 +33,7 @@ class KVSender:
         """Queue one chunk; on the last one `aux` is the record written after the pages; `ready`: the event
         of the forward that wrote them (the write waits on it). A chunk that does not fit the decode's
         pages, or a full transfer queue, fails the room instead."""
-        dst = self.room.request.dst_pages[self.offset : self.offset + len(src_pages)]
+        dst = self.room.room_request.dst_pages[self.offset : self.offset + len(src_pages)]
         if len(dst) != len(src_pages):
             self.abort(
                 f"chunk of {len(src_pages)} pages overruns the {self.num_dst_pages} reserved by decode", "overrun"

@@ -7,27 +7,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from common.core.request import FinishReason, GenInput, OutputEvent, Req
 from common.engine.engine import Engine
-from common.engine.request import FinishReason, OutputEvent, Req
-from common.wire.api import Rendezvous
+from common.wire.api import rendezvous_problem
 from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, error_for_status
-from common.wire.sampling_params import SamplingParams
-
-
-@dataclass
-class GenInput:
-    """Everything the engine needs for one API request (all `n` choices)."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    rendezvous: Rendezvous | None = None
 
 
 @dataclass
@@ -103,12 +89,9 @@ def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: s
 
 def check_rendezvous(engine: Engine, gen: GenInput) -> None:
     """A prefill or decode server serves only what a router paired (it added the bootstrap fields)."""
-    mode = engine.config.disagg_mode
-    if mode != "null" and gen.rendezvous is None:
-        raise InvalidRequest(
-            f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests through the router",
-            param="bootstrap_room",
-        )
+    problem = rendezvous_problem(engine.config.disagg_mode, gen.rendezvous)
+    if problem is not None:
+        raise InvalidRequest(problem, param="bootstrap_room")
 
 
 def check_token_ids(ids: list[int], vocab: int, param: str) -> None:
@@ -130,17 +113,13 @@ def make_reqs(gen: GenInput) -> list[Req]:
         params = gen.params
         if params.n > 1 and params.seed is not None:
             params = params.model_copy(update={"seed": params.seed + i})
-        reqs.append(
-            Req(
-                rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
-                prompt_ids=gen.prompt_ids,
-                params=params,
-                return_logprob=gen.return_logprob,
-                top_logprobs_num=gen.top_logprobs_num,
-                logprob_start_len=gen.logprob_start_len,
-                rendezvous=gen.rendezvous.for_choice(i) if gen.rendezvous else None,
-            )
+        choice = replace(
+            gen,
+            rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
+            params=params,
+            rendezvous=gen.rendezvous.for_choice(i) if gen.rendezvous else None,
         )
+        reqs.append(Req(**{f.name: getattr(choice, f.name) for f in fields(GenInput)}))
     return reqs
 
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from transfer.backends.base import TransferBackend
 from transfer.messages import Register, RoomRequest
 from transfer.poll import Mark, no_mark
-from transfer.runs import chunk_triples
+from transfer.prefill.runs import chunk_triples
 
 
 class AuxStaging:
@@ -49,19 +49,23 @@ class AuxStaging:
             self._available.release()
 
 
-def layout_problem(mine_bytes_per_page: list[int], page_size: int, aux_record_bytes: int, peer: Register) -> str | None:
-    """Why we must never write into what `peer` registered (naming the field), or None when it fits."""
-    if peer.page_size != page_size:
-        return f"page_size: decode has {peer.page_size}, prefill has {page_size}"
-    if len(peer.kv_ptrs) != len(mine_bytes_per_page):
+def layout_problem(
+    mine_bytes_per_page: list[int], page_size: int, aux_record_bytes: int, registration: Register
+) -> str | None:
+    """Why we must never write into what `registration` registered (naming the field), or None when it fits."""
+    if registration.page_size != page_size:
+        return f"page_size: decode has {registration.page_size}, prefill has {page_size}"
+    if len(registration.kv_ptrs) != len(mine_bytes_per_page):
         return (
-            f"kv_ptrs: decode registered {len(peer.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)} "
+            f"kv_ptrs: decode registered {len(registration.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)} "
             "(a page-major pool registers one: run one Tandem version on both)"
         )
-    if peer.bytes_per_page != mine_bytes_per_page:
-        return f"bytes_per_page: decode has {peer.bytes_per_page[:4]}..., prefill has {mine_bytes_per_page[:4]}..."
-    if aux_record_bytes and peer.aux_record_bytes != aux_record_bytes:
-        return f"aux_record_bytes: decode has {peer.aux_record_bytes}, prefill writes {aux_record_bytes}"
+    if registration.bytes_per_page != mine_bytes_per_page:
+        return (
+            f"bytes_per_page: decode has {registration.bytes_per_page[:4]}..., prefill has {mine_bytes_per_page[:4]}..."
+        )
+    if aux_record_bytes and registration.aux_record_bytes != aux_record_bytes:
+        return f"aux_record_bytes: decode has {registration.aux_record_bytes}, prefill writes {aux_record_bytes}"
     return None
 
 
@@ -73,8 +77,8 @@ class KVWriter:
 
     def write(
         self,
-        peer: Register,
-        req: RoomRequest,
+        registration: Register,
+        room_request: RoomRequest,
         src_pages: list[int],
         dst_pages: list[int],
         aux: bytes | None,
@@ -87,24 +91,26 @@ class KVWriter:
         status, sent once the whole batch landed); device KV and the host record take a batch each.
         `fence()` runs before each backend call and raises when the decode may no longer be written to;
         `mark` records the writes on the request's timeline."""
-        src, dst, nbytes = chunk_triples(self.kv_ptrs, peer.kv_ptrs, self.bytes_per_page, src_pages, dst_pages)
+        src, dst, nbytes = chunk_triples(self.kv_ptrs, registration.kv_ptrs, self.bytes_per_page, src_pages, dst_pages)
         if aux is not None and not self.on_cuda:
-            self._write_with_aux(peer, req, aux, src, dst, nbytes, fence)
+            self._write_with_aux(registration, room_request, aux, src, dst, nbytes, fence)
             mark("chunk_written")
             mark("aux_written")
             return len(src_pages) * self.page_bytes
         fence()
-        self.backend.write_batch(req.decode_id, src, dst, nbytes, self.on_cuda)  # each backend splits as it must
+        self.backend.write_batch(
+            room_request.decode_id, src, dst, nbytes, self.on_cuda
+        )  # each backend splits as it must
         mark("chunk_written")
         if aux is not None:
-            self._write_with_aux(peer, req, aux, [], [], [], fence)
+            self._write_with_aux(registration, room_request, aux, [], [], [], fence)
             mark("aux_written")
         return len(src_pages) * self.page_bytes
 
     def _write_with_aux(
         self,
-        peer: Register,
-        req: RoomRequest,
+        registration: Register,
+        room_request: RoomRequest,
         aux: bytes,
         src: list[int],
         dst: list[int],
@@ -112,13 +118,13 @@ class KVWriter:
         fence: Callable[[], None],
     ) -> None:
         """One host-memory batch: the pieces given, then the aux record into the room's slot."""
-        if len(aux) != peer.aux_record_bytes:
-            raise ValueError(f"aux record of {len(aux)} bytes, decode expects {peer.aux_record_bytes}")
+        if len(aux) != registration.aux_record_bytes:
+            raise ValueError(f"aux record of {len(aux)} bytes, decode expects {registration.aux_record_bytes}")
         with self.aux_staging.slot(aux) as src_aux:
             fence()
             self.backend.write_batch(
-                req.decode_id,
+                room_request.decode_id,
                 [*src, src_aux],
-                [*dst, peer.aux_ptr + req.aux_slot * peer.aux_record_bytes],
+                [*dst, registration.aux_ptr + room_request.aux_slot * registration.aux_record_bytes],
                 [*nbytes, len(aux)],
             )

@@ -1,4 +1,5 @@
-"""The decode's table of rooms: one entry per request waiting for (or draining) a prefill's KV.
+"""The decode's table of rooms: one entry per request waiting for a prefill's KV (or, quarantined, for the
+last write that may still land).
 
 When may a room's pages be reused? Only when no write of the prefill can land in them any more:
 
@@ -20,45 +21,45 @@ from transfer.poll import DuplicateRoom, Mark, PollState, no_mark
 
 
 @dataclass(eq=False)
-class DecodeRoom:
-    room: int
-    peer: str  # the prefill's control endpoint
-    peer_id: str  # the prefill's instance id: the only sender whose status this room accepts
+class DecodeRoomState:
+    room_id: int
+    prefill_endpoint: str  # the prefill's control endpoint
+    prefill_id: str  # the prefill's instance id: the only sender whose status this room accepts
     poll: PollState = field(default_factory=PollState)
     requested: bool = False  # the prefill was told where to write
     requested_at: float | None = None  # when (the manager's clock), for the room's latency
     status_received: bool = False  # the prefill's final word arrived; nothing more will land
-    peer_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
+    prefill_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
     first_record: bytes | None = None  # the aux record sent ahead of the KV (FirstToken), if it came
     mark: Mark = no_mark  # the request's timeline
 
     def pages_reusable(self, now: float, interval_s: float) -> bool:
         if not self.requested or self.status_received:
             return True
-        return self.peer_dead_at is not None and now >= self.peer_dead_at + interval_s + CLOCK_SLACK_S
+        return self.prefill_dead_at is not None and now >= self.prefill_dead_at + interval_s + CLOCK_SLACK_S
 
 
 class DecodeRoomTable:
     def __init__(self) -> None:
-        self.rooms: dict[int, DecodeRoom] = {}
+        self.rooms: dict[int, DecodeRoomState] = {}
         self.lock = threading.Lock()
 
-    def claim(self, room: int, peer: str, peer_id: str) -> DecodeRoom:
+    def claim(self, room_id: int, prefill_endpoint: str, prefill_id: str) -> DecodeRoomState:
         with self.lock:
-            if room in self.rooms:
-                raise DuplicateRoom(f"bootstrap_room {room} is already in use on this decode server")
-            state = self.rooms[room] = DecodeRoom(room, peer, peer_id)
+            if room_id in self.rooms:
+                raise DuplicateRoom(f"bootstrap_room {room_id} is already in use on this decode server")
+            state = self.rooms[room_id] = DecodeRoomState(room_id, prefill_endpoint, prefill_id)
             return state
 
-    def get(self, room: int) -> DecodeRoom | None:
+    def get(self, room_id: int) -> DecodeRoomState | None:
         with self.lock:
-            return self.rooms.get(room)
+            return self.rooms.get(room_id)
 
-    def forget(self, room: DecodeRoom) -> None:
+    def forget(self, room: DecodeRoomState) -> None:
         with self.lock:
-            if self.rooms.get(room.room) is room:
-                del self.rooms[room.room]
+            if self.rooms.get(room.room_id) is room:
+                del self.rooms[room.room_id]
 
-    def snapshot(self) -> list[DecodeRoom]:
+    def snapshot(self) -> list[DecodeRoomState]:
         with self.lock:
             return list(self.rooms.values())

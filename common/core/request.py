@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.engine.timeline import Timeline
+from common.core.timeline import Timeline
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 
@@ -51,16 +51,25 @@ class OutputEvent:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
-class Req:
+@dataclass(eq=False)
+class GenInput:
+    """What a client asked for: the HTTP layer builds one per API request (all `n` choices), and each
+    choice's Req starts from the same fields (common/http/serving.py make_reqs)."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
-    sink: Callable[[OutputEvent], None] | None = None
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
+
+
+@dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
+class Req(GenInput):
+    """One choice of a client's request as the scheduler, the pools and the output stream carry it."""
+
+    sink: Callable[[OutputEvent], None] | None = None
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -87,7 +96,7 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    timeline: Timeline = field(default_factory=Timeline)  # diagnostics: see common/engine/timeline.py
+    timeline: Timeline = field(default_factory=Timeline)  # diagnostics: see common/core/timeline.py
 
     @property
     def fill_ids(self) -> list[int]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 
-from transfer.kv_writer import KVWriter, layout_problem
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import Abort, BadMessage, Envelope, FirstToken, Ping, Pong, Register, RoomRequest, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
-from transfer.prefill_rooms import PrefillRoom, PrefillRoomTable
-from transfer.transfer_worker import Chunk, TransferWorker, WorkerPool
+from transfer.prefill.kv_writer import KVWriter, layout_problem
+from transfer.prefill.prefill_rooms import PrefillRoomState, PrefillRoomTable
+from transfer.prefill.transfer_worker import Chunk, TransferWorker, WorkerPool
 
 log = logging.getLogger(__name__)
 MAX_REFUSED_REMEMBERED = 1024
@@ -33,7 +33,7 @@ class PrefillKVManager(KVManager):
     def __init__(self, args: KVArgs, **kwargs):
         super().__init__(args, **kwargs)
         self.writer = KVWriter(self.backend, args.kv_ptrs, args.bytes_per_page, args.on_cuda)
-        self.peers: dict[str, Register] = {}  # decode instances that registered and fit our layout
+        self.registrations: dict[str, Register] = {}  # decode instances that registered and fit our layout
         self.refused: dict[str, tuple[Register, str]] = {}  # decode instances whose layout does not fit, and why
         self.table = PrefillRoomTable(self.clock)
         self.workers = WorkerPool(self._make_worker)
@@ -41,7 +41,7 @@ class PrefillKVManager(KVManager):
 
     def _make_worker(self, decode_id: str) -> TransferWorker:
         return TransferWorker(
-            decode_id, self._write, self._notify, self._mark_failed, self.args.max_queued_chunks, self.threaded
+            decode_id, self._write, self._notify, self.mark_failed, self.args.max_queued_chunks, self.threaded
         )
 
     # -- messages ------------------------------------------------------------------------------
@@ -52,14 +52,14 @@ class PrefillKVManager(KVManager):
             raise BadMessage(f"{type(msg).__name__} names decode {msg.decode_id} but was sent by {envelope.sender}")
         if isinstance(msg, Register):
             return self._on_register(msg, envelope)
-        peer = self._peer(msg)
+        registration = self._registration(msg)
         self.liveness.seen(msg.decode_id, envelope.sent_at)
         if isinstance(msg, Ping):
-            self.send(peer.status_endpoint, Pong(self.endpoint))
+            self.send(registration.status_endpoint, Pong(self.endpoint))
         elif isinstance(msg, RoomRequest):
-            self._on_request(msg, peer)
+            self._on_request(msg, registration)
         else:
-            self._on_abort(msg, peer)
+            self._on_abort(msg, registration)
 
     def _on_register(self, msg: Register, envelope: Envelope) -> None:
         problem = layout_problem(self.args.bytes_per_page, self.args.page_size, self.args.aux_record_bytes, msg)
@@ -70,134 +70,135 @@ class PrefillKVManager(KVManager):
                 self.refused.pop(next(iter(self.refused)))
             log.warning("refusing decode %s: %s", msg.decode_id, problem)
             return
-        if msg.decode_id in self.peers:  # it declared this prefill dead: it will reuse the pages of its rooms here
+        if (
+            msg.decode_id in self.registrations
+        ):  # it declared this prefill dead: it will reuse the pages of its rooms here
             self._fail_rooms_of(
                 msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
             )
         self.backend.add_peer(msg.decode_id, msg.backend_address)
-        self.peers[msg.decode_id] = msg
+        self.registrations[msg.decode_id] = msg
         self.refused.pop(msg.decode_id, None)
         self.liveness.seen(msg.decode_id, envelope.sent_at)
 
-    def _peer(self, msg: RoomRequest | Abort | Ping) -> Register:
-        peer = self.peers.get(msg.decode_id)
-        if peer is not None:
-            return peer
+    def _registration(self, msg: RoomRequest | Abort | Ping) -> Register:
+        registration = self.registrations.get(msg.decode_id)
+        if registration is not None:
+            return registration
         refused = self.refused.get(msg.decode_id)
         if refused is not None and isinstance(msg, RoomRequest):  # tell it why, then count the refusal
             self.send(
                 refused[0].status_endpoint,
-                Status(msg.room, False, f"prefill refused this decode's KV layout: {refused[1]}"),
+                Status(msg.room_id, False, f"prefill refused this decode's KV layout: {refused[1]}"),
             )
             self.metrics.failed("refused_layout")
         raise BadMessage(f"{type(msg).__name__} from unregistered decode {msg.decode_id}")
 
-    def _on_request(self, msg: RoomRequest, peer: Register) -> None:
-        if any(not 1 <= p <= peer.num_pages for p in msg.dst_pages) or not 0 <= msg.aux_slot < peer.aux_slots:
-            raise BadMessage(f"room {msg.room}: destination page or aux slot outside the decode's pool")
+    def _on_request(self, msg: RoomRequest, registration: Register) -> None:
+        if (
+            any(not 1 <= p <= registration.num_pages for p in msg.dst_pages)
+            or not 0 <= msg.aux_slot < registration.aux_slots
+        ):
+            raise BadMessage(f"room {msg.room_id}: destination page or aux slot outside the decode's pool")
         try:
             room, gave_up = self.table.on_request(msg)
         except ValueError as e:
-            self.send(peer.status_endpoint, Status(msg.room, False, str(e)))
+            self.send(registration.status_endpoint, Status(msg.room_id, False, str(e)))
             self.metrics.failed("duplicate")
             raise BadMessage(str(e)) from None
         reason = gave_up or (room.poll.reason if room is not None else None)
         if reason is not None:  # this prefill already gave up on the room: say so now, not after a timeout
-            self.send(peer.status_endpoint, Status(msg.room, False, reason))
+            self.send(registration.status_endpoint, Status(msg.room_id, False, reason))
 
-    def _on_abort(self, msg: Abort, peer: Register) -> None:
-        room = self.table.get(msg.room)
-        if room is not None and room.request is not None and room.request.decode_id != msg.decode_id:
-            raise BadMessage(f"abort of room {msg.room} from a decode that does not own it")
-        if room is None and self.table.gave_up(msg.room):
+    def _on_abort(self, msg: Abort, registration: Register) -> None:
+        room = self.table.get(msg.room_id)
+        if room is not None and room.room_request is not None and room.room_request.decode_id != msg.decode_id:
+            raise BadMessage(f"abort of room {msg.room_id} from a decode that does not own it")
+        if room is None and self.table.gave_up(msg.room_id):
             return  # failed and forgotten here: its worker sends the status after the room's last write
-        if room is None or self.table.drop_unowned(msg.room):  # nothing was ever written for it
-            self.send(peer.status_endpoint, Status(msg.room, False, f"aborted by decode: {msg.reason}"))
+        if room is None or self.table.drop_unowned(msg.room_id):  # nothing was ever written for it
+            self.send(registration.status_endpoint, Status(msg.room_id, False, f"aborted by decode: {msg.reason}"))
         else:
             self.fail_room(room, f"decode aborted: {msg.reason}", "peer_aborted")
 
     # -- rooms (called by KVSender on the scheduler thread) ------------------------------------
     @property
-    def rooms(self) -> dict[int, PrefillRoom]:
+    def rooms(self) -> dict[int, PrefillRoomState]:
         """The room table by room id (read-only use)."""
         return self.table.rooms
 
-    def claim(self, room: int, mark: Mark = no_mark) -> PrefillRoom:
+    def claim(self, room_id: int, mark: Mark = no_mark) -> PrefillRoomState:
         """The room for a local request (its timeline: `mark`); DuplicateRoom if another request holds it."""
         try:
-            return self.table.claim(room, mark)
+            return self.table.claim(room_id, mark)
         except DuplicateRoom:
             self.metrics.failed("duplicate")
             raise
 
-    def forget(self, room: PrefillRoom) -> None:
+    def forget(self, room: PrefillRoomState) -> None:
         self.table.forget(room)
 
-    def fail_room(self, room: PrefillRoom, reason: str, cause: str) -> None:
+    def fail_room(self, room: PrefillRoomState, reason: str, cause: str) -> None:
         """Fail the room (`cause`: one of transfer.metrics.CAUSES); if a decode waits on it, its worker
         tells it once no write is in flight."""
-        if self._mark_failed(room, reason, cause) and room.request is not None:
-            self.workers.owe_failure(room.request.decode_id, room)
+        if self.mark_failed(room, reason, cause) and room.room_request is not None:
+            self.workers.owe_failure(room.room_request.decode_id, room)
 
-    def announce_first_token(self, room: PrefillRoom, record: bytes) -> None:
+    def announce_first_token(self, room: PrefillRoomState, record: bytes) -> None:
         """Send the room's aux record to its decode now, ahead of the KV that carries it too: the decode
         streams the first token without waiting for the write."""
-        peer = self.peers.get(room.request.decode_id)
-        if peer is not None:
-            self.send(peer.status_endpoint, FirstToken(room.room, record))
+        registration = self.registrations.get(room.room_request.decode_id)
+        if registration is not None:
+            self.send(registration.status_endpoint, FirstToken(room.room_id, record))
             room.mark("first_token_sent")
 
     def enqueue(self, chunk: Chunk) -> None:
         """Hand a chunk to its decode's worker (TransferQueueFull when that queue is full)."""
         if chunk.room.first_chunk_at is None:
             chunk.room.first_chunk_at = self.clock()
-        self.workers.submit(chunk.room.request.decode_id, chunk)
-
-    def _mark_failed(self, room: PrefillRoom, reason: str, cause: str) -> bool:
-        if not room.poll.fail(reason):
-            return False
-        self.counters["rooms_failed"] += 1
-        self.metrics.failed(cause)
-        self.wake_scheduler()
-        return True
+        self.workers.submit(chunk.room.room_request.decode_id, chunk)
 
     # -- data plane (on a worker) --------------------------------------------------------------
     def _write(self, chunk: Chunk) -> None:
-        req = chunk.room.request
-        peer = self.peers.get(req.decode_id)
-        if peer is None:
-            raise FencedError(f"decode {req.decode_id} is no longer registered")
-        fence = lambda: self._fence(req.decode_id, chunk.room)  # noqa: E731
+        room_request = chunk.room.room_request
+        registration = self.registrations.get(room_request.decode_id)
+        if registration is None:
+            raise FencedError(f"decode {room_request.decode_id} is no longer registered")
+        fence = lambda: self._fence(room_request.decode_id, chunk.room)  # noqa: E731
         if chunk.ready is not None:  # the forward that wrote the pages may still run on the device
             chunk.ready.synchronize()
-        written = self.writer.write(peer, req, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark)
+        written = self.writer.write(
+            registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
+        )
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] += written
 
-    def _fence(self, decode_id: str, room: PrefillRoom) -> None:
+    def _fence(self, decode_id: str, room: PrefillRoomState) -> None:
         problem = self.liveness.may_write_to(decode_id)
         if problem is None and room.poll.state == KVPoll.Failed:
-            problem = f"room {room.room} failed: {room.poll.reason}"
+            problem = f"room {room.room_id} failed: {room.poll.reason}"
         if problem is not None:
             self.counters["writes_fenced"] += 1
             raise FencedError(f"not writing: {problem}")
 
-    def _notify(self, room: PrefillRoom, ok: bool, reason: str) -> None:
+    def _notify(self, room: PrefillRoomState, ok: bool, reason: str) -> None:
         if ok and not room.poll.advance(KVPoll.Success):
             return  # failed while its last write ran: the failure is owed and follows
         if ok:
             self.counters["rooms_succeeded"] += 1
             self.metrics.latency.observe(self.clock() - room.first_chunk_at)
-        peer = self.peers.get(room.request.decode_id)
-        if peer is not None:
-            self.send(peer.status_endpoint, Status(room.room, ok, reason))
+        registration = self.registrations.get(room.room_request.decode_id)
+        if registration is not None:
+            self.send(registration.status_endpoint, Status(room.room_id, ok, reason))
             room.mark("status_sent")
         self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> list[str]:
         rooms = self.table.snapshot()
-        return list(dict.fromkeys(r.request.decode_id for r in rooms if r.owned and r.request and not r.poll.done))
+        return list(
+            dict.fromkeys(r.room_request.decode_id for r in rooms if r.owned and r.room_request and not r.poll.done)
+        )
 
     def declare_dead(self, peer: str, silent_s: float) -> None:
         reason = f"decode {peer} sent no heartbeat for {silent_s:.1f} s (dead or frozen)"
@@ -206,5 +207,5 @@ class PrefillKVManager(KVManager):
 
     def _fail_rooms_of(self, decode_id: str, reason: str, cause: str) -> None:
         for room in self.table.snapshot():
-            if room.owned and room.request is not None and room.request.decode_id == decode_id:
+            if room.owned and room.room_request is not None and room.room_request.decode_id == decode_id:
                 self.fail_room(room, reason, cause)
