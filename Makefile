@@ -1,4 +1,4 @@
-.PHONY: up test setup bench clean
+.PHONY: up test test-fast lint format setup bench clean
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
@@ -12,8 +12,21 @@ setup: $(STAMP)
 up: $(STAMP)
 	$(PY) -m tandem up $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -q -ra $(ARGS)
+# the whole suite (what .ci/run runs); the 25 slowest tests printed keep the tiers' split honest
+test: lint
+	TANDEM_HYPOTHESIS_PROFILE=full $(PY) -m pytest -q -ra --durations=25 $(ARGS)
+
+# every package in minutes: units, Helm render, the smoke tests (docs/architecture.md, section 8)
+test-fast: lint
+	TANDEM_HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q -ra -m "not slow or smoke" --durations=10 $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 bench: $(STAMP)
 	$(PY) -m tandem bench $(ARGS)

@@ -2,13 +2,16 @@
 SGLang one) with fixed bodies at almost no CPU cost, so that the router between client and workers is
 what a benchmark measures.
 
-    python benchmarks/router_mock.py --role prefill|decode --port P [--events 16]
+    python benchmarks/router_mock.py --role prefill|decode --port P [--events 16] [--api-key K]
+        [--ssl-certfile CERT --ssl-keyfile KEY]
 
 Plain asyncio streams and a minimal HTTP/1.1 (keep-alive, Content-Length bodies): a web framework here
 would cost more CPU per request than the router under test. POST /generate, /v1/completions and
 /v1/chat/completions answer JSON, or SSE when the body says `"stream": true`: the decode `--events`
 token events then `data: [DONE]`, one write each; the prefill one event. GET /health, /health_generate,
-/readiness, /get_server_info, /get_model_info and /v1/models answer small JSON bodies.
+/readiness, /get_server_info, /get_model_info and /v1/models answer small JSON bodies. With --api-key every
+request without `Authorization: Bearer K` (/health included) is answered 401; with --ssl-certfile it speaks
+HTTPS only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
 from pathlib import Path
 
@@ -92,6 +96,9 @@ GET_BODIES = {
 }
 
 
+UNAUTHORIZED = b'{"error": {"message": "wrong key", "type": "authentication_error", "code": 401, "param": null}}'
+
+
 def head(status: int, content_type: str, length: int | None) -> bytes:
     size = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
     return f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\n{size}\r\n\r\n".encode()
@@ -102,8 +109,9 @@ def chunk(data: bytes) -> bytes:
 
 
 class MockWorker:
-    def __init__(self, role: str, tokens: int) -> None:
+    def __init__(self, role: str, tokens: int, api_key: str | None = None) -> None:
         self.answers = bodies(1 if role == "prefill" else tokens)  # a prefill makes the first token only
+        self.auth = f"Bearer {api_key}" if api_key else None
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -123,7 +131,9 @@ class MockWorker:
         method, path = request_line[:2]
         headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
         body = await reader.readexactly(int(headers.get("content-length", "0")))
-        if method == "GET" and path in GET_BODIES:
+        if self.auth is not None and headers.get("authorization") != self.auth:
+            writer.write(head(401, "application/json", len(UNAUTHORIZED)) + UNAUTHORIZED)
+        elif method == "GET" and path in GET_BODIES:
             writer.write(head(200, "application/json", len(GET_BODIES[path])) + GET_BODIES[path])
         elif method == "POST" and (path, False) in self.answers:
             await self.generate(writer, path, json.loads(body).get("stream") is True)
@@ -143,8 +153,13 @@ class MockWorker:
         writer.write(b"0\r\n\r\n")
 
 
-async def main(role: str, port: int, tokens: int) -> None:
-    server = await asyncio.start_server(MockWorker(role, tokens).serve, "127.0.0.1", port, backlog=1024)
+async def main(a: argparse.Namespace) -> None:
+    tls = None
+    if a.ssl_certfile:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(a.ssl_certfile, a.ssl_keyfile)
+    worker = MockWorker(a.role, a.events, a.api_key)
+    server = await asyncio.start_server(worker.serve, "127.0.0.1", a.port, backlog=1024, ssl=tls)
     async with server:
         await server.serve_forever()
 
@@ -154,5 +169,7 @@ if __name__ == "__main__":
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--events", type=int, default=16, help="token events of a streamed decode answer")
-    a = p.parse_args()
-    asyncio.run(main(a.role, a.port, a.events))
+    p.add_argument("--api-key", help="answer 401 to requests without it")
+    p.add_argument("--ssl-certfile")
+    p.add_argument("--ssl-keyfile")
+    asyncio.run(main(p.parse_args()))

@@ -25,9 +25,11 @@ from router.cluster_status import health_generate, server_info
 from router.config import RouterConfig, WorkerChange
 from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher, json_response
+from router.http1 import Pools
 from router.metrics import REFRESH_S, RouterMetrics
 from router.processes import shared_dir
 from router.shared_workers import SharedWorkers
+from router.tls import client_context
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -54,14 +56,19 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         math.ceil(config.max_concurrent_requests / config.processes) if shared else config.max_concurrent_requests
     )
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
-    dispatcher = Dispatcher(config, workers, metrics, admission)
+    tls = client_context(config)  # workers are called with the router's key for them, https ones verified
+    dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls))
     app = web.Application(middlewares=[_guard(config.api_key, drain)])
     app["workers"], app["dispatcher"] = workers, dispatcher
     app["shared_workers"] = SharedWorkers(shared, workers) if shared else None
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=5)
-        session = app["session"] = aiohttp.ClientSession(timeout=timeout)  # health checks, discovery, /v1/models
+        headers = {"Authorization": f"Bearer {config.worker_key}"} if config.worker_key else None
+        # health checks, discovery, /v1/models, /get_server_info
+        session = app["session"] = aiohttp.ClientSession(
+            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(ssl=tls)
+        )
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
         if discovery.targets:
             tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
@@ -73,8 +80,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         yield
         for task in tasks:
             task.cancel()
-        for pool in dispatcher.pools.values():
-            pool.close()
+        dispatcher.pools.close()
         await session.close()
 
     app.cleanup_ctx.append(lifespan)

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from common.wire.errors import error_body
-from router.config import RouterConfig
+from router.config import SECRET_FIELDS, RouterConfig
 from router.dispatch import Dispatcher, json_response
 from router.workers import Worker, WorkerRegistry
 
@@ -29,13 +29,13 @@ PROBE_RAW = json.dumps(PROBE).encode()
 
 
 async def server_info(config: RouterConfig, workers: WorkerRegistry, session: aiohttp.ClientSession) -> dict[str, Any]:
-    """The router's config (no API key) and every worker's info, grouped by role; asked all at once."""
+    """The router's config (no key) and every worker's info, grouped by role; asked all at once."""
     known = list(workers.workers.values())
     infos = await asyncio.gather(*(worker_info(session, w) for w in known))
     groups: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
     for w, info in zip(known, infos):
         groups[w.role].append(info)
-    return {"role": "router", "config": config.model_dump(exclude={"api_key"}), **groups}
+    return {"role": "router", "config": config.model_dump(exclude=SECRET_FIELDS), **groups}
 
 
 async def worker_info(session: aiohttp.ClientSession, worker: Worker) -> dict[str, Any]:

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Policy = Literal["random", "round_robin", "power_of_two", "cache_aware"]
+SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})  # never shown (logs, /get_server_info)
 
 
 class PrefillSpec(BaseModel):
@@ -76,7 +78,41 @@ class RouterConfig(BaseSettings):
         description="router processes serving the port (SO_REUSEPORT), for more than "
         "one core; what they share is in router/processes.py",
     )
-    api_key: str | None = Field(None, validation_alias="TANDEM_API_KEY")
+    api_key: str | None = Field(
+        None,
+        validation_alias="TANDEM_API_KEY",
+        description="clients must send it (Authorization: Bearer); the router sends it to its workers too",
+    )
+    worker_api_key: str | None = Field(
+        None, description="the key the router sends to its workers when it is not --api-key"
+    )
+    ssl_certfile: str | None = Field(None, description="PEM certificate (chain) of the router's HTTPS listener")
+    ssl_keyfile: str | None = Field(None, description="PEM private key of --ssl-certfile")
+    ssl_ca_certs: str | None = Field(
+        None, description="PEM CA certificates that verify https:// workers (default: the system's)"
+    )
+
+    @property
+    def worker_key(self) -> str | None:
+        """What the router sends to its workers as `Authorization: Bearer`."""
+        return self.worker_api_key or self.api_key
+
+    @field_validator("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isfile(value):
+            raise ValueError(f"{value!r} is not a file")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair_and_keys(self) -> RouterConfig:
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        for flag, key in (("--api-key", self.api_key), ("--worker-api-key", self.worker_api_key)):
+            if key and not (key.isascii() and key.isprintable() and " " not in key):
+                # said without the key itself: an error message must not show a secret
+                raise ValueError(f"{flag}: a key is one word of printable ASCII (it is sent in a header line)")
+        return self
 
     @field_validator("prefill_discovery", "decode_discovery")
     @classmethod

@@ -19,7 +19,7 @@ from common.wire.body import parse_json_object, read_limited
 from common.wire.errors import TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
-from router.http1 import Pool
+from router.http1 import Pools
 from router.logprobs import PromptLogprobs, wants_prompt_logprobs
 from router.metrics import RouterMetrics
 from router.pair_call import Pair, PairCall, with_bootstrap
@@ -55,11 +55,13 @@ def forward_bodies(raw: bytes, body: dict[str, Any], forwarded: dict[str, Any]) 
 class Dispatcher:
     """Routes generation requests (`handle` is the aiohttp handler of every generation path)."""
 
-    def __init__(self, config: RouterConfig, workers: WorkerRegistry, metrics: RouterMetrics, admission: Admission):
+    def __init__(
+        self, config: RouterConfig, workers: WorkerRegistry, metrics: RouterMetrics, admission: Admission, pools: Pools
+    ):
         self.config, self.workers, self.metrics, self.admission = config, workers, metrics, admission
         self.prefill_policy = make_policy(config.policy)
         self.decode_policy = make_policy("power_of_two" if config.policy == "cache_aware" else config.policy)
-        self.pools: dict[str, Pool] = {}  # worker url -> its keep-alive connections
+        self.pools = pools  # each worker's keep-alive connections
         self.counters: dict[tuple[str, int], Any] = {}  # (path, status) -> its requests counter
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -186,7 +188,7 @@ class Dispatcher:
 
     def _count_failure(self, e: UpstreamError) -> None:
         self.metrics.cancelled.labels(e.cause).inc()
-        if e.worker is not None:
+        if e.upstream:
             self.metrics.upstream_errors.labels(e.worker.role).inc()
             if e.worker_failed:
                 self.workers.mark(e.worker, False, str(e))

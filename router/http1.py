@@ -1,5 +1,7 @@
 """The router's HTTP/1.1 client for the request path: one pool of keep-alive connections per worker, each
-request written in one piece, each answer parsed as it arrives (Content-Length, chunked, or until close).
+request written in one piece, each answer parsed by httptools as it arrives (router/http1_conn.py). Every
+request carries the router's key for its workers (`Authorization: Bearer`) when it has one; `https://`
+workers are verified with the router's TLS client context.
 
 Why not aiohttp's client: it costs 80-100 µs of CPU per request on a 2-core machine where this costs 10-20,
 and the router makes two requests per client request (benchmarks/router_bench.py has the numbers). Workers
@@ -19,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from router.http1_conn import Connection, ConnectionLost, header_value
+from router.http1_conn import Connection, ConnectionLost
 
 HIGH_WATER = 1 << 20  # unread answer bytes beyond this pause reading from the worker
 MAX_IDLE = 256  # idle connections kept per worker
@@ -30,7 +32,7 @@ class ConnectFailed(ConnectionError):
     """No connection could be made (refused, unreachable, timed out, TLS failed): the worker got nothing."""
 
 
-__all__ = ["ConnectFailed", "ConnectionLost", "Pool", "Response"]
+__all__ = ["ConnectFailed", "ConnectionLost", "Pool", "Pools", "Response"]
 
 
 class Response:
@@ -43,7 +45,7 @@ class Response:
     def __init__(self, pool: Pool, data: bytes, timeout: float, on_done: Callable[[Response], None] | None = None):
         self.pool, self.data, self.timeout, self.on_done = pool, data, timeout, on_done
         self.status = 0
-        self.head = b""  # the answer's status line and headers
+        self.headers: list[tuple[bytes, bytes]] = []  # the answer's, as sent
         self.complete = False
         self.error: BaseException | None = None
         self.conn: Connection | None = None
@@ -99,8 +101,11 @@ class Response:
 
     def header(self, name: str) -> str | None:
         """A header's value (the first of its name), or None."""
-        value = header_value(self.head.lower(), name.lower().encode())
-        return None if value is None else self.head[value[0] : value[1]].decode("latin-1").strip()
+        low = name.lower().encode()
+        for key, value in self.headers:
+            if key.lower() == low:
+                return value.decode("latin-1").strip()
+        return None
 
     def close(self) -> None:
         """Done with this answer: an incomplete one closes its connection (aborting the request there), and
@@ -164,8 +169,8 @@ class Response:
         self.conn = None
         self._connecting = asyncio.ensure_future(self._connect())
 
-    def _start(self, status: int, head: bytes) -> None:
-        self.status, self.head = status, head
+    def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.headers = status, headers
         self._wake()
 
     def _feed(self, data: bytes) -> bool:
@@ -185,14 +190,16 @@ class Response:
 
 
 class Pool:
-    """Keep-alive connections to one worker (`http://host:port` or `https://...`)."""
+    """Keep-alive connections to one worker (`http://host:port` or `https://...`); `headers` are sent with
+    every request (CRLF-terminated lines), `tls` verifies an https worker (default: the system's CAs)."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, headers: bytes = b"", tls: ssl.SSLContext | None = None) -> None:
         u = urlsplit(base_url)
-        self.host, self.tls = u.hostname or "127.0.0.1", u.scheme == "https"
+        self.host = u.hostname or "127.0.0.1"
+        self.tls = (tls or ssl.create_default_context()) if u.scheme == "https" else None
         self.port = u.port or (443 if self.tls else 80)
         self.prefix = u.path.rstrip("/")
-        self.host_header = f"Host: {u.netloc}\r\n".encode()
+        self.headers = f"Host: {u.netloc}\r\n".encode() + headers
         self.idle: list[Connection] = []
 
     def post(
@@ -203,7 +210,7 @@ class Pool:
             b"POST "
             + (self.prefix + path).encode()
             + b" HTTP/1.1\r\n"
-            + self.host_header
+            + self.headers
             + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         )
         return Response(self, head + body, timeout, on_done)
@@ -212,13 +219,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(
-                    lambda: Connection(self),
-                    self.host,
-                    self.port,
-                    ssl=ssl.create_default_context() if self.tls else None,
-                ),
-                CONNECT_TIMEOUT_S,
+                loop.create_connection(lambda: Connection(self), self.host, self.port, ssl=self.tls), CONNECT_TIMEOUT_S
             )
         except OSError as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from None
@@ -238,3 +239,23 @@ class Pool:
         for conn in self.idle:
             conn.abort()
         self.idle.clear()
+
+
+class Pools:
+    """Every worker's pool, made on first use: each sends `api_key` (the router's key for its workers) and
+    verifies https workers with `tls`."""
+
+    def __init__(self, api_key: str | None = None, tls: ssl.SSLContext | None = None) -> None:
+        self.headers = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
+        self.tls = tls
+        self.by_url: dict[str, Pool] = {}
+
+    def get(self, url: str) -> Pool:
+        pool = self.by_url.get(url)
+        if pool is None:
+            pool = self.by_url[url] = Pool(url, self.headers, self.tls)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.by_url.values():
+            pool.close()

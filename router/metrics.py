@@ -30,7 +30,7 @@ class RouterMetrics:
         self.cancelled = Counter(
             "tandem_router_cancelled_requests",
             "requests whose pair was cancelled early, by cause "
-            "(prefill_failed, decode_failed, worker_dead, client_disconnected)",
+            "(prefill_failed, decode_failed, worker_dead, client_disconnected, client_error)",
             ["cause"],
             registry=r,
         )

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from router.http1 import Pool, Response
+from router.http1 import Pools, Response
 from router.upstream import UpstreamError, answer_error, send, worker_dead
 from router.workers import Worker
 
@@ -46,12 +46,10 @@ class PairCall:
     """Owns both halves of one request at one pair; see the module docstring. `prefill_answer` resolves to
     the prefill's body, or to the error that ended the call."""
 
-    def __init__(
-        self, pools: dict[str, Pool], pair: Pair, path: str, prefill_body: bytes, decode_body: bytes, timeout: float
-    ):
+    def __init__(self, pools: Pools, pair: Pair, path: str, prefill_body: bytes, decode_body: bytes, timeout: float):
         self.pair, self.error, self.closed = pair, None, False
-        self.decode = _pool(pools, pair.decode).post(path, decode_body, timeout)
-        self._prefill = _pool(pools, pair.prefill).post(path, prefill_body, timeout, on_done=self._prefill_done)
+        self.decode = pools.get(pair.decode.url).post(path, decode_body, timeout)
+        self._prefill = pools.get(pair.prefill.url).post(path, prefill_body, timeout, on_done=self._prefill_done)
         self.prefill_answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         for w in (pair.prefill, pair.decode):
             w.calls.add(self)
@@ -95,10 +93,3 @@ class PairCall:
         for w in (self.pair.prefill, self.pair.decode):
             w.calls.discard(self)
             w.in_flight -= 1
-
-
-def _pool(pools: dict[str, Pool], worker: Worker) -> Pool:
-    pool = pools.get(worker.url)
-    if pool is None:
-        pool = pools[worker.url] = Pool(worker.url)
-    return pool

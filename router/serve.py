@@ -21,6 +21,7 @@ from common.wire.drain import FLUSH_S
 from router.app import create_router_app, router_drain
 from router.config import RouterConfig
 from router.processes import shared_dir, supervise
+from router.tls import server_context
 
 TICK_S = 0.1
 
@@ -50,7 +51,10 @@ async def _serve(config: RouterConfig) -> None:
         auto_decompress=False,
     )
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port, reuse_port=bool(shared_dir())).start()
+    site = web.TCPSite(
+        runner, config.host, config.port, ssl_context=server_context(config), reuse_port=bool(shared_dir())
+    )
+    await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: drain.on_sigterm() or stop.set())

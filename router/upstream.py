@@ -2,12 +2,18 @@
 UpstreamError that carries what the client gets (status + JSON error body) and why (the cause that
 metrics count).
 
-    failure                                   status  body                       retried  counts as a worker failure
-    worker answered an error status           its own its own JSON error         429/503  no
+    failure                                   status  body                       retried  cause / upstream error
+    worker answered 4xx (the client's error)  its own its own JSON error         no       client_error / no
+    worker answered 401/403 (refused the      502     names the worker, the key  no       its half / yes
+      router's key for its workers)
+    worker answered 429, 503 or 5xx           its own its own JSON error         429/503  its half / yes
     connection refused                        502     names the worker + cause   yes      yes
     connection dropped / reset mid-answer     502     names the worker + cause   no       yes
-    timeout                                   502     names the worker + cause   no       no
-    worker taken out of rotation (health)     502     names the worker + reason  no       (already out)
+    timeout                                   502     names the worker + cause   no       its half / yes
+    worker taken out of rotation (health)     502     names the worker + reason  no       worker_dead / yes
+
+"Its half" is the cause prefill_failed or decode_failed; only connection failures other than timeouts count
+towards taking the worker out of rotation.
 
 A client that goes away is no UpstreamError: its handler is cancelled (router/dispatch.py counts it).
 """
@@ -23,8 +29,9 @@ from router.http1 import ConnectFailed, Response
 from router.workers import Worker
 
 PREFILL_FAILED, DECODE_FAILED = "prefill_failed", "decode_failed"
-WORKER_DEAD, CLIENT_DISCONNECTED = "worker_dead", "client_disconnected"
+WORKER_DEAD, CLIENT_DISCONNECTED, CLIENT_ERROR = "worker_dead", "client_disconnected", "client_error"
 RETRY_STATUSES = frozenset({429, 503})  # the worker is alive but refuses more work: another pair may take it
+KEY_REFUSED = frozenset({401, 403})  # the worker refused the router's key: the router's setup, not the client
 
 
 class UpstreamError(Exception):
@@ -46,6 +53,11 @@ class UpstreamError(Exception):
         self.retriable = retriable  # nothing reached the client or the worker: another pair may be tried
         self.worker_failed = worker_failed  # counts towards taking the worker out of rotation
 
+    @property
+    def upstream(self) -> bool:
+        """Whether a worker is at fault (an upstream error); else the client's request was wrong."""
+        return self.worker is not None and self.cause != CLIENT_ERROR
+
 
 def half_cause(worker: Worker) -> str:
     return PREFILL_FAILED if worker.role == "prefill" else DECODE_FAILED
@@ -58,7 +70,10 @@ def describe(exc: BaseException) -> str:
 
 def answered_error(worker: Worker, status: int, raw: bytes, retry_after: str | None = None) -> UpstreamError:
     """The worker's own error status and JSON body, passed through unchanged when it is an error body;
-    an overloaded worker's Retry-After goes along."""
+    an overloaded worker's Retry-After goes along. A 4xx is the client's error (its cause is client_error),
+    but 429 and a refused key."""
+    if status in KEY_REFUSED:
+        return key_refused(worker, status)
     try:
         body = json.loads(raw)
         if not isinstance(body, dict) or not isinstance(body.get("error"), dict) or "message" not in body["error"]:
@@ -66,8 +81,18 @@ def answered_error(worker: Worker, status: int, raw: bytes, retry_after: str | N
     except ValueError:
         text = raw[:200].decode(errors="replace")
         body = error_body(f"{worker.role} worker {worker.url} answered HTTP {status}: {text}", "upstream_error", status)
-    headers = {"Retry-After": retry_after or "1"} if status in RETRY_STATUSES else None
-    return UpstreamError(status, body, half_cause(worker), worker, retriable=status in RETRY_STATUSES, headers=headers)
+    retriable = status in RETRY_STATUSES
+    headers = {"Retry-After": retry_after or "1"} if retriable else None
+    cause = CLIENT_ERROR if 400 <= status < 500 and not retriable else half_cause(worker)
+    return UpstreamError(status, body, cause, worker, retriable=retriable, headers=headers)
+
+
+def key_refused(worker: Worker, status: int) -> UpstreamError:
+    message = (
+        f"{worker.role} worker {worker.url} refused the router's key (HTTP {status}): give the router the "
+        "workers' key (--api-key, or --worker-api-key when it differs from the clients' key)"
+    )
+    return UpstreamError(502, error_body(message, "upstream_error", 502), half_cause(worker), worker)
 
 
 def connection_failed(worker: Worker, exc: BaseException, when: str) -> UpstreamError:

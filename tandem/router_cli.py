@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
+import ssl
 from typing import Any
 
 from pydantic import ValidationError
 
-from router.config import PrefillSpec, RouterConfig, split_host_port
-from tandem.flags import add_model_flags
+from common.wire.user_error import UserError, config_error, require_free_ports
+from router.config import SECRET_FIELDS, PrefillSpec, RouterConfig, split_host_port
+from tandem.flags import FlagParser, add_log_level_flag, add_model_flags
 
 
 def parse_prefill_args(groups: list[list[str]]) -> list[PrefillSpec]:
@@ -22,8 +23,11 @@ def parse_prefill_args(groups: list[list[str]]) -> list[PrefillSpec]:
     specs = []
     for g in groups:
         if not 1 <= len(g) <= 2:
-            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none], got {g}")
-        host, port = parse_bootstrap(g[1] if len(g) == 2 else None)
+            raise UserError(f"--prefill {' '.join(g)}: give URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none]")
+        try:
+            host, port = parse_bootstrap(g[1] if len(g) == 2 else None)
+        except ValueError as e:
+            raise UserError(f"--prefill {' '.join(g)}: the bootstrap {e}; give a port, HOST:PORT or none") from None
         specs.append(PrefillSpec(url=g[0].rstrip("/"), bootstrap_port=port, bootstrap_host=host))
     return specs
 
@@ -37,15 +41,18 @@ def parse_bootstrap(arg: str | None) -> tuple[str | None, int | None]:
         return None, None
     if ":" in arg:
         return split_host_port(arg)
+    if not arg.isdigit():
+        raise ValueError(f"{arg!r} is not a port")
     return None, int(arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
     # flags not given stay absent (SUPPRESS), so the TANDEM_ROUTER_* environment can fill them
-    p = argparse.ArgumentParser(prog="tandem router", argument_default=argparse.SUPPRESS)
+    p = FlagParser(prog="tandem router", argument_default=argparse.SUPPRESS)
     p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none]")
     p.add_argument("--decode", action="append", metavar="URL")
     add_model_flags(p, RouterConfig, skip=frozenset({"prefill", "decode"}))
+    add_log_level_flag(p)
     return p
 
 
@@ -67,10 +74,23 @@ def run_router_cli(argv: list[str]) -> None:
     )
     try:
         config = config_from_args(argv)
-    except (ValidationError, ValueError) as e:
-        sys.exit(f"tandem router: {e}")
+    except ValidationError as e:
+        raise config_error(e) from None
+    from router.processes import shared_dir
     from router.serve import serve_router
+    from router.tls import client_context, server_context
+
+    try:  # the files are checked at once: a bad one is one line here, not a traceback in every process
+        server_context(config)
+        client_context(config)
+    except (ssl.SSLError, OSError) as e:
+        raise UserError(f"--ssl-certfile, --ssl-keyfile or --ssl-ca-certs do not load ({e}): give PEM files") from None
+
+    if not shared_dir():  # the supervisor checks; its processes then share the port (SO_REUSEPORT)
+        require_free_ports(config.host, {"--port": config.port})
 
     log = logging.getLogger("tandem.router")
-    log.info("router on http://%s:%d, config %s", config.host, config.port, config.model_dump(exclude={"api_key"}))
+    scheme = "https" if config.ssl_certfile else "http"
+    shown = config.model_dump(exclude=SECRET_FIELDS)
+    log.info("router on %s://%s:%d, config %s", scheme, config.host, config.port, shown)
     serve_router(config, argv)

@@ -11,12 +11,12 @@ import time
 import uvicorn
 from pydantic import ValidationError
 
-from common.attention.base import AttentionChoiceError
 from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
-from common.memory.sizing import PoolSizingError
-from transfer.backends.base import TransportUnavailable
+from common.edge.tls import behind_tls, server_context
+from common.model.locate import check_model
+from common.wire.user_error import UserError, config_error, require_free_ports
 
 log = logging.getLogger("tandem")
 
@@ -33,14 +33,27 @@ def setup_logging(role: str) -> None:
 
 
 def serve_from_args(ns: argparse.Namespace) -> None:
-    kwargs = {k: v for k, v in vars(ns).items() if k != "command"}
-    try:
-        config = ServerConfig(**kwargs)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "config"
-        sys.exit(f"tandem serve: --{field.replace('_', '-')}: {err['msg']}")
+    config = server_config(ns)
+    check_before_loading(config)
     serve(config)
+
+
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    """The config `tandem serve`'s flags (and TANDEM_* variables) give; a UserError naming a bad one."""
+    try:
+        return ServerConfig(**{k: v for k, v in vars(ns).items() if k != "command"})
+    except ValidationError as e:
+        raise config_error(e) from None
+
+
+def check_before_loading(config: ServerConfig) -> None:
+    """The user's mistakes that show without loading a model: the model's path and architecture, the ports."""
+    check_model(config.model)
+    ports = {"--port": config.port}
+    if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
+        ports["--bootstrap-port"] = config.bootstrap_port
+    require_free_ports(config.host, ports)
+    tls_context(config)  # the certificate and key load
 
 
 def exposure_warnings(config: ServerConfig) -> list[str]:
@@ -63,6 +76,16 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
     return out
 
 
+def tls_context(config: ServerConfig):
+    """The HTTPS port's context (None without --ssl-certfile); a UserError naming the file that does not load."""
+    if not config.ssl_certfile:
+        return None
+    try:
+        return server_context(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        raise UserError(f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: {e}") from None
+
+
 def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
@@ -83,12 +106,10 @@ def serve(config: ServerConfig) -> None:
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     for warning in exposure_warnings(config):
         log.warning(warning)
+    tls = tls_context(config)
     t0 = time.monotonic()
-    try:
-        engine = build_engine(config)
-        engine.warm_up()  # the port opens after: /health never answers while kernels build
-    except (PoolSizingError, AttentionChoiceError, TransportUnavailable) as e:
-        sys.exit(f"tandem serve: {e}")
+    engine = build_engine(config)
+    engine.warm_up()  # the port opens after: /health never answers while kernels build
     engine.start()
     from common.http.app import create_app
     from common.http.drain import engine_drain, fail_in_flight
@@ -96,17 +117,18 @@ def serve(config: ServerConfig) -> None:
     drain = engine_drain(engine)
     app = create_app(engine, drain)
     log.info(
-        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, attention %s; %s",
+        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d, attention %s; %s",
         time.monotonic() - t0,
         engine.model_name,
         engine.hf_config.num_hidden_layers,
         engine.context_len,
         config.torch_dtype_name,
         config.device,
+        config.tp_size,
         type(engine.runner.attn).__name__,
         engine.pool_plan.describe(),
     )
-    log.info("serving on http://%s:%d", config.host, config.port)
+    log.info("serving on %s://%s:%d", config.scheme, config.host, config.port)
     try:
         # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it;
         # h11 with a deadline on the request head, also where httptools is installed
@@ -117,7 +139,7 @@ def serve(config: ServerConfig) -> None:
             log_level="warning",
             timeout_graceful_shutdown=5,
             loop="asyncio",
-            http=HeadDeadlineProtocol,
+            http=behind_tls(HeadDeadlineProtocol, tls),
         )
         DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from common.model.locate import check_model
+from common.wire.user_error import UserError, require_free_ports
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
 
 
@@ -23,6 +25,7 @@ class Child:
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
     after: str | None = None  # start once this child is healthy (processes sharing a GPU)
+    ports: dict[str, int] = field(default_factory=dict)  # what it listens on, by flag
 
 
 def add_up_flags(p: argparse.ArgumentParser) -> None:
@@ -37,15 +40,34 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="clients send it to the router (Bearer), the router to the servers; every process gets it "
+        "[env TANDEM_API_KEY]",
+    )
     p.add_argument("extra", nargs="*", help="more `tandem serve` flags for every engine server, after --")
 
 
 def plan_children(ns: argparse.Namespace) -> list[Child]:
+    """Every process of the cluster; the secrets go in their environment, not argv (`ps` shows argv)."""
     py = [sys.executable, "-m", "tandem"]
     common = ["--model", ns.model, "--host", ns.host, "--device", ns.device, *ns.extra]
     if ns.mode == "monolithic":
         argv = py + ["serve", "--disagg-mode", "null", "--port", str(ns.port), *common]
-        return [Child("server", argv, f"http://{ns.host}:{ns.port}/health")]
+        children = [Child("server", argv, f"http://{ns.host}:{ns.port}/health")]
+    else:
+        children = _pd_children(ns, py, common)
+        secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
+        for c in children:
+            c.env["TANDEM_CLUSTER_SECRET"] = secret
+    for c in children:
+        if ns.api_key:
+            c.env["TANDEM_API_KEY"] = ns.api_key
+    return children
+
+
+def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> list[Child]:
     children, prefills, decodes = [], [], []
     for i in range(ns.num_prefill):
         port, boot = ns.base_port + i, ns.bootstrap_port + i
@@ -61,7 +83,8 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
             ns.transfer_backend,
             *common,
         ]
-        children.append(Child(f"prefill-{i}", argv, f"http://{ns.host}:{port}/health"))
+        ports = {"--base-port": port, "--bootstrap-port": boot}
+        children.append(Child(f"prefill-{i}", argv, f"http://{ns.host}:{port}/health", ports=ports))
         prefills += ["--prefill", f"http://{ns.host}:{port}", str(boot)]
     for j in range(ns.num_decode):
         port = ns.base_port + 100 + j
@@ -75,13 +98,10 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
             ns.transfer_backend,
             *common,
         ]
-        children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health"))
+        children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health", ports={"--base-port": port}))
         decodes += ["--decode", f"http://{ns.host}:{port}"]
     router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port)]
     children.append(Child("router", router, f"http://{ns.host}:{ns.port}/readiness"))
-    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
-    for c in children:
-        c.env["TANDEM_CLUSTER_SECRET"] = secret  # in the environment, not argv: `ps` shows argv
     return children
 
 
@@ -122,9 +142,35 @@ def place(ns: argparse.Namespace, children: list[Child], gpus: list[str]) -> lis
     return plan_gpus([c for c in children if c.name != "router"], gpus, base_fraction(ns.extra))
 
 
+UP_SETS = ("--model", "--host", "--port", "--device", "--disagg-mode", "--bootstrap-port", "--transfer-backend")
+
+
+def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
+    """The user's mistakes that show before any process starts: counts, serve flags after `--` (their
+    values, and the ones `tandem up` sets itself), the model, every port the cluster will listen on."""
+    for flag, n in (("--num-prefill", ns.num_prefill), ("--num-decode", ns.num_decode)):
+        if n < 1 and ns.mode == "pd":
+            raise UserError(f"{flag} {n}: a PD cluster needs at least 1 (or --mode monolithic)")
+    for flag in ns.extra:
+        if flag.split("=")[0] in UP_SETS:
+            raise UserError(f"{flag} after --: tandem up sets it for every server; give `tandem up {flag}` instead")
+    from tandem.cli import build_parser
+    from tandem.server import server_config
+
+    for c in children:
+        if c.name != "router":
+            server_config(build_parser().parse_args(c.argv[3:]))
+    check_model(ns.model)
+    ports = {"--port": ns.port}
+    for c in children:
+        ports |= {f"{flag} ({c.name})": port for flag, port in c.ports.items()}
+    require_free_ports(ns.host, ports)
+
+
 def run_up(ns: argparse.Namespace) -> int:
     gpus = resolve_device(ns)
     children = plan_children(ns)
+    check_up(ns, children)
     try:
         lines = place(ns, children, gpus)
     except ValueError as e:
@@ -184,9 +230,10 @@ def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:
     if stopping():
         return 0
     url = f"http://{ns.host}:{ns.port}"
+    auth = "-H 'Authorization: Bearer <your --api-key>' " if ns.api_key else ""
     print(
         f"\n[up] Tandem is serving on {url} (OpenAI-compatible). Try:\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' {auth}"
         f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'\n'
         f"[up] press Ctrl-C to stop\n",
         flush=True,

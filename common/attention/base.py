@@ -8,6 +8,7 @@ import torch
 
 from common.core.forward_batch import ForwardBatch
 from common.memory.kv_pool import KVPool
+from common.wire.user_error import UserError
 
 
 class AttentionBackend(ABC):
@@ -33,7 +34,7 @@ class AttentionBackend(ABC):
 FLASHINFER_DTYPES = ("bfloat16", "float16")
 
 
-class AttentionChoiceError(ValueError):
+class AttentionChoiceError(UserError):
     """The flags ask for an attention backend that cannot run here; the message names them."""
 
 
@@ -63,12 +64,21 @@ def choose_attention_backend(name: str, device: str, dtype: str) -> tuple[str, s
 def make_attention_backend(
     name: str, device: str, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float
 ) -> AttentionBackend:
-    """`name`: what choose_attention_backend picked."""
+    plain = kv_pool.kind == "mha" and not kv_pool.quantized
+    if name == "auto":
+        name = "flashinfer" if device == "cuda" and plain else "torch"
     if name == "torch":
         from common.attention.torch_backend import TorchAttention
 
         return TorchAttention(kv_pool, num_q_heads, head_dim, scaling)
     if name == "flashinfer":
+        if device != "cuda":
+            raise ValueError("attention_backend 'flashinfer' needs --device cuda")
+        if not plain:
+            raise ValueError(
+                "attention_backend 'flashinfer' reads MHA pools in the model's dtype only; this one is "
+                f"{kv_pool.kind.upper()} of {str(kv_pool.dtype).removeprefix('torch.')}: use --attention-backend torch"
+            )
         from common.attention.flashinfer_backend import FlashInferAttention
 
         return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling)

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.attention.base import choose_attention_backend, make_attention_backend
+from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
@@ -30,15 +30,23 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
-from common.memory.kv_pool import KVPool, kv_bytes_per_token
+from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.memory.sizing import PoolPlan, gpu_batch_limits, plan_context_len, plan_kv_pool
-from common.model.loader import load_hf_config, load_model, resolve_model_dir
+from common.memory.sizing import gpu_batch_limits, plan_context_len
+from common.model.identity import model_identity
+from common.model.llama import LlamaForCausalLM
+from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
-from common.model.rotary import head_dim_of
+from common.model.registry import architecture_of, model_class
+from common.parallel.group import SINGLE
+from common.parallel.leader import LeaderModel
+from common.parallel.partition import TPSizeError, check_tp_size
+from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
+from common.parallel.rank_pools import RankPools
+from common.parallel.ranks import Ranks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,33 +60,31 @@ class Engine:
         self.attention_backend, warning = choose_attention_backend(
             config.attention_backend, config.device, config.torch_dtype_name
         )  # before loading anything: a refusal comes at once
-        if warning:
+        if warning:  # "auto" could not take FlashInfer: every rank builds the torch backend
             log.warning("%s", warning)
+            self.config = config = config.model_copy(update={"attention_backend": self.attention_backend})
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
+        self.model_id = model_identity(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.metrics = EngineMetrics(config.disagg_mode)
-        model = load_model(
-            self.model_dir, self.hf_config, self.dtype, config.device
-        )  # first: the pool gets what is left
-        head_dim = head_dim_of(self.hf_config)
-        use_kernel_cache(config.kernel_cache_dir)
-        self.pool_plan = self._plan_pool(head_dim)
+        use_kernel_cache(config.kernel_cache_dir)  # before FlashInfer is imported
+        self.ranks = self._start_ranks()
+        tp = self.ranks.tp if self.ranks else SINGLE
+        built = build_rank_model(config, self.model_dir, self.hf_config, self.dtype, tp)
+        self.rank_reports = tp.all_gather_objects(rank_report(0, built))
+        if self.ranks is not None:
+            self.ranks.serving = True
+            log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
+        self.pool_plan, self.kv_pool = built.pool_plan, built.kv_pool
+        self.kv_buffers = self._kv_buffers()
+        log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
         num_pages = self.pool_plan.num_pages
-        self.kv_pool = KVPool(
-            self.hf_config.num_hidden_layers,
-            num_pages,
-            config.page_size,
-            self.hf_config.num_key_value_heads,
-            head_dim,
-            self.dtype,
-            config.device,
-        )
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
         prefix = (
@@ -87,16 +93,9 @@ class Engine:
             else RadixCache(allocator, config.page_size)
         )
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
-        attn = make_attention_backend(
-            self.attention_backend,
-            config.device,
-            self.kv_pool,
-            self.hf_config.num_attention_heads,
-            head_dim,
-            head_dim**-0.5,
-        )
         eos_ids = self._eos_ids()
-        self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
+        model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
+        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
         if make_role is not None:
@@ -104,15 +103,19 @@ class Engine:
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
 
-    def _plan_pool(self, head_dim: int) -> PoolPlan:
-        c = self.config
-        per_token = kv_bytes_per_token(
-            self.hf_config.num_hidden_layers, self.hf_config.num_key_value_heads, head_dim, self.dtype
-        )
-        memory = torch.cuda.mem_get_info() if c.device == "cuda" else None  # (free, total) after the weights
-        plan = plan_kv_pool(c.page_size, per_token, c.max_total_tokens, memory, c.mem_fraction_static)
-        log.info("%s", plan.describe())
-        return plan
+    def _start_ranks(self) -> Ranks | None:
+        """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
+        hf, size = self.hf_config, self.config.tp_size
+        if size > 1 and model_class(hf) is not LlamaForCausalLM:
+            raise TPSizeError(f"--tp-size {size}: {architecture_of(hf)} runs at --tp-size 1 only for now")
+        check_tp_size(size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size)
+        return Ranks(self.config) if size > 1 else None
+
+    def _kv_buffers(self) -> KVPool | RankPools:
+        """What a PD role's transfer engine moves: every rank's pool (see common.parallel.rank_pools)."""
+        if self.ranks is None or self.config.disagg_mode == "null":
+            return self.kv_pool
+        return RankPools(self.kv_pool, self.ranks.progress.path, self.config.tp_size)
 
     def _batch_limits(self, config: ServerConfig) -> ServerConfig:
         """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
@@ -184,6 +187,8 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
 
     @property
     def instance_id(self) -> str | None:
@@ -202,11 +207,13 @@ class Engine:
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
+            "tp": {"size": self.config.tp_size, "ranks": self.rank_reports},
         }
 
     def health_problem(self) -> str | None:
         """Why this server cannot serve right now (/health answers 503 with it), or None."""
-        return self.thread.health_problem() or self.scheduler.role.health_problem()
+        rank_fault = self.ranks.fault if self.ranks is not None else None
+        return rank_fault or self.thread.health_problem() or self.scheduler.role.health_problem()
 
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:

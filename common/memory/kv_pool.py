@@ -8,7 +8,12 @@ A run of consecutive pages is one contiguous byte range across every layer, so t
 it as one piece (a layer-major pool needs 2 x num_layers pieces per run: SGLang's "page_first" host
 layout makes the same choice). Attention reads a layer through `k_pages(layer)`: a strided
 [num_pages + 1, page_size, kv_heads, head_dim] view (FlashInfer's NHD paged layout, page stride
-num_layers x 2 x page_size x kv_heads x head_dim).
+num_layers x 2 x page_size x kv_heads x head_dim). DeepSeek's MLA keeps one plane instead of K and V
+(common.memory.mla_pool).
+
+FP8 (`--kv-cache-dtype fp8_e4m3|fp8_e5m2`): the buffer holds float8, written as x / scale (clamped to
+the format's range) and read back as stored * scale in the model's dtype, with one scale per layer for
+K and one for V (`scales`, common.model.kv_scales).
 """
 
 from __future__ import annotations
@@ -35,12 +40,22 @@ class SlotIndex(NamedTuple):
     offset: torch.Tensor
 
 
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one token across every layer."""
-    return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, planes: int = 2) -> int:
+    """K and V (`planes` 2; MLA's latent: 1) of one token across every layer."""
+    return planes * num_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def map_shared(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
 class KVPool:
+    kind = "mha"
+    planes = 2  # K, V
+
     def __init__(
         self,
         num_layers: int,
@@ -50,7 +65,14 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str,
+        compute_dtype: torch.dtype | None = None,
+        scales: list[tuple[float, float]] | None = None,
+        shared_file: str | None = None,
     ):
+        """`dtype`: what the buffer stores; `compute_dtype`: what reads return (default: `dtype`);
+        `scales`: (k_scale, v_scale) per layer, used when `dtype` is a float8 (default 1.0);
+        `shared_file` (CPU): the buffer is that file, mapped shared, so that another process (rank 0 of a
+        tensor-parallel PD server) can map it too and move this rank's pages."""
         sizes = {
             "num_layers": num_layers,
             "num_pages": num_pages,
@@ -65,10 +87,18 @@ class KVPool:
             raise ValueError(f"KVPool: dtype must be a torch.dtype, got {dtype!r}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
-        shape = (num_pages + 1, num_layers, 2, page_size, kv_heads, head_dim)
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.compute_dtype = compute_dtype or dtype
+        self.quantized = dtype.is_floating_point and dtype.itemsize == 1
+        self.scales = scales or [(1.0, 1.0)] * num_layers
+        if len(self.scales) != num_layers:
+            raise ValueError(f"KVPool: {len(self.scales)} scales for {num_layers} layers")
+        shape = (num_pages + 1, num_layers, self.planes, page_size, kv_heads, head_dim)
+        if shared_file is None:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # created zero-filled
+            self.buffer = map_shared(shared_file, shape, dtype)
         self._k = [self.buffer[:, layer, 0] for layer in range(num_layers)]
-        self._v = [self.buffer[:, layer, 1] for layer in range(num_layers)]
+        self._v = [self.buffer[:, layer, self.planes - 1] for layer in range(num_layers)]
 
     def locate(self, slots: torch.Tensor) -> SlotIndex:
         """Token slots (any shape) as page and offset, computed once per forward and used by every layer."""
@@ -76,15 +106,25 @@ class KVPool:
 
     def set_kv(self, layer: int, at: SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k/v [n, kv_heads, head_dim] into the n slots `at` of one layer."""
-        self._k[layer][at.page, at.offset] = k.to(self.dtype)
-        self._v[layer][at.page, at.offset] = v.to(self.dtype)
+        self._k[layer][at.page, at.offset] = self._store(k, self.scales[layer][0])
+        self._v[layer][at.page, at.offset] = self._store(v, self.scales[layer][1])
+
+    def _store(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.quantized:
+            return x.to(self.dtype)
+        limit = torch.finfo(self.dtype).max
+        return (x.float() / scale).clamp(-limit, limit).to(self.dtype)
+
+    def _load(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x.to(self.compute_dtype) * scale) if self.quantized else x
 
     def k_at(self, layer: int, at: SlotIndex) -> torch.Tensor:
-        """One layer's K of the slots `at`: [*at.shape, kv_heads, head_dim] (a copy)."""
-        return self._k[layer][at.page, at.offset]
+        """One layer's K of the slots `at`: [*at.shape, kv_heads, head_dim] (a copy, in compute_dtype
+        when the pool is FP8)."""
+        return self._load(self._k[layer][at.page, at.offset], self.scales[layer][0])
 
     def v_at(self, layer: int, at: SlotIndex) -> torch.Tensor:
-        return self._v[layer][at.page, at.offset]
+        return self._load(self._v[layer][at.page, at.offset], self.scales[layer][1])
 
     def k_pages(self, layer: int) -> torch.Tensor:
         """One layer's K as a [num_pages + 1, page_size, kv_heads, head_dim] view (strided across pages)."""
@@ -95,7 +135,7 @@ class KVPool:
 
     @property
     def bytes_per_page(self) -> int:
-        """One page: K and V of page_size tokens across every layer, contiguous."""
+        """One page: K and V (or the latent) of page_size tokens across every layer, contiguous."""
         return self.buffer[0].numel() * self.buffer.element_size()
 
     @property

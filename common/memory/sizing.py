@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.wire.user_error import UserError
+
 CPU_DEFAULT_TOKENS = 16384
 GIB = 1024**3
 
 
-class PoolSizingError(ValueError):
+class PoolSizingError(UserError):
     """The flags ask for something the memory cannot hold; the message names the flags to change."""
 
 

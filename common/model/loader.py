@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from common.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from common.model.locate import converted_dir, existing_model_dir, gguf_source
-from common.model.weights import fill_from_shard, plan_shards
+from common.model.kv_scales import is_kv_scale
+from common.model.llama import LlamaForCausalLM
+from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source
+from common.model.registry import model_class
+from common.model.weights import fill_from_shard, plan_shards, read_header
+from common.parallel.group import SINGLE, TensorParallel
+from common.parallel.layers import param_shards
+from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +56,41 @@ def convert_gguf(gguf: Path, name: str) -> Path:
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(model_dir)
-    arch = (getattr(config, "architectures", None) or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{model_dir}: architecture {arch} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return config
+    check_architecture(model_dir)  # also for a converted GGUF, whose architecture shows only now
+    return AutoConfig.from_pretrained(model_dir)
 
 
-def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str, tp: TensorParallel = SINGLE
+) -> LlamaForCausalLM:
     """The model with its weights created empty in `dtype` on `device` and filled shard by shard, a
-    piece of a tensor at a time: no float32 stage and no second copy of the model in host memory."""
+    piece of a tensor at a time: no float32 stage and no second copy of the model in host memory. With
+    several TP ranks, this rank's share of the weights only."""
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+        raise UserError(f"--model {model_dir}: no *.safetensors weights; give the directory that holds them")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config, tp)
     materialize(model, dtype, device)
-    params = dict(model.named_parameters())  # a tied lm_head is not listed: it is the embedding
-    for shard, names in plan_shards(shards, params, ignore=frozenset({"lm_head.weight"})).items():
-        fill_from_shard(shard, names, params)
+    # a tied lm_head is not listed: it is the embedding
+    params = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
+    parts = {model.checkpoint_name(n): s for n, s in param_shards(model).items()} if tp.enabled else {}
+    for shard, names in plan_shards(shards, params, skipped_names(shards, config), parts).items():
+        fill_from_shard(shard, names, params, parts)
     return model.eval()
+
+
+def skipped_names(shards: list[Path], config: PretrainedConfig) -> frozenset[str]:
+    """Checkpoint tensors that are no parameter: a tied lm_head, KV cache scales (read by
+    common.model.kv_scales) and layers past num_hidden_layers (DeepSeek-V3's multi-token prediction)."""
+    extra_layers = re.compile(r"model\.layers\.(\d+)\.")
+    names = {"lm_head.weight"}
+    for shard in shards:
+        for name in read_header(shard)[0]:
+            layer = extra_layers.match(name)
+            if is_kv_scale(name) or (layer and int(layer[1]) >= config.num_hidden_layers):
+                names.add(name)
+    return frozenset(names)
 
 
 def materialize(model: torch.nn.Module, dtype: torch.dtype, device: str) -> None:

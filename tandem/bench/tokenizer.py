@@ -9,6 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from common.model.locate import BUILTIN_NAMES, existing_model_dir
+from common.wire.user_error import UserError
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -24,8 +25,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
             from common.model.loader import resolve_model_dir
 
             model_dir = resolve_model_dir(spec)
-    except FileNotFoundError as e:
-        raise SystemExit(f"--tokenizer {spec}: {e}") from None
+    except UserError as e:  # it names --model: the tokenizer's flag is another
+        raise SystemExit(f"--tokenizer {spec}: {str(e).removeprefix(f'--model {spec}: ')}") from None
     path = model_dir / "tokenizer.json"
     if not path.exists():
         raise SystemExit(

@@ -7,13 +7,10 @@ the rendered Secret's value."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests.conftest import ServerProcess, free_port, start_server
 from tests.helm.chart import container, example, objects, render, secret_value, service_host
 from tests.integration.cluster import generate
 
-pytestmark = pytest.mark.slow
 PROMPT = [504, 3458, 282, 260, 3575, 30, 315, 1186]
 
 

@@ -12,6 +12,7 @@ from common.config import ServerConfig
 from common.core.request import Req
 from common.engine.engine import Engine
 from common.wire.sampling_params import SamplingParams
+from common.wire.user_error import UserError
 
 VOCAB = 512
 COMMON = dict(
@@ -98,5 +99,5 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(
         tmp_path
     )
-    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported"):
+    with pytest.raises(UserError, match="GPT2LMHeadModel is not supported"):
         Engine(ServerConfig(model=str(tmp_path)))

@@ -13,7 +13,6 @@ from PIL import Image
 
 from tests.conftest import ROOT, ServerProcess, free_port, start_server
 
-pytestmark = pytest.mark.slow
 LATENCIES = ("ttft", "tpot", "itl", "e2e_latency")
 
 

@@ -10,13 +10,11 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.conftest import start_server
 from tests.integration.cluster import start_cluster
 from tests.integration.faults import wait_until
 
-pytestmark = pytest.mark.slow
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 

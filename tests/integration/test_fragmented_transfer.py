@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.tiers import starts_processes
+
 BUFFERS, PAGES, CHUNKS = 64, 128, 4  # 64 x 128 = 8192 pieces, 2048 per chunk
 PAGE_WORDS = 256  # int32 words per page: 1 KiB
 AUX_BYTES = 16
@@ -91,9 +93,9 @@ def decode_proc(backend: str, from_prefill: mp.Queue, to_prefill: mp.Queue, resu
     manager.close()
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_thousands_of_fragmented_pieces_land_exactly_within_the_bound(backend):
-    pytest.importorskip(MODULES[backend])
+@starts_processes
+def run_pair(backend: str) -> dict:
+    """A prefill process sends to a decode process; the decode's findings."""
     ctx = mp.get_context("spawn")
     p2d, d2p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
@@ -103,12 +105,18 @@ def test_thousands_of_fragmented_pieces_land_exactly_within_the_bound(backend):
     for p in procs:
         p.start()
     try:
-        out = results.get(timeout=BOUND_S + 60)  # + start-up of both processes
+        return results.get(timeout=BOUND_S + 60)  # + start-up of both processes
     finally:
         for p in procs:
             p.join(timeout=15)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_thousands_of_fragmented_pieces_land_exactly_within_the_bound(backend):
+    pytest.importorskip(MODULES[backend])
+    out = run_pair(backend)
     assert out["state"] == "Success", out
     assert out["elapsed_s"] < BOUND_S
     assert out["pages_ok"] is True and out["gaps_untouched"] is True

@@ -21,6 +21,9 @@ LAYOUT = {
     "dtype": "float32",
     "page_size": 4,
     "transfer_backend": "mooncake",
+    "model_id": "0123456789abcdef",
+    "attention": "mha",
+    "kv_scales": "none",
 }
 INSTANCE = "prefill-0123456789ab"
 

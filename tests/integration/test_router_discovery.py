@@ -4,12 +4,9 @@ for its pods), with no --prefill/--decode."""
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from tests.conftest import ServerProcess, free_port, start_server
 from tests.integration.cluster import generate
-
-pytestmark = pytest.mark.slow
 
 
 def test_router_discovers_prefill_and_decode_by_name_and_serves_through_them(builtin_model_dir):

@@ -49,7 +49,7 @@ def test_prefill_error_reaches_the_client_at_once_and_the_decode_half_is_aborted
     r = httpx.post(router.url + "/generate", json=gen_body(OVER_PREFILL), timeout=60)
     took = time.monotonic() - start
     assert r.status_code == 400 and r.json() == context_error(600, 512, "input_ids")
-    assert cancelled(router, "prefill_failed") == 1
+    assert cancelled(router, "client_error") == 1
     start = time.monotonic()
     nodes.decode.wait_idle()  # it had reserved KV for the prompt; closing its connection aborted it
     record_fault(
@@ -61,12 +61,23 @@ def test_prefill_error_reaches_the_client_at_once_and_the_decode_half_is_aborted
     )
 
 
+def test_an_unknown_model_is_the_clients_error_passed_through_and_no_worker_fault(nodes, routers):
+    router = routers([nodes.decode])
+    r = httpx.post(router.url + "/v1/completions", json={"model": "gpt-x", "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"], "gpt-x" in error["message"]) == (404, "model", True)
+    assert cancelled(router, "client_error") == 1
+    assert metric(router.url, "tandem_router_upstream_errors_total") == 0
+    assert worker(router, nodes.prefill)["failures"] == worker(router, nodes.decode)["failures"] == 0
+
+
 def test_prefill_error_before_any_streamed_byte_is_a_plain_http_error(nodes, routers):
     router = routers([nodes.decode])
     r = httpx.post(router.url + "/generate", json=gen_body(OVER_PREFILL, stream=True), timeout=60)
     assert r.status_code == 400 and r.headers["content-type"] == "application/json"
     assert r.json() == context_error(600, 512, "input_ids")
-    assert cancelled(router, "prefill_failed") == 1
+    assert cancelled(router, "client_error") == 1
     nodes.decode.wait_idle()
 
 
@@ -77,7 +88,7 @@ def test_decode_error_reaches_the_client_at_once_and_the_prefill_half_is_aborted
     r = httpx.post(router.url + "/generate", json=gen_body(OVER_DECODE_SHORT), timeout=60)
     took = time.monotonic() - start
     assert r.status_code == 400 and r.json() == context_error(300, 256, "input_ids")
-    assert cancelled(router, "decode_failed") == 1
+    assert cancelled(router, "client_error") == 1
     # the prefill waits for its decode to reserve memory, so it holds the request until cancelled
     aborted_after = wait_until(lambda: aborted(nodes.prefill) == prefill_aborts + 1, 5, "the prefill to abort")
     nodes.prefill.wait_idle()
@@ -116,7 +127,7 @@ def test_prefill_failing_mid_stream_ends_the_stream_with_its_error_event(nodes, 
     error = rest[0]["error"]
     assert error["code"] == 400 and error["param"] == "messages" and error["type"] == "invalid_request_error"
     assert error["message"].endswith(" tokens; this server's context length is 512")
-    assert cancelled(router, "prefill_failed") == 1
+    assert cancelled(router, "client_error") == 1
     nodes.decode.wait_idle()
     record_fault(
         "prefill answers an error after the stream started", "SSE error event: the prefill's error", took, 0, None

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.tiers import starts_processes
 from tests.unit.test_transfer_protocol import AUX_BYTES, PAGE, Side, wait_for
 
 BACKENDS = ["mooncake", "nixl"]
@@ -71,6 +72,7 @@ def decode_proc(backend: str, from_prefill: mp.Queue, to_prefill: mp.Queue, resu
     side.manager.close()
 
 
+@starts_processes
 def run_pair(backend: str, scenario: str) -> dict:
     pytest.importorskip(MODULES[backend])
     ctx = mp.get_context("spawn")

@@ -12,11 +12,13 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.tiers import starts_processes
 
 CASE = "2k-prompt fragmented"
 BOUND_S = 240
 
 
+@starts_processes
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     """Run the benchmark in its own session, so that a hang kills its spawned children too."""
     proc = subprocess.Popen(

@@ -209,5 +209,5 @@ def test_tokenizer_from_a_directory_and_mistakes_named(tokenizer, tmp_path):
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     assert load_tokenizer(str(tmp_path)).encode("hello world").ids == tokenizer.encode("hello world").ids
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="--tokenizer .*empty: model .* is neither a Hugging Face directory"):
+    with pytest.raises(SystemExit, match="--tokenizer .*empty: a directory without config.json; give a Hugging Face"):
         load_tokenizer(str(tmp_path / "empty"))

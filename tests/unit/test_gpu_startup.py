@@ -50,7 +50,7 @@ def test_flashinfer_where_it_cannot_run_is_refused_naming_the_flags(device, dtyp
 
 
 def test_the_refusal_comes_before_the_model_loads(monkeypatch):
-    monkeypatch.setattr("common.engine.engine.load_model", lambda *a: pytest.fail("loaded a model it refuses"))
+    monkeypatch.setattr("common.engine.engine.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses"))
     with pytest.raises(AttentionChoiceError):
         Engine(ServerConfig(attention_backend="flashinfer", device="cpu"))
 

@@ -308,8 +308,7 @@ class KVHandoff(RuleBasedStateMachine):
         )
 
 
-KVHandoff.TestCase.settings = settings(
-    max_examples=int(os.environ.get("TANDEM_MODEL_EXAMPLES", "1500")),
+KVHandoff.TestCase.settings = settings(  # max_examples: the Hypothesis profile's (tests/tiers.py)
     stateful_step_count=50,
     deadline=None,
     derandomize="TANDEM_MODEL_SEED" not in os.environ,

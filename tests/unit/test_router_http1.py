@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.http1 import ConnectFailed, ConnectionLost, Pool
+from router.http1 import ConnectFailed, ConnectionLost, Pool, Pools
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -224,3 +224,25 @@ def test_an_answer_collected_for_on_done_larger_than_the_read_buffer_completes()
         assert (status, error, len(body), body == big) == (200, None, len(big), True)
 
     run(script, client)
+
+
+def test_pools_send_the_workers_key_and_an_endless_head_is_connection_lost():
+    async def script(reader, writer, n):
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"\r\nAuthorization: Bearer wk-1\r\n" in head
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" if n == 0 else b"HTTP/1.1 200 OK\r\n")
+        while n:  # headers that never end
+            writer.write(b"X-Pad: " + b"y" * 1000 + b"\r\n")
+            await writer.drain()
+
+    async def client(pool, _):
+        pools, url = Pools("wk-1"), f"http://{pool.host}:{pool.port}"
+        try:
+            assert await (await pools.get(url).post("/generate", b"{}", 5).send()).read() == b"ok"
+            with pytest.raises(ConnectionLost, match="no complete head"):
+                await pools.get(url + "/").post("/generate", b"{}", 5).send()
+        finally:
+            pools.close()
+
+    assert run(script, client) == [0, 1]

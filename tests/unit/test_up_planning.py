@@ -111,3 +111,10 @@ def test_the_base_fraction_is_read_as_the_servers_read_it(monkeypatch):
     assert base_fraction(["--mem-fraction-static=0.6", "--dtype", "bfloat16"]) == 0.6
     monkeypatch.setenv("TANDEM_MEM_FRACTION_STATIC", "0.7")
     assert base_fraction([]) == 0.7 and base_fraction(["--mem-fraction-static=0.4"]) == 0.4
+
+
+@pytest.mark.parametrize("mode", ["pd", "monolithic"])
+def test_api_key_reaches_every_process_through_its_environment_not_its_argv(mode):
+    kids, _, _ = children("--mode", mode, "--num-decode", "2", "--api-key", "k-123")
+    assert len(kids) == (4 if mode == "pd" else 1)
+    assert all(c.env["TANDEM_API_KEY"] == "k-123" and "k-123" not in " ".join(c.argv) for c in kids)

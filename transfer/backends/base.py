@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from common.wire.user_error import UserError
 
-class TransportUnavailable(RuntimeError):
+
+class TransportUnavailable(UserError):
     """The transfer engine cannot move KV the way the flags ask (a transport it lacks); the message says
     which one is missing and what to change. Raised at start-up, before the server answers /health."""
 

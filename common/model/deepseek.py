@@ -1,0 +1,44 @@
+"""DeepSeek-V2 / V3 (`model_type` deepseek_v2, deepseek_v3): MLA attention (common.model.mla) and
+mixture-of-experts layers with shared experts after the first `first_k_dense_replace` dense ones.
+
+RoPE is the model's own (YaRN with mscale as DeepSeek configures it, through transformers' initialiser)
+over qk_rope_head_dim, which transformers' config names head_dim. Parameter names match the Hugging Face
+checkpoints; a V3 checkpoint's multi-token-prediction layer (model.layers.{num_hidden_layers}) is skipped
+by the loader.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from common.model.llama import MLP, DecoderLayer, LlamaForCausalLM
+from common.model.mla import MLAttention
+from common.model.moe import RouterGate, SparseMoE
+from common.model.routing import deepseek_router, deepseek_topk_method
+
+
+def is_moe_layer(config: PretrainedConfig, layer_id: int) -> bool:
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    return layer_id >= first_dense and layer_id % (getattr(config, "moe_layer_freq", 1) or 1) == 0
+
+
+def deepseek_moe(config: PretrainedConfig) -> SparseMoE:
+    experts = config.n_routed_experts
+    gate = RouterGate(config.hidden_size, experts, correction_bias=deepseek_topk_method(config) == "noaux_tc")
+    moe = SparseMoE(config.hidden_size, config.moe_intermediate_size, experts, gate, deepseek_router(config))
+    if config.n_shared_experts:
+        moe.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+    return moe
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    def make_attention(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        return MLAttention(config, layer_id)
+
+    def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        return deepseek_moe(config) if is_moe_layer(config, layer_id) else super().make_mlp(config, layer_id)
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    layer_class = DeepseekDecoderLayer
