@@ -166,6 +166,8 @@ class PrefillKVManager(KVManager):
         if registration is None:
             raise FencedError(f"decode {room_request.decode_id} is no longer registered")
         fence = lambda: self._fence(room_request.decode_id, chunk.room)  # noqa: E731
+        if chunk.ready is not None:  # the forward that wrote the pages may still run on the device
+            chunk.ready.synchronize()
         written = self.writer.write(
             registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
         )
