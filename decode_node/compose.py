@@ -27,7 +27,7 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         layout = kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size)
         log.info("KV layout: %s", layout)
-        peers = PeerDirectory(layout, config.cluster_secret)
+        peers = PeerDirectory(layout, config.cluster_secret, tls=config.peer_tls)
         manager.on_peer_dead.append(peers.invalidate)
         return DecodeRole(
             SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config

@@ -9,6 +9,7 @@ from typing import Any
 
 from bootstrap.client import register_prefill
 from common.config import ServerConfig
+from common.edge.tls import server_context
 from common.engine.engine import Engine
 from common.engine.role import SchedulerView
 from common.wire.kv_layout import LAYOUT_KEYS, kv_layout
@@ -31,9 +32,10 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
         if bootstrap_url is None:
             from bootstrap.app import start_in_thread
 
-            registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret)
+            tls = server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
+            registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret, tls)
             engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
-            bootstrap_url = f"http://{config.public_host}:{config.bootstrap_port}"
+            bootstrap_url = f"{config.scheme}://{config.public_host}:{config.bootstrap_port}"
         host, port = manager.endpoint.removeprefix("tcp://").rsplit(":", 1)
         info = {
             "role": "Prefill",
@@ -46,8 +48,10 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size),
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
-        register_prefill(bootstrap_url, info, config.cluster_secret)
-        keep_registered(bootstrap_url, info, config.cluster_secret, min(config.heartbeat_interval_s, REREGISTER_MAX_S))
+        verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain
+        register_prefill(bootstrap_url, info, config.cluster_secret, verify=verify)
+        interval_s = min(config.heartbeat_interval_s, REREGISTER_MAX_S)
+        keep_registered(bootstrap_url, info, config.cluster_secret, interval_s, verify)
         log.info(
             "registered with bootstrap %s as %s (control endpoint %s)",
             bootstrap_url,
@@ -59,7 +63,7 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
     return Engine(config, make_role)
 
 
-def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval_s: float) -> None:
+def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval_s: float, verify: str | bool) -> None:
     """Register again every interval, so a restarted bootstrap server learns this prefill within one."""
 
     def loop() -> None:
@@ -67,7 +71,7 @@ def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval
         while True:
             time.sleep(interval_s)
             try:
-                register_prefill(url, info, secret, timeout_s=0)
+                register_prefill(url, info, secret, timeout_s=0, verify=verify)
             except RuntimeError as e:
                 if reachable:
                     log.warning("%s; registering again every %.1f s", e, interval_s)

@@ -52,7 +52,9 @@ def test_the_cli_accepts_every_rendered_command(values_file):
 
 @pytest.mark.parametrize("values_file", EXAMPLES, ids=lambda p: p.name)
 def test_services_probes_and_ports_line_up(values_file):
-    docs = render(example(values_file.name))
+    values = example(values_file.name)
+    docs = render(values)
+    scheme = "HTTPS" if values.get("tls", {}).get("enabled") else "HTTP"
     for role in ("prefill", "decode"):
         pod = component(docs, "Deployment", role)["spec"]["template"]
         svc = component(docs, "Service", role)["spec"]
@@ -64,9 +66,9 @@ def test_services_probes_and_ports_line_up(values_file):
         if role == "prefill":
             assert ports["bootstrap"] == int(flag(c["args"], "--bootstrap-port"))
         assert (c["startupProbe"]["httpGet"], c["livenessProbe"]["httpGet"], c["readinessProbe"]["httpGet"]) == (
-            {"path": "/health", "port": "http"},
-            {"path": "/health", "port": "http"},
-            {"path": "/health_generate", "port": "http"},
+            {"path": "/health", "port": "http", "scheme": scheme},
+            {"path": "/health", "port": "http", "scheme": scheme},
+            {"path": "/health_generate", "port": "http", "scheme": scheme},
         )
         assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600  # a large model loads
     router = component(docs, "Deployment", "router")["spec"]["template"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from common.model.locate import SUPPORTED_ARCHITECTURES
 from tests.conftest import ROOT
 
 BUG = "import tandem.server as s; s.check_before_loading = lambda config: 1 / 0; from tandem.cli import main; main()"
@@ -35,7 +36,7 @@ def cases(busy: int, gpt2: Path) -> dict[str, tuple[list[str], int, str]]:
             [*tandem, "serve", "--model", str(gpt2)],
             1,
             f"tandem serve: --model {gpt2}: architecture GPT2LMHeadModel is not supported; serve a model of one "
-            "of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+            f"of {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
         ),
         "serve-contradicting-flags": (
             [*tandem, "serve", "--page-size", "16", "--chunked-prefill-size", "100"],

@@ -26,7 +26,7 @@ ALLOWED = {
         *(f"common/parallel/{m}" for m in ("group", "layers", "partition")),
     },
     "transfer": {"common/wire"},
-    "bootstrap": {"common/wire", "common/edge/prometheus"},
+    "bootstrap": {"common/wire", "common/edge/prometheus", "common/edge/tls"},
     "prefill_node": {"common", "transfer", "bootstrap"},
     "decode_node": {"common", "transfer", "bootstrap"},
     "router": {"common/wire", "common/edge/prometheus"},
