@@ -9,7 +9,9 @@ control endpoint and KV layout; decode ranks look them up (state in bootstrap/re
     GET    /health
     GET    /metrics                                 Prometheus: rejected requests, registered ranks
 
-Every rejected request answers a JSON error naming the field at fault and is counted.
+With a cluster secret, every /route request must be signed with it (bootstrap/signing.py): unsigned,
+forged, stale and replayed requests answer 401 naming `signature`. Every rejected request answers a JSON
+error naming the field at fault and is counted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import ssl
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +36,7 @@ from bootstrap.registry import (
     validate_registration,
 )
 from common.edge.prometheus import render
+from common.edge.tls import behind_tls
 from common.wire.body import ARRIVAL_TIMEOUT_S, load_json_object, read_limited
 from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, UnsupportedEncoding, error_body
 from common.wire.user_error import require_free_ports
@@ -49,15 +54,18 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     return web.json_response(error_body(message, kind, status, param), status=status)
 
 
-async def _read_json(request: web.Request) -> Any:
+async def _read_body(request: web.Request) -> bytes:
     try:
-        raw = await read_limited(request.headers, request.content.iter_any(), MAX_BODY_BYTES)
+        return await read_limited(request.headers, request.content.iter_any(), MAX_BODY_BYTES)
     except (
         PayloadTooLarge,
         BodyTimeout,
         UnsupportedEncoding,
     ) as e:  # 413; 408: a body still arriving after its deadline; 415
         raise RegistrationError(e.param or "body", e.message, e.status) from None
+
+
+def _parse_json(raw: bytes) -> Any:
     try:
         return load_json_object(raw)
     except InvalidRequest as e:
@@ -72,9 +80,9 @@ def make_app(registry: Registry) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json(reg)])
 
     async def put_route(request: web.Request) -> web.Response:
-        body = await _read_json(request)
-        reg.check_secret(request, body if isinstance(body, dict) else None)
-        entry = validate_registration(body)
+        raw = await _read_body(request)
+        reg.check_signature(request, raw)
+        entry = validate_registration(_parse_json(raw))
         if reg.register(entry):  # prefills re-register every heartbeat: log only news
             log.info(
                 "registered prefill %s rank %s at %s:%s",
@@ -86,7 +94,7 @@ def make_app(registry: Registry) -> web.Application:
         return web.json_response({"ok": True})
 
     async def get_route(request: web.Request) -> web.Response:
-        reg.check_secret(request)
+        reg.check_signature(request)
         instance = parse_instance(request.query)
         rank, dp = parse_ranks(request.query)
         if instance is not None:
@@ -101,7 +109,7 @@ def make_app(registry: Registry) -> web.Application:
         return web.json_response(entry)
 
     async def delete_route(request: web.Request) -> web.Response:
-        reg.check_secret(request)
+        reg.check_signature(request)
         reg.remove(parse_instance(request.query), parse_ranks(request.query))
         return web.json_response({"ok": True})
 
@@ -142,7 +150,19 @@ def _errors_as_json(reg: Registry) -> Callable:
     return middleware
 
 
-def run_bootstrap(host: str, port: int, secret: str | None = None) -> None:
+async def listen(registry: Registry, host: str, port: int, tls: ssl.SSLContext | None = None) -> web.AppRunner:
+    """Serve `registry` on host:port on the running loop (HTTPS with `tls`, answering plain HTTP with a 400)."""
+    runner = web.AppRunner(make_app(registry), **SERVER_ARGS)
+    await runner.setup()
+    if tls is None:
+        await web.TCPSite(runner, host, port).start()
+    else:
+        await asyncio.get_running_loop().create_server(behind_tls(runner.server, tls), host, port)
+    return runner
+
+
+def run_bootstrap(host: str, port: int, secret: str | None = None, tls: ssl.SSLContext | None = None) -> None:
+    """The standalone registry (`tandem bootstrap`): serves until SIGTERM or SIGINT."""
     require_free_ports(host, {"--port": port})
     logging.basicConfig(
         level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
@@ -150,11 +170,16 @@ def run_bootstrap(host: str, port: int, secret: str | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    log.info("bootstrap server on http://%s:%d", host, port)
-    web.run_app(make_app(Registry(secret)), host=host, port=port, print=None, **SERVER_ARGS)
+    loop = asyncio.new_event_loop()
+    runner = loop.run_until_complete(listen(Registry(secret), host, port, tls))
+    log.info("bootstrap server on %s://%s:%d", "https" if tls else "http", host, port)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, loop.stop)
+    loop.run_forever()
+    loop.run_until_complete(runner.cleanup())
 
 
-def start_in_thread(host: str, port: int, secret: str | None) -> Registry:
+def start_in_thread(host: str, port: int, secret: str | None, tls: ssl.SSLContext | None = None) -> Registry:
     """Embedded mode (the default for a prefill server): serve the registry on its own thread and
     event loop. Returns the registry, whose `rejected` count the prefill reports in its /metrics."""
     registry = Registry(secret)
@@ -164,10 +189,8 @@ def start_in_thread(host: str, port: int, secret: str | None) -> Registry:
     def run() -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        runner = web.AppRunner(make_app(registry), **SERVER_ARGS)
         try:
-            loop.run_until_complete(runner.setup())
-            loop.run_until_complete(web.TCPSite(runner, host, port).start())
+            loop.run_until_complete(listen(registry, host, port, tls))
         except BaseException as e:  # port in use, most likely
             failure.append(e)
             ready.set()

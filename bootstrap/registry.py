@@ -8,7 +8,6 @@ which is only unambiguous while one instance holds that rank.
 
 from __future__ import annotations
 
-import hmac
 import re
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from bootstrap.signing import SIGNATURE_HEADER, SignatureError, SignatureGuard
 from common.wire.kv_layout import LAYOUT_KEYS
 
 FIELDS: dict[str, tuple[type, ...]] = {
@@ -43,7 +43,6 @@ SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim"
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024
 RANK_QUERY = re.compile(r"-?[0-9]{1,18}")  # a plain decimal: int() alone also takes " 1", "1_0", "١"
-SECRET_HEADER = "X-Tandem-Secret"
 ENTRY_TTL_S = 60.0  # prefills re-register every heartbeat interval (at most every 15 s); older entries expire
 MAX_INSTANCES = 4096
 
@@ -104,11 +103,11 @@ def parse_ranks(query: Any) -> tuple[int, int]:
 
 
 class Registry:
-    """The registered prefill instances, the cluster secret and what was rejected (also as Prometheus
-    metrics). Used from one event loop; `clock` is injectable for tests."""
+    """The registered prefill instances, the guard of the cluster secret's signatures and what was rejected
+    (also as Prometheus metrics). Used from one event loop; `clock` is injectable for tests."""
 
     def __init__(self, secret: str | None, clock: Callable[[], float] = time.monotonic):
-        self.secret = secret
+        self.guard = SignatureGuard(secret) if secret else None  # empty: no secret, as for control frames
         self.clock = clock
         self.entries: dict[str, dict[str, Any]] = {}  # instance key -> entry
         self._seen: dict[str, float] = {}  # instance key -> when it last registered
@@ -176,16 +175,14 @@ class Registry:
             if e["instance_id"] == instance_id if instance_id else (e["tp_rank"], e["dp_rank"]) == ranks:
                 del self.entries[key], self._seen[key]
 
-    def check_secret(self, request: web.Request, body: dict | None = None) -> None:
-        """RegistrationError (401) unless the request carries the cluster secret (header, or `secret` in the body)."""
-        if self.secret is None:
+    def check_signature(self, request: web.Request, body: bytes = b"") -> None:
+        """RegistrationError (401) unless the request is signed with the cluster secret (bootstrap/signing.py)."""
+        if self.guard is None:
             return
-        got = request.headers.get(SECRET_HEADER) or (body or {}).get("secret") or ""
-        # surrogatepass: a JSON body may carry any code point, and comparing must not raise
-        if not isinstance(got, str) or not hmac.compare_digest(
-            got.encode("utf-8", "surrogatepass"), self.secret.encode()
-        ):
-            raise RegistrationError("secret", f"missing or wrong cluster secret (send the {SECRET_HEADER} header)", 401)
+        try:
+            self.guard.check(request.headers.get(SIGNATURE_HEADER), request.method, request.raw_path, body)
+        except SignatureError as e:
+            raise RegistrationError("signature", str(e), 401) from None
 
     def count_rejection(self, method: str, field: str) -> None:
         self.rejected += 1

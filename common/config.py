@@ -25,10 +25,16 @@ class ServerConfig(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    kernel_cache_dir: str | None = Field(
+        None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
+    )
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"
     )
     seed: int = 0
+    tp_size: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"
+    )
 
     # memory
     page_size: int = Field(16, ge=1, le=256)
@@ -79,6 +85,15 @@ class ServerConfig(BaseSettings):
         300.0, gt=0, description="a scheduler step running longer than this makes /health answer 503"
     )
     api_key: str | None = None
+    ssl_certfile: str | None = Field(
+        None, description="serve HTTPS (and the embedded bootstrap) with this PEM certificate"
+    )
+    ssl_keyfile: str | None = Field(None, description="the certificate's private key (default: in --ssl-certfile)")
+    ssl_ca_certs: str | None = Field(
+        None,
+        description="CA bundle to verify peers' HTTPS with (the bootstrap registry; default: the system's); with a "
+        "certificate or this, bootstrap lookups use https",
+    )
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(
         30.0,
@@ -93,6 +108,10 @@ class ServerConfig(BaseSettings):
                 f"--chunked-prefill-size {self.chunked_prefill_size} is not a multiple of --page-size {self.page_size}: "
                 "give a multiple, or 0 to turn chunked prefill off"
             )
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("ssl_keyfile needs ssl_certfile")
+        if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
+            raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
@@ -112,6 +131,18 @@ class ServerConfig(BaseSettings):
 
             return socket.gethostbyname(socket.gethostname())
         return self.host
+
+    @property
+    def peer_tls(self) -> str | bool | None:
+        """How to verify the bootstrap registries this server calls: None for plain HTTP, else a CA bundle
+        path or True (the system's CAs). A TLS server expects TLS of its peers."""
+        if self.ssl_ca_certs:
+            return self.ssl_ca_certs
+        return True if self.ssl_certfile else None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
     @property
     def chunked_prefill_enabled(self) -> bool:

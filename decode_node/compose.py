@@ -20,14 +20,15 @@ log = logging.getLogger(__name__)
 
 def build_decode_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> DecodeRole:
+        config = engine.config  # with the batch limits derived for the device
         aux = AuxPool(2 * config.max_running_requests + 16)
-        args = kv_args_from_pool(engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
+        args = kv_args_from_pool(engine.kv_buffers, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
         manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        layout = kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id)
+        layout = kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size)
         log.info("KV layout: %s", layout)
-        peers = PeerDirectory(layout, config.cluster_secret)
+        peers = PeerDirectory(layout, config.cluster_secret, tls=config.peer_tls)
         manager.on_peer_dead.append(peers.invalidate)
         return DecodeRole(
             SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 
 from bootstrap.client import lookup_prefill
+from common.edge.tls import client_verify
 from common.wire.api import Rendezvous
 from common.wire.kv_layout import layout_mismatch
 
@@ -41,15 +42,18 @@ def _done(peer: PeerInfo) -> Future[PeerInfo]:
 
 
 class PeerDirectory:
-    def __init__(self, layout: dict, secret: str | None, workers: int = 4):
+    def __init__(self, layout: dict, secret: str | None, workers: int = 4, tls: str | bool | None = None):
+        """`tls`: None to look up over http, else https verified against this CA bundle (True: the system's)."""
         self.layout = layout
         self.secret = secret
+        self.scheme = "http" if tls is None else "https"
         self._cache: dict[Key, tuple[float, PeerInfo]] = {}  # when the lookup answered, what it said
         self._pending: dict[Key, Future[PeerInfo]] = {}
         self._generation = 0  # grows with every invalidate(): a lookup that started before it is not cached
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-lookup")
-        self._http = httpx.Client(timeout=5)  # keep-alive: a lookup is one round trip, not a new connection
+        # keep-alive: a lookup is one round trip, not a new connection
+        self._http = httpx.Client(timeout=5, verify=client_verify(True if tls is None else tls))
 
     def find(self, rendezvous: Rendezvous) -> Future[PeerInfo]:
         """The request's prefill: a done future from the cache, else the future of a lookup."""
@@ -84,7 +88,7 @@ class PeerDirectory:
 
     def lookup(self, rendezvous: Rendezvous) -> PeerInfo:
         """Blocking, uncached; waits a while for a prefill that has not registered yet."""
-        url = f"http://{rendezvous.bootstrap_host}:{rendezvous.bootstrap_port}"
+        url = f"{self.scheme}://{rendezvous.bootstrap_host}:{rendezvous.bootstrap_port}"
         # a named instance was healthy when the router picked it: if it is gone, it is not coming back
         wait_s = INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S
         deadline = time.monotonic() + wait_s

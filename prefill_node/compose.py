@@ -9,6 +9,7 @@ from typing import Any
 
 from bootstrap.client import register_prefill
 from common.config import ServerConfig
+from common.edge.tls import server_context
 from common.engine.engine import Engine
 from common.engine.role import SchedulerView
 from common.wire.kv_layout import LAYOUT_KEYS, kv_layout
@@ -23,7 +24,8 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
-        args = kv_args_from_pool(engine.kv_pool, config, aux_record_bytes=RECORD_BYTES)
+        config = engine.config  # with the batch limits derived for the device
+        args = kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES)
         manager = PrefillKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
@@ -31,24 +33,26 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
         if bootstrap_url is None:
             from bootstrap.app import start_in_thread
 
-            registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret)
+            tls = server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
+            registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret, tls)
             engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
-            bootstrap_url = f"http://{config.public_host}:{config.bootstrap_port}"
+            bootstrap_url = f"{config.scheme}://{config.public_host}:{config.bootstrap_port}"
         host, port = manager.endpoint.removeprefix("tcp://").rsplit(":", 1)
         info = {
             "role": "Prefill",
             "instance_id": manager.instance_id,
-            "tp_size": 1,
             "tp_rank": 0,
             "dp_size": 1,
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id),
+            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size),
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
-        register_prefill(bootstrap_url, info, config.cluster_secret)
-        keep_registered(bootstrap_url, info, config.cluster_secret, min(config.heartbeat_interval_s, REREGISTER_MAX_S))
+        verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain
+        register_prefill(bootstrap_url, info, config.cluster_secret, verify=verify)
+        interval_s = min(config.heartbeat_interval_s, REREGISTER_MAX_S)
+        keep_registered(bootstrap_url, info, config.cluster_secret, interval_s, verify)
         log.info(
             "registered with bootstrap %s as %s (control endpoint %s)",
             bootstrap_url,
@@ -60,7 +64,7 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
     return Engine(config, make_role)
 
 
-def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval_s: float) -> None:
+def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval_s: float, verify: str | bool) -> None:
     """Register again every interval, so a restarted bootstrap server learns this prefill within one."""
 
     def loop() -> None:
@@ -68,7 +72,7 @@ def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval
         while True:
             time.sleep(interval_s)
             try:
-                register_prefill(url, info, secret, timeout_s=0)
+                register_prefill(url, info, secret, timeout_s=0, verify=verify)
             except RuntimeError as e:
                 if reachable:
                     log.warning("%s; registering again every %.1f s", e, interval_s)

@@ -49,8 +49,13 @@ def run(argv: list[str]) -> None:
         run_bench(ns)
     elif ns.command == "bootstrap":
         from bootstrap.app import run_bootstrap
+        from common.edge.tls import server_context
 
-        run_bootstrap(ns.host, ns.port, ns.cluster_secret)
+        try:
+            tls = server_context(ns.ssl_certfile, ns.ssl_keyfile) if ns.ssl_certfile else None
+        except (OSError, ValueError) as e:
+            raise UserError(f"--ssl-certfile {ns.ssl_certfile} / --ssl-keyfile {ns.ssl_keyfile}: {e}") from None
+        run_bootstrap(ns.host, ns.port, ns.cluster_secret, tls)
 
 
 def build_parser() -> FlagParser:
@@ -75,6 +80,8 @@ def build_parser() -> FlagParser:
     boot.add_argument(
         "--cluster-secret", default=os.environ.get("TANDEM_CLUSTER_SECRET"), help="[env TANDEM_CLUSTER_SECRET]"
     )
+    boot.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate")
+    boot.add_argument("--ssl-keyfile", help="the certificate's private key (default: in --ssl-certfile)")
     for p in (serve, up, boot):
         add_log_level_flag(p)
     return parser

@@ -14,8 +14,9 @@ from pydantic import ValidationError
 from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
+from common.edge.tls import behind_tls, server_context
 from common.model.locate import check_model
-from common.wire.user_error import config_error, require_free_ports
+from common.wire.user_error import UserError, config_error, require_free_ports
 
 log = logging.getLogger("tandem")
 
@@ -52,6 +53,7 @@ def check_before_loading(config: ServerConfig) -> None:
     if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
         ports["--bootstrap-port"] = config.bootstrap_port
     require_free_ports(config.host, ports)
+    tls_context(config)  # the certificate and key load
 
 
 def exposure_warnings(config: ServerConfig) -> list[str]:
@@ -74,6 +76,16 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
     return out
 
 
+def tls_context(config: ServerConfig):
+    """The HTTPS port's context (None without --ssl-certfile); a UserError naming the file that does not load."""
+    if not config.ssl_certfile:
+        return None
+    try:
+        return server_context(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        raise UserError(f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: {e}") from None
+
+
 def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
@@ -94,8 +106,10 @@ def serve(config: ServerConfig) -> None:
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     for warning in exposure_warnings(config):
         log.warning(warning)
+    tls = tls_context(config)
     t0 = time.monotonic()
     engine = build_engine(config)
+    engine.warm_up()  # the port opens after: /health never answers while kernels build
     engine.start()
     from common.http.app import create_app
     from common.http.drain import engine_drain, fail_in_flight
@@ -103,17 +117,18 @@ def serve(config: ServerConfig) -> None:
     drain = engine_drain(engine)
     app = create_app(engine, drain)
     log.info(
-        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, attention %s; %s",
+        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d, attention %s; %s",
         time.monotonic() - t0,
         engine.model_name,
         engine.hf_config.num_hidden_layers,
         engine.context_len,
         config.torch_dtype_name,
         config.device,
+        config.tp_size,
         type(engine.runner.attn).__name__,
         engine.pool_plan.describe(),
     )
-    log.info("serving on http://%s:%d", config.host, config.port)
+    log.info("serving on %s://%s:%d", config.scheme, config.host, config.port)
     try:
         # asyncio's loop, also where uvloop is installed (for the router): the engine is tested on it;
         # h11 with a deadline on the request head, also where httptools is installed
@@ -124,7 +139,7 @@ def serve(config: ServerConfig) -> None:
             log_level="warning",
             timeout_graceful_shutdown=5,
             loop="asyncio",
-            http=HeadDeadlineProtocol,
+            http=behind_tls(HeadDeadlineProtocol, tls),
         )
         DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -41,10 +42,16 @@ class ServerProcess:
         name: str = "server",
         health: str = "/health",
         env: dict[str, str] | None = None,
+        tls_ca: str | None = None,
+        host: str = "127.0.0.1",
+        prefix: tuple[str, ...] = (),
     ):
         self.port = port
         self.env = env or {}  # on top of this process's environment
-        self.url = f"http://127.0.0.1:{port}"
+        # with TLS (the server has --ssl-certfile), the CA this test's requests verify it with
+        self.verify = ssl.create_default_context(cafile=tls_ca) if tls_ca else True
+        self.url = f"{'https' if tls_ca else 'http'}://{host}:{port}"
+        self.prefix = prefix  # runs the command inside something, e.g. ("ip", "netns", "exec", NAME)
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
         self.args = args
@@ -52,10 +59,20 @@ class ServerProcess:
         self.health = health
         self.proc = self._spawn()
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """The Authorization header of the API key given as `--api-key` (none without one)."""
+        key = self.args[self.args.index("--api-key") + 1] if "--api-key" in self.args else None
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def _spawn(self) -> subprocess.Popen:
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(
-            [sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            [*self.prefix, sys.executable, "-m", "tandem", *self.args],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
 
     def signal(self, sig: int) -> None:
@@ -78,7 +95,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
+                if httpx.get(self.url + self.health, timeout=2, verify=self.verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -89,7 +106,7 @@ class ServerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def info(self) -> dict:
-        r = httpx.get(self.url + "/get_server_info", timeout=30)
+        r = httpx.get(self.url + "/get_server_info", timeout=30, verify=self.verify, headers=self.auth)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -117,13 +134,13 @@ class ServerProcess:
         self._log.close()
 
 
-def start_server(*args: str, name: str = "server") -> ServerProcess:
+def start_server(*args: str, name: str = "server", tls_ca: str | None = None) -> ServerProcess:
     """A server process; the KV cache is kept small (8192 tokens) unless the test asks otherwise,
-    so that many servers fit in this machine's memory at once."""
+    so that many servers fit in this machine's memory at once. `tls_ca`: see ServerProcess."""
     port = free_port()
     if "--max-total-tokens" not in args:
         args = (*args, "--max-total-tokens", "8192")
-    return ServerProcess(["serve", "--port", str(port), *args], port, name=name)
+    return ServerProcess(["serve", "--port", str(port), *args], port, name=name, tls_ca=tls_ca)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.attention.base import make_attention_backend
+from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
@@ -28,18 +28,25 @@ from common.engine.output import OutputProcessor
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
+from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
+from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
-from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.memory.sizing import PoolPlan, plan_context_len, plan_kv_pool
+from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
-from common.model.kv_scales import read_kv_scales
-from common.model.loader import load_hf_config, load_model, resolve_model_dir
+from common.model.llama import LlamaForCausalLM
+from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
-from common.model.registry import attention_spec
+from common.model.registry import architecture_of, model_class
+from common.parallel.group import SINGLE
+from common.parallel.leader import LeaderModel
+from common.parallel.partition import TPSizeError, check_tp_size
+from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
+from common.parallel.rank_pools import RankPools
+from common.parallel.ranks import Ranks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +57,12 @@ class Engine:
     def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None):
         """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic)."""
         self.config = config
+        self.attention_backend, warning = choose_attention_backend(
+            config.attention_backend, config.device, config.torch_dtype_name
+        )  # before loading anything: a refusal comes at once
+        if warning:  # "auto" could not take FlashInfer: every rank builds the torch backend
+            log.warning("%s", warning)
+            self.config = config = config.model_copy(update={"attention_backend": self.attention_backend})
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
@@ -58,17 +71,20 @@ class Engine:
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.metrics = EngineMetrics(config.disagg_mode)
-        model = load_model(
-            self.model_dir, self.hf_config, self.dtype, config.device
-        )  # first: the pool gets what is left
-        spec = attention_spec(self.hf_config)
-        store_dtype = kv_store_dtype(config.kv_cache_dtype, self.dtype)
-        self.pool_plan = self._plan_pool(pool_bytes_per_token(spec, store_dtype))
+        use_kernel_cache(config.kernel_cache_dir)  # before FlashInfer is imported
+        self.ranks = self._start_ranks()
+        tp = self.ranks.tp if self.ranks else SINGLE
+        built = build_rank_model(config, self.model_dir, self.hf_config, self.dtype, tp)
+        self.rank_reports = tp.all_gather_objects(rank_report(0, built))
+        if self.ranks is not None:
+            self.ranks.serving = True
+            log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
+        self.pool_plan, self.kv_pool = built.pool_plan, built.kv_pool
+        self.kv_buffers = self._kv_buffers()
+        log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
+        self.config = config = self._batch_limits(config)
         num_pages = self.pool_plan.num_pages
-        scales, source = read_kv_scales(self.model_dir, spec.num_layers)
-        log.info("%s", describe_kv_cache(spec, store_dtype, source))
-        self.kv_pool = make_kv_pool(spec, num_pages, config.page_size, store_dtype, self.dtype, config.device, scales)
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
         prefix = (
@@ -77,11 +93,9 @@ class Engine:
             else RadixCache(allocator, config.page_size)
         )
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
-        attn = make_attention_backend(
-            config.attention_backend, config.device, self.kv_pool, spec.q_heads, spec.head_dim, spec.scaling
-        )
         eos_ids = self._eos_ids()
-        self.runner = ModelRunner(model, attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
+        model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
+        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
         if make_role is not None:
@@ -89,12 +103,30 @@ class Engine:
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
 
-    def _plan_pool(self, per_token: int) -> PoolPlan:
-        c = self.config
-        memory = torch.cuda.mem_get_info() if c.device == "cuda" else None  # (free, total) after the weights
-        plan = plan_kv_pool(c.page_size, per_token, c.max_total_tokens, memory, c.mem_fraction_static)
-        log.info("%s", plan.describe())
-        return plan
+    def _start_ranks(self) -> Ranks | None:
+        """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
+        hf, size = self.hf_config, self.config.tp_size
+        if size > 1 and model_class(hf) is not LlamaForCausalLM:
+            raise TPSizeError(f"--tp-size {size}: {architecture_of(hf)} runs at --tp-size 1 only for now")
+        check_tp_size(size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size)
+        return Ranks(self.config) if size > 1 else None
+
+    def _kv_buffers(self) -> KVPool | RankPools:
+        """What a PD role's transfer engine moves: every rank's pool (see common.parallel.rank_pools)."""
+        if self.ranks is None or self.config.disagg_mode == "null":
+            return self.kv_pool
+        return RankPools(self.kv_pool, self.ranks.progress.path, self.config.tp_size)
+
+    def _batch_limits(self, config: ServerConfig) -> ServerConfig:
+        """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
+        if config.device != "cuda":
+            return config
+        derived = gpu_batch_limits(torch.cuda.mem_get_info()[1], self.pool_plan, self.context_len)
+        unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
+        log.info(
+            "batch limits for this GPU and pool: %s (flags override)", ", ".join(f"{k} {v}" for k, v in unset.items())
+        )
+        return config.model_copy(update=unset)
 
     def _context_len(self) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", 4096)
@@ -136,11 +168,27 @@ class Engine:
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def warm_up(self) -> float:
+        """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
+        c = self.config
+        tokens = min(2 * c.page_size + 1, self.context_len - 2)  # whole pages and a partial one
+        seconds = warm_up(self.runner, self.memory, tokens, c.device)
+        cache = c.kernel_cache_dir or "the default location"
+        log.info(
+            "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
+            seconds,
+            tokens,
+            cache,
+        )
+        return seconds
+
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
         self.thread.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
 
     @property
     def instance_id(self) -> str | None:
@@ -159,11 +207,13 @@ class Engine:
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
+            "tp": {"size": self.config.tp_size, "ranks": self.rank_reports},
         }
 
     def health_problem(self) -> str | None:
         """Why this server cannot serve right now (/health answers 503 with it), or None."""
-        return self.thread.health_problem() or self.scheduler.role.health_problem()
+        rank_fault = self.ranks.fault if self.ranks is not None else None
+        return rank_fault or self.thread.health_problem() or self.scheduler.role.health_problem()
 
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:

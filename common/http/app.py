@@ -23,7 +23,8 @@ from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event
 
 log = logging.getLogger("tandem.http")
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# without the API key: probes (a kubelet's carry no key; SGLang leaves /health* open too) and Prometheus
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 # What a Starlette routing error is about, for the `param` of its JSON error.
 ROUTING_PARAMS = {404: "path", 405: "method"}
 

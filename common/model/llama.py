@@ -1,7 +1,10 @@
 """Llama-architecture decoder (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2) over a paged KV cache; the base
 of the MoE families (common.model.moe_families) and DeepSeek (common.model.deepseek).
 
-Parameter names match Hugging Face's, so a safetensors checkpoint loads with `load_state_dict`.
+Parameter names match Hugging Face's, so a safetensors checkpoint loads with `load_state_dict`. With a
+TensorParallel group of several ranks each rank holds its heads, its share of the MLP and of the
+vocabulary (common.parallel.layers); the loader reads only that share. The MoE and DeepSeek families
+run at TP 1 (their layers are whole).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from transformers import PretrainedConfig
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
+from common.parallel.group import SINGLE, TensorParallel
+from common.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from common.parallel.partition import head_partition
 
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
@@ -32,20 +38,22 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
+        heads = head_partition(config.num_attention_heads, config.num_key_value_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = d = head_dim_of(config)
         arch = (config.architectures or ["LlamaForCausalLM"])[0]
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
         o_bias = arch != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False))
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        hidden, q_rows = config.hidden_size, config.num_attention_heads * d
+        kv_rows, kv_start = config.num_key_value_heads * d, heads.kv_head_start * d
+        kv_slice = (kv_start, kv_start + self.num_kv_heads * d)
+        self.q_proj = ColumnParallelLinear(hidden, q_rows, qkv_bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kv_rows, qkv_bias, tp, kv_slice)
+        self.v_proj = ColumnParallelLinear(hidden, kv_rows, qkv_bias, tp, kv_slice)
+        self.o_proj = RowParallelLinear(q_rows, hidden, o_bias, tp)
         self.qk_norm = arch in QK_NORM_ARCHITECTURES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -66,29 +74,30 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)): a dense layer, one expert of an MoE layer, or its shared experts."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.self_attn = self.make_attention(config, layer_id)
         self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def make_attention(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
-        return Attention(config, layer_id)
+        return Attention(config, layer_id, self.tp)
 
     def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
-        return MLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        return MLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), self.tp)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn, batch)
@@ -96,10 +105,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_class: type[DecoderLayer] = DecoderLayer):
+    def __init__(
+        self, config: PretrainedConfig, layer_class: type[DecoderLayer] = DecoderLayer, tp: TensorParallel = SINGLE
+    ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(layer_class(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -116,13 +127,12 @@ class LlamaForCausalLM(nn.Module):
 
     layer_class: type[DecoderLayer] = DecoderLayer
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.layer_class)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = LlamaModel(config, self.layer_class, tp)
+        tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

@@ -17,6 +17,8 @@ from common.model.llama import LlamaForCausalLM
 from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source
 from common.model.registry import model_class
 from common.model.weights import fill_from_shard, plan_shards, read_header
+from common.parallel.group import SINGLE, TensorParallel
+from common.parallel.layers import param_shards
 from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
@@ -58,19 +60,23 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_dir)
 
 
-def load_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: str, tp: TensorParallel = SINGLE
+) -> LlamaForCausalLM:
     """The model with its weights created empty in `dtype` on `device` and filled shard by shard, a
-    piece of a tensor at a time: no float32 stage and no second copy of the model in host memory."""
+    piece of a tensor at a time: no float32 stage and no second copy of the model in host memory. With
+    several TP ranks, this rank's share of the weights only."""
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise UserError(f"--model {model_dir}: no *.safetensors weights; give the directory that holds them")
     with torch.device("meta"):
-        model = model_class(config)(config)
+        model = model_class(config)(config, tp)
     materialize(model, dtype, device)
     # a tied lm_head is not listed: it is the embedding
     params = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
-    for shard, names in plan_shards(shards, params, ignore=skipped_names(shards, config)).items():
-        fill_from_shard(shard, names, params)
+    parts = {model.checkpoint_name(n): s for n, s in param_shards(model).items()} if tp.enabled else {}
+    for shard, names in plan_shards(shards, params, skipped_names(shards, config), parts).items():
+        fill_from_shard(shard, names, params, parts)
     return model.eval()
 
 

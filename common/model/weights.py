@@ -5,6 +5,9 @@ parameter on the model's device. safetensors' own `safe_open` maps the whole fil
 touches count in the process's resident memory until the file is closed, which for a one-shard 1B model
 doubles the peak (benchmarks/load_memory.py). The format is an 8-byte little-endian header length, a
 JSON header {name: {dtype, shape, data_offsets}} and the raw tensor bytes after it.
+
+A tensor-parallel rank fills only its shard of a tensor (a `Shard` from common.parallel.layers): rows are
+one contiguous byte range, read alone; columns are cut from whole rows read a chunk at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+
+from common.parallel.layers import Shard
 
 CHUNK_BYTES = 64 * 1024 * 1024
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -29,14 +34,20 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     return header, 8 + length
 
 
-def plan_shards(shards: list[Path], params: dict[str, torch.Tensor], ignore: frozenset[str]) -> dict[Path, list[str]]:
-    """Which parameters each shard fills; raises unless together they fill every one, with its shape and a
-    float dtype. Names in `ignore` (a tied lm_head) may be in a shard and are skipped."""
+def plan_shards(
+    shards: list[Path],
+    params: dict[str, torch.Tensor],
+    ignore: frozenset[str],
+    tp_shards: dict[str, Shard] | None = None,
+) -> dict[Path, list[str]]:
+    """Which parameters each shard fills; raises unless together they fill every one, with its (whole)
+    shape and a float dtype. Names in `ignore` (a tied lm_head) may be in a shard and are skipped."""
     plan: dict[Path, list[str]] = {}
+    tp_shards = tp_shards or {}
     for shard in shards:
         header, _ = read_header(shard)
         unexpected = sorted(n for n in header if n not in params and n not in ignore)
-        wrong = [n for n in header if n in params and list(header[n]["shape"]) != list(params[n].shape)]
+        wrong = [n for n in header if n in params and list(header[n]["shape"]) != _full_shape(n, params, tp_shards)]
         odd = sorted({header[n]["dtype"] for n in header if n in params} - set(DTYPES))
         if unexpected or wrong or odd:
             raise ValueError(
@@ -50,16 +61,51 @@ def plan_shards(shards: list[Path], params: dict[str, torch.Tensor], ignore: fro
     return plan
 
 
+def _full_shape(name: str, params: dict[str, torch.Tensor], tp_shards: dict[str, Shard]) -> list[int]:
+    return list(tp_shards[name].full_shape) if name in tp_shards else list(params[name].shape)
+
+
 @torch.no_grad()
-def fill_from_shard(path: Path, names: list[str], params: dict[str, torch.Tensor]) -> None:
-    """Copy the tensors `names` of one shard into `params` (any dtype, any device)."""
+def fill_from_shard(
+    path: Path, names: list[str], params: dict[str, torch.Tensor], tp_shards: dict[str, Shard] | None = None
+) -> None:
+    """Copy the tensors `names` of one shard into `params` (any dtype, any device); a name in `tp_shards`
+    gets only its rank's slice."""
     header, data_start = read_header(path)
     buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
     with open(path, "rb") as fh:
         for name in names:
-            entry = header[name]
-            fh.seek(data_start + entry["data_offsets"][0])
-            _copy_tensor(fh, buffer, DTYPES[entry["dtype"]], params[name].view(-1))
+            entry, out, part = header[name], params[name], (tp_shards or {}).get(name)
+            dtype, offset = DTYPES[entry["dtype"]], data_start + entry["data_offsets"][0]
+            if part is None:
+                fh.seek(offset)
+                _copy_tensor(fh, buffer, dtype, out.view(-1))
+            elif part.dim == 0:
+                _copy_rows(fh, offset, buffer, dtype, part, out)
+            else:
+                _copy_columns(fh, offset, dtype, part, out)
+
+
+def _copy_rows(fh: BinaryIO, offset: int, buffer: torch.Tensor, dtype: torch.dtype, part: Shard, out: torch.Tensor):
+    """Rows [start, stop) of the tensor: one byte range; rows past its end (vocabulary padding) are zero."""
+    row = out[0].numel() if out.dim() > 1 else 1
+    have = max(0, min(part.stop, part.full_shape[0]) - part.start)
+    fh.seek(offset + part.start * row * dtype.itemsize)
+    _copy_tensor(fh, buffer, dtype, out.view(-1)[: have * row])
+    out.view(-1)[have * row :].zero_()
+
+
+def _copy_columns(fh: BinaryIO, offset: int, dtype: torch.dtype, part: Shard, out: torch.Tensor) -> None:
+    """Columns [start, stop) of a 2-d tensor, cut from whole rows read a chunk at a time."""
+    rows, cols = part.full_shape
+    step = max(1, CHUNK_BYTES // (cols * dtype.itemsize))
+    buffer = torch.empty(step * cols * dtype.itemsize, dtype=torch.uint8)
+    fh.seek(offset)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        piece = buffer[: n * cols * dtype.itemsize]
+        _read_exactly(fh, memoryview(piece.numpy()))
+        out[start : start + n].copy_(piece.view(dtype).view(n, cols)[:, part.start : part.stop])
 
 
 def _copy_tensor(fh: BinaryIO, buffer: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:

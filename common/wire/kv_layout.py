@@ -12,6 +12,7 @@ from typing import Any
 
 LAYOUT_KEYS = (
     "model_id",
+    "tp_size",
     "attention",
     "num_layers",
     "kv_heads",
@@ -23,10 +24,12 @@ LAYOUT_KEYS = (
 )
 
 
-def kv_layout(pool: Any, backend: str, model_id: str = "") -> dict[str, Any]:
-    """The layout of a KV pool (anything with the pool's attributes) moved by `backend`."""
+def kv_layout(pool: Any, backend: str, model_id: str = "", tp_size: int = 1) -> dict[str, Any]:
+    """The layout of a KV pool (anything with the pool's attributes; with `tp_size` ranks, each rank's
+    pool) moved by `backend`."""
     return {
         "model_id": model_id,
+        "tp_size": tp_size,
         "attention": pool.kind,
         "kv_scales": scales_descriptor(pool.scales) if pool.quantized else "none",
         "num_layers": pool.num_layers,

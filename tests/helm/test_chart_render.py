@@ -52,7 +52,9 @@ def test_the_cli_accepts_every_rendered_command(values_file):
 
 @pytest.mark.parametrize("values_file", EXAMPLES, ids=lambda p: p.name)
 def test_services_probes_and_ports_line_up(values_file):
-    docs = render(example(values_file.name))
+    values = example(values_file.name)
+    docs = render(values)
+    scheme = "HTTPS" if values.get("tls", {}).get("enabled") else "HTTP"
     for role in ("prefill", "decode"):
         pod = component(docs, "Deployment", role)["spec"]["template"]
         svc = component(docs, "Service", role)["spec"]
@@ -64,9 +66,9 @@ def test_services_probes_and_ports_line_up(values_file):
         if role == "prefill":
             assert ports["bootstrap"] == int(flag(c["args"], "--bootstrap-port"))
         assert (c["startupProbe"]["httpGet"], c["livenessProbe"]["httpGet"], c["readinessProbe"]["httpGet"]) == (
-            {"path": "/health", "port": "http"},
-            {"path": "/health", "port": "http"},
-            {"path": "/health_generate", "port": "http"},
+            {"path": "/health", "port": "http", "scheme": scheme},
+            {"path": "/health", "port": "http", "scheme": scheme},
+            {"path": "/health_generate", "port": "http", "scheme": scheme},
         )
         assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600  # a large model loads
     router = component(docs, "Deployment", "router")["spec"]["template"]
@@ -217,3 +219,23 @@ def test_a_pod_monitor_and_a_host_path_model():
     )  # the GGUF is converted there
     monitor = objects(docs, "PodMonitor")[0]["spec"]
     assert monitor["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+
+
+@pytest.mark.parametrize("claim", ["", "kernels"])
+def test_gpu_pods_keep_compiled_kernels_in_a_mounted_cache(claim):
+    values = example("gpu-1p1d-rdma.yaml")
+    values.setdefault("engine", {})["kernelCache"] = {"claimName": claim, "sizeLimit": "5Gi"}
+    docs = render(values)
+    for role in ("prefill", "decode"):
+        pod = component(docs, "Deployment", role)["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert env_of(c)["TANDEM_KERNEL_CACHE_DIR"]["value"] == "/var/cache/tandem-kernels"
+        assert {"name": "kernel-cache", "mountPath": "/var/cache/tandem-kernels"} in c["volumeMounts"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "kernel-cache")
+        assert volume == (
+            {"name": "kernel-cache", "persistentVolumeClaim": {"claimName": "kernels"}}
+            if claim
+            else {"name": "kernel-cache", "emptyDir": {"sizeLimit": "5Gi"}}
+        )
+    cpu = render(example("cpu-demo.yaml"))
+    assert "kernel-cache" not in str(component(cpu, "Deployment", "prefill")["spec"]["template"]["spec"])

@@ -1,22 +1,24 @@
 """A standalone bootstrap process (`tandem bootstrap --cluster-secret`) refuses every bad registration
-and lookup with a JSON error naming the field, counts it in /metrics and keeps serving."""
+and lookup with a JSON error naming the field, counts it in /metrics and keeps serving. Requests here are
+signed with the secret (bootstrap/signing.py) unless the test is about the signature."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.app import start_in_thread
+from bootstrap.signing import SIGNATURE_HEADER, sign
 from common.engine.metrics import EngineMetrics
 from common.wire.kv_layout import LAYOUT_KEYS
 from tests.conftest import ServerProcess, free_port, sample
 
 SECRET = "s3cret-for-tests"
-AUTH = {"X-Tandem-Secret": SECRET}
 VALID = {
     "role": "Prefill",
     "instance_id": "prefill-a",
@@ -66,6 +68,16 @@ def assert_error(r: httpx.Response, status: int, param: str) -> None:
     assert err["message"]
 
 
+def signed(
+    bootstrap, method: str, path_qs: str, content: bytes = b"", headers: dict | None = None, secret: str = SECRET
+) -> httpx.Response:
+    """`method path_qs` with `content`, signed with `secret` over exactly what is sent."""
+    signature = {SIGNATURE_HEADER: sign(secret, method, path_qs, content)}
+    return httpx.request(
+        method, bootstrap.url + path_qs, content=content, headers=(headers or {}) | signature, timeout=10
+    )
+
+
 def without(field: str) -> dict:
     return {k: v for k, v in VALID.items() if k != field}
 
@@ -104,9 +116,7 @@ BAD_REGISTRATIONS = [
 def test_bad_registration_is_refused_naming_the_field_and_counted(bootstrap, body, status, param):
     before = rejected(bootstrap, param)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.put(
-        bootstrap.url + "/route", content=raw, headers=AUTH | {"content-type": "application/json"}, timeout=10
-    )
+    r = signed(bootstrap, "PUT", "/route", raw, {"content-type": "application/json"})
     assert_error(r, status, param)
     assert rejected(bootstrap, param) == before + 1
     assert httpx.get(bootstrap.url + "/health", timeout=5).status_code == 200
@@ -115,49 +125,84 @@ def test_bad_registration_is_refused_naming_the_field_and_counted(bootstrap, bod
 def test_oversize_chunked_registration_is_413(bootstrap):
     before = rejected(bootstrap, "body")
     chunks = (b" " * 8192 for _ in range(10))  # no Content-Length: the limit must hold anyway
-    r = httpx.put(bootstrap.url + "/route", content=chunks, headers=AUTH, timeout=10)
+    r = httpx.put(bootstrap.url + "/route", content=chunks, timeout=10)  # refused before its signature is checked
     assert_error(r, 413, "body")
     assert rejected(bootstrap, "body") == before + 1
 
 
 def test_compressed_registration_is_415(bootstrap):
     before = rejected(bootstrap, "content-encoding")
-    r = httpx.put(
-        bootstrap.url + "/route",
-        content=gzip.compress(json.dumps(VALID).encode()),
-        headers=AUTH | {"content-type": "application/json", "content-encoding": "gzip"},
-        timeout=10,
-    )
+    body = gzip.compress(json.dumps(VALID).encode())
+    r = signed(bootstrap, "PUT", "/route", body, {"content-type": "application/json", "content-encoding": "gzip"})
     assert_error(r, 415, "content-encoding")
     assert rejected(bootstrap, "content-encoding") == before + 1
 
 
+def forged_signature(raw: bytes) -> str:
+    """A well-formed signature of this request made with a guessed secret."""
+    return sign("guessed-secret", "PUT", "/route", raw)
+
+
+def altered_signature(raw: bytes) -> str:
+    """The right secret's signature of a different body (a registration whose address was changed in flight)."""
+    return sign(SECRET, "PUT", "/route", raw.replace(b"10.0.0.7", b"10.6.6.6"))
+
+
+def stale_signature(raw: bytes) -> str:
+    return sign(SECRET, "PUT", "/route", raw, now=time.time() - 301)
+
+
+def future_signature(raw: bytes) -> str:
+    return sign(SECRET, "PUT", "/route", raw, now=time.time() + 301)
+
+
 @pytest.mark.parametrize(
-    "headers,body",
+    "headers,why",
     [
-        pytest.param({}, VALID, id="no-secret"),
-        pytest.param({"X-Tandem-Secret": "wrong"}, VALID, id="wrong-header"),
-        pytest.param({}, VALID | {"secret": "wrong"}, id="wrong-in-body"),
-        pytest.param({}, VALID | {"secret": 12345}, id="non-string-in-body"),
-        pytest.param({}, VALID | {"secret": "\ud800"}, id="lone-surrogate-in-body"),
+        pytest.param(lambda raw: {}, "unsigned", id="unsigned"),
+        pytest.param(lambda raw: {"X-Tandem-Secret": SECRET}, "unsigned", id="the-secret-itself-is-not-accepted"),
+        pytest.param(lambda raw: {SIGNATURE_HEADER: "v1 ts=1 nonce=00 mac=00"}, "malformed", id="malformed"),
+        pytest.param(lambda raw: {SIGNATURE_HEADER: forged_signature(raw)}, "does not match", id="forged"),
+        pytest.param(lambda raw: {SIGNATURE_HEADER: altered_signature(raw)}, "does not match", id="altered-body"),
+        pytest.param(lambda raw: {SIGNATURE_HEADER: stale_signature(raw)}, "stale", id="stale"),
+        pytest.param(lambda raw: {SIGNATURE_HEADER: future_signature(raw)}, "stale", id="from-the-future"),
     ],
 )
-def test_registration_without_the_secret_is_401(bootstrap, headers, body):
-    before = rejected(bootstrap, "secret")
-    r = httpx.put(bootstrap.url + "/route", content=json.dumps(body).encode(), headers=headers, timeout=10)
-    assert_error(r, 401, "secret")
+def test_registration_not_signed_with_the_secret_is_401_naming_why(bootstrap, headers, why):
+    before = rejected(bootstrap, "signature")
+    raw = json.dumps(VALID).encode()
+    r = httpx.put(bootstrap.url + "/route", content=raw, headers=headers(raw), timeout=10)
+    assert_error(r, 401, "signature")
     assert r.json()["error"]["type"] == "authentication_error"
-    assert rejected(bootstrap, "secret") == before + 1
+    assert why in r.json()["error"]["message"]
+    assert rejected(bootstrap, "signature") == before + 1
+
+
+@pytest.mark.parametrize("method,path_qs", [("PUT", "/route"), ("GET", "/route?engine_rank=1&target_dp_group=0")])
+def test_a_replayed_request_is_401(bootstrap, method, path_qs):
+    raw = json.dumps(VALID).encode() if method == "PUT" else b""
+    headers = {SIGNATURE_HEADER: sign(SECRET, method, path_qs, raw)}
+    first = httpx.request(method, bootstrap.url + path_qs, content=raw, headers=headers, timeout=10)
+    assert first.status_code == 200, first.text
+    again = httpx.request(method, bootstrap.url + path_qs, content=raw, headers=headers, timeout=10)
+    assert_error(again, 401, "signature")
+    assert "replayed" in again.json()["error"]["message"]
+
+
+def test_a_signature_is_bound_to_its_query(bootstrap):
+    """A lookup's signature does not authorize another lookup (or a DELETE of the same instance)."""
+    good = sign(SECRET, "GET", "/route?engine_rank=1&target_dp_group=0")
+    for method, path_qs in (("GET", "/route?engine_rank=0&target_dp_group=0"), ("DELETE", "/route?engine_rank=1")):
+        r = httpx.request(method, bootstrap.url + path_qs, headers={SIGNATURE_HEADER: good}, timeout=10)
+        assert_error(r, 401, "signature")
 
 
 def test_valid_registration_after_bad_ones_is_returned_exactly(bootstrap):
-    assert httpx.put(bootstrap.url + "/route", json=VALID | {"secret": SECRET}, timeout=10).json() == {"ok": True}
-    r = httpx.get(bootstrap.url + "/route", params={"engine_rank": 1, "target_dp_group": 0}, headers=AUTH, timeout=10)
+    assert signed(bootstrap, "PUT", "/route", json.dumps(VALID).encode()).json() == {"ok": True}
+    r = signed(bootstrap, "GET", "/route?engine_rank=1&target_dp_group=0")
     assert r.status_code == 200
     assert r.json() == VALID
-    layout = httpx.get(
-        bootstrap.url + "/route", params={"engine_rank": -1, "target_dp_group": -1}, headers=AUTH, timeout=10
-    )
+    layout = signed(bootstrap, "GET", "/route?engine_rank=-1&target_dp_group=-1")
     assert layout.json() == {k: VALID[k] for k in ("tp_size", "dp_size", *LAYOUT_KEYS)}
     metrics = httpx.get(bootstrap.url + "/metrics", timeout=10).text
     assert sample(metrics, "tandem_bootstrap_registered_ranks", {"role": "bootstrap"}) == 1
@@ -179,21 +224,23 @@ def test_valid_registration_after_bad_ones_is_returned_exactly(bootstrap):
 )
 def test_malformed_route_query_is_400_naming_the_field(bootstrap, method, query, param):
     before = rejected(bootstrap, param, method)
-    r = httpx.request(method, f"{bootstrap.url}/route?{query}", headers=AUTH, timeout=10)
+    r = signed(bootstrap, method, f"/route?{query}")
     assert_error(r, 400, param)
     assert rejected(bootstrap, param, method) == before + 1
 
 
-def test_lookup_with_a_wrong_secret_is_401_and_counted(bootstrap):
-    before = rejected(bootstrap, "secret", "GET")
-    r = httpx.get(bootstrap.url + "/route", params={"engine_rank": 1}, headers={"X-Tandem-Secret": "wrong"}, timeout=10)
-    assert_error(r, 401, "secret")
-    assert rejected(bootstrap, "secret", "GET") == before + 1
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_lookup_or_removal_signed_with_a_wrong_secret_is_401_and_counted(bootstrap, method):
+    before = rejected(bootstrap, "signature", method)
+    r = signed(bootstrap, method, "/route?engine_rank=1", secret="wrong")
+    assert_error(r, 401, "signature")
+    assert rejected(bootstrap, "signature", method) == before + 1
+    assert signed(bootstrap, "GET", "/route?engine_rank=1").status_code in (200, 404)  # still serves
 
 
 def test_unknown_path_and_method_are_json_errors(bootstrap):
     assert_error(httpx.get(bootstrap.url + "/nope", timeout=10), 404, "path")
-    assert_error(httpx.post(bootstrap.url + "/route", json=VALID, headers=AUTH, timeout=10), 405, "method")
+    assert_error(signed(bootstrap, "POST", "/route", json.dumps(VALID).encode()), 405, "method")
 
 
 def test_embedded_registry_reports_its_rejections_to_the_engine_metrics():

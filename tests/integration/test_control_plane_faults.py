@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import zmq
 
+from bootstrap.signing import sign
 from tests.conftest import ServerProcess, free_port, metric, record_fault, start_server
 from tests.integration.cluster import generate, start_router
 from tests.integration.faults import pages_held, wait_until
@@ -180,14 +181,14 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
 
 def test_a_decode_without_the_cluster_secret_cannot_pair(cluster, tiny_model_dir):
     r = httpx.put(f"http://127.0.0.1:{cluster.boot_port}/route", json={"role": "Prefill"}, timeout=5)
-    assert r.status_code == 401 and r.json()["error"]["param"] == "secret"
+    assert r.status_code == 401 and r.json()["error"]["param"] == "signature"
     r = httpx.get(
         f"http://127.0.0.1:{cluster.boot_port}/route",
         params={"engine_rank": 0, "target_dp_group": 0},
-        headers={"X-Tandem-Secret": "guess"},
+        headers={"X-Tandem-Signature": sign("guess", "GET", "/route?engine_rank=0&target_dp_group=0")},
         timeout=5,
     )
-    assert r.status_code == 401
+    assert r.status_code == 401 and "does not match" in r.json()["error"]["message"]
     stranger = start_server(
         "--disagg-mode",
         "decode",

@@ -15,6 +15,7 @@ from decode_node.peers import CACHE_TTL_S, REFRESH_AFTER_S, PeerDirectory, PeerI
 from tests.conftest import ServerProcess, free_port
 
 LAYOUT = {
+    "tp_size": 1,
     "num_layers": 2,
     "kv_heads": 1,
     "head_dim": 8,

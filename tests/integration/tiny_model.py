@@ -12,13 +12,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 VOCAB = 512
 
 
-def save_tiny_llama(path: Path, context: int = 2048) -> Path:
+def save_tiny_llama(path: Path, context: int = 2048, heads: int = 4, kv_heads: int = 2) -> Path:
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         vocab_size=VOCAB,
         max_position_embeddings=context,
         initializer_range=0.2,

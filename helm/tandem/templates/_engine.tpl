@@ -26,18 +26,19 @@ Called with (dict "root" $ "component" "prefill"|"decode"). */}}
 - {{ $v.bootstrap.port | quote }}
 {{- if $v.bootstrap.standalone.enabled }}
 - --bootstrap-url
-- {{ printf "http://%s:%d" (include "tandem.serviceHost" (dict "root" .root "component" "bootstrap")) (int $v.bootstrap.port) }}
+- {{ printf "%s://%s:%d" (include "tandem.scheme" .root) (include "tandem.serviceHost" (dict "root" .root "component" "bootstrap")) (int $v.bootstrap.port) }}
 {{- end }}
 {{- end }}
 - --drain-timeout-s
 - {{ $v.drain.timeoutSeconds | quote }}
+{{- include "tandem.tls.args" (dict "root" .root) }}
 {{- range concat $v.engine.extraArgs $role.extraArgs }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
 
 {{/* TANDEM_ADVERTISE_HOST: peers (the decode's control messages, the prefill's KV writes) reach this
-pod at its own address. */}}
+pod at its own address. TANDEM_API_KEY: the router's key, which it sends on every call. */}}
 {{- define "tandem.engine.env" -}}
 {{- $v := .root.Values -}}
 - name: TANDEM_ADVERTISE_HOST
@@ -45,10 +46,39 @@ pod at its own address. */}}
     fieldRef:
       fieldPath: status.podIP
 {{ include "tandem.clusterSecretEnv" .root }}
+{{ include "tandem.apiKeyEnv" .root }}
 {{ include "tandem.model.env" .root }}
 {{ include "tandem.transfer.env" .root }}
+{{- if eq $v.device "cuda" }}
+- name: TANDEM_KERNEL_CACHE_DIR
+  value: {{ include "tandem.engine.kernelCacheDir" . }}
+{{- end }}
 {{- with (concat $v.engine.extraEnv (index $v .component).extraEnv) }}
 {{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.engine.kernelCacheDir" -}}/var/cache/tandem-kernels{{- end -}}
+
+{{/* The kernel cache's volume and mount, on CUDA (see values.yaml engine.kernelCache). */}}
+{{- define "tandem.engine.kernelCacheVolumes" -}}
+{{- $k := .Values.engine.kernelCache -}}
+{{- if eq .Values.device "cuda" }}
+- name: kernel-cache
+{{- if $k.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ $k.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $k.sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.engine.kernelCacheMounts" -}}
+{{- if eq .root.Values.device "cuda" }}
+- name: kernel-cache
+  mountPath: {{ include "tandem.engine.kernelCacheDir" . }}
 {{- end }}
 {{- end -}}
 
@@ -116,12 +146,13 @@ containers:
     securityContext:
       {{- toYaml . | nindent 6 }}
     {{- end }}
-    {{- $mounts := list (dict "name" "dshm" "mountPath" "/dev/shm") }}
+    {{- $mounts := concat (list (dict "name" "dshm" "mountPath" "/dev/shm")) (fromYamlArray (include "tandem.tls.mounts" .root)) }}
     volumeMounts:
-      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
+      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) (fromYamlArray (include "tandem.engine.kernelCacheMounts" .)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
 {{- $shm := dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" $v.shm.sizeLimit) }}
+{{- $volumes := concat (list $shm) (fromYamlArray (include "tandem.tls.volumes" .root)) }}
 volumes:
-  {{- concat (list $shm) (fromYamlArray (include "tandem.model.volumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
+  {{- concat $volumes (fromYamlArray (include "tandem.model.volumes" .root)) (fromYamlArray (include "tandem.engine.kernelCacheVolumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
 {{- with $role.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
@@ -141,19 +172,23 @@ topologySpreadConstraints:
 {{- end -}}
 
 {{/* startup on /health (the port opens only once the model is loaded), liveness /health, readiness
-/health_generate (the scheduler answers); a draining server fails both /health paths. */}}
+/health_generate (the scheduler answers); a draining server fails both /health paths. Both need no API
+key; with TLS the kubelet asks over HTTPS (it does not verify the certificate). */}}
 {{- define "tandem.engine.probes" -}}
 {{- $p := .Values.probes -}}
+{{- $scheme := include "tandem.scheme" . | upper -}}
 startupProbe:
   httpGet:
     path: /health
     port: http
+    scheme: {{ $scheme }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 livenessProbe:
   httpGet:
     path: /health
     port: http
+    scheme: {{ $scheme }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
@@ -161,6 +196,7 @@ readinessProbe:
   httpGet:
     path: /health_generate
     port: http
+    scheme: {{ $scheme }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}

@@ -86,3 +86,51 @@ lifecycle:
 {{- define "tandem.replicasText" -}}
 {{- if .autoscaling.enabled }}{{ .autoscaling.minReplicas }}-{{ .autoscaling.maxReplicas }} (autoscaled){{ else }}{{ .replicas }}{{ end -}}
 {{- end -}}
+
+{{/* TANDEM_API_KEY from auth.apiKey's Secret, on the router and every engine pod (the router sends it to
+the engines; nothing when there is no key). */}}
+{{- define "tandem.apiKeyEnv" -}}
+{{- with .Values.auth.apiKey.existingSecret }}
+- name: TANDEM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.auth.apiKey.key }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.scheme" -}}
+{{- ternary "https" "http" .Values.tls.enabled -}}
+{{- end -}}
+
+{{/* The TLS flags of a server (its certificate, and the CA that verifies its peers): the same names on
+`tandem serve`, `tandem bootstrap` (certificate only) and `tandem router`. */}}
+{{- define "tandem.tls.args" -}}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled }}
+- --ssl-certfile
+- {{ printf "%s/%s" $t.mountPath $t.certKey }}
+- --ssl-keyfile
+- {{ printf "%s/%s" $t.mountPath $t.keyKey }}
+{{- if and $t.caKey (not .certOnly) }}
+- --ssl-ca-certs
+- {{ printf "%s/%s" $t.mountPath $t.caKey }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.tls.volumes" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.tls.mounts" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}

@@ -1,0 +1,90 @@
+"""A follower rank (1..tp_size-1): joins rank 0's group, builds its shard of the model and its KV pool,
+then runs every forward rank 0 sends, until rank 0 says stop or goes away.
+
+It decides nothing: no scheduler, no request table, no sampling. Its logits are dropped (rank 0 samples
+from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank.
+
+    python -m common.parallel.follower --rank R --size N --port P --progress FILE --config JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+from common.config import ServerConfig
+from common.model.loader import load_hf_config, resolve_model_dir
+from common.parallel.group import init_group
+from common.parallel.progress import Progress
+from common.parallel.rank_model import RankModel, build_rank_model, rank_report
+from common.parallel.rank_pools import pool_file
+from common.parallel.ranks import GROUP_TIMEOUT_S
+from common.parallel.step import StepChannel
+
+log = logging.getLogger(__name__)
+
+
+def exit_with_rank0(files: list[str]) -> None:
+    """Exit as soon as rank 0's end of our stdin closes (rank 0 exited, however it did), removing the
+    shared `files` rank 0 may not have removed (it died before)."""
+
+    def wait() -> None:
+        sys.stdin.buffer.read()
+        for path in files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        os._exit(0)
+
+    threading.Thread(target=wait, name="rank0-watch", daemon=True).start()
+
+
+def serve_steps(rank: int, built: RankModel, channel: StepChannel, progress: Progress) -> None:
+    while True:
+        step, batch = channel.receive()
+        if batch is None:
+            return
+        progress.received(rank, step)
+        built.attn.init_forward(batch)
+        built.model(batch, built.attn)
+        progress.finished(rank, step)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="common.parallel.follower")
+    for flag in ("--rank", "--size", "--port"):
+        p.add_argument(flag, type=int, required=True)
+    p.add_argument("--progress", required=True)
+    p.add_argument("--config", required=True)
+    ns = p.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s [tp{ns.rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    config = ServerConfig.model_validate(json.loads(ns.config))
+    kv_file = pool_file(ns.progress, ns.rank) if config.disagg_mode != "null" else None
+    exit_with_rank0([ns.progress, *([kv_file] if kv_file else [])])
+    torch.manual_seed(config.seed)
+    tp = init_group(ns.rank, ns.size, ns.port, config.device, GROUP_TIMEOUT_S)
+    model_dir = resolve_model_dir(config.model)
+    dtype = getattr(torch, config.torch_dtype_name)
+    built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)
+    tp.all_gather_objects(rank_report(ns.rank, built))
+    serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))
+    log.info("stopped by rank 0")
+    logging.shutdown()
+    os._exit(0)  # not through interpreter teardown: the stdin watcher blocks in a read
+
+
+if __name__ == "__main__":
+    main()

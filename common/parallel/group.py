@@ -1,0 +1,86 @@
+"""The tensor-parallel process group of one server and its collectives.
+
+One torch.distributed group of `size` ranks: gloo on the CPU, NCCL on CUDA (the model's all-reduces and
+all-gathers, and the step payload), plus a gloo group for the small host-side messages (the step header,
+start-up reports). `SINGLE` is the group of one rank: every collective is the identity, so a TP 1 model
+runs exactly the operations it ran before tensor parallelism existed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks, in place."""
+        if self.enabled:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` concatenated along the last dimension, in rank order."""
+        if not self.enabled:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype); `host`: over the gloo group."""
+        if self.enabled:
+            dist.broadcast(x, src=0, group=_host_group() if host else None)
+        return x
+
+    def all_gather_objects(self, obj: object) -> list:
+        """Every rank's picklable `obj`, in rank order (start-up reports only: slow)."""
+        if not self.enabled:
+            return [obj]
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=_host_group())
+        return out
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (the KV pool size all ranks can hold)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_host_group())
+        return int(t.item())
+
+
+SINGLE = TensorParallel()
+_HOST_GROUP: list = []
+
+
+def _host_group():
+    return _HOST_GROUP[0] if _HOST_GROUP else None
+
+
+def init_group(rank: int, size: int, port: int, device: str, timeout_s: float) -> TensorParallel:
+    """Join the group of `size` ranks whose rank 0 listens on 127.0.0.1:`port`."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # the ranks share the cores: more threads each would spin against each other in every collective
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    dist.init_process_group(
+        backend="nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    _HOST_GROUP[:] = [dist.new_group(backend="gloo") if device == "cuda" else dist.group.WORLD]
+    return TensorParallel(rank, size)

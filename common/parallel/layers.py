@@ -1,0 +1,115 @@
+"""Tensor-parallel layers, usable by any model: each holds one rank's shard of a checkpoint tensor and
+says which (`shards()`: parameter name -> Shard), so the loader reads only that slice.
+
+    ColumnParallelLinear   output features split: y_local = x W_local^T + b_local (no communication)
+    RowParallelLinear      input features split: y = all_reduce(x_local W_local^T) + b
+    VocabParallelEmbedding rows of the (padded) vocabulary split: each rank looks up its ids, all-reduce
+    ParallelLMHead         logits of this rank's vocabulary rows, all-gathered and cut to the vocabulary
+
+With the group of one rank (`SINGLE`) each is the plain torch operation, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.parallel.group import SINGLE, TensorParallel
+from common.parallel.partition import padded_vocab, split
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a checkpoint tensor of shape `full_shape`;
+    `stop` past the end: the rows beyond it are padding, zero."""
+
+    dim: int
+    start: int
+    stop: int
+    full_shape: tuple[int, ...]
+
+
+class ColumnParallelLinear(nn.Module):
+    """`out_rows` picks this rank's output features (default: an even split)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE, out_rows=None):
+        super().__init__()
+        self.start, self.stop = out_rows or split(out_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(self.stop - self.start, in_features))
+        self.bias = nn.Parameter(torch.empty(self.stop - self.start)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shards(self) -> dict[str, Shard]:
+        out = {"weight": Shard(0, self.start, self.stop, (self.out_features, self.in_features))}
+        if self.bias is not None:
+            out["bias"] = Shard(0, self.start, self.stop, (self.out_features,))
+        return out
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.start, self.stop = split(in_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.stop - self.start))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(1, self.start, self.stop, (self.out_features, self.in_features))}  # bias: whole
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp, self.vocab, self.dim = tp, vocab, dim
+        self.start, self.stop = split(padded_vocab(vocab, tp.size), tp)
+        self.weight = nn.Parameter(torch.empty(self.stop - self.start, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.stop)
+        out = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        return self.tp.all_reduce(out * mine[:, None].to(out.dtype))
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(0, self.start, self.stop, (self.vocab, self.dim))}
+
+
+class ParallelLMHead(nn.Module):
+    """Shares the embedding's weight when `tied` (the same rows of the same vocabulary)."""
+
+    def __init__(self, vocab: int, dim: int, tp: TensorParallel = SINGLE, tied: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.tp, self.vocab, self.dim = tp, vocab, dim
+        self.start, self.stop = split(padded_vocab(vocab, tp.size), tp)
+        self.weight = tied.weight if tied is not None else nn.Parameter(torch.empty(self.stop - self.start, dim))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab] if self.tp.enabled else logits
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(0, self.start, self.stop, (self.vocab, self.dim))}
+
+
+def param_shards(model: nn.Module) -> dict[str, Shard]:
+    """Every sharded parameter of `model` by its full name; the others are whole on every rank."""
+    out: dict[str, Shard] = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "shards"):
+            out.update({f"{prefix}.{name}" if prefix else name: s for name, s in module.shards().items()})
+    return out

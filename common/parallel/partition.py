@@ -1,0 +1,63 @@
+"""Which slice of a model each rank owns, and the start-up check that `--tp-size` can split it.
+
+Attention heads are split evenly; each rank's query heads use one contiguous group of KV heads. With
+more ranks than KV heads the KV heads are replicated (as SGLang does): `size / kv_heads` consecutive
+ranks share one KV head, each holding a copy of its projection and its own KV cache. The vocabulary is
+padded up to a multiple of the TP size, so it always divides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.wire.user_error import UserError
+
+if TYPE_CHECKING:  # torch-free: `tandem serve` checks the flag before importing torch
+    from common.parallel.group import TensorParallel
+
+
+class TPSizeError(UserError):
+    """`--tp-size` cannot split this model; the message names the flag and the sizes."""
+
+
+@dataclass(frozen=True)
+class HeadPartition:
+    num_heads: int  # query heads of this rank
+    num_kv_heads: int  # KV heads of this rank
+    head_start: int  # first query head of this rank
+    kv_head_start: int  # first KV head of this rank
+
+
+def split(total: int, tp: TensorParallel) -> tuple[int, int]:
+    """This rank's [start, stop) of `total` items split evenly (`total` a multiple of the size)."""
+    per = total // tp.size
+    return tp.rank * per, (tp.rank + 1) * per
+
+
+def head_partition(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadPartition:
+    start, stop = split(num_heads, tp)
+    if tp.size <= num_kv_heads:
+        kv_start, kv_stop = split(num_kv_heads, tp)
+        return HeadPartition(stop - start, kv_stop - kv_start, start, kv_start)
+    return HeadPartition(stop - start, 1, start, tp.rank * num_kv_heads // tp.size)
+
+
+def padded_vocab(vocab: int, tp_size: int) -> int:
+    return -(-vocab // tp_size) * tp_size
+
+
+def check_tp_size(tp_size: int, num_heads: int, num_kv_heads: int, intermediate: int) -> None:
+    """Raise TPSizeError unless `tp_size` splits the heads, the KV heads (or is a multiple of them) and
+    the MLP's intermediate size."""
+    problems = []
+    if num_heads % tp_size:
+        problems.append(f"num_attention_heads {num_heads}")
+    if tp_size <= num_kv_heads and num_kv_heads % tp_size:
+        problems.append(f"num_key_value_heads {num_kv_heads}")
+    if tp_size > num_kv_heads and tp_size % num_kv_heads:
+        problems.append(f"num_key_value_heads {num_kv_heads} (to replicate them, --tp-size must be their multiple)")
+    if intermediate % tp_size:
+        problems.append(f"intermediate_size {intermediate}")
+    if problems:
+        raise TPSizeError(f"--tp-size {tp_size} does not divide the model's {', '.join(problems)}")

@@ -1,0 +1,89 @@
+"""What every rank builds alike: its shard of the model, its KV pool (its KV heads; the same pages on
+every rank) and its attention backend, and the report of what it holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from common.attention.base import AttentionBackend, make_attention_backend
+from common.config import ServerConfig
+from common.memory.kv_pool import KVPool
+from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
+from common.memory.sizing import PoolPlan, plan_kv_pool
+from common.model.kv_scales import read_kv_scales
+from common.model.llama import LlamaForCausalLM
+from common.model.loader import load_model
+from common.model.registry import attention_spec
+from common.parallel.group import TensorParallel
+from common.parallel.partition import HeadPartition, head_partition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankModel:
+    model: LlamaForCausalLM
+    heads: HeadPartition
+    pool_plan: PoolPlan
+    kv_pool: KVPool
+    attn: AttentionBackend
+
+
+def build_rank_model(
+    config: ServerConfig,
+    model_dir: Path,
+    hf: PretrainedConfig,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+    kv_file: str | None = None,
+) -> RankModel:
+    """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds
+    (in `kv_file`, shared, when given: common.parallel.rank_pools)."""
+    model = load_model(model_dir, hf, dtype, config.device, tp)
+    whole = attention_spec(hf)
+    heads = head_partition(whole.q_heads, whole.kv_heads, tp)
+    spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's
+    store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
+    memory = torch.cuda.mem_get_info() if config.device == "cuda" else None  # (free, total) after the weights
+    per_token = pool_bytes_per_token(spec, store_dtype)
+    plan = plan_kv_pool(config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static)
+    plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
+    scales, source = read_kv_scales(model_dir, spec.num_layers)
+    log.info("%s", describe_kv_cache(spec, store_dtype, source))
+    pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales, kv_file)
+    attn = make_attention_backend(
+        config.attention_backend, config.device, pool, spec.q_heads, spec.head_dim, spec.scaling
+    )
+    return RankModel(model, heads, plan, pool, attn)
+
+
+def rank_report(rank: int, built: RankModel) -> dict:
+    """What /get_server_info and the start-up summary show of one rank."""
+    weights = {id(p): p.numel() * p.element_size() for p in built.model.parameters()}
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "q_heads": built.heads.num_heads,
+        "kv_heads": built.heads.num_kv_heads,
+        "first_kv_head": built.heads.kv_head_start,
+        "weight_bytes": sum(weights.values()),
+        "kv_pool_bytes": built.kv_pool.total_bytes,
+        "kv_pages": built.pool_plan.num_pages,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def describe_rank(r: dict) -> str:
+    return (
+        f"tp rank {r['rank']} (pid {r['pid']}): {r['q_heads']} query heads, {r['kv_heads']} KV heads from "
+        f"{r['first_kv_head']}, weights {r['weight_bytes'] / 2**20:.1f} MiB, KV pool {r['kv_pages']} pages "
+        f"{r['kv_pool_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )

@@ -1,0 +1,123 @@
+"""Rank 0's side of tensor parallelism: it starts the followers, joins their group, sends every forward
+to them before running its own share (`forward`), watches them, and stops them.
+
+Faults: a follower that exits, or that has not finished a step within --watchdog-timeout-s, is a fault
+of the whole group: it is named (`fault`, what /health answers with 503), the other followers are killed
+(which also ends the collective rank 0 waits in), the step's requests fail with a RankFault naming the
+rank, and so does every later forward. A follower that exits during start-up ends the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from common.config import ServerConfig
+from common.core.forward_batch import ForwardBatch
+from common.parallel.group import TensorParallel, init_group
+from common.parallel.launch import end_followers, free_port, kill, spawn_followers, state_of
+from common.parallel.progress import Progress
+from common.parallel.step import StepChannel
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+POLL_S = 0.1
+GROUP_TIMEOUT_S = 365 * 24 * 3600.0  # followers wait for the next step as long as the server idles
+STOP_GRACE_S = 10.0
+
+
+class RankFault(RuntimeError):
+    """A rank of the TP group died or hangs; the message names it."""
+
+
+class Ranks:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.progress = Progress.create(config.tp_size)
+        port = free_port()
+        self.procs: list[subprocess.Popen] = spawn_followers(config, port, self.progress.path)
+        self.fault: str | None = None
+        self.serving = self.stopping = False
+        self.step, self.step_started = 0, None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="tp-ranks", daemon=True).start()
+        self.tp: TensorParallel = init_group(0, config.tp_size, port, config.device, GROUP_TIMEOUT_S)
+        self.channel = StepChannel(self.tp, config.device, config.page_size)
+
+    def forward(self, batch: ForwardBatch, run: Callable[[], T]) -> T:
+        """Send `batch` to the followers, then `run()` rank 0's share of it."""
+        if self.fault is not None:
+            raise RankFault(self.fault)
+        self.step += 1
+        self.progress.started(self.step)
+        self.step_started = time.monotonic()
+        try:
+            self.channel.send(batch, self.step)
+            return run()
+        except Exception as e:
+            raise RankFault(self._diagnose(e)) from e
+        finally:
+            self.step_started = None
+
+    def _diagnose(self, error: Exception) -> str:
+        """Why the step failed: a follower that exited (waited for briefly: its collective may end first)."""
+        deadline = time.monotonic() + 2.0
+        while self.fault is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self._set_fault(f"a collective of the TP group failed on rank 0: {error!r}")
+        return self.fault
+
+    def _watch(self) -> None:
+        while not self.stopping:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.poll() is not None and not self.stopping:
+                    self._on_exit(rank, p)
+            started = self.step_started
+            if started is not None and time.monotonic() - started > self.config.watchdog_timeout_s:
+                self._on_hang(self.step, time.monotonic() - started)
+            time.sleep(POLL_S)
+
+    def _on_exit(self, rank: int, p: subprocess.Popen) -> None:
+        if not self.serving:
+            log.critical("tp rank %d (pid %d) exited with code %s during start-up", rank, p.pid, p.returncode)
+            self._kill_all()
+            os._exit(1)
+        self._set_fault(f"tp rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+
+    def _on_hang(self, step: int, running_s: float) -> None:
+        laggards = self.progress.laggards(step)
+        names = ", ".join(
+            f"{r} (pid {self.procs[r - 1].pid}, state {state_of(self.procs[r - 1].pid)})" for r in laggards
+        )
+        self._set_fault(
+            f"tp rank {names or '0'} has not finished step {step} after {running_s:.0f} s "
+            f"(over --watchdog-timeout-s {self.config.watchdog_timeout_s:g}): it hangs"
+        )
+
+    def _set_fault(self, message: str) -> None:
+        with self._lock:
+            if self.fault is not None:
+                return
+            self.fault = message
+        log.error("the TP group is broken, this server cannot serve: %s", message)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        for p in self.procs:
+            kill(p)
+
+    def stop(self) -> None:
+        """Tell the followers to exit (unless a step is stuck or the group is broken), then end them."""
+        self.stopping = True
+        if self.fault is None and self.step_started is None:
+            try:
+                self.channel.send_stop()
+            except Exception as e:  # a follower gone meanwhile: end_followers kills the rest
+                log.warning("could not tell the TP ranks to stop: %r", e)
+        end_followers(self.procs, STOP_GRACE_S)
+        self.progress.remove()
