@@ -35,11 +35,15 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
 
 
 def plan_shards(
-    shards: list[Path], params: dict[str, torch.Tensor], ignore: frozenset[str], tp_shards: dict[str, Shard]
+    shards: list[Path],
+    params: dict[str, torch.Tensor],
+    ignore: frozenset[str],
+    tp_shards: dict[str, Shard] | None = None,
 ) -> dict[Path, list[str]]:
     """Which parameters each shard fills; raises unless together they fill every one, with its (whole)
     shape and a float dtype. Names in `ignore` (a tied lm_head) may be in a shard and are skipped."""
     plan: dict[Path, list[str]] = {}
+    tp_shards = tp_shards or {}
     for shard in shards:
         header, _ = read_header(shard)
         unexpected = sorted(n for n in header if n not in params and n not in ignore)
@@ -62,14 +66,16 @@ def _full_shape(name: str, params: dict[str, torch.Tensor], tp_shards: dict[str,
 
 
 @torch.no_grad()
-def fill_from_shard(path: Path, names: list[str], params: dict[str, torch.Tensor], tp_shards: dict[str, Shard]) -> None:
+def fill_from_shard(
+    path: Path, names: list[str], params: dict[str, torch.Tensor], tp_shards: dict[str, Shard] | None = None
+) -> None:
     """Copy the tensors `names` of one shard into `params` (any dtype, any device); a name in `tp_shards`
     gets only its rank's slice."""
     header, data_start = read_header(path)
     buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
     with open(path, "rb") as fh:
         for name in names:
-            entry, out, part = header[name], params[name], tp_shards.get(name)
+            entry, out, part = header[name], params[name], (tp_shards or {}).get(name)
             dtype, offset = DTYPES[entry["dtype"]], data_start + entry["data_offsets"][0]
             if part is None:
                 fh.seek(offset)
