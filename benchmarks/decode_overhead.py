@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ServerConfig  # noqa: E402
 from common.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from common.core.page_meta import build_page_meta  # noqa: E402
 from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
@@ -57,6 +58,7 @@ def bare_batch(engine: Engine, reqs: list[Req]) -> ForwardBatch:
     table = engine.memory.req_pool.req_to_token
     rows = torch.tensor([r.req_pool_idx for r in reqs])
     kv_lens = torch.tensor([r.kv_len for r in reqs])
+    pages, _ = build_page_meta([r.kv_len for r in reqs], [1] * len(reqs), engine.config.page_size, "cpu", [])
     return ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=torch.tensor([r.fill_ids[r.kv_len - 1] for r in reqs]),
@@ -67,6 +69,8 @@ def bare_batch(engine: Engine, reqs: list[Req]) -> ForwardBatch:
         extend_lens=torch.ones_like(kv_lens),
         logits_indices=torch.arange(len(reqs)),
         req_to_token=table,
+        pages=pages,
+        rope_lens=pages.seq_lens,
     )
 
 

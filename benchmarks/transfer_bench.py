@@ -67,6 +67,7 @@ def make_manager(mode: str, backend: str, device: str, layout: str, layers: int,
         PAGE,
         backend=backend,
         on_cuda=device == "cuda",
+        device_index=bufs[0].device.index or 0,
         aux_ptr=aux.data_ptr() if aux is not None else 0,
         aux_record_bytes=64 if aux is not None else 0,
         aux_slots=1 if aux is not None else 0,
@@ -206,9 +207,8 @@ def main() -> None:
         "--layouts", nargs="+", choices=["page-major", "layer-major"], default=["page-major", "layer-major"]
     )
     ns = ap.parse_args()
-    if ns.device == "cuda":
-        os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
-        os.environ.setdefault("UCX_TLS", "cuda_ipc,cuda_copy,tcp")
+    # on CUDA the managers choose their transports as servers do (NIXL sets UCX_TLS; Mooncake refuses
+    # MC_INTRANODE_NVLINK, whose transport cannot reach the host-memory aux records)
     rows = []
     for backend in ns.backends:
         for case in ns.cases:

@@ -25,6 +25,9 @@ class ServerConfig(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    kernel_cache_dir: str | None = Field(
+        None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
+    )
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"
     )

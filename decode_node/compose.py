@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 def build_decode_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> DecodeRole:
+        config = engine.config  # with the batch limits derived for the device
         aux = AuxPool(2 * config.max_running_requests + 16)
         args = kv_args_from_pool(engine.kv_buffers, config, aux.data_ptr, RECORD_BYTES, aux.num_slots)
         manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)

@@ -24,6 +24,7 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
+        config = engine.config  # with the batch limits derived for the device
         args = kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES)
         manager = PrefillKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)

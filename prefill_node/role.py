@@ -157,7 +157,7 @@ class PrefillRole(Role):
             return
         pages = self.scheduler.memory.page_ids(req, out.sent_tokens, out.computed_tokens)
         aux, out.aux, out.sent_tokens = out.aux, None, out.computed_tokens
-        out.sender.send(pages, is_last=aux is not None, aux=aux)
+        out.sender.send(pages, is_last=aux is not None, aux=aux, ready=req.kv_ready)
 
     def _pair(self, req: Req, out: Outbound) -> bool:
         """The decode asked for the room: True if its pages fit the prompt, else the request fails."""

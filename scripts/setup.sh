@@ -24,15 +24,27 @@ case "$DEVICE" in
   *) echo "[setup] TANDEM_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2 ;;
 esac
 
+# System libraries the transfer engines load, as library:Debian package. Mooncake needs verbs and NUMA on
+# every build; its CUDA build and NIXL's UCX also load the Mellanox verbs provider (libmlx5, in
+# ibverbs-providers) and libcurl.
+SYSTEM_LIBS=(libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1)
+[ "$DEVICE" = cuda ] && SYSTEM_LIBS+=(libmlx5.so.1:ibverbs-providers libcurl.so.4:libcurl4)
 need_apt=()
-for lib in libibverbs.so.1 libnuma.so.1; do
-  ldconfig -p | grep -q "$lib" || need_apt+=("$lib")
+for entry in "${SYSTEM_LIBS[@]}"; do
+  ldconfig -p | grep -q "${entry%%:*}" || need_apt+=("${entry##*:}")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
-  echo "[setup] installing Debian packages libibverbs1 libnuma1 (Mooncake's transfer engine needs them)"
+  echo "[setup] installing Debian packages ${need_apt[*]} (the transfer engines load them)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   run $SUDO apt-get update -qq
-  run env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 libnuma1
+  run env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+fi
+
+# The several-hosts tests (tests/integration/netns.py) put each server in a network namespace: as root, ip and nft.
+if [ "$(id -u)" -eq 0 ] && ! { command -v ip && command -v nft; } >/dev/null 2>&1; then
+  echo "[setup] installing Debian packages iproute2 nftables (the network-namespace tests need them)"
+  run apt-get update -qq
+  run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables
 fi
 
 [ -x .venv/bin/python ] || run "$PY" -m venv .venv

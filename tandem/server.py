@@ -109,6 +109,7 @@ def serve(config: ServerConfig) -> None:
     tls = tls_context(config)
     t0 = time.monotonic()
     engine = build_engine(config)
+    engine.warm_up()  # the port opens after: /health never answers while kernels build
     engine.start()
     from common.http.app import create_app
     from common.http.drain import engine_drain, fail_in_flight

@@ -43,12 +43,15 @@ class ServerProcess:
         health: str = "/health",
         env: dict[str, str] | None = None,
         tls_ca: str | None = None,
+        host: str = "127.0.0.1",
+        prefix: tuple[str, ...] = (),
     ):
         self.port = port
         self.env = env or {}  # on top of this process's environment
         # with TLS (the server has --ssl-certfile), the CA this test's requests verify it with
         self.verify = ssl.create_default_context(cafile=tls_ca) if tls_ca else True
-        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{port}"
+        self.url = f"{'https' if tls_ca else 'http'}://{host}:{port}"
+        self.prefix = prefix  # runs the command inside something, e.g. ("ip", "netns", "exec", NAME)
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
         self.args = args
@@ -65,7 +68,11 @@ class ServerProcess:
     def _spawn(self) -> subprocess.Popen:
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(
-            [sys.executable, "-m", "tandem", *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            [*self.prefix, sys.executable, "-m", "tandem", *self.args],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
 
     def signal(self, sig: int) -> None:

@@ -2,7 +2,11 @@
 thread), one PUSH socket per peer endpoint, every frame signed and stamped by transfer/messages.py.
 
 Sends never block: a peer that stopped reading long ago fills its socket's queue and later sends are
-dropped and counted (the heartbeat declares that peer dead). A receive handler that raises never stops
+dropped and counted (the heartbeat declares that peer dead). A connection that hears nothing back (ZMTP
+heartbeats) for `stall_s`, or a connect that has not finished in `stall_s`, is closed and dialled again:
+after a network partition heals, frames flow at once instead of waiting out TCP's retransmission backoff,
+which doubles up to seconds while the partition lasts. Frames a replaced connection still carried may
+arrive late; the receiver drops them as replays (transfer/messages.py). A receive handler that raises never stops
 the loop: the frame is counted as rejected and the cause logged.
 """
 
@@ -23,8 +27,9 @@ FrameHandler = Callable[[bytes], None]
 
 
 class ZmqControlPlane:
-    def __init__(self, host: str, sender_id: str, secret: str | None, counters: Counter):
+    def __init__(self, host: str, sender_id: str, secret: str | None, counters: Counter, stall_s: float = 5.0):
         self.sender_id, self.secret, self.counters = sender_id, secret, counters
+        self.stall_ms = max(1, int(stall_s * 1000))
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
@@ -53,6 +58,9 @@ class ZmqControlPlane:
                 sock = self._push[endpoint] = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 1000)
                 sock.setsockopt(zmq.SNDHWM, 100000)
+                sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, self.stall_ms // 2))
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.stall_ms)
+                sock.setsockopt(zmq.CONNECT_TIMEOUT, self.stall_ms)
                 sock.connect(endpoint)
             frame = encode(msg, self.secret, sender=self.sender_id, seq=next_seq())
             try:

@@ -52,6 +52,7 @@ class KVArgs:
     protocol: str = "tcp"
     device: str = ""
     on_cuda: bool = False
+    device_index: int = 0  # the KV pool's CUDA device
     secret: str | None = None
     aux_ptr: int = 0  # decode: where prefill writes aux records
     aux_record_bytes: int = 0  # decode: one aux slot; prefill: the record it writes (0: not checked)
@@ -82,15 +83,28 @@ class KVManager(ABC):
         self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
         self.clock, self.threaded = clock, threaded
         self.backend = create_lowered(
-            lambda: make_backend(args.backend, args.host, args.protocol, args.device, args.transfer_timeout_s)
+            lambda: make_backend(
+                args.backend,
+                args.host,
+                args.protocol,
+                args.device,
+                args.transfer_timeout_s,
+                args.on_cuda,
+                args.device_index,
+            )
         )
+        log.info("%s KV transfer: %s", self.mode, self.backend.describe())
         for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
             self.backend.register(ptr, nbytes, args.on_cuda)
         self.counters: Counter[str] = Counter()
         self.metrics = TransferMetrics(self.counters)  # the engine's /metrics exposes it
         self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses, clock, wall_clock)
         self.replay = ReplayGuard(clock=wall_clock)
-        make = control or (lambda sender, counters: ZmqControlPlane(args.host, sender, args.secret, counters))
+        make = control or (
+            lambda sender, counters: ZmqControlPlane(
+                args.host, sender, args.secret, counters, stall_s=args.heartbeat_interval_s
+            )
+        )
         self.control = make(self.instance_id, self.counters)
         self.endpoint: str = self.control.endpoint
         self._stop = threading.Event()
@@ -201,6 +215,7 @@ def kv_args_from_pool(pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0,
         protocol=config.transfer_protocol,
         device=config.transfer_device,
         on_cuda=config.device == "cuda",
+        device_index=pool.buffer.device.index or 0,
         secret=config.cluster_secret,
         aux_ptr=aux_ptr,
         aux_record_bytes=aux_record_bytes,

@@ -8,6 +8,7 @@ import torch
 
 from common.core.forward_batch import ForwardBatch
 from common.memory.kv_pool import KVPool
+from common.wire.user_error import UserError
 
 
 class AttentionBackend(ABC):
@@ -28,6 +29,36 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq, D]."""
+
+
+FLASHINFER_DTYPES = ("bfloat16", "float16")
+
+
+class AttentionChoiceError(UserError):
+    """The flags ask for an attention backend that cannot run here; the message names them."""
+
+
+def choose_attention_backend(name: str, device: str, dtype: str) -> tuple[str, str | None]:
+    """The backend for `--attention-backend name` on `device` with weights of `dtype`, and a warning when
+    "auto" cannot take the fast one; a combination that cannot run is refused at start-up, naming the
+    flags, instead of failing every forward (FlashInfer has no float32 kernels)."""
+    if name == "auto" and device == "cuda" and dtype not in FLASHINFER_DTYPES:
+        return "torch", (
+            f"--dtype {dtype} on --device cuda: FlashInfer has no {dtype} kernels, using the torch attention "
+            "backend (slower); use --dtype bfloat16 for FlashInfer"
+        )
+    if name == "auto":
+        return ("flashinfer" if device == "cuda" else "torch"), None
+    if name == "flashinfer" and device != "cuda":
+        raise AttentionChoiceError(
+            "--attention-backend flashinfer needs --device cuda; use --attention-backend torch on cpu"
+        )
+    if name == "flashinfer" and dtype not in FLASHINFER_DTYPES:
+        raise AttentionChoiceError(
+            f"--attention-backend flashinfer has no {dtype} kernels: use --dtype bfloat16 (or float16), "
+            "or --attention-backend torch"
+        )
+    return name, None
 
 
 def make_attention_backend(

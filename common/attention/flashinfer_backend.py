@@ -10,6 +10,7 @@ import torch
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
+from common.core.page_meta import page_indices
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -26,22 +27,12 @@ class FlashInferAttention(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=group >= 4)
         self.page_size = kv_pool.page_size
 
-    def _page_table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        page = self.page_size
-        device = self.workspace.device
-        seq_lens = batch.seq_lens.to(device)
-        num_pages = (seq_lens + page - 1) // page
-        max_pages = int(num_pages.max())
-        table = batch.req_to_token[batch.req_pool_indices, : max_pages * page : page].long() // page
-        valid = torch.arange(max_pages, device=device)[None, :] < num_pages[:, None]
-        kv_indices = table[valid].to(torch.int32)
-        kv_indptr = torch.zeros(len(num_pages) + 1, dtype=torch.int32, device=device)
-        kv_indptr[1:] = torch.cumsum(num_pages, 0)
-        last_page_len = ((seq_lens - 1) % page + 1).to(torch.int32)
-        return kv_indptr, kv_indices, last_page_len
-
     def init_forward(self, batch: ForwardBatch) -> None:
-        indptr, indices, last_len = self._page_table(batch)
+        """plan() reads the indptr arrays on the host (the pinned views: no read back from the device)
+        and copies them to its buffers; the page ids are gathered on the device."""
+        meta = batch.pages
+        indptr, last_len = meta.kv_indptr, meta.last_page_len
+        indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
         pool = self.kv_pool
         self._out = pool.locate(batch.out_cache_loc)
         common = dict(sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)
@@ -58,10 +49,8 @@ class FlashInferAttention(AttentionBackend):
                 **common,
             )
             return
-        qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=indptr.device)
-        qo_indptr[1:] = torch.cumsum(batch.extend_lens.to(indptr.device), 0)
         self.prefill.plan(
-            qo_indptr,
+            meta.qo_indptr,
             indptr,
             indices,
             last_len,

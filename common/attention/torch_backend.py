@@ -23,14 +23,12 @@ class TorchAttention(AttentionBackend):
         rows, pool = batch.req_pool_indices, self.kv_pool
         self._out = pool.locate(batch.out_cache_loc)
         if batch.mode == ForwardMode.DECODE:
-            max_len = int(batch.seq_lens.max())
-            table = batch.req_to_token[rows, :max_len].long()
-            valid = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens.to(table.device)[:, None]
+            meta = batch.pages  # lengths' extremes on the host: nothing read back from the device
+            table = batch.req_to_token[rows, : meta.max_len].long()
+            valid = torch.arange(meta.max_len, device=table.device)[None, :] < meta.seq_lens[:, None]
             self._kv_at = pool.locate(torch.where(valid, table, 0))  # slot 0 is the padding page
             # no mask when every row is full length: the same SDPA kernel as transformers' (bit-equal outputs)
-            self._decode_mask = (
-                None if int(batch.seq_lens.min()) == max_len else valid[:, None, None, :]
-            )  # [B, 1, 1, S]
+            self._decode_mask = None if meta.min_len == meta.max_len else valid[:, None, None, :]  # [B, 1, 1, S]
             return
         self._extend = []
         start = 0

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.core.page_meta import PageMeta
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill: new tokens of each request on top of its cached prefix
@@ -24,9 +26,10 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int64 on CPU, new tokens per request (1 in decode)
     logits_indices: torch.Tensor  # [L] int64, rows of the hidden states that need logits
     req_to_token: torch.Tensor  # the whole ReqToTokenPool table
-    # [B] int64 on CPU, EXTEND only: each request's length once its whole prefill is done (a chunk's
-    # length-dependent RoPE uses it, so chunking does not change the angles); DECODE: seq_lens
-    full_lens: torch.Tensor | None = None
+    pages: PageMeta  # the page table's metadata, on the host and the device (built from host-side lengths)
+    # [T] int64 on the device: for length-dependent RoPE, each new token's request length (EXTEND: once its
+    # whole prefill is done, so chunking does not change the angles; DECODE: seq_lens)
+    rope_lens: torch.Tensor
 
     @property
     def batch_size(self) -> int:

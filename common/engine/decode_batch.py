@@ -44,7 +44,13 @@ class DecodeBatch:
                 return None
             self.retract(self.running[-1])
             batch = self.tensors.prepare(self.running)
-        locs = self.memory.extend_decode(batch.reqs, batch.req_pool_indices, batch.positions, batch.seq_lens)
+        first_slots = self.memory.alloc_decode_pages(batch.reqs)
+        try:
+            batch.upload(first_slots, self.config.page_size)
+            locs = self.memory.write_decode_slots(batch.req_pool_indices, batch.positions, batch.new_slots)
+        except Exception:  # the slots were never written: the requests give them back before they fail
+            self.memory.undo_decode_pages(batch.reqs, first_slots)
+            raise
         n = len(batch.reqs)
         return BatchPlan(ForwardMode.DECODE, batch.reqs, [1] * n, [locs], [True] * n, decode=batch)
 

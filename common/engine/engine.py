@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
@@ -27,13 +28,14 @@ from common.engine.output import OutputProcessor
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
+from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.memory.sizing import plan_context_len
+from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_hf_config, resolve_model_dir
@@ -55,6 +57,12 @@ class Engine:
     def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None):
         """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic)."""
         self.config = config
+        self.attention_backend, warning = choose_attention_backend(
+            config.attention_backend, config.device, config.torch_dtype_name
+        )  # before loading anything: a refusal comes at once
+        if warning:  # "auto" could not take FlashInfer: every rank builds the torch backend
+            log.warning("%s", warning)
+            self.config = config = config.model_copy(update={"attention_backend": self.attention_backend})
         torch.manual_seed(config.seed)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
@@ -63,6 +71,7 @@ class Engine:
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.metrics = EngineMetrics(config.disagg_mode)
+        use_kernel_cache(config.kernel_cache_dir)  # before FlashInfer is imported
         self.ranks = self._start_ranks()
         tp = self.ranks.tp if self.ranks else SINGLE
         built = build_rank_model(config, self.model_dir, self.hf_config, self.dtype, tp)
@@ -74,6 +83,7 @@ class Engine:
         self.kv_buffers = self._kv_buffers()
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
+        self.config = config = self._batch_limits(config)
         num_pages = self.pool_plan.num_pages
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
@@ -106,6 +116,17 @@ class Engine:
         if self.ranks is None or self.config.disagg_mode == "null":
             return self.kv_pool
         return RankPools(self.kv_pool, self.ranks.progress.path, self.config.tp_size)
+
+    def _batch_limits(self, config: ServerConfig) -> ServerConfig:
+        """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
+        if config.device != "cuda":
+            return config
+        derived = gpu_batch_limits(torch.cuda.mem_get_info()[1], self.pool_plan, self.context_len)
+        unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
+        log.info(
+            "batch limits for this GPU and pool: %s (flags override)", ", ".join(f"{k} {v}" for k, v in unset.items())
+        )
+        return config.model_copy(update=unset)
 
     def _context_len(self) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", 4096)
@@ -147,6 +168,20 @@ class Engine:
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def warm_up(self) -> float:
+        """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
+        c = self.config
+        tokens = min(2 * c.page_size + 1, self.context_len - 2)  # whole pages and a partial one
+        seconds = warm_up(self.runner, self.memory, tokens, c.device)
+        cache = c.kernel_cache_dir or "the default location"
+        log.info(
+            "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
+            seconds,
+            tokens,
+            cache,
+        )
+        return seconds
+
     def start(self) -> None:
         self.thread.start()
 

@@ -8,8 +8,10 @@ import torch
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
+from common.core.page_meta import build_page_meta
 from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
+from common.engine.kv_ready import KVReady, record_kv_ready
 from common.engine.sampler import Sampler
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM
@@ -41,6 +43,7 @@ class BatchResult:
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
     input_logprobs: list[InputLogprobs | None]  # per request
+    kv_ready: KVReady | None = None  # EXTEND: recorded after the forward that wrote the batch's KV
 
 
 class ModelRunner:
@@ -58,6 +61,7 @@ class ModelRunner:
         self.attn = attn
         self.req_to_token = req_to_token
         self.device = device
+        self.page_size = attn.kv_pool.page_size
         self.sampler = Sampler()
 
     def run(self, plan: BatchPlan) -> BatchResult:
@@ -66,10 +70,11 @@ class ModelRunner:
         batch, logit_spans = self._build(plan)
         self.attn.init_forward(batch)
         logits = self.model(batch, self.attn)
+        kv_ready = record_kv_ready(self.device)  # before sampling: the transfer need not wait for it
         last_rows = torch.tensor([end - 1 for _, end in logit_spans], device=logits.device)
         sample_idx = [i for i, s in enumerate(plan.sample) if s]
         result = BatchResult(
-            [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs)
+            [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs), kv_ready
         )
         if sample_idx:
             rows = [self._sampling_row(plan.reqs[i]) for i in sample_idx]
@@ -88,7 +93,7 @@ class ModelRunner:
 
     def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
         """One token for every running request, from tensors kept across steps: no tensor work per request."""
-        batch = decode.forward_batch(out_cache_loc, self.req_to_token)
+        batch = decode.forward_batch(out_cache_loc, self.req_to_token)  # its metadata went with the slots
         self.attn.init_forward(batch)
         logits = self.model(batch, self.attn)
         if decode.sampling is None:  # the running set changed
@@ -98,31 +103,36 @@ class ModelRunner:
         return BatchResult(out.token_ids, out.logprobs, out.top_logprobs, [None] * len(decode.reqs))
 
     def _build(self, plan: BatchPlan) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-        ids, positions, logits_idx, spans = [], [], [], []
+        """The batch's tensors, built on the host and sent in one copy (see page_meta.py)."""
+        ids, positions, rope_lens, logits_idx, spans = [], [], [], [], []
         token_start = 0
         for req, ext in zip(plan.reqs, plan.extend_lens):
             prefix = req.kv_len - ext
             ids.extend(req.fill_ids[prefix : req.kv_len])
             positions.extend(range(prefix, req.kv_len))
+            rope_lens.extend([len(req.fill_ids)] * ext)
             want_all = plan.mode == ForwardMode.EXTEND and req.logprob_start_len >= 0
             first = token_start if want_all else token_start + ext - 1
             spans.append((len(logits_idx), len(logits_idx) + token_start + ext - first))
             logits_idx.extend(range(first, token_start + ext))
             token_start += ext
-        dev = self.device
+        seq_lens = [r.kv_len for r in plan.reqs]
+        rows = [r.req_pool_idx for r in plan.reqs]
+        pages, (ids_d, positions_d, rope_lens_d, rows_d, logits_d) = build_page_meta(
+            seq_lens, plan.extend_lens, self.page_size, self.device, [ids, positions, rope_lens, rows, logits_idx]
+        )
         batch = ForwardBatch(
             mode=plan.mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=torch.cat(plan.out_cache_locs).to(dev),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in plan.reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor([r.kv_len for r in plan.reqs], dtype=torch.int64),
+            input_ids=ids_d.long(),
+            positions=positions_d.long(),
+            out_cache_loc=torch.cat(plan.out_cache_locs).to(self.device),
+            req_pool_indices=rows_d.long(),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             extend_lens=torch.tensor(plan.extend_lens, dtype=torch.int64),
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            logits_indices=logits_d.long(),
             req_to_token=self.req_to_token,
-            full_lens=torch.tensor([len(r.fill_ids) for r in plan.reqs], dtype=torch.int64)
-            if plan.mode == ForwardMode.EXTEND
-            else None,
+            pages=pages,
+            rope_lens=rope_lens_d.long(),
         )
         return batch, spans
 

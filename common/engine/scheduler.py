@@ -183,6 +183,7 @@ class Scheduler:
     def _commit(self, plan: BatchPlan, result: BatchResult, i: int) -> None:
         req = plan.reqs[i]
         self.memory.mark_computed(req)
+        req.kv_ready = result.kv_ready
         if result.input_logprobs[i] is not None:
             self.output.add_input_logprobs(req, plan.extend_lens[i], result.input_logprobs[i])
         if req.finished:

@@ -100,25 +100,34 @@ class MemoryManager:
         req.kv_len = end
         return slots
 
-    def extend_decode(
-        self, reqs: list[Req], rows: torch.Tensor, kv_lens: torch.Tensor, host_kv_lens: torch.Tensor
-    ) -> torch.Tensor:
-        """One more KV slot for every request of a decode batch, allocated at once: the next slot of its
-        last page, or the first of a new page when that one is full. `rows` and `kv_lens` (the requests'
-        rows and KV lengths) are on the device, `host_kv_lens` is their host copy and grows by one here.
-        Returns the slots (int64, on the device)."""
-        ps, table = self.page_size, self.req_pool.req_to_token
-        new_page = host_kv_lens % ps == 0
-        num_new = int(new_page.sum())
-        self._evict_for(num_new)
-        pages = torch.tensor(self.allocator.alloc(num_new), dtype=torch.int64)
-        first = torch.zeros(len(reqs), dtype=torch.int64).masked_scatter_(new_page, pages * ps)
-        after_last = table[rows, kv_lens - 1].long() + 1  # a decoding request has KV, so kv_lens >= 1
-        slots = torch.where(new_page.to(table.device), first.to(table.device), after_last)
-        table[rows, kv_lens] = slots.to(torch.int32)
-        host_kv_lens += 1
-        for req in reqs:  # bookkeeping only: no tensor work per request
+    def alloc_decode_pages(self, reqs: list[Req]) -> list[int]:
+        """One more token for every request of a decode batch, on the host: a page for each whose last
+        page is full, allocated at once; every `kv_len` grows by one. Returns, per request, the first slot
+        of its new page, or -1 (the token goes to the slot after its last one: write_decode_slots)."""
+        ps = self.page_size
+        new_page = [r.kv_len % ps == 0 for r in reqs]
+        self._evict_for(sum(new_page))
+        pages = iter(self.allocator.alloc(sum(new_page)))
+        first = [next(pages) * ps if new else -1 for new in new_page]
+        for req in reqs:
             req.kv_len += 1
+        return first
+
+    def undo_decode_pages(self, reqs: list[Req], first_slots: list[int]) -> None:
+        """alloc_decode_pages undone (its slots could not be written): lengths back, new pages freed."""
+        for req in reqs:
+            req.kv_len -= 1
+        self.allocator.free(slot // self.page_size for slot in first_slots if slot >= 0)
+
+    def write_decode_slots(
+        self, rows: torch.Tensor, positions: torch.Tensor, first_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode tokens' slots into req_to_token, on the device: `positions` (the tokens' indices) and
+        `first_slots` (alloc_decode_pages's) are on it. Returns the slots (int64)."""
+        table = self.req_pool.req_to_token
+        after_last = table[rows, positions - 1].long() + 1  # a decoding request has KV, so positions >= 1
+        slots = torch.where(first_slots >= 0, first_slots, after_last)
+        table[rows, positions] = slots.to(torch.int32)
         return slots
 
     def _evict_for(self, pages: int) -> None:

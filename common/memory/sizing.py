@@ -99,3 +99,26 @@ def plan_context_len(model_max: int, requested: int | None, pool: PoolPlan) -> t
             f"allows {model_max}): raise --max-total-tokens / --mem-fraction-static, or set --context-length"
         )
     return model_max, None
+
+
+# (device memory below this many GiB, chunked prefill size): SGLang's steps, by device class
+GPU_CHUNK_STEPS = ((20, 2048), (35, 2048), (60, 4096), (90, 8192), (160, 8192))
+GPU_CHUNK_LARGEST = 16384
+GPU_MAX_PREFILL_TOKENS = 16384
+BATCH_LIMITS = ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests")
+
+
+def gpu_batch_limits(total_bytes: int, pool: PoolPlan, context_len: int) -> dict[str, int]:
+    """The batch limits a GPU gets when the flags do not set them (the CPU keeps the fields' defaults,
+    512 / 4096 / 32), derived as SGLang does: the prefill chunk from the device's memory class, the
+    prefill budget at least one chunk, and the running requests from how many context-long requests the
+    pool holds (512 rows per context's worth of pool, within 2048..4096), never more than the pool's
+    pages (each running request holds one at least)."""
+    gib = total_bytes / GIB
+    chunk = next((size for below, size in GPU_CHUNK_STEPS if gib < below), GPU_CHUNK_LARGEST)
+    running = min(max(int(pool.tokens / context_len * 512), 2048), 4096, pool.num_pages)
+    return {
+        "chunked_prefill_size": chunk,
+        "max_prefill_tokens": max(GPU_MAX_PREFILL_TOKENS, chunk),
+        "max_running_requests": running,
+    }

@@ -26,7 +26,7 @@ def read_kv_scales(model_dir: Path, num_layers: int) -> tuple[list[tuple[float, 
     for shard in sorted(model_dir.glob("*.safetensors")):
         names = [n for n in read_header(shard)[0] if is_kv_scale(n)]
         values = {n: torch.zeros(1, dtype=torch.float32) for n in names}
-        fill_from_shard(shard, names, values)
+        fill_from_shard(shard, names, values, {})  # whole scalars: no rank slices
         for name, value in values.items():
             layer, which = SCALE_NAME.match(name).groups()
             if int(layer) < num_layers:

@@ -56,6 +56,10 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("long_inv_freq", long_freq.float(), persistent=False)
         elif self.rope_type == "dynamic":
             self.length_limit = config.max_position_embeddings
+            dim = int(head_dim_of(config) * params.get("partial_rotary_factor", 1.0))
+            self.ntk = (params["rope_theta"], params["factor"], dim)
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+            self.register_buffer("ntk_exponents", exponents, persistent=False)
 
     def _init_inv_freq(self) -> tuple[torch.Tensor, float]:
         if self.rope_type == "default":
@@ -84,13 +88,18 @@ class RotaryEmbedding(nn.Module):
         """[1, D/2], or [T, D/2] for the length-dependent types."""
         if self.rope_type not in LENGTH_DEPENDENT:
             return self.inv_freq[None, :]
-        device = self.inv_freq.device
-        lens = batch.seq_lens if batch.full_lens is None else batch.full_lens
-        seq_len = torch.repeat_interleave(lens, batch.extend_lens).to(device)[:, None]
+        seq_len = batch.rope_lens[:, None]  # per token, built with the batch: no host work per forward
         if self.rope_type == "longrope":
             return torch.where(seq_len > self.length_limit, self.long_inv_freq, self.inv_freq)
-        scaled, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.config, device, seq_len=seq_len)
-        return torch.where(seq_len > self.length_limit, scaled, self.inv_freq)
+        return torch.where(seq_len > self.length_limit, self._dynamic_inv_freq(seq_len), self.inv_freq)
+
+    def _dynamic_inv_freq(self, seq_len: torch.Tensor) -> torch.Tensor:
+        """transformers' dynamic NTK frequencies, the same operations in the same dtypes, for per-token
+        lengths on the device (its function builds a scalar tensor per call: a host-to-device copy)."""
+        base, factor, dim = self.ntk
+        longest = seq_len.clamp_min(self.length_limit)
+        scaled_base = base * ((factor * longest / self.length_limit) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (scaled_base**self.ntk_exponents)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)
     tp.all_gather_objects(rank_report(ns.rank, built))
-    serve_steps(ns.rank, built, StepChannel(tp, config.device), Progress(ns.progress, ns.size))
+    serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))
     log.info("stopped by rank 0")
     logging.shutdown()
     os._exit(0)  # not through interpreter teardown: the stdin watcher blocks in a read

@@ -47,7 +47,7 @@ class Ranks:
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, name="tp-ranks", daemon=True).start()
         self.tp: TensorParallel = init_group(0, config.tp_size, port, config.device, GROUP_TIMEOUT_S)
-        self.channel = StepChannel(self.tp, config.device)
+        self.channel = StepChannel(self.tp, config.device, config.page_size)
 
     def forward(self, batch: ForwardBatch, run: Callable[[], T]) -> T:
         """Send `batch` to the followers, then `run()` rank 0's share of it."""

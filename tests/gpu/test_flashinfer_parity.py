@@ -1,7 +1,7 @@
 """FlashInfer attention on CUDA: greedy tokens equal the torch backend and Hugging Face transformers
 on a small random model with the built-in model's attention shapes (9 q heads, 3 kv heads, dim 64).
 
-In float16 two kernels may pick different tokens where the best two logits (nearly) tie; a sequence
+In bf16 and float16 two kernels may pick different tokens where the best two logits (nearly) tie; a sequence
 may diverge only at such a step (top-2 logprob gap < NEAR_TIE), and most must match in full."""
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def run_engine(model_dir, backend: str, page_size: int) -> tuple[list[list[int]], list[list[float]]]:
+def run_engine(model_dir, backend: str, page_size: int, dtype: str) -> tuple[list[list[int]], list[list[float]]]:
     cfg = ServerConfig(
         model=str(model_dir),
         device="cuda",
-        dtype="float16",
+        dtype=dtype,
         attention_backend=backend,
         page_size=page_size,
         chunked_prefill_size=64,
@@ -102,9 +102,14 @@ def assert_same_up_to_near_ties(got: list[list[int]], want: list[list[int]], gap
     assert full >= len(want) - 1, f"only {full} of {len(want)} sequences match in full"
 
 
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def hf_tokens(model_dir):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).cuda().eval()
+def hf_tokens(model_dir, dtype):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).cuda().eval()
     out = []
     for p in prompts():
         ids = torch.tensor([p], device="cuda")
@@ -121,8 +126,8 @@ def hf_tokens(model_dir):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_flashinfer_greedy_tokens_equal_torch_backend_and_transformers(model_dir, hf_tokens, page_size):
-    flash, gaps = run_engine(model_dir, "flashinfer", page_size)  # equal prefixes up to a divergence
-    ref, _ = run_engine(model_dir, "torch", page_size)
+def test_flashinfer_greedy_tokens_equal_torch_backend_and_transformers(model_dir, hf_tokens, page_size, dtype):
+    flash, gaps = run_engine(model_dir, "flashinfer", page_size, dtype)  # equal prefixes up to a divergence
+    ref, _ = run_engine(model_dir, "torch", page_size, dtype)
     assert_same_up_to_near_ties(flash, ref, gaps)
     assert_same_up_to_near_ties(flash, hf_tokens, gaps)

@@ -219,3 +219,23 @@ def test_a_pod_monitor_and_a_host_path_model():
     )  # the GGUF is converted there
     monitor = objects(docs, "PodMonitor")[0]["spec"]
     assert monitor["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+
+
+@pytest.mark.parametrize("claim", ["", "kernels"])
+def test_gpu_pods_keep_compiled_kernels_in_a_mounted_cache(claim):
+    values = example("gpu-1p1d-rdma.yaml")
+    values.setdefault("engine", {})["kernelCache"] = {"claimName": claim, "sizeLimit": "5Gi"}
+    docs = render(values)
+    for role in ("prefill", "decode"):
+        pod = component(docs, "Deployment", role)["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert env_of(c)["TANDEM_KERNEL_CACHE_DIR"]["value"] == "/var/cache/tandem-kernels"
+        assert {"name": "kernel-cache", "mountPath": "/var/cache/tandem-kernels"} in c["volumeMounts"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "kernel-cache")
+        assert volume == (
+            {"name": "kernel-cache", "persistentVolumeClaim": {"claimName": "kernels"}}
+            if claim
+            else {"name": "kernel-cache", "emptyDir": {"sizeLimit": "5Gi"}}
+        )
+    cpu = render(example("cpu-demo.yaml"))
+    assert "kernel-cache" not in str(component(cpu, "Deployment", "prefill")["spec"]["template"]["spec"])

@@ -15,6 +15,7 @@ from decode_node.peers import CACHE_TTL_S, REFRESH_AFTER_S, PeerDirectory, PeerI
 from tests.conftest import ServerProcess, free_port
 
 LAYOUT = {
+    "tp_size": 1,
     "num_layers": 2,
     "kv_heads": 1,
     "head_dim": 8,
@@ -35,7 +36,6 @@ def bootstrap():
     entry = {
         "role": "Prefill",
         "instance_id": INSTANCE,
-        "tp_size": 1,
         "tp_rank": 0,
         "rank_ip": "127.0.0.1",
         "rank_port": 5555,

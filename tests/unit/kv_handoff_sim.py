@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import ServerConfig
+from common.engine.kv_ready import HostEvent
 from common.engine.model_runner import BatchResult
 from common.engine.output import OutputProcessor
 from common.engine.role import SchedulerView
@@ -105,12 +106,42 @@ class FakeControlPlane:
         self.net.handlers.pop(self.endpoint, None)
 
 
+class StreamEvents:
+    """The KV events of one simulated device stream: numbered in recording order and, like CUDA events on
+    one stream, complete in that order, so waiting on one covers every event recorded before it."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+        self.waited = 0  # the newest event number some thread waited on
+        self.page_event: dict[int, int] = {}  # page -> number of the event after the forward that last wrote it
+
+    def record(self, slots: torch.Tensor) -> HostEvent:
+        self.recorded += 1
+        number, event = self.recorded, HostEvent()
+        for page in (slots // CONFIG.page_size).tolist():
+            self.page_event[page] = number
+        real_wait = event.synchronize
+
+        def synchronize() -> None:
+            real_wait()
+            self.waited = max(self.waited, number)
+
+        event.synchronize = synchronize
+        event.record()
+        return event
+
+    def unwaited(self, pages: list[int]) -> list[int]:
+        """Of `pages`, those written by a forward that no thread has waited for yet."""
+        return [p for p in pages if self.page_event.get(p, 0) > self.waited]
+
+
 class KVRunner:
     """Next token = last token + 1; the KV of token t at slot s is the value t in every buffer."""
 
     def __init__(self, buffers: list[torch.Tensor]):
         self.buffers = buffers
         self.fail_next = False  # the next forward dies half way (after writing some of its KV)
+        self.events = StreamEvents()
 
     def run(self, plan) -> BatchResult:
         if self.fail_next:
@@ -125,7 +156,7 @@ class KVRunner:
             buf[torch.cat(plan.out_cache_locs)] = tokens
         ids = [(r.fill_ids[r.kv_len - 1] + 1) % VOCAB if s else None for r, s in zip(plan.reqs, plan.sample)]
         n = len(plan.reqs)
-        return BatchResult(ids, [None] * n, [None] * n, [None] * n)
+        return BatchResult(ids, [None] * n, [None] * n, [None] * n, self.events.record(torch.cat(plan.out_cache_locs)))
 
 
 class FakeTokenizer:

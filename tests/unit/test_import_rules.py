@@ -18,7 +18,7 @@ ALLOWED = {
     "common/edge": {"common/wire"},
     "common/core": {"common/wire"},
     "common/memory": {"common/core", "common/wire/user_error"},
-    "common/attention": {"common/core", "common/memory"},
+    "common/attention": {"common/core", "common/memory", "common/wire/user_error"},
     "common/model": {
         "common/core",
         "common/attention",

@@ -11,6 +11,7 @@ from common.wire.api import Rendezvous
 from tests.unit.kv_handoff_sim import SECRET
 from tests.unit.test_kv_handoff_model import KVHandoff
 from transfer.messages import FirstToken, open_frame
+from transfer.prefill.sender import KVSender
 
 
 def test_a_prefill_stops_computing_a_prompt_whose_room_failed():
@@ -129,3 +130,26 @@ def test_a_room_that_fails_during_its_last_forward_announces_no_first_token():
     assert not any(isinstance(f, FirstToken) for f in frames)
     assert pair.prefill.finish.type == "abort" and "the decode went away" in pair.prefill.finish.message
     m.teardown()
+
+
+@pytest.mark.parametrize("forget_the_event", [False, True])
+def test_the_transfer_reads_a_chunk_only_after_waiting_for_the_forward_that_wrote_it(forget_the_event, monkeypatch):
+    """A 30-token prompt goes out in 4 chunks, each read by the transfer after it waited on the KV event
+    recorded after the forward that wrote the chunk's pages (the simulated stream checks every page read).
+    A sender that forgets the event is caught: its writes read pages no wait covered."""
+    if forget_the_event:
+        real_send = KVSender.send
+        monkeypatch.setattr(
+            KVSender, "send", lambda self, pages, is_last, aux, ready=None: real_send(self, pages, is_last, aux)
+        )
+    m = KVHandoff()
+    m.new_request(prompt_len=30, max_new=2, stream_first=False)
+    for _ in range(40):
+        m._one_round()
+    pair = m.pairs[0]
+    assert pair.decode.finish.type == "length" and pair.decode.output_ids == [31, 32]
+    assert m.prefill.manager.counters["chunks_sent"] >= 2
+    if forget_the_event:
+        assert m.bad_writes and "before its forward's KV event" in m.bad_writes[0]
+    else:
+        assert m.bad_writes == []

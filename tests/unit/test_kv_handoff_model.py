@@ -92,6 +92,7 @@ class KVHandoff(RuleBasedStateMachine):
         dec = self.decode
         if not dec.alive or peer != dec.manager.instance_id:
             raise ConnectionError("the decode process is gone")
+        self._check_read_order(side, src, nbytes)
         owner = self._decode_owners()
         a = dec.manager.args
         for d, n in zip(dst, nbytes):
@@ -105,6 +106,17 @@ class KVHandoff(RuleBasedStateMachine):
                 if owner.get(t) != side.writing:  # recorded: the worker would turn an exception into a room failure
                     self.bad_writes.append(f"room {side.writing} wrote {t}, which room {owner.get(t)} owns")
         real(peer, src, dst, nbytes, *args)
+
+    def _check_read_order(self, side: Side, src: list[int], nbytes: list[int]) -> None:
+        """Every page read was written by a forward whose KV event the transfer waited on first."""
+        a, page_bytes = side.manager.args, side.manager.args.bytes_per_page[0]
+        for s, n in zip(src, nbytes):
+            base = max((b for b in a.kv_ptrs if b <= s), default=None)
+            if base is None or s >= base + a.kv_nbytes[a.kv_ptrs.index(base)]:
+                continue  # the aux record, from host staging
+            first = (s - base) // page_bytes
+            for page in side.runner.events.unwaited(list(range(first, first + n // page_bytes))):
+                self.bad_writes.append(f"room {side.writing} read page {page} before its forward's KV event")
 
     def _decode_owners(self) -> dict[tuple[str, int], int]:
         """(page or aux slot) -> the room whose transfer may write it right now."""

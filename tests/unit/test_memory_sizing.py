@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.memory.sizing import GIB, PoolSizingError, plan_context_len, plan_kv_pool
+from common.memory.sizing import GIB, PoolPlan, PoolSizingError, gpu_batch_limits, plan_context_len, plan_kv_pool
 
 LLAMA3_8B_BF16 = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 kv heads of 128, 2 bytes: 128 KiB per token
 
@@ -58,3 +58,28 @@ def test_context_length_fits_is_capped_with_a_warning_or_is_an_error():
         PoolSizingError, match="--context-length 9000 does not fit.*--max-total-tokens.*--mem-fraction-static"
     ):
         plan_context_len(131072, 9000, pool)
+
+
+@pytest.mark.parametrize(
+    "gib, chunk",
+    [(16, 2048), (24, 2048), (48, 4096), (80, 8192), (141, 8192), (192, 16384)],  # T4, A10, L40, H100, H200, B200
+)
+def test_a_gpu_gets_sglangs_prefill_chunk_for_its_memory_class(gib, chunk):
+    pool = PoolPlan(num_pages=400_000 // 16, page_size=16, bytes_per_token=131072, source="test")
+    limits = gpu_batch_limits(gib * GIB, pool, context_len=8192)
+    assert limits["chunked_prefill_size"] == chunk
+    assert limits["max_prefill_tokens"] == max(16384, chunk)
+
+
+@pytest.mark.parametrize(
+    "pool_tokens, context_len, running",
+    [
+        (400_000, 8192, 4096),  # 48 contexts' worth: 24,000 rows, capped at 4096
+        (100_000, 32768, 2048),  # 3 contexts' worth: 1,562 rows, raised to 2048
+        (1_000_000, 131072, 3906),  # 7.6 contexts' worth
+        (8_192, 4096, 512),  # a small pool: no more requests than pages
+    ],
+)
+def test_a_gpu_runs_as_many_requests_as_its_pool_holds(pool_tokens, context_len, running):
+    pool = PoolPlan(num_pages=pool_tokens // 16, page_size=16, bytes_per_token=131072, source="test")
+    assert gpu_batch_limits(80 * GIB, pool, context_len)["max_running_requests"] == running

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 from common.core.request import Req
+from common.engine.decode_tensors import DecodeTensors
 from common.engine.scheduler_thread import SchedulerThread
 from common.wire.sampling_params import SamplingParams
 from tests.unit.test_scheduler import expected_output, make, req, run_until_idle
@@ -146,3 +147,19 @@ def test_a_step_that_raises_fails_the_tracked_requests_and_the_loop_goes_on():
         thread.stop()
     assert victim.finish.status == 500 and "a bug outside any one request" in victim.finish.message
     assert later.output_ids == [9, 10] and thread.health_problem() is None
+
+
+def test_a_decode_step_whose_metadata_cannot_reach_the_device_fails_its_requests_and_leaks_nothing(monkeypatch):
+    """The one copy of a step's metadata fails (a device error) after its pages were allocated: the
+    batch's requests end with a 500 naming it and every page is back (some requests had opened a page)."""
+    s, _ = make(page_size=4)
+    reqs = [req(f"r{i}", list(range(1, 4 + i)), max_new=8) for i in range(4)]  # 3..6 tokens: some fill a page
+    for r in reqs:
+        s.add_request(r)
+    while len(s.decode.running) < 4:
+        s.step()
+    monkeypatch.setattr(DecodeTensors, "upload", lambda self, *a: (_ for _ in ()).throw(RuntimeError("CUDA error")))
+    s.step()
+    assert all(r.finish.status == 500 and "CUDA error" in r.finish.message for r in reqs)
+    counts = s.memory.check_integrity()
+    assert counts.owned == 0 and counts.free + counts.evictable == counts.total

@@ -53,3 +53,27 @@ def test_an_unknown_device_is_refused(tmp_path):
     env = os.environ | {"TANDEM_DEVICE": "tpu"}
     out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "TANDEM_DEVICE must be cpu or cuda, not 'tpu'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "device, packages", [("cpu", "libibverbs1 libnuma1"), ("cuda", "libibverbs1 libnuma1 ibverbs-providers libcurl4")]
+)
+def test_the_system_libraries_of_each_build_are_installed_when_missing(tmp_path, device, packages):
+    """A machine without them (ldconfig lists nothing): the CUDA builds also need libmlx5 and libcurl."""
+    ldconfig = tmp_path / "ldconfig"
+    ldconfig.write_text("#!/bin/sh\nexit 0\n")
+    ldconfig.chmod(0o755)
+    env = os.environ | {
+        "TANDEM_SETUP_DRY_RUN": "1",
+        "TANDEM_DEVICE": device,
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+    }
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"[setup] installing Debian packages {packages} (the transfer engines load them)\n" in out.stdout
+    assert f"apt-get install -y -qq {packages}\n" in out.stdout
+
+
+def test_the_cuda_image_installs_the_same_system_libraries():
+    dockerfile = (ROOT / "docker" / "Dockerfile.cuda").read_text()
+    assert all(p in dockerfile.split() for p in ("libibverbs1", "ibverbs-providers", "libnuma1", "libcurl4"))

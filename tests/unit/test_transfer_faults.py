@@ -165,14 +165,18 @@ def test_a_decode_abort_of_a_room_the_prefill_failed_and_forgot_waits_for_the_wr
 def test_a_decode_that_registers_again_has_given_up_on_its_rooms_there():
     """A decode registers again only after it declared this prefill dead (it will reuse those rooms' pages):
     the prefill fails them at once, so a prefill that was frozen writes nothing more into them, although
-    the decode's new frames make its write fence fresh again."""
+    the decode's new frames make its write fence fresh again. Its socket to the decode is replaced: after a
+    partition the old TCP connection may sit in retransmission backoff for seconds."""
     prefill, dec = Side("prefill"), Side("decode")
     sender, _ = start_room(prefill, dec, 98, [1])
+    dropped, drop = [], prefill.manager.control.drop
+    prefill.manager.control.drop = lambda endpoint: (dropped.append(endpoint), drop(endpoint))
     dec.manager.registered_with.pop(prefill.manager.endpoint)  # as declare_dead does
     later = KVReceiver(dec.manager, 99, prefill.manager.endpoint, prefill.manager.instance_id)
     later.init([2], aux_slot=1)  # a new room: a new register first, then its request
     wait_for(lambda: sender.poll() == KVPoll.Failed)
     assert "registered again" in sender.failure_reason
+    assert dropped == [dec.manager.endpoint]
     sender.send([3], is_last=True, aux=bytes(AUX_BYTES))  # the old room's KV, computed late
     time.sleep(0.2)
     assert dec.page(0, 1).abs().sum() == 0

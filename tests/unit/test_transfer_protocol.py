@@ -107,8 +107,10 @@ class Side:
         backend: str = "loopback",
         timeout: float = 2.0,
         heartbeat_s: float = 5.0,
+        device: str = "cpu",
     ):
-        self.k = [torch.zeros((PAGES + 1) * PAGE, 8, dtype=torch.float32) for _ in range(2 * LAYERS)]
+        """`device`: where the KV buffers live (tests/gpu moves them to CUDA); the aux slots stay on the host."""
+        self.k = [torch.zeros((PAGES + 1) * PAGE, 8, dtype=torch.float32, device=device) for _ in range(2 * LAYERS)]
         self.aux = torch.zeros(4, AUX_BYTES, dtype=torch.uint8)
         bpp = PAGE * 8 * 4
         self.args = KVArgs(
@@ -118,6 +120,8 @@ class Side:
             PAGES,
             PAGE,
             backend=backend,
+            on_cuda=device.startswith("cuda"),
+            device_index=self.k[0].device.index or 0,
             secret=secret,
             aux_ptr=self.aux.data_ptr(),
             aux_record_bytes=AUX_BYTES,

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from common.wire.user_error import UserError
+
+
+class TransportUnavailable(UserError):
+    """The transfer engine cannot move KV the way the flags ask (a transport it lacks); the message says
+    which one is missing and what to change. Raised at start-up, before the server answers /health."""
+
 
 class TransferBackend(ABC):
     @abstractmethod
@@ -29,11 +36,22 @@ class TransferBackend(ABC):
     def close(self) -> None:
         """Release engine resources."""
 
+    @abstractmethod
+    def describe(self) -> str:
+        """Which engine and transport move the bytes, for the start-up log."""
+
 
 def make_backend(
-    name: str, host: str, protocol: str = "tcp", device: str = "", timeout_s: float = 60.0
+    name: str,
+    host: str,
+    protocol: str = "tcp",
+    device: str = "",
+    timeout_s: float = 60.0,
+    on_cuda: bool = False,
+    device_index: int = 0,
 ) -> TransferBackend:
-    """`timeout_s` bounds one write_batch call: it raises instead of waiting longer on a stuck peer."""
+    """`timeout_s` bounds one write_batch call: it raises instead of waiting longer on a stuck peer;
+    `device_index`: the CUDA device of the KV pool (NIXL names it in every descriptor)."""
     if name == "mooncake":
         from transfer.backends.mooncake import MooncakeBackend
 
@@ -41,7 +59,7 @@ def make_backend(
     if name == "nixl":
         from transfer.backends.nixl import NixlBackend
 
-        return NixlBackend(timeout_s)
+        return NixlBackend(timeout_s, protocol, on_cuda, device_index)
     if name == "loopback":
         from transfer.backends.loopback import LoopbackBackend
 

@@ -11,6 +11,9 @@ class LoopbackBackend(TransferBackend):
     def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:
         pass
 
+    def describe(self) -> str:
+        return "loopback (in-process memmove)"
+
     def address(self) -> bytes:
         return b"loopback"
 

@@ -1,11 +1,19 @@
 """NIXL with its UCX backend (UCX_TLS picks tcp / cuda_ipc / rc). Peers exchange agent metadata over
 the control plane. A process that created a UCX agent can crash at interpreter exit: servers leave
-through os._exit after close()."""
+through os._exit after close().
+
+On CUDA, UCX moves device memory only with its CUDA transports: unless the operator set UCX_TLS, it is
+set to cuda_ipc (GPU to GPU on one node), cuda_copy (staging) and the network transport of
+--transfer-protocol (rc for RDMA, tcp), plus sm and self for the host-memory aux records. Descriptors name
+the KV pool's own device (cuda:N), not device 0."""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 import uuid
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -17,6 +25,16 @@ PROGRESS_WAKEUP_US = 1000
 # Waiting for a transfer: look at once, then sleep, doubling the pause up to the cap. A pause is about
 # as long as the wait so far, so a wait ends within about twice the transfer's time and 1 ms after it.
 FIRST_PAUSE_S, MAX_PAUSE_S = 20e-6, 1e-3
+
+
+log = logging.getLogger(__name__)
+
+
+def ucx_transports(protocol: str, on_cuda: bool, env: Mapping[str, str]) -> str | None:
+    """The UCX_TLS a server sets, or None to leave UCX's choice (the operator set it, or host memory only)."""
+    if "UCX_TLS" in env or not on_cuda:
+        return None
+    return f"cuda_ipc,cuda_copy,{'rc' if protocol == 'rdma' else 'tcp'},sm,self"
 
 
 def _make_agent(name: str):
@@ -44,17 +62,24 @@ def _descs(addrs, nbytes, device_id: int) -> np.ndarray:
 
 
 class NixlBackend(TransferBackend):
-    def __init__(self, timeout_s: float = 60.0) -> None:
+    def __init__(self, timeout_s: float = 60.0, protocol: str = "tcp", on_cuda: bool = False, device_id: int = 0):
         self.timeout_s = timeout_s
+        tls = ucx_transports(protocol, on_cuda, os.environ)
+        if tls is not None:
+            os.environ["UCX_TLS"] = tls  # read when the UCX backend is created, just below
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         self.agent = _make_agent(self.name)
-        self.device_id = 0
+        self.device_id = device_id  # the KV pool's CUDA device; 0 (ignored by UCX) for host memory
         self.peers: dict[str, str] = {}
         self._registered = []
 
     def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:
         descs = self.agent.get_reg_descs([(ptr, nbytes, self.device_id, "")], "VRAM" if on_device else "DRAM")
         self._registered.append(self.agent.register_memory(descs))
+
+    def describe(self) -> str:
+        tls = os.environ.get("UCX_TLS", "UCX's default")
+        return f"NIXL over UCX, UCX_TLS={tls}, KV descriptors on device {self.device_id}"
 
     def address(self) -> bytes:
         return self.agent.get_agent_metadata()

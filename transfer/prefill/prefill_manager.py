@@ -70,9 +70,10 @@ class PrefillKVManager(KVManager):
                 self.refused.pop(next(iter(self.refused)))
             log.warning("refusing decode %s: %s", msg.decode_id, problem)
             return
-        if (
-            msg.decode_id in self.registrations
-        ):  # it declared this prefill dead: it will reuse the pages of its rooms here
+        if msg.decode_id in self.registrations:
+            # it declared this prefill dead: it will reuse the pages of its rooms here. What the old socket still queues is stale, and after a partition its TCP connection may sit in
+            # retransmission backoff for seconds: what follows (these statuses, pongs) goes over a fresh one
+            self.control.drop(self.registrations[msg.decode_id].status_endpoint)
             self._fail_rooms_of(
                 msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
             )
@@ -165,6 +166,8 @@ class PrefillKVManager(KVManager):
         if registration is None:
             raise FencedError(f"decode {room_request.decode_id} is no longer registered")
         fence = lambda: self._fence(room_request.decode_id, chunk.room)  # noqa: E731
+        if chunk.ready is not None:  # the forward that wrote the pages may still run on the device
+            chunk.ready.synchronize()
         written = self.writer.write(
             registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
         )

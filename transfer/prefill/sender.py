@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transfer.poll import KVPoll, Mark, no_mark
 from transfer.prefill.prefill_manager import PrefillKVManager
-from transfer.prefill.transfer_worker import Chunk, TransferQueueFull
+from transfer.prefill.transfer_worker import Chunk, Ready, TransferQueueFull
 
 
 class KVSender:
@@ -29,9 +29,10 @@ class KVSender:
     def failure_reason(self) -> str | None:
         return self.room.poll.reason
 
-    def send(self, src_pages: list[int], is_last: bool, aux: bytes | None) -> None:
-        """Queue one chunk; on the last one `aux` is the record written after the pages. A chunk that
-        does not fit the decode's pages, or a full transfer queue, fails the room instead."""
+    def send(self, src_pages: list[int], is_last: bool, aux: bytes | None, ready: Ready | None = None) -> None:
+        """Queue one chunk; on the last one `aux` is the record written after the pages; `ready`: the event
+        of the forward that wrote them (the write waits on it). A chunk that does not fit the decode's
+        pages, or a full transfer queue, fails the room instead."""
         dst = self.room.room_request.dst_pages[self.offset : self.offset + len(src_pages)]
         if len(dst) != len(src_pages):
             self.abort(
@@ -44,7 +45,7 @@ class KVSender:
         self.room.poll.advance(KVPoll.Transferring)
         self.room.mark("chunk_queued")
         try:
-            self.manager.enqueue(Chunk(self.room, src_pages, dst, aux if is_last else None))
+            self.manager.enqueue(Chunk(self.room, src_pages, dst, aux if is_last else None, ready))
         except TransferQueueFull as e:
             self.abort(str(e), "queue_full")
 

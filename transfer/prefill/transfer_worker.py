@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from transfer.bulk_priority import lower_this_thread
 from transfer.prefill.prefill_rooms import PrefillRoomState
@@ -30,12 +31,20 @@ class TransferQueueFull(RuntimeError):
     """The decode's worker has its bound of chunks waiting: the room fails instead of blocking."""
 
 
+class Ready(Protocol):
+    """What a chunk's pages wait for: the event recorded after the forward that wrote them
+    (common/engine/kv_ready.py; a torch.cuda.Event on CUDA)."""
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class Chunk:
     room: PrefillRoomState
     src_pages: list[int]
     dst_pages: list[int]
     aux: bytes | None  # set on the last chunk: the record written after the pages
+    ready: Ready | None = None  # recorded after the forward that wrote the pages: waited on before reading them
 
 
 Write = Callable[[Chunk], None]  # raises on failure; the exception's `cause` attribute, if any, names it
@@ -121,7 +130,8 @@ class TransferWorker:
         chunk = self.chunks.popleft()
         while chunk.aux is None and self.chunks and self.chunks[0].room is chunk.room:
             nxt = self.chunks.popleft()
-            chunk = Chunk(chunk.room, chunk.src_pages + nxt.src_pages, chunk.dst_pages + nxt.dst_pages, nxt.aux)
+            merged = (chunk.src_pages + nxt.src_pages, chunk.dst_pages + nxt.dst_pages)
+            chunk = Chunk(chunk.room, *merged, nxt.aux, nxt.ready or chunk.ready)  # events complete in order
         return chunk
 
     def _run(self, c: Chunk) -> None:

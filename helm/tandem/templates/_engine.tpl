@@ -49,8 +49,36 @@ pod at its own address. TANDEM_API_KEY: the router's key, which it sends on ever
 {{ include "tandem.apiKeyEnv" .root }}
 {{ include "tandem.model.env" .root }}
 {{ include "tandem.transfer.env" .root }}
+{{- if eq $v.device "cuda" }}
+- name: TANDEM_KERNEL_CACHE_DIR
+  value: {{ include "tandem.engine.kernelCacheDir" . }}
+{{- end }}
 {{- with (concat $v.engine.extraEnv (index $v .component).extraEnv) }}
 {{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.engine.kernelCacheDir" -}}/var/cache/tandem-kernels{{- end -}}
+
+{{/* The kernel cache's volume and mount, on CUDA (see values.yaml engine.kernelCache). */}}
+{{- define "tandem.engine.kernelCacheVolumes" -}}
+{{- $k := .Values.engine.kernelCache -}}
+{{- if eq .Values.device "cuda" }}
+- name: kernel-cache
+{{- if $k.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ $k.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $k.sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.engine.kernelCacheMounts" -}}
+{{- if eq .root.Values.device "cuda" }}
+- name: kernel-cache
+  mountPath: {{ include "tandem.engine.kernelCacheDir" . }}
 {{- end }}
 {{- end -}}
 
@@ -120,11 +148,11 @@ containers:
     {{- end }}
     {{- $mounts := concat (list (dict "name" "dshm" "mountPath" "/dev/shm")) (fromYamlArray (include "tandem.tls.mounts" .root)) }}
     volumeMounts:
-      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
+      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) (fromYamlArray (include "tandem.engine.kernelCacheMounts" .)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
 {{- $shm := dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" $v.shm.sizeLimit) }}
 {{- $volumes := concat (list $shm) (fromYamlArray (include "tandem.tls.volumes" .root)) }}
 volumes:
-  {{- concat $volumes (fromYamlArray (include "tandem.model.volumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
+  {{- concat $volumes (fromYamlArray (include "tandem.model.volumes" .root)) (fromYamlArray (include "tandem.engine.kernelCacheVolumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
 {{- with $role.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}

@@ -1,0 +1,57 @@
+"""Before the server answers /health: one forward of each kind it will run (a prefill over whole pages
+and a partial one, then a decode step), so that every kernel is built or loaded then, not inside the
+scheduler's first request (FlashInfer compiles a kernel the first time it sees a configuration, for
+seconds or minutes, and past --watchdog-timeout-s /health would answer 503). Its kernels specialize on
+dtype, head dimensions and page size, not on lengths: a short prompt builds the ones a long one uses, and
+on the CPU the warm-up costs one short forward. Compiled kernels are kept in --kernel-cache-dir across
+restarts (the Helm chart mounts a volume there), so only a first start pays for the build.
+
+The warm-up request is computed like any other (pool, rows, attention metadata, sampler) and leaves
+nothing behind: its KV is freed, never cached, and the pool is checked to be as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from common.core.forward_batch import ForwardMode
+from common.core.request import Req
+from common.engine.decode_tensors import DecodeTensors
+from common.engine.model_runner import BatchPlan, ModelRunner
+from common.memory.manager import MemoryManager
+from common.wire.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+FLASHINFER_CACHE_ENV = "FLASHINFER_WORKSPACE_BASE"  # FlashInfer keeps its JIT builds under <it>/.cache/flashinfer
+
+
+def use_kernel_cache(directory: str | None) -> None:
+    """Point the kernel builders at `directory` (before FlashInfer is imported); None keeps their default."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        os.environ[FLASHINFER_CACHE_ENV] = directory
+
+
+def warm_up(runner: ModelRunner, memory: MemoryManager, prefill_tokens: int, device: str) -> float:
+    """A prefill forward of `prefill_tokens` tokens (within the pool) and one decode step of the same
+    request; returns the seconds it took."""
+    start = time.monotonic()
+    page_size = memory.page_size
+    tokens = max(1, min(prefill_tokens, (memory.available_pages() - 1) * page_size))
+    req = Req("warm-up", [0] * tokens, SamplingParams(max_new_tokens=2, temperature=0))
+    memory.admit(req, match_limit=0)
+    try:
+        slots = memory.extend(req, tokens)
+        out = runner.run(BatchPlan(ForwardMode.EXTEND, [req], [tokens], [slots], [True]))
+        req.output_ids.append(out.token_ids[0])
+        decode = DecodeTensors(device).prepare([req])
+        decode.upload(memory.alloc_decode_pages([req]), page_size)
+        slot = memory.write_decode_slots(decode.req_pool_indices, decode.positions, decode.new_slots)
+        runner.run(BatchPlan(ForwardMode.DECODE, [req], [1], [slot], [True], decode=decode))
+    finally:
+        req.kv_computed_len = 0  # nothing of it enters the prefix cache
+        memory.release(req)
+    memory.check_integrity()
+    return time.monotonic() - start

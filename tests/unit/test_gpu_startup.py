@@ -1,0 +1,90 @@
+"""Start-up decisions for a GPU, checked on any machine: which attention backend a dtype and device get
+(or a refusal naming the flags), and the warm-up that builds every kernel before /health answers."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from common.attention.base import AttentionChoiceError, choose_attention_backend
+from common.config import ServerConfig
+from common.core.forward_batch import ForwardMode
+from common.engine.engine import Engine
+from common.engine.warmup import FLASHINFER_CACHE_ENV
+from common.memory.sizing import GIB, PoolPlan
+
+
+@pytest.mark.parametrize(
+    "name, device, dtype, picked, warns",
+    [
+        ("auto", "cuda", "bfloat16", "flashinfer", False),
+        ("auto", "cuda", "float16", "flashinfer", False),
+        ("auto", "cuda", "float32", "torch", True),  # FlashInfer has no float32 kernels
+        ("auto", "cpu", "float32", "torch", False),
+        ("auto", "cpu", "bfloat16", "torch", False),
+        ("torch", "cuda", "float32", "torch", False),
+        ("flashinfer", "cuda", "bfloat16", "flashinfer", False),
+    ],
+)
+def test_the_attention_backend_for_a_device_and_dtype(name, device, dtype, picked, warns):
+    chosen, warning = choose_attention_backend(name, device, dtype)
+    assert chosen == picked
+    assert (warning is not None) == warns
+    if warns:
+        assert "--dtype float32" in warning and "--dtype bfloat16" in warning
+
+
+@pytest.mark.parametrize(
+    "device, dtype, names",
+    [
+        ("cuda", "float32", ["--attention-backend flashinfer", "--dtype bfloat16", "--attention-backend torch"]),
+        ("cpu", "bfloat16", ["--attention-backend flashinfer", "--device cuda"]),
+    ],
+)
+def test_flashinfer_where_it_cannot_run_is_refused_naming_the_flags(device, dtype, names):
+    with pytest.raises(AttentionChoiceError) as e:
+        choose_attention_backend("flashinfer", device, dtype)
+    assert all(n in str(e.value) for n in names)
+
+
+def test_the_refusal_comes_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr("common.engine.engine.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses"))
+    with pytest.raises(AttentionChoiceError):
+        Engine(ServerConfig(attention_backend="flashinfer", device="cpu"))
+
+
+def test_warm_up_runs_a_prefill_chunk_and_a_decode_step_and_leaves_nothing_behind(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.delenv(FLASHINFER_CACHE_ENV, raising=False)
+    cache = tmp_path / "kernels"
+    engine = Engine(ServerConfig(model=str(tiny_model_dir), max_total_tokens=4096, kernel_cache_dir=str(cache)))
+    assert os.environ[FLASHINFER_CACHE_ENV] == str(cache) and cache.is_dir()
+    before = engine.memory.check_integrity()
+    runs = []
+    real_run = engine.runner.run
+    monkeypatch.setattr(
+        engine.runner, "run", lambda plan: runs.append((plan.mode, sum(plan.extend_lens))) or real_run(plan)
+    )
+    seconds = engine.warm_up()
+    assert seconds > 0
+    assert runs == [(ForwardMode.EXTEND, 33), (ForwardMode.DECODE, 1)]  # two pages and a partial one, a decode step
+    after = engine.memory.check_integrity()
+    assert after == before and after.free == after.total  # nothing cached, nothing held
+    assert not engine.memory.live
+
+
+def test_on_cuda_the_batch_limits_the_flags_leave_unset_come_from_the_device_and_pool(monkeypatch):
+    """An 80 GiB device with a 400,000-token pool: chunk 8192, budget 16384, 4096 requests, except what
+    the flags (or the environment) set; the CPU keeps 512 / 4096 / 32."""
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (70 * GIB, 80 * GIB))
+    engine = SimpleNamespace(pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192)
+    cpu = Engine._batch_limits(engine, ServerConfig())
+    assert (cpu.chunked_prefill_size, cpu.max_prefill_tokens, cpu.max_running_requests) == (512, 4096, 32)
+    gpu = Engine._batch_limits(engine, ServerConfig(device="cuda"))
+    assert (gpu.chunked_prefill_size, gpu.max_prefill_tokens, gpu.max_running_requests) == (8192, 16384, 4096)
+    monkeypatch.setenv("TANDEM_MAX_PREFILL_TOKENS", "9000")
+    config = Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=64))
+    assert (config.chunked_prefill_size, config.max_prefill_tokens, config.max_running_requests) == (8192, 9000, 64)
