@@ -1,21 +1,22 @@
 """Several hosts on one machine: one Linux bridge and one network namespace per server, each with its own
 address on 10.77.N.0/24, and nftables partitions between them.
 
-Names carry this process's pid (namespaces `tnd<pid>-<host>`, bridge `tnd<pid>`, veths `tnd<pid>v<i>`), so
-two runs never share one, and a run removes what a killed run left (its pid no longer exists). Servers run
-inside their namespace through `ip netns exec`, listen on 0.0.0.0 and advertise their own address. A
+Names carry this process's pid and a network number n (namespaces `tnd<pid>n<n>-<host>`, bridge
+`tnd<pid>n<n>`, veths `tnd<pid>n<n>v<i>`), so two runs or two networks of one run never share one, and a
+run removes what a killed run left (its pid no longer exists). Servers run inside their namespace through `ip netns exec`, listen on 0.0.0.0 and advertise their own address. A
 partition is a drop rule in the receiving host's input chain: `drop(src, dst)` loses every packet from
 src to dst (TCP segments and acknowledgements alike) and leaves the other direction alone.
 Needs root, `ip` (iproute2) and `nft` (nftables); `unavailable()` says why not."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from tests.integration.cluster import Cluster
 PORT = 8000  # every host has its own port space
 BOOTSTRAP_PORT = 8998
 STARTUP_S = 400.0  # four servers load the model at once, on a machine that may be shared
-TAG_RE = re.compile(r"^tnd(\d+)(?:-|v\d+$|$)")
+TAG_RE = re.compile(r"^tnd(\d+)(?:n\d+)?(?:-|[vp]\d+$|$)")
+NETWORKS = itertools.count()  # a tag per Network: a namespace kept alive by a straggler never collides
 
 
 def sh(*cmd: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -84,7 +86,7 @@ class Host:
 class Network:
     """A bridge with an address for this process (the clients) and one namespace per host."""
 
-    tag: str = field(default_factory=lambda: f"tnd{os.getpid()}")
+    tag: str = field(default_factory=lambda: f"tnd{os.getpid()}n{next(NETWORKS) % 10}")
     hosts: dict[str, Host] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,6 +138,9 @@ class Network:
 
     def close(self) -> None:
         for host in self.hosts.values():
+            for pid in sh("ip", "netns", "pids", host.netns, check=False).stdout.split():
+                with suppress(ProcessLookupError):  # a straggler would keep the namespace and its veth alive
+                    os.kill(int(pid), signal.SIGKILL)
             sh("ip", "netns", "del", host.netns, check=False)  # its veth end goes with it, and the pair
         sh("ip", "link", "del", self.tag, check=False)
         self.hosts.clear()
