@@ -142,6 +142,11 @@ class KVPool:
     def total_bytes(self) -> int:
         return (self.num_pages + 1) * self.bytes_per_page
 
+    @property
+    def device_index(self) -> int:
+        """The CUDA device the buffer lives on (0 on the CPU): the one a transfer engine registers."""
+        return self.buffer.device.index or 0
+
     def buffer_infos(self) -> list[BufferInfo]:
         """What a transfer engine registers: the one buffer."""
         return [BufferInfo(self.buffer.data_ptr(), self.total_bytes, self.bytes_per_page)]

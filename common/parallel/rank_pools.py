@@ -31,6 +31,10 @@ class RankPools:
             self.followers.append(map_shared(path, shape, own.dtype))
             os.unlink(path)  # mapped by both processes now: the memory lives as long as they do
 
+    @property
+    def device_index(self) -> int:
+        return self.own.device_index
+
     def buffer_infos(self) -> list[BufferInfo]:
         page = self.own.bytes_per_page
         return self.own.buffer_infos() + [
