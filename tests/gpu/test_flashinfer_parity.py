@@ -20,6 +20,7 @@ from common.config import ServerConfig  # noqa: E402
 from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
+from tests.integration.tiny_model import hf_greedy  # noqa: E402
 
 NEW_TOKENS = 16
 NEAR_TIE = 0.02
@@ -110,19 +111,7 @@ def dtype(request) -> str:
 @pytest.fixture(scope="module")
 def hf_tokens(model_dir, dtype):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).cuda().eval()
-    out = []
-    for p in prompts():
-        ids = torch.tensor([p], device="cuda")
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
+    return hf_greedy(model, prompts(), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

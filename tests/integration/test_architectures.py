@@ -13,6 +13,7 @@ from common.core.request import Req
 from common.engine.engine import Engine
 from common.wire.sampling_params import SamplingParams
 from common.wire.user_error import UserError
+from tests.integration.tiny_model import hf_greedy
 
 VOCAB = 512
 COMMON = dict(
@@ -80,18 +81,7 @@ def test_greedy_tokens_equal_transformers(tmp_path, arch):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (3, 40, 300)]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=12,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        want.append(out[0, len(p) :].tolist())
+    want = hf_greedy(hf, prompts, 12)
     assert engine_tokens(tmp_path, prompts, 12, page_size=4) == want
 
 

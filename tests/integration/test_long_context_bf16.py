@@ -14,6 +14,7 @@ from common.engine.engine import Engine
 from common.model.rotary import RotaryEmbedding
 from common.wire.sampling_params import SamplingParams
 from tests.integration.test_architectures import VOCAB, save_tiny
+from tests.integration.tiny_model import hf_greedy
 
 NEW_TOKENS = 16
 LENGTHS = (2100, 2600)
@@ -53,19 +54,7 @@ ROPES = {
 def hf_tokens(path, prompts: list[list[int]]) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
+    return hf_greedy(model, prompts, NEW_TOKENS)
 
 
 def engine_tokens(path, prompts: list[list[int]]) -> list[list[int]]:

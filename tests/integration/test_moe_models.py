@@ -10,23 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from tests.integration.moe_models import FAMILIES, save_family
 from tests.integration.test_architectures import VOCAB, engine_tokens
+from tests.integration.tiny_model import hf_greedy
 
 
 def hf_tokens(path, prompts: list[list[int]], new: int) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts, new)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

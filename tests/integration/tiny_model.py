@@ -12,6 +12,23 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 VOCAB = 512
 
 
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (no EOS stop), on the model's device."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=model.device)
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(p) :].tolist())
+    return out
+
+
 def save_tiny_llama(path: Path, context: int = 2048, heads: int = 4, kv_heads: int = 2) -> Path:
     config = LlamaConfig(
         hidden_size=64,
