@@ -31,6 +31,11 @@ class PageMeta:
     total_pages: int
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` token slots: the one round-up of tokens to pages."""
+    return -(-tokens // page_size)
+
+
 def upload(columns: list[list[int]], device: str | torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The int32 columns on the host and on the device, from one host tensor and one copy."""
     flat = [x for column in columns for x in column]
@@ -45,7 +50,7 @@ def build_page_meta(
 ) -> tuple[PageMeta, list[torch.Tensor]]:
     """Metadata of a batch whose requests hold `seq_lens` tokens after this forward, `extend_lens` of them
     new; `extra` columns ride along in the same copy and come back on the device, in order."""
-    num_pages = [-(-n // page_size) for n in seq_lens]
+    num_pages = [pages_for(n, page_size) for n in seq_lens]
     kv_indptr = [0, *accumulate(num_pages)]
     last_page_len = [(n - 1) % page_size + 1 for n in seq_lens]
     qo_indptr = [0, *accumulate(extend_lens)]

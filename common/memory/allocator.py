@@ -11,12 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
+from common.core.page_meta import pages_for
 from common.memory.errors import MemoryIntegrityError
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages that hold `tokens` token slots: the one round-up of tokens to pages."""
-    return -(-tokens // page_size)
 
 
 class PagedAllocator:
