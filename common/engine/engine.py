@@ -22,6 +22,7 @@ from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
+from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor
@@ -47,6 +48,7 @@ from common.parallel.partition import TPSizeError, check_tp_size
 from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
 from common.parallel.rank_pools import RankPools
 from common.parallel.ranks import Ranks
+from common.wire.kv_events import parse_kv_events_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,10 +89,11 @@ class Engine:
         num_pages = self.pool_plan.num_pages
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
+        self.kv_events = self._kv_event_publisher()
         prefix = (
             NoPrefixCache(allocator, config.page_size)
             if config.disable_radix_cache
-            else RadixCache(allocator, config.page_size)
+            else RadixCache(allocator, config.page_size, self.kv_events)
         )
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         eos_ids = self._eos_ids()
@@ -116,6 +119,22 @@ class Engine:
         if self.ranks is None or self.config.disagg_mode == "null":
             return self.kv_pool
         return RankPools(self.kv_pool, self.ranks.progress.path, self.config.tp_size)
+
+    def _kv_event_publisher(self) -> KVEventPublisher | None:
+        """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
+        events = parse_kv_events_config(self.config.kv_events_config)
+        if events is None or self.config.disable_radix_cache:
+            return None
+        publisher = KVEventPublisher(events, self.config.page_size, self.config.public_host)
+        self.metrics.counter_source(
+            "tandem_kv_events_dropped",
+            "KV cache events dropped because the publisher's queue was full",
+            lambda: publisher.dropped,
+        )
+        self.metrics.counter_source(
+            "tandem_kv_event_batches", "KV cache event batches published", lambda: publisher.batches
+        )
+        return publisher
 
     def _batch_limits(self, config: ServerConfig) -> ServerConfig:
         """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
@@ -187,6 +206,8 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.ranks is not None:
             self.ranks.stop()
 
@@ -208,6 +229,7 @@ class Engine:
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
             "tp": {"size": self.config.tp_size, "ranks": self.rank_reports},
+            "kv_events": self.kv_events.info() if self.kv_events is not None else None,
         }
 
     def health_problem(self) -> str | None:
