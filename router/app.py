@@ -60,8 +60,8 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     )
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     tls = client_context(config)  # workers are called with the router's key for them, https ones verified
-    feeds = KVFeeds(workers, KVIndex()) if config.policy == "kv_aware" else None
-    kv_policy = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens) if feeds else None
+    feeds = metrics.kv_feeds = KVFeeds(workers, KVIndex())  # every policy counts what its pairs held
+    kv_policy = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens, metrics)
     dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls), kv_policy)
     app = web.Application(middlewares=[_guard(config.api_key, drain)])
     app["workers"], app["dispatcher"], app["kv_feeds"] = workers, dispatcher, feeds
@@ -75,8 +75,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
             timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(ssl=tls)
         )
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
-        if feeds is not None:
-            tasks.append(asyncio.create_task(feeds.follow(session)))
+        tasks.append(asyncio.create_task(feeds.follow(session)))
         if discovery.targets:
             tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         if shared:

@@ -65,10 +65,11 @@ class Dispatcher:
         pools: Pools,
         kv_policy: KVAwarePolicy | None = None,
     ):
-        """`kv_policy`: picks whole pairs (--policy kv_aware); otherwise each side has its own policy."""
+        """`kv_policy`: picks whole pairs under --policy kv_aware; under the others, each side has its own policy
+        and `kv_policy` only counts what the pair held."""
         self.config, self.workers, self.metrics, self.admission = config, workers, metrics, admission
         self.kv_policy = kv_policy
-        self.prefill_policy = make_policy(config.policy if kv_policy is None else "round_robin")
+        self.prefill_policy = make_policy("round_robin" if config.policy == "kv_aware" else config.policy)
         self.decode_policy = make_policy(
             "power_of_two" if config.policy in ("cache_aware", "kv_aware") else config.policy
         )
@@ -127,9 +128,12 @@ class Dispatcher:
         decodes = [w for w in self.workers.healthy("decode") if w.url not in exclude]
         if not prefills or not decodes:
             return None
-        if self.kv_policy is not None:
+        if self.config.policy == "kv_aware":
             return Pair(*self.kv_policy.pick_pair(prefills, decodes, body))
-        return Pair(self.prefill_policy.pick(prefills, key), self.decode_policy.pick(decodes, key))
+        pair = Pair(self.prefill_policy.pick(prefills, key), self.decode_policy.pick(decodes, key))
+        if self.kv_policy is not None:
+            self.kv_policy.observe(pair.prefill, pair.decode, body)
+        return pair
 
     def _no_pair(self, path: str, error: UpstreamError | None, start: float) -> web.Response:
         if error is not None:  # the retry found no other pair: the first failure is the better answer

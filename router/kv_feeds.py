@@ -110,6 +110,12 @@ class KVFeeds:
         self.ctx = zmq.asyncio.Context()
         self.feeds: dict[str, tuple[str | None, WorkerFeed | None, asyncio.Task | None]] = {}
         self.model_path: str | None = None  # a worker's model directory (the router's tokenizer comes from it)
+        self.dropped_resyncs = 0  # resyncs of feeds since replaced
+
+    @property
+    def resyncs(self) -> int:
+        """Times a worker's pages were forgotten after a gap or a sequence going back (restarts aside)."""
+        return self.dropped_resyncs + sum(f.resyncs for _, f, _ in self.feeds.values() if f is not None)
 
     def block_size(self) -> int | None:
         return next((f.block_size for _, f, _ in self.feeds.values() if f is not None), None)
@@ -125,7 +131,7 @@ class KVFeeds:
         finally:
             for url in list(self.feeds):
                 self._drop(url)
-            self.ctx.term()
+            self.ctx.destroy(linger=0)
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         for url in [u for u in self.feeds if u not in self.workers.workers]:
@@ -139,12 +145,14 @@ class KVFeeds:
         try:
             async with session.get(w.url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 info = await r.json() if r.status == 200 else None
+                info = info if isinstance(info, dict) else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             log.warning("KV events: GET %s/get_server_info failed: %s", w.url, e)
             return
-        if info is None:
-            return
         self._drop(w.url)
+        if info is None:  # not a Tandem server (or an old one): it publishes no events
+            self.feeds[w.url] = (w.instance_id, None, None)
+            return
         self.model_path = self.model_path or info.get("model_path")
         events = info.get("kv_events")
         if events is None:
@@ -155,7 +163,8 @@ class KVFeeds:
         log.info("KV events: following %s worker %s at %s", w.role, w.url, feed.endpoint)
 
     def _drop(self, url: str) -> None:
-        _, _, task = self.feeds.pop(url, (None, None, None))
+        _, feed, task = self.feeds.pop(url, (None, None, None))
+        self.dropped_resyncs += feed.resyncs if feed is not None else 0
         if task is not None:
             task.cancel()
         self.index.clear(url)

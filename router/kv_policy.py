@@ -8,7 +8,8 @@ One cost, in tokens, for a pair (p, d) and a prompt of n tokens whose chained pa
 
 The terms of p and of d are separate, so the least-cost pair is the least-cost prefill with the least-cost decode;
 ties go to the less loaded worker, then to the first listed. A prompt the router cannot tokenize (chat messages:
-the chat template is the server's) matches nothing and is placed by load alone.
+the chat template is the server's) matches nothing and is placed by load alone. Under the other policies the
+router still follows the events and counts what the chosen pair held (`observe`), so policies compare.
 """
 
 from __future__ import annotations
@@ -19,30 +20,46 @@ from typing import Any
 from common.wire.kv_events import block_hashes
 from router.kv_feeds import KVFeeds
 from router.kv_index import KVIndex
+from router.metrics import RouterMetrics
 from router.workers import Worker
 
 
 class KVAwarePolicy:
-    def __init__(self, index: KVIndex, feeds: KVFeeds, load_tokens: int):
-        self.index, self.feeds, self.load_tokens = index, feeds, load_tokens
+    def __init__(self, index: KVIndex, feeds: KVFeeds, load_tokens: int, metrics: RouterMetrics | None = None):
+        self.index, self.feeds, self.load_tokens, self.metrics = index, feeds, load_tokens, metrics
         self._tokenizer: Any = None
         self._tokenizer_of: str | None = None
 
     def pick_pair(self, prefills: list[Worker], decodes: list[Worker], body: dict[str, Any]) -> tuple[Worker, Worker]:
-        ids = self.prompt_ids(body)
-        page = self.feeds.block_size()
-        hashes = block_hashes(ids, page) if ids and page else []
-        n = len(ids or ())
+        n, page, hashes = self._pages(body)
 
         def prefill_cost(w: Worker) -> tuple[int, int]:
-            compute = n - (page or 0) * self.index.matched(w.url, hashes)
+            compute = n - page * self.index.matched(w.url, hashes)
             return compute + self.load_tokens * w.in_flight, w.in_flight
 
         def decode_cost(w: Worker) -> tuple[int, int]:
-            cross = (page or 0) * (len(hashes) - self.index.matched(w.url, hashes))
+            cross = page * (len(hashes) - self.index.matched(w.url, hashes))
             return cross + self.load_tokens * w.in_flight, w.in_flight
 
-        return min(prefills, key=prefill_cost), min(decodes, key=decode_cost)
+        p, d = min(prefills, key=prefill_cost), min(decodes, key=decode_cost)
+        self._count(p, d, n, page, hashes)
+        return p, d
+
+    def observe(self, prefill: Worker, decode: Worker, body: dict[str, Any]) -> None:
+        """Count what another policy's pair held of the prompt (the same metrics, for comparison)."""
+        if self.feeds.block_size() is not None:
+            self._count(prefill, decode, *self._pages(body))
+
+    def _pages(self, body: dict[str, Any]) -> tuple[int, int, list[int]]:
+        """(prompt tokens, page size, the chained hashes of its whole pages); no pages when not tokenizable."""
+        ids, page = self.prompt_ids(body), self.feeds.block_size() or 0
+        return len(ids or ()), page, block_hashes(ids, page) if ids and page else []
+
+    def _count(self, p: Worker, d: Worker, n: int, page: int, hashes: list[int]) -> None:
+        if self.metrics is not None and n:
+            self.metrics.kv_prompt_tokens.inc(n)
+            self.metrics.kv_matched_tokens.labels("prefill").inc(page * self.index.matched(p.url, hashes))
+            self.metrics.kv_matched_tokens.labels("decode").inc(page * self.index.matched(d.url, hashes))
 
     def prompt_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids: given (input_ids, or a prompt of ids), or the text tokenized as the servers do."""

@@ -32,7 +32,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(ops, st.lists(st.integers(0, 20), max_size=8))
 def test_index_agrees_with_a_set_per_worker(operations, prompt):
     index, model = KVIndex(), {w: set() for w in WORKERS}
