@@ -2,12 +2,12 @@
 
 A stand-in for a decode step on the scheduler thread: a fixed torch workload (about a small model's CPU decode
 step) and one request's KV handed to the radix cache per step (its prompt and answer pages cached, the oldest
-evicted to keep the pool steady), as a busy decode server does. Three settings, in alternating blocks so drift
-hits all: no publisher; a publisher with nobody subscribed; a publisher with a SUB socket connected that never
+evicted to keep the pool steady), as a busy decode server does. Three settings, taking turns step by step so the
+machine's load hits all alike: no publisher; a publisher with nobody subscribed; a publisher with a SUB socket connected that never
 reads (its receive buffer and the PUB's high-water mark fill, then PUB drops). Prints each setting's median and
 p99 step time and the ratios.
 
-    .venv/bin/python benchmarks/kv_events_overhead.py [--steps 400] [--blocks 5] [--tokens 512]
+    .venv/bin/python benchmarks/kv_events_overhead.py [--steps 2000] [--tokens 512]
 """
 
 from __future__ import annotations
@@ -31,25 +31,19 @@ from common.wire.kv_events import KVEventsConfig  # noqa: E402
 PAGE, POOL_PAGES = 16, 4096
 
 
-def step_times(cache: RadixCache, steps: int, tokens: int, rng: random.Random) -> list[float]:
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        for _ in range(8):
-            a = torch.tanh(a @ b)  # the forward's stand-in
-        if cache.allocator.available_pages() < tokens // PAGE + 1:
-            cache.evict(tokens // PAGE + 1)
-        ids = [rng.randrange(50000) for _ in range(tokens)]
-        cache.cache_finished_req(ids, cache.allocator.alloc_token_slots(0, tokens, -1), None)
-        times.append(time.perf_counter() - start)
-    return times
+def one_step(cache: RadixCache, ids: list[int], a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for _ in range(8):
+        a = torch.tanh(a @ b)  # the forward's stand-in
+    if cache.allocator.available_pages() < len(ids) // PAGE + 1:
+        cache.evict(len(ids) // PAGE + 1)
+    cache.cache_finished_req(ids, cache.allocator.alloc_token_slots(0, len(ids), -1), None)
+    return time.perf_counter() - start
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=512)
     ns = ap.parse_args()
     torch.set_num_threads(1)
@@ -65,9 +59,12 @@ def main() -> None:
     settings = {"no events": None, **publishers}
     caches = {name: RadixCache(PagedAllocator(POOL_PAGES, PAGE), PAGE, pub) for name, pub in settings.items()}
     rng, times = random.Random(0), {name: [] for name in settings}
-    for _ in range(ns.blocks):
-        for name, cache in caches.items():
-            times[name] += step_times(cache, ns.steps, ns.tokens, rng)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    names = list(caches)
+    for i in range(ns.steps):  # the settings take turns step by step, the first rotating: load hits all alike
+        ids = [rng.randrange(50000) for _ in range(ns.tokens)]
+        for name in names[i % 3 :] + names[: i % 3]:
+            times[name].append(one_step(caches[name], ids, a, b))
     base = statistics.median(times["no events"])
     for name, ts in times.items():
         med, p99 = statistics.median(ts), sorted(ts)[int(0.99 * len(ts))]

@@ -9,7 +9,7 @@ counts), the share of prompt tokens the chosen prefill and decode held by the ro
 conversations and keeps each on one pair: from turn 2 on, the prefill holds the last prompt's whole pages and
 the decode the last prompt and answer's), and TTFT p50/p99 per turn.
 
-    .venv/bin/python benchmarks/kv_routing.py [--json out.json]
+    .venv/bin/python benchmarks/kv_routing.py [--json out.json] [--policies kv_aware ...] [--kv-load-tokens N]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tests.integration.cluster import start_cluster, start_router  # noqa: E402
 PAGE, CONVS, TURNS, FIRST, ANSWER, ADDED = 16, 8, 4, 256, 16, 32
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
 FLAGS = ("--page-size", str(PAGE), "--chunked-prefill-size", "512", "--kv-events-config", EVENTS)
-RUNS = [(p, n) for p in ("kv_aware", "cache_aware", "round_robin") for n in (1, 2)]
+POLICIES = ("kv_aware", "cache_aware", "round_robin")
 
 
 def router_sample(url: str, name: str, labels: dict[str, str] | None = None) -> float:
@@ -81,11 +81,10 @@ def oracle() -> tuple[float, float]:
     return prefill / total, decode / total
 
 
-def one_run(cluster, policy: str, processes: int, seed: int, tmp: Path) -> dict:
+def one_run(cluster, policy: str, processes: int, seed: int, tmp: Path, load_tokens: int) -> dict:
     prefills = list(zip(cluster.prefills, cluster.prefill_bootstrap_ports))
-    router = start_router(
-        prefills, cluster.decodes, "--processes", str(processes), "--health-check-interval-s", "0.5", policy=policy
-    )
+    flags = ("--processes", str(processes), "--health-check-interval-s", "0.5", "--kv-load-tokens", str(load_tokens))
+    router = start_router(prefills, cluster.decodes, *flags, policy=policy)
     try:
         wait_subscribed(router.url, processes)
         run = bench(router.url, seed, tmp / f"{policy}-{processes}.json")
@@ -112,13 +111,16 @@ def one_run(cluster, policy: str, processes: int, seed: int, tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--kv-load-tokens", type=int, default=64, help="the router flag, for kv_aware")
     ns = ap.parse_args()
+    runs = [(p, n) for p in ns.policies for n in (1, 2)]
     cluster = start_cluster("mooncake", n_prefill=2, n_decode=2, flags=FLAGS, policy="kv_aware", ready_timeout=900)
     results = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for i, (policy, processes) in enumerate(RUNS):
-                results.append(one_run(cluster, policy, processes, 1000 + i, Path(tmp)))
+            for i, (policy, processes) in enumerate(runs):
+                results.append(one_run(cluster, policy, processes, 1000 + i, Path(tmp), ns.kv_load_tokens))
                 print(json.dumps(results[-1]), flush=True)
     finally:
         cluster.stop()

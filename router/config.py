@@ -50,7 +50,7 @@ class RouterConfig(BaseSettings):
     policy: Policy = "cache_aware"
     host: str = "127.0.0.1"
     kv_load_tokens: int = Field(
-        256,
+        64,
         ge=0,
         description="kv_aware: the cost, in prompt tokens, of one request in flight on a worker (the cost of a pair "
         "is the tokens its prefill computes + the tokens whose KV crosses to its decode + this x their requests)",

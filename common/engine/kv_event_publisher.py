@@ -34,6 +34,7 @@ from common.wire.kv_events import (
 
 log = logging.getLogger(__name__)
 MAX_BATCH_EVENTS = 1024
+PERIOD_S = 0.02
 CLEARED = ("cleared", [], 0)
 
 
@@ -99,19 +100,20 @@ class KVEventPublisher:
 
     # -- publisher thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        """Every PERIOD_S: replay requests, then what was queued meanwhile as one batch. Polling, not waking per
+        event, so the scheduler thread hands this thread the GIL at most once per period."""
         while self._running:
+            time.sleep(PERIOD_S)
             if self.replay is not None and self.replay.poll(0):
                 self._serve_replay()
-            try:
-                items = [self.queue.get(timeout=0.05)]
-            except queue.Empty:
-                continue
+            items = []
             while len(items) < MAX_BATCH_EVENTS:
                 try:
                     items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            self._publish([self._event(*item) for item in items])
+            if items:
+                self._publish([self._event(*item) for item in items])
 
     def _event(self, kind: str, tokens: list[int], start: int) -> list[Any]:
         if kind == "cleared":
