@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,3 +73,19 @@ def make_certs(directory: Path, names: tuple[str, ...] = ("localhost", "127.0.0.
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return certs
+
+
+class _VerifyAs(ssl.SSLContext):
+    name = ""
+
+    def wrap_socket(self, sock, *args, server_hostname=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        return super().wrap_socket(sock, *args, server_hostname=self.name, **kwargs)
+
+
+def verify_as(ca: Path, name: str) -> ssl.SSLContext:
+    """What httpx's `verify` takes to reach a server at an address its certificate does not name: its
+    certificate is verified against `name` (as a client that resolved `name` to that address would)."""
+    context = _VerifyAs(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(ca)
+    context.name = name
+    return context
