@@ -60,7 +60,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale() -> None:
-    """Namespaces and links left by runs whose process is gone (killed before their finalizers ran)."""
+    """Namespaces, their hosts files and links left by runs whose process is gone (killed before their
+    finalizers ran)."""
     for line in sh("ip", "netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = TAG_RE.match(name)
@@ -68,7 +69,10 @@ def remove_stale() -> None:
             for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
                 os.kill(int(pid), signal.SIGKILL)  # servers of the killed run, still inside
             sh("ip", "netns", "del", name, check=False)
-            shutil.rmtree(HOSTS_DIR / name, ignore_errors=True)
+    for path in HOSTS_DIR.glob("tnd*"):
+        m = TAG_RE.match(path.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
     for line in sh("ip", "-o", "link", "show").stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
         m = TAG_RE.match(name)
