@@ -153,18 +153,30 @@ class PrefillRole(Role):
         with the aux record once the prompt is complete; nothing until the decode has said where."""
         if not out.paired and (out.sender.poll() < KVPoll.WaitingForInput or not self._pair(req, out)):
             return
-        if out.sent_tokens == out.computed_tokens and out.aux is None:
-            return
-        pages = self.scheduler.memory.page_ids(req, out.sent_tokens, out.computed_tokens)
-        aux, out.aux, out.sent_tokens = out.aux, None, out.computed_tokens
+        if out.sent_tokens >= out.computed_tokens and out.aux is None:
+            return  # nothing new, or only pages the decode has cached
+        end = max(out.sent_tokens, out.computed_tokens)
+        pages = self.scheduler.memory.page_ids(req, out.sent_tokens, end)
+        aux, out.aux, out.sent_tokens = out.aux, None, end
         out.sender.send(pages, is_last=aux is not None, aux=aux, ready=req.kv_ready)
 
     def _pair(self, req: Req, out: Outbound) -> bool:
-        """The decode asked for the room: True if its pages fit the prompt, else the request fails."""
-        need = self._pages(len(req.prompt_ids))
-        if out.sender.num_dst_pages != need:
-            self.scheduler.fail(req, f"decode reserved {out.sender.num_dst_pages} pages, the prompt needs {need}", 500)
+        """The decode asked for the room: True if its pages fit the prompt past the prefix it has cached
+        (sending starts there), else the request fails."""
+        n, cached = len(req.prompt_ids), out.sender.cached_prefix_len
+        if cached % self.config.page_size or not 0 <= cached < n:
+            problem = f"decode's cached_prefix_len {cached} is not a multiple of the page size {self.config.page_size} below the prompt's {n} tokens"
+            self.scheduler.fail(req, problem, 500)
             return False
+        need = self._pages(n) - cached // self.config.page_size
+        if out.sender.num_dst_pages != need:
+            self.scheduler.fail(
+                req,
+                f"decode reserved {out.sender.num_dst_pages} pages, the prompt needs {need} past its cached {cached} tokens",
+                500,
+            )
+            return False
+        out.sent_tokens = cached
         out.paired = True
         self.ahead.pop(req, None)
         return True
