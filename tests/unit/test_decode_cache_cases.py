@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tests.unit.kv_handoff_sim import CONFIG
 from tests.unit.test_kv_handoff_model import KVHandoff, Pair, monolithic_answer
+from transfer.decode.receiver import KVReceiver
 
 PS = CONFIG.page_size
 
@@ -79,4 +80,23 @@ def test_with_the_radix_cache_disabled_the_decode_reserves_and_receives_the_whol
     answered(m, second)
     assert second.decode.decode_hit_len == 0 and second.decode.output_ids == [406, 407, 408]
     assert m.prefill.manager.counters["bytes_sent"] - sent_before == 6 * m.prefill.manager.writer.page_bytes
+    m.teardown()
+
+
+def test_a_prefill_refuses_a_cached_prefix_that_is_not_page_aligned(monkeypatch):
+    """A decode that names a cached prefix off a page boundary gets its room failed, naming the field."""
+    real_init = KVReceiver.init
+    monkeypatch.setattr(
+        KVReceiver, "init", lambda self, pages, slot, cached=0: real_init(self, pages, slot, cached + 1)
+    )
+    m = KVHandoff()
+    m._submit(list(range(1, 11)), 2)
+    pair = m.pairs[0]
+    for _ in range(30):
+        if pair.prefill.finished and pair.decode.finished:
+            break
+        m._one_round()
+    assert pair.prefill.finish.type == "abort"
+    assert "cached_prefix_len 1 is not a multiple of the page size 4" in pair.prefill.finish.message
+    assert pair.decode.finish.type == "abort"
     m.teardown()
