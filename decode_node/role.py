@@ -1,8 +1,9 @@
 """Decode role: find the request's prefill peer, pre-allocate a row, match the prompt in the prefix
 cache (the pages of earlier requests: a conversation's last turn, prompt and answer), reserve KV pages
 for the rest of the prompt and an aux slot, tell prefill where to write and from which page-aligned
-token on (`cached_prefix_len`: it sends only the pages this decode lacks), commit the first token as soon as the prefill sends its aux
-record ahead of the KV (FirstToken), wait for Success and join the decode batch with no prefill forward.
+token on (`cached_prefix_len`: it sends only the pages this decode lacks), commit the first token as
+soon as the prefill sends its aux record ahead of the KV (FirstToken), wait for Success and join the
+decode batch with no prefill forward.
 The same record comes with the KV: it must equal the one sent ahead; if that one was lost, the first
 token is committed from it at Success. A first token that ends the request ends it at Success, so the
 prefill's writes finish normally.

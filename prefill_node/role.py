@@ -1,7 +1,8 @@
 """Prefill role: a request is prefilled (in chunks) by the scheduler as soon as it arrives, while its
 decode reserves pages; each computed chunk's KV pages go to the decode once it has said where (its room
-request), the aux record with the last chunk; then the request waits in `inflight` until the transfer
-is done, and its KV stays in the radix cache.
+request: its pages for the prompt past the prefix its own cache holds, `cached_prefix_len`; the pages
+before that are never sent), the aux record with the last chunk; then the request waits in `inflight`
+until the transfer is done, and its KV stays in the radix cache.
 
     scheduler's prefill queue --(prompt computed)--> inflight --(room Success/Failed)--> done
       row + KV; each chunk sent once paired          row + KV; the rest sent once paired
@@ -165,7 +166,8 @@ class PrefillRole(Role):
         (sending starts there), else the request fails."""
         n, cached = len(req.prompt_ids), out.sender.cached_prefix_len
         if cached % self.config.page_size or not 0 <= cached < n:
-            problem = f"decode's cached_prefix_len {cached} is not a multiple of the page size {self.config.page_size} below the prompt's {n} tokens"
+            ps = self.config.page_size
+            problem = f"decode's cached_prefix_len {cached} must be a multiple of the page size {ps} below the prompt's {n} tokens"
             self.scheduler.fail(req, problem, 500)
             return False
         need = self._pages(n) - cached // self.config.page_size

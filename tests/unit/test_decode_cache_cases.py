@@ -97,6 +97,9 @@ def test_a_prefill_refuses_a_cached_prefix_that_is_not_page_aligned(monkeypatch)
             break
         m._one_round()
     assert pair.prefill.finish.type == "abort"
-    assert "cached_prefix_len 1 is not a multiple of the page size 4" in pair.prefill.finish.message
+    assert (
+        "cached_prefix_len 1 must be a multiple of the page size 4 below the prompt's 10 tokens"
+        in pair.prefill.finish.message
+    )
     assert pair.decode.finish.type == "abort"
     m.teardown()
