@@ -33,8 +33,8 @@ from tests.integration.cluster import start_cluster  # noqa: E402
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "512", "--max-total-tokens", "32768")
 RUNS = {  # name -> (decode flags, router flags)
     "decode cache on, --decode-policy cache_aware": ((), ("--decode-policy", "cache_aware")),
-    "decode cache on, decode policy power_of_two": ((), ()),
     "decode cache off": (("--disable-radix-cache",), ()),
+    "decode cache on, decode policy power_of_two": ((), ()),
 }
 
 
@@ -116,6 +116,7 @@ def main() -> None:
             decode_flags=decode_flags,
             policy="cache_aware",
             router_flags=router_flags,
+            ready_timeout=900,  # four servers loading at once on a busy machine
         )
         try:
             results[name] = asyncio.run(lockstep(cluster, ns, Workload(load_tokenizer("builtin"), 1)))
@@ -123,8 +124,9 @@ def main() -> None:
         finally:
             cluster.stop()
         print(table(name, results[name]) + "\n", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_cache.json").write_text(json.dumps({"config": vars(ns), "runs": results}, indent=2) + "\n")
+        args.out.mkdir(parents=True, exist_ok=True)
+        doc = {"config": vars(ns), "runs": results}
+        (args.out / "decode_cache.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":
