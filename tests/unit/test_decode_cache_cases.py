@@ -1,7 +1,7 @@
 """The decode's prefix cache on the simulated PD pair (test_kv_handoff_model.py): a conversation's next
 turn matches the last turn's prompt and answer at the decode, which reserves pages for the rest only;
 the prefill sends exactly those pages; a room that fails mid-suffix caches nothing it did not receive and
-unlocks its prefix. Each ends with the model's teardown (every half ended, every pool back to idle)."""
+unlocks its prefix; eviction under pressure spares a room's locked prefix. Each ends with the model's teardown (every half ended, every pool back to idle)."""
 
 from __future__ import annotations
 
@@ -102,4 +102,33 @@ def test_a_prefill_refuses_a_cached_prefix_that_is_not_page_aligned(monkeypatch)
         in pair.prefill.finish.message
     )
     assert pair.decode.finish.type == "abort"
+    m.teardown()
+
+
+def test_eviction_under_pressure_spares_a_rooms_locked_prefix_and_its_target_pages():
+    """The decode's cache is full of finished requests when turn 2 locks its 3 cached pages and reserves
+    its suffix; new requests then need more pages than are free, so the decode evicts, but only unlocked
+    pages: turn 2's prefix stays in the tree, its KV lands and its tokens are exact."""
+    m = KVHandoff()
+    m._submit(list(range(1, 11)), 6)
+    first = m.pairs[0]
+    answered(m, first)
+    for k in range(3):  # 8 cached pages each (35 tokens with KV)
+        m._submit([100 * (k + 1) + i for i in range(30)], 6)
+        answered(m, m.pairs[-1])
+    cache = m.decode.memory.prefix_cache
+    second = next_turn(m, first, [401, 402, 403, 404, 405], 3)
+    for _ in range(3):  # the decode reserves turn 2; no frame is delivered yet, so no KV moves
+        m.decode.sched.step()
+    assert second.decode.decode_hit_len == 12 and cache.locked_pages() == 3
+    prefix = first.decode.prompt_ids + first.decode.output_ids[:2]  # the 12 tokens turn 2 matched
+    evictable = cache.evictable_pages()
+    for k in range(3):
+        m._submit([50 + 100 * (k + 1) + i for i in range(30)], 2)
+    for _ in range(3):
+        m.decode.sched.step()
+    assert cache.evictable_pages() < evictable  # the new requests made the decode evict
+    assert len(cache.match_prefix(prefix).slots) == 12 and cache.locked_pages() >= 3
+    answered(m, second)
+    assert second.decode.output_ids == [406, 407, 408]
     m.teardown()
