@@ -75,8 +75,8 @@ def test_services_probes_and_ports_line_up(values_file):
     rc = router["spec"]["containers"][0]
     assert rc["ports"] == [{"name": "http", "containerPort": int(flag(rc["args"], "--port"))}]
     assert (rc["livenessProbe"]["httpGet"], rc["readinessProbe"]["httpGet"]) == (
-        {"path": "/health", "port": "http"},
-        {"path": "/readiness", "port": "http"},
+        {"path": "/health", "port": "http", "scheme": scheme},
+        {"path": "/readiness", "port": "http", "scheme": scheme},
     )
     svc = component(docs, "Service", "router")["spec"]
     assert svc["ports"][0]["targetPort"] == "http" and svc["selector"].items() <= router["metadata"]["labels"].items()
