@@ -3,8 +3,8 @@
 cache_aware, round_robin) with 1 and with 2 router processes, each run with its own seed (no run reuses
 another's pages).
 
-Per run: the prefill hit rate the servers report (cached prompt tokens / prompt tokens, from the bench's usage
-counts), the share of prompt tokens the chosen prefill and decode held by the router's KV index
+Per run: the prefill and decode hit rates the servers report (cached prompt tokens / prompt tokens on each side,
+from the bench's usage counts), the share of prompt tokens the chosen prefill and decode held by the router's KV index
 (`tandem_router_kv_matched_tokens_total`, counted under every policy), the oracle's (a router that knows the
 conversations and keeps each on one pair: from turn 2 on, the prefill holds the last prompt's whole pages and
 the decode the last prompt and answer's), and TTFT p50/p99 per turn.
@@ -96,11 +96,12 @@ def one_run(cluster, policy: str, processes: int, seed: int, tmp: Path, load_tok
     finally:
         router.stop()
     turns = run["turns"]
-    cached = sum(t["cached_tokens"] or 0 for t in turns) / sum(t["input_tokens"] for t in turns)
+    prompt_tokens = sum(t["input_tokens"] for t in turns)
     return {
         "policy": policy,
         "processes": processes,
-        "prefill_hit_servers": cached,
+        "prefill_hit_servers": sum(t["cached_tokens"] or 0 for t in turns) / prompt_tokens,
+        "decode_hit_servers": sum(t["decode_cached_tokens"] or 0 for t in turns) / prompt_tokens,
         "prefill_held_index": held["prefill"],
         "decode_held_index": held["decode"],
         "ttft_ms_per_turn": [(t["turn"], t["p50_ttft_ms"], t["p99_ttft_ms"]) for t in turns],
@@ -126,12 +127,12 @@ def main() -> None:
         cluster.stop()
     best = oracle()
     print(f"oracle: prefill {best[0]:.3f}, decode {best[1]:.3f}")
-    print("| policy | router processes | prefill hit (servers) | prefill held (index) | decode held (index) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| policy | router processes | prefill hit | decode hit | prefill held (index) | decode held (index) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(
-            f"| {r['policy']} | {r['processes']} | {r['prefill_hit_servers']:.3f} | {r['prefill_held_index']:.3f} "
-            f"| {r['decode_held_index']:.3f} |"
+            f"| {r['policy']} | {r['processes']} | {r['prefill_hit_servers']:.3f} | {r['decode_hit_servers']:.3f} "
+            f"| {r['prefill_held_index']:.3f} | {r['decode_held_index']:.3f} |"
         )
     print("| policy | processes | " + " | ".join(f"turn {k + 1} TTFT p50 / p99 ms" for k in range(TURNS)) + " |")
     for r in results:

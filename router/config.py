@@ -48,6 +48,12 @@ class RouterConfig(BaseSettings):
     prefill: list[PrefillSpec] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     policy: Policy = "cache_aware"
+    decode_policy: Policy | None = Field(
+        None,
+        description="how a decode is picked (SGLang's flag): default --policy, and power_of_two for cache_aware; "
+        "cache_aware sends a conversation's next turn to the decode whose prefix cache holds its last one; "
+        "kv_aware picks both halves (--policy kv_aware)",
+    )
     host: str = "127.0.0.1"
     kv_load_tokens: int = Field(
         64,

@@ -29,6 +29,7 @@ class RequestOutput:
     prompt_len: int = 0
     output_len: int = 0
     cached_tokens: int | None = None
+    decode_cached_tokens: int | None = None  # a PD decode's own prefix-cache hit (not sent by the prefill)
     error: str = ""
     text: str = ""  # the answer
     output_ids: list[int] | None = None  # the answer's token ids, where the server sends them (/generate)
@@ -72,11 +73,13 @@ class StreamState:
             if "output_ids" in event:
                 self.out.output_ids = list(event["output_ids"])
             self._usage(meta.get("prompt_tokens"), meta.get("completion_tokens", before + 1), meta.get("cached_tokens"))
+            self.out.decode_cached_tokens = meta.get("decode_cached_tokens", self.out.decode_cached_tokens)
             return self.reported > before
         usage = event.get("usage") or {}
         if usage:
             details = usage.get("prompt_tokens_details") or {}
             self._usage(usage.get("prompt_tokens"), usage.get("completion_tokens"), details.get("cached_tokens"))
+            self.out.decode_cached_tokens = details.get("decode_cached_tokens", self.out.decode_cached_tokens)
         if self.backend == "openai-chat":
             pieces = [(c.get("delta") or {}).get("content") or "" for c in event.get("choices") or []]
         else:

@@ -108,13 +108,15 @@ async def run_conversations(
 
 
 def per_turn(outputs: list[RequestOutput]) -> list[dict]:
-    """For each turn: requests completed and failed, prompt and cached tokens, TTFT mean and percentiles."""
+    """For each turn: requests completed and failed, prompt and cached tokens (the prefill's, or a
+    monolithic server's; and a PD decode's own), TTFT mean and percentiles."""
     turns = sorted({o.turn for o in outputs if o.turn is not None})
     rows = []
     for t in turns:
         mine = [o for o in outputs if o.turn == t]
         ok = [o for o in mine if o.success]
         cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
+        decode_cached = [o.decode_cached_tokens for o in ok if o.decode_cached_tokens is not None]
         rows.append(
             {
                 "turn": t,
@@ -122,6 +124,7 @@ def per_turn(outputs: list[RequestOutput]) -> list[dict]:
                 "failed": len(mine) - len(ok),
                 "input_tokens": sum(o.prompt_len for o in ok),
                 "cached_tokens": sum(cached) if cached else None,
+                "decode_cached_tokens": sum(decode_cached) if decode_cached else None,
             }
             | distribution("ttft", [o.ttft for o in ok])
         )

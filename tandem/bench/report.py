@@ -36,6 +36,7 @@ ROWS = [  # (label, key) of the table, in the order SGLang's bench_serving print
 
 TURN_ROWS = [  # (label, key) of each turn's rows in a multi-turn run
     ("cached prompt tokens", "cached_tokens"),
+    ("decode cached tokens", "decode_cached_tokens"),
     ("mean TTFT (ms)", "mean_ttft_ms"),
     *((f"P{q} TTFT (ms)", f"p{q}_ttft_ms") for q in PERCENTILES),
 ]
@@ -131,6 +132,8 @@ def _print_turns(records: list[dict[str, Any]], width: int) -> None:
     for i in range(turns):
         for label, key in TURN_ROWS:
             cells = [_cell(r["turns"][i].get(key) if i < len(r.get("turns") or []) else None) for r in records]
+            if all(c == "-" for c in cells):
+                continue  # e.g. decode cached tokens from a server that is not a PD decode
             print(f"{f'Turn {i + 1} {label}':<34}" + "".join(f"{c:>{width}}" for c in cells))
 
 
