@@ -153,6 +153,8 @@ class ReferenceServers:
         self.running: dict[tuple[str, ...], ServerProcess] = {}
 
     def get(self, *args: str) -> ServerProcess:
+        if "--max-total-tokens" not in args:  # start_server's default, explicit: one key for both spellings
+            args = (*args, "--max-total-tokens", "8192")
         if args not in self.running:
             self.running[args] = start_server(*args, name=f"mono-ref{len(self.running)}").wait_ready()
         return self.running[args]
