@@ -14,13 +14,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import start_server
 from tests.integration.cluster import generate, start_cluster
 
 PAGE = 16
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
 FLAGS = ("--page-size", str(PAGE), "--chunked-prefill-size", "64", "--kv-events-config", EVENTS)
-pytestmark = pytest.mark.timeout(1200)  # five servers of the built-in model start first
+pytestmark = pytest.mark.timeout(1200)  # four servers of the built-in model (and the shared reference) start first
 CONVERSATIONS, FIRST_LEN, TURN_LEN, NEW_TOKENS = 4, 120, 24, 8
 
 
@@ -40,10 +39,8 @@ def cluster(mono):  # after the monolithic server is up: five servers starting a
 
 
 @pytest.fixture(scope="module")
-def mono():
-    s = start_server("--page-size", str(PAGE), "--chunked-prefill-size", "64", name="mono-kv").wait_ready(600)
-    yield s
-    s.stop()
+def mono(reference_servers):
+    return reference_servers.get("--page-size", str(PAGE), "--chunked-prefill-size", "64")  # test_pd.py's
 
 
 def router_samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
