@@ -4,6 +4,7 @@ a GPU split --mem-fraction-static and start in turn, how the visible GPUs are fo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -118,3 +119,36 @@ def test_api_key_reaches_every_process_through_its_environment_not_its_argv(mode
     kids, _, _ = children("--mode", mode, "--num-decode", "2", "--api-key", "k-123")
     assert len(kids) == (4 if mode == "pd" else 1)
     assert all(c.env["TANDEM_API_KEY"] == "k-123" and "k-123" not in " ".join(c.argv) for c in kids)
+
+
+def test_kv_aware_turns_on_every_engines_events_and_sets_the_routers_policy():
+    kids, by_name, engines = children("--num-prefill", "2", "--policy", "kv_aware", "--", "--page-size", "4")
+    for c in engines:
+        at = c.argv.index("--kv-events-config")
+        assert json.loads(c.argv[at + 1]) == {
+            "publisher": "zmq",
+            "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*",
+        }
+        assert c.argv[-2:] == ["--page-size", "4"]  # the user's flags stay last
+    assert by_name["router"].argv[-2:] == ["--policy", "kv_aware"]
+    _, plain, _ = children()
+    assert "--kv-events-config" not in plain["decode-0"].argv and plain["router"].argv[-1] == "cache_aware"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--mode", "monolithic", "--policy", "kv_aware"), "needs --mode pd"),
+        (("--policy", "kv_aware", "--", "--kv-events-config", "{}"), "sets it on every server"),
+    ],
+)
+def test_kv_aware_refuses_what_contradicts_it(args, says):
+    from common.wire.user_error import UserError
+    from tandem.up import check_up
+
+    ns = argparse.ArgumentParser()
+    add_up_flags(ns)
+    parsed = ns.parse_args(["--device", "cpu", *args])
+    with pytest.raises(UserError, match=says):
+        check_up(parsed, plan_children(parsed))
