@@ -2,13 +2,15 @@
 
 A node's key is a run of token ids (a multiple of page_size long); its value holds their KV slots.
 Children are keyed by their first page of token ids. lock_ref > 0 on a node means some running
-request uses its pages (inc/dec walk the whole path to the root).
+request uses its pages (inc/dec walk the whole path to the root). `on_evict(node)`, when set, sees each
+leaf just before its pages are freed (the host tier copies them out: common.memory.hicache).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ class RadixCache(PrefixCache):
         self.allocator = allocator
         self.page_size = page_size
         self._clock = itertools.count(1)
+        self.on_evict: Callable[[TreeNode], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -150,6 +153,8 @@ class RadixCache(PrefixCache):
         freed = 0
         while leaves and freed < num_pages:
             _, _, node = heapq.heappop(leaves)
+            if self.on_evict is not None:
+                self.on_evict(node)
             self.allocator.free_slots(node.value)
             pages = len(node.key) // self.page_size
             freed += pages
