@@ -80,9 +80,9 @@ class HostPool:
         compute.wait_event(done)
 
     def describe(self) -> str:
-        gib = (self.num_pages + 1) * self.bytes_per_page / 2**30
+        mib = (self.num_pages + 1) * self.bytes_per_page / 2**20
         where = "pinned host memory" if self.pinned else "host memory"
-        return f"host KV pool: {self.num_pages} pages x {self.page_size} tokens, {gib:.3f} GiB in {where}"
+        return f"host KV pool: {self.num_pages} pages x {self.page_size} tokens, {mib:.1f} MiB in {where}"
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
