@@ -63,6 +63,9 @@ class ServerConfig(BaseSettings):
         "write_through", description="copy KV to the host tier when it is cached (write_through) or when evicted"
     )
     max_queued_requests: int = Field(1024, ge=1)
+    enable_priority_scheduling: bool = Field(
+        False, description="honour requests' priority field (higher first): admission order and who is retracted"
+    )
 
     # PD disaggregation
     transfer_backend: Literal["mooncake", "nixl", "loopback"] = "mooncake"

@@ -63,6 +63,7 @@ class GenInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
+    priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt

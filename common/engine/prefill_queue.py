@@ -1,10 +1,11 @@
 """Requests whose prompt (or its rest) is still to be computed, and the choice of the next prefill
-batch: FIFO, a token budget per batch, page-aligned chunks of at most --chunked-prefill-size tokens, and
+batch: by priority then FIFO, a token budget per batch, page-aligned chunks of at most --chunked-prefill-size tokens, and
 memory checked before each chunk (a request admitted but not fitting is given back at once)."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
@@ -32,10 +33,16 @@ class PrefillQueue:
         self.considering: Req | None = None
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Behind every waiting request of its priority or higher (all 0 without priorities: FIFO)."""
+        self._insert(req, lambda other: other.priority < req.priority)
 
     def add_front(self, req: Req) -> None:
-        self.waiting.appendleft(req)
+        """A retracted request: ahead of the waiting requests of its priority, behind higher ones."""
+        self._insert(req, lambda other: other.priority <= req.priority)
+
+    def _insert(self, req: Req, goes_before: Callable[[Req], bool]) -> None:
+        at = next((i for i, other in enumerate(self.waiting) if goes_before(other)), len(self.waiting))
+        self.waiting.insert(at, req)
 
     def remove(self, req: Req) -> None:
         if self.chunked is req:

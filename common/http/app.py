@@ -16,7 +16,16 @@ from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.guard import CountingGuard
-from common.http.serving import Choice, check_input, collect, new_rid, raise_if_failed, stream_choices, tokenize_text
+from common.http.serving import (
+    Choice,
+    check_input,
+    check_priority,
+    collect,
+    new_rid,
+    raise_if_failed,
+    stream_choices,
+    tokenize_text,
+)
 from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
@@ -121,6 +130,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         top_logprobs_num=body.top_logprobs_num,
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
+        priority=check_priority(engine, body.priority),
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen
