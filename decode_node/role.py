@@ -264,7 +264,10 @@ class DecodeRole(Role):
         return True
 
     def memory_returning(self) -> bool:
-        return bool(self.quarantined)
+        """Quarantined rooms free their pages within their bound; rooms whose KV is arriving join the
+        running batch within theirs, and then the newest of it can be retracted (its KV cached, on the
+        host tier if there is one) to make room."""
+        return bool(self.quarantined or self.transferring)
 
     def requests(self) -> list[Req]:
         return self.prealloc + self.transferring + self.quarantined
