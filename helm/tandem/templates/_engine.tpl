@@ -29,6 +29,10 @@ Called with (dict "root" $ "component" "prefill"|"decode"). */}}
 - {{ printf "%s://%s:%d" (include "tandem.scheme" .root) (include "tandem.serviceHost" (dict "root" .root "component" "bootstrap")) (int $v.bootstrap.port) }}
 {{- end }}
 {{- end }}
+{{- if gt (int ($role.tpSize | default 1)) 1 }}
+- --tp-size
+- {{ $role.tpSize | quote }}
+{{- end }}
 - --drain-timeout-s
 - {{ $v.drain.timeoutSeconds | quote }}
 {{- include "tandem.tls.args" (dict "root" .root) }}
@@ -85,7 +89,8 @@ pod at its own address. TANDEM_API_KEY: the router's key, which it sends on ever
 {{- define "tandem.engine.resources" -}}
 {{- $role := index .root.Values .component -}}
 {{- $user := deepCopy ($role.resources | default dict) -}}
-{{- $limits := merge (deepCopy ($user.limits | default dict)) (fromYaml (include "tandem.transfer.resources" .root)) -}}
+{{- $extended := fromYaml (include "tandem.transfer.resources" (dict "root" .root "gpus" (int ($role.tpSize | default 1)))) -}}
+{{- $limits := merge (deepCopy ($user.limits | default dict)) $extended -}}
 {{- if $limits -}}{{- $_ := set $user "limits" $limits -}}{{- end -}}
 {{- toYaml $user -}}
 {{- end -}}
