@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import ServerConfig
 from common.memory.allocator import PagedAllocator
-from common.memory.hicache import HiRadixCache
+from common.memory.hicache import HiRadixCache, make_prefix_cache
 from common.memory.host_pool import HostPool, page_runs
 from common.memory.kv_pool import KVPool
 
@@ -87,3 +88,27 @@ def test_a_full_host_tier_drops_its_least_recently_used_pages():
     assert len(cache.match_prefix(list(range(100, 116))).slots) == 0  # the oldest went
     assert len(cache.match_prefix(list(range(300, 316))).slots) == 16
     cache.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "flags", [{"disable_radix_cache": True}, {"tp_size": 2}], ids=["without-radix-cache", "tensor-parallel"]
+)
+def test_the_host_tier_is_refused_where_it_cannot_work(flags):
+    with pytest.raises(ValueError, match="--enable-hierarchical-cache needs the radix cache and --tp-size 1"):
+        ServerConfig(enable_hierarchical_cache=True, **flags)
+
+
+def test_the_host_tier_is_sized_by_gib_or_by_ratio():
+    pool = KVPool(2, 10, PS, 1, 2, torch.float32, "cpu")
+    by_ratio = make_prefix_cache(
+        ServerConfig(enable_hierarchical_cache=True, hicache_ratio=3), PagedAllocator(10, PS), pool
+    )
+    assert by_ratio.pool.num_pages == 30 and by_ratio.write_policy == "write_through"
+    gib = 100 * pool.bytes_per_page / 2**30
+    by_size = make_prefix_cache(
+        ServerConfig(enable_hierarchical_cache=True, hicache_size=gib, hicache_write_policy="write_back"),
+        PagedAllocator(10, PS),
+        pool,
+    )
+    assert by_size.pool.num_pages == 100 and by_size.write_policy == "write_back"
+    assert type(make_prefix_cache(ServerConfig(), PagedAllocator(10, PS), pool)).__name__ == "RadixCache"
