@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from common.config import ServerConfig
-from common.core.request import FinishReason, Req, ReqStatus
+from common.core.request import FinishReason, Req, ReqStatus, queue_position
 from common.engine.prefill_queue import decode_reserve
 from common.engine.role import Role, SchedulerView
 from common.memory.errors import MemoryIntegrityError
@@ -88,7 +88,7 @@ class DecodeRole(Role):
             lookup.add_done_callback(lambda done: self._peer_found(req, done))
             self.inbound[req] = Inbound(lookup)
             req.status = ReqStatus.PAIRING
-            self.prealloc.append(req)
+            self.prealloc.insert(queue_position(self.prealloc, req), req)  # by priority, then FIFO
         return True
 
     def _peer_found(self, req: Req, lookup: Future[PeerInfo]) -> None:

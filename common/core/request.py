@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -111,3 +111,12 @@ class Req(GenInput):
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+def queue_position(queue: Sequence[Req], req: Req, ahead_of_equals: bool = False) -> int:
+    """Where `req` goes in a queue kept in priority order (higher first): behind every request of its
+    priority (FIFO among equals; all 0 without --enable-priority-scheduling), or ahead of them."""
+    for i, other in enumerate(queue):
+        if other.priority < req.priority or (ahead_of_equals and other.priority == req.priority):
+            return i
+    return len(queue)

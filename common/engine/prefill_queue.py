@@ -5,11 +5,10 @@ memory checked before each chunk (a request admitted but not fitting is given ba
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
-from common.core.request import Req
+from common.core.request import Req, queue_position
 from common.engine.model_runner import BatchPlan
 from common.memory.manager import MemoryManager
 
@@ -34,15 +33,11 @@ class PrefillQueue:
 
     def add(self, req: Req) -> None:
         """Behind every waiting request of its priority or higher (all 0 without priorities: FIFO)."""
-        self._insert(req, lambda other: other.priority < req.priority)
+        self.waiting.insert(queue_position(self.waiting, req), req)
 
     def add_front(self, req: Req) -> None:
         """A retracted request: ahead of the waiting requests of its priority, behind higher ones."""
-        self._insert(req, lambda other: other.priority <= req.priority)
-
-    def _insert(self, req: Req, goes_before: Callable[[Req], bool]) -> None:
-        at = next((i for i, other in enumerate(self.waiting) if goes_before(other)), len(self.waiting))
-        self.waiting.insert(at, req)
+        self.waiting.insert(queue_position(self.waiting, req, ahead_of_equals=True), req)
 
     def remove(self, req: Req) -> None:
         if self.chunked is req:

@@ -5,7 +5,7 @@ progress, then the newest."""
 from __future__ import annotations
 
 from common.config import ServerConfig
-from common.core.request import Req
+from common.core.request import Req, queue_position
 from common.engine.decode_batch import DecodeBatch
 from common.engine.prefill_queue import PrefillQueue
 from common.wire.sampling_params import SamplingParams
@@ -43,3 +43,10 @@ def test_the_victim_is_the_lowest_priority_then_the_least_progress_then_the_newe
     assert batch.victim().rid == "old-low"
     batch.running = [req("high", 2, 0), req("higher", 3, 0)]
     assert batch.victim().rid == "high"
+
+
+def test_queue_position_keeps_a_list_such_as_a_decodes_reservations_in_priority_order():
+    prealloc: list[Req] = []
+    for r in [req("a"), req("b", 3), req("c"), req("d", 3)]:
+        prealloc.insert(queue_position(prealloc, r), r)
+    assert [r.rid for r in prealloc] == ["b", "d", "a", "c"]
