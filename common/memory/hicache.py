@@ -17,6 +17,7 @@ host tier, a second radix tree whose nodes own pages of the host pool (common.me
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from common.memory.errors import MemoryIntegrityError
 from common.memory.host_pool import HostPool
 from common.memory.prefix_cache import MatchResult, NoPrefixCache, PrefixCache
 from common.memory.radix_cache import RadixCache, TreeNode
+from common.wire.user_error import UserError
 
 WRITE_POLICIES = ("write_through", "write_back")
 
@@ -169,6 +171,16 @@ def host_pool_pages(config: Any, device_pages: int, bytes_per_page: int) -> int:
     return int(config.hicache_ratio * device_pages)
 
 
+def check_host_memory(nbytes: int) -> None:
+    """Refuse a host tier larger than the memory the host has available now (as SGLang does)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if nbytes > available:
+        raise UserError(
+            f"the host KV tier needs {nbytes / 2**30:.1f} GiB and the host has {available / 2**30:.1f} GiB available: "
+            "lower --hicache-ratio or --hicache-size"
+        )
+
+
 def make_prefix_cache(config: Any, allocator: PagedAllocator, kv_pool: Any) -> PrefixCache:
     """The server's prefix cache: none, the device radix cache, or both tiers (`config`: a ServerConfig)."""
     if config.disable_radix_cache:
@@ -176,4 +188,5 @@ def make_prefix_cache(config: Any, allocator: PagedAllocator, kv_pool: Any) -> P
     if not config.enable_hierarchical_cache:
         return RadixCache(allocator, config.page_size)
     pages = host_pool_pages(config, allocator.num_pages, kv_pool.bytes_per_page)
+    check_host_memory(pages * kv_pool.bytes_per_page)
     return HiRadixCache(allocator, HostPool(kv_pool, pages), config.hicache_write_policy)

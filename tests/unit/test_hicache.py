@@ -11,6 +11,7 @@ from common.memory.allocator import PagedAllocator
 from common.memory.hicache import HiRadixCache, make_prefix_cache
 from common.memory.host_pool import HostPool, page_runs
 from common.memory.kv_pool import KVPool
+from common.wire.user_error import UserError
 
 PS = 4
 
@@ -112,3 +113,10 @@ def test_the_host_tier_is_sized_by_gib_or_by_ratio():
     )
     assert by_size.pool.num_pages == 100 and by_size.write_policy == "write_back"
     assert type(make_prefix_cache(ServerConfig(), PagedAllocator(10, PS), pool)).__name__ == "RadixCache"
+
+
+def test_a_host_tier_larger_than_the_hosts_memory_is_refused():
+    pool = KVPool(2, 10, PS, 1, 2, torch.float32, "cpu")
+    huge = ServerConfig(enable_hierarchical_cache=True, hicache_size=10**7)  # 10 PiB
+    with pytest.raises(UserError, match="lower --hicache-ratio or --hicache-size"):
+        make_prefix_cache(huge, PagedAllocator(10, PS), pool)
