@@ -22,6 +22,7 @@ from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
+from common.engine import host_tier
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
@@ -31,10 +32,9 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
+from common.memory.hicache import make_prefix_cache
 from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
-from common.memory.prefix_cache import NoPrefixCache
-from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
@@ -89,11 +89,9 @@ class Engine:
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
         self.kv_events = self._kv_event_publisher()
-        prefix = (
-            NoPrefixCache(allocator, config.page_size)
-            if config.disable_radix_cache
-            else RadixCache(allocator, config.page_size, self.kv_events)
-        )
+        prefix = make_prefix_cache(config, allocator, self.kv_pool, self.kv_events)
+        if config.enable_hierarchical_cache:
+            log.info("%s", host_tier.summary(prefix).removeprefix("; "))
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         eos_ids = self._eos_ids()
         model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
@@ -176,6 +174,7 @@ class Engine:
             "KV pages requests hold (total = free + cached + used)",
             lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached(),
         )
+        host_tier.register_gauges(m, self.memory.prefix_cache)
         m.labelled_gauges(
             "tandem_pd_queue_requests",
             "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
@@ -222,6 +221,7 @@ class Engine:
             "model_path": str(self.model_dir),
             "context_length": self.context_len,
             "kv_pages": s.check_integrity().to_dict(),
+            "host_kv_pages": host_tier.info(self.memory.prefix_cache),
             "num_running_reqs": len(s.decode.running),
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,

@@ -3,13 +3,15 @@
 A node's key is a run of token ids (a multiple of page_size long); its value holds their KV slots.
 Children are keyed by their first page of token ids. lock_ref > 0 on a node means some running
 request uses its pages (inc/dec walk the whole path to the root). A `CacheListener` (KV cache events) hears
-of every page stored, evicted or cleared.
+of every page stored, evicted or cleared. `on_evict(node)`, when set, sees each leaf just before its pages
+are freed (the host tier copies them out: common.memory.hicache).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ class RadixCache(PrefixCache):
         self.page_size = page_size
         self.listener = listener
         self._clock = itertools.count(1)
+        self.on_evict: Callable[[TreeNode], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -157,6 +160,8 @@ class RadixCache(PrefixCache):
         freed = 0
         while leaves and freed < num_pages:
             _, _, node = heapq.heappop(leaves)
+            if self.on_evict is not None:
+                self.on_evict(node)
             self.allocator.free_slots(node.value)
             if self.listener is not None:
                 self.listener.removed(*self._path_tokens(node))
