@@ -1,13 +1,16 @@
 """A simulated PD pair for the model-based test of the KV handoff: a prefill and a decode scheduler with
 fake runners that write each token's id into its KV slot, real pools and role bookkeeping, real transfer
 managers on the loopback backend, a control plane whose frames the test delivers (in any order, twice,
-or never), and one fake clock. No threads: the test decides what runs when."""
+or never), and one fake clock. No threads: the test decides what runs when. A side may run with a host tier
+(HiRadixCache over a HostPool that copies both simulated layers of a page, as the real pool's page-major
+buffer does)."""
 
 from __future__ import annotations
 
 import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -18,6 +21,8 @@ from common.engine.output import OutputProcessor
 from common.engine.role import SchedulerView
 from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
+from common.memory.hicache import HiRadixCache
+from common.memory.host_pool import HostPool
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
@@ -47,6 +52,7 @@ CONFIG = ServerConfig(
 )
 NUM_PAGES = CONFIG.max_total_tokens // CONFIG.page_size
 CONTEXT_LEN = 64  # a prefill computes ahead of pairing in all but 16 of the 40 pages
+HOST_PAGES = NUM_PAGES  # --hicache-ratio 1: small enough that the host tree evicts too
 
 
 class Clock:
@@ -191,17 +197,28 @@ def kv_args(buffers: list[torch.Tensor], aux: AuxPool | None = None) -> KVArgs:
 class Side:
     """One simulated server process: its buffers, scheduler, role and transfer manager."""
 
-    def __init__(self, net: Network, clock: Clock, mode: str, lookup=None, prefix_cache: bool = True):
-        """`prefix_cache` False: as --disable-radix-cache."""
+    def __init__(
+        self,
+        net: Network,
+        clock: Clock,
+        mode: str,
+        lookup=None,
+        prefix_cache: bool = True,
+        host_tier: str | None = None,
+    ):
+        """`prefix_cache` False: as --disable-radix-cache; `host_tier`: a --hicache-write-policy, or None."""
         c = CONFIG
         self.net, self.clock, self.mode = net, clock, mode
-        self.buffers = [torch.full(((NUM_PAGES + 1) * c.page_size,), -1, dtype=torch.int64) for _ in range(2)]
+        kv = torch.full((2, NUM_PAGES + 1, c.page_size), -1, dtype=torch.int64)  # two layers, each contiguous
+        self.buffers = [kv[i].view(-1) for i in range(2)]
         allocator = PagedAllocator(NUM_PAGES, c.page_size)
+        if host_tier is not None:  # the host pool copies whole pages of both layers, as from a page-major pool
+            pool = HostPool(SimpleNamespace(buffer=kv.permute(1, 0, 2), page_size=c.page_size), HOST_PAGES)
+            cache = HiRadixCache(allocator, pool, host_tier)
+        else:
+            cache = RadixCache(allocator, c.page_size) if prefix_cache else NoPrefixCache(allocator, c.page_size)
         self.memory = MemoryManager(
-            ReqToTokenPool(c.max_running_requests + 8, 200, "cpu"),
-            allocator,
-            RadixCache(allocator, c.page_size) if prefix_cache else NoPrefixCache(allocator, c.page_size),
-            c.page_size,
+            ReqToTokenPool(c.max_running_requests + 8, 200, "cpu"), allocator, cache, c.page_size
         )
         output = OutputProcessor(FakeTokenizer(), {EOS}, context_len=CONTEXT_LEN)
         self.runner = KVRunner(self.buffers)

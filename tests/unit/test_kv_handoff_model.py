@@ -2,13 +2,17 @@
 kv_handoff_sim.py) through random interleavings of requests, next turns of finished ones (their prompt,
 answer and new tokens: both sides' prefix caches hit, the decode's with the answer too, and evict under
 the small pools), prefill chunks, transfers, control messages delivered late, twice or never, aborts
-from either side, timeouts, heartbeats, frozen, killed and restarted peers. After every step it checks:
+from either side (a decode's room aborted mid-transfer drains in quarantine), retractions of running
+decode requests while other rooms transfer, timeouts, heartbeats, frozen, killed and restarted peers.
+Each side runs with or without a host tier (either write policy; drawn per example). After every step
+it checks:
 
-- every pool's integrity: each page free, cached, or held by exactly one request (nothing freed twice:
-  the allocator raises on a double free);
+- every pool's integrity on both tiers: each page free, cached, or held by exactly one request (nothing
+  freed twice: the allocator raises on a double free), each host page free or in the host tree;
 - no write lands in a page (or aux slot) that the written room does not own at that moment (a decode's
   cached prefix, locked in its radix cache, is never a room's: only the pages past it are);
-- every KV slot the caches or requests count as computed holds exactly its token's KV;
+- every KV slot the caches (device and host trees) or requests count as computed holds exactly its
+  token's KV;
 - every request that succeeded got exactly the tokens a monolithic server gives;
 
 and at the end, with every process running, that each request ended within its bound and every pool,
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from common.core.request import Req
+from common.memory.hicache import HiRadixCache
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 from decode_node.peers import PeerInfo
@@ -62,6 +67,7 @@ class KVHandoff(RuleBasedStateMachine):
     def __init__(self, decode_cache: bool = True) -> None:
         super().__init__()
         self.decode_cache = decode_cache  # False: the decode runs with --disable-radix-cache
+        self.host_tier: dict[str, str | None] = {"prefill": None, "decode": None}  # a write policy, or no host tier
         self.clock = Clock()
         self.net = Network(self.clock)
         self.prefill = self._new_prefill()
@@ -72,7 +78,7 @@ class KVHandoff(RuleBasedStateMachine):
 
     # -- the simulated cluster -------------------------------------------------------------------
     def _new_prefill(self) -> Side:
-        side = Side(self.net, self.clock, "prefill")
+        side = Side(self.net, self.clock, "prefill", host_tier=self.host_tier["prefill"])
         real_write, side.writing = side.manager._write, None
 
         def write(chunk):
@@ -90,7 +96,10 @@ class KVHandoff(RuleBasedStateMachine):
         return side
 
     def _new_decode(self) -> Side:
-        return Side(self.net, self.clock, "decode", lookup=self._lookup, prefix_cache=self.decode_cache)
+        host_tier = self.host_tier["decode"] if self.decode_cache else None
+        return Side(
+            self.net, self.clock, "decode", lookup=self._lookup, prefix_cache=self.decode_cache, host_tier=host_tier
+        )
 
     def _lookup(self, rendezvous: Rendezvous):
         p = self.prefill
@@ -143,6 +152,14 @@ class KVHandoff(RuleBasedStateMachine):
         return [self.prefill, self.decode]
 
     # -- rules -------------------------------------------------------------------------------------
+    @initialize(tiers=st.sampled_from([None, "write_through", "write_back"]), both=st.booleans())
+    def choose_host_tiers(self, tiers: str | None, both: bool) -> None:
+        """The host tier on the decode (where retraction uses it), and on the prefill too if `both`."""
+        self.host_tier = {"prefill": tiers if both else None, "decode": tiers}
+        self.prefill.kill()
+        self.decode.kill()
+        self.prefill, self.decode = self._new_prefill(), self._new_decode()
+
     @precondition(lambda self: self.prefill.alive and self.decode.alive)
     @rule(prompt_len=st.integers(1, 30), max_new=st.integers(0, 6), stream_first=st.booleans())
     def new_request(self, prompt_len: int, max_new: int, stream_first: bool) -> None:
@@ -205,6 +222,14 @@ class KVHandoff(RuleBasedStateMachine):
             side.runner.fail_next = True
             side.sched.step()
             side.runner.fail_next = False
+
+    @precondition(lambda self: self.decode.runs and self.decode.sched.decode.running)
+    @rule(data=st.data())
+    def decode_retracts(self, data) -> None:
+        """A running request gives its KV back to the prefix cache (and from there to the host tier when
+        evicted) and queues again, as when the batch's next tokens do not fit, while other rooms transfer."""
+        batch = self.decode.sched.decode
+        batch.retract(data.draw(st.sampled_from(batch.running)))
 
     @rule()
     def run_transfers(self) -> None:
@@ -290,13 +315,24 @@ class KVHandoff(RuleBasedStateMachine):
     def computed_kv_holds_its_tokens(self) -> None:
         for side in self._sides():
             kv = side.buffers[0]
-            for node in side.memory.prefix_cache._nodes():
-                assert kv[node.value].tolist() == node.key, "the prefix cache holds KV that was not computed"
+            for layers, tree in self._trees(side):
+                for layer in layers:
+                    for node in tree._nodes():
+                        assert layer[node.value].tolist() == node.key, "a prefix cache holds KV that was not computed"
             for req in side.sched.decode.running:
                 slots = side.memory.req_pool.req_to_token[req.req_pool_idx, : req.kv_computed_len].to(torch.int64)
                 assert kv[slots].tolist() == req.fill_ids[: req.kv_computed_len], (
                     f"request {req.rendezvous.room_id}: KV corrupted"
                 )
+
+    @staticmethod
+    def _trees(side: Side) -> list[tuple[list[torch.Tensor], object]]:
+        """(the KV layers a tree's slots index, the tree) for each tier of the side's prefix cache."""
+        cache = side.memory.prefix_cache
+        if not isinstance(cache, HiRadixCache):
+            return [(side.buffers[:1], cache)]
+        host = [cache.pool.buffer[:, i].reshape(-1) for i in range(cache.pool.buffer.shape[1])]
+        return [(side.buffers, cache.device), (host, cache.host)]
 
     @invariant()
     def successful_requests_have_the_monolithic_tokens(self) -> None:
