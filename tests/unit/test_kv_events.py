@@ -1,17 +1,21 @@
 """KV cache events: a radix cache's changes, published over real ZMQ sockets on 127.0.0.1, decoded by a
 subscriber written from vLLM's published schema (msgspec structs as vllm/distributed/kv_events.py defines them:
-array_like, omit_defaults, a tagged union), replayed after a missed range, and dropped (counted) when full."""
+array_like, omit_defaults, a tagged union), each tier's with its medium, replayed after a missed range, and dropped (counted) when full."""
 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+import torch
 import zmq
 
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.memory.allocator import PagedAllocator
+from common.memory.hicache import HiRadixCache
+from common.memory.host_pool import HostPool
 from common.memory.radix_cache import RadixCache
 from common.wire.kv_events import END_SEQ, KVEventsConfig, block_hashes, parse_kv_events_config
 
@@ -120,6 +124,33 @@ def test_vllm_subscriber_decodes_stored_removed_and_cleared_with_chained_hashes(
     ctx.term()
 
 
+def test_host_tier_events_carry_its_medium(publisher):
+    """A page the device evicts is stored on the host ("CPU") before it is removed from the device ("GPU"); a
+    prefix loaded back is stored on the device again; the host tree's start clears like the device tree's."""
+    ctx = zmq.Context()
+    sub = subscribe(ctx, publisher.endpoint)
+    device = PagedAllocator(4, PAGE)
+    pool = HostPool(SimpleNamespace(buffer=torch.zeros(5, PAGE), page_size=PAGE), 8)
+    cache = HiRadixCache(device, pool, "write_back", publisher)
+    a = list(range(100, 112))  # 3 pages
+    insert(cache, a)
+    cache.evict(3)
+    assert len(cache.match_prefix(a).slots) == len(a)  # from the host tier
+    publisher.cleared()  # the end
+    events = [e for _, batch in receive(sub, 3) for e in batch.events]
+    hashes = block_hashes(a, PAGE)
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in events if not isinstance(e, AllBlocksCleared)] == [
+        ("BlockStored", "GPU", hashes),
+        ("BlockStored", "CPU", hashes),
+        ("BlockRemoved", "GPU", hashes),
+        ("BlockStored", "GPU", hashes),
+    ]
+    assert [isinstance(e, AllBlocksCleared) for e in events[:2]] == [True, True]  # device tree, host tree
+    cache.check_integrity()
+    sub.close(linger=0)
+    ctx.term()
+
+
 def test_replay_serves_a_missed_range_then_end_of_sequence(publisher):
     cache = cache_with(publisher)
     for i in range(3):
@@ -153,11 +184,11 @@ def test_a_full_queue_drops_counts_and_clears_before_the_next_event():
     pub = KVEventPublisher(config, PAGE, "127.0.0.1")
     pub.close()  # the thread stops reading: the queue fills
     for i in range(3):
-        pub.stored([i] * PAGE, 0)
+        pub.stored([i] * PAGE, 0, "GPU")
     assert pub.dropped == 1 and pub.queue.qsize() == 2
     pub.queue.get_nowait()
     pub.queue.get_nowait()
-    pub.stored([9] * PAGE, 0)
+    pub.stored([9] * PAGE, 0, "GPU")
     assert [pub.queue.get_nowait()[0] for _ in range(2)] == ["cleared", "stored"]
 
 

@@ -36,7 +36,7 @@ from common.memory.hicache import HiRadixCache
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 from decode_node.peers import PeerInfo
-from tests.unit.kv_handoff_sim import CONFIG, Clock, Network, Side, done_future
+from tests.unit.kv_handoff_sim import CONFIG, NUM_PAGES, Clock, Network, Side, done_future
 
 MAX_TURN_TOKENS = 56  # within the simulated context (64)
 TURN_WAIT_ROUNDS = 12  # a next turn waits this many rounds of everything at most for the last one's answer
@@ -223,13 +223,30 @@ class KVHandoff(RuleBasedStateMachine):
             side.sched.step()
             side.runner.fail_next = False
 
-    @precondition(lambda self: self.decode.runs and self.decode.sched.decode.running)
-    @rule(data=st.data())
-    def decode_retracts(self, data) -> None:
-        """A running request gives its KV back to the prefix cache (and from there to the host tier when
-        evicted) and queues again, as when the batch's next tokens do not fit, while other rooms transfer."""
+    @precondition(lambda self: self.decode.runs and any(not p.ended("decode") for p in self.pairs))
+    @rule(data=st.data(), evict=st.booleans())
+    def decode_retracts(self, data, evict: bool) -> None:
+        """The decode retracts a running request (after rounds of everything until one runs, a few at most),
+        as when the batch's next tokens do not fit, while other rooms transfer: its KV goes back to the
+        prefix cache, with `evict` on at once out of the device tree (to the host tier if there is one), and
+        it queues again and resumes from there."""
         batch = self.decode.sched.decode
-        batch.retract(data.draw(st.sampled_from(batch.running)))
+        for _ in range(TURN_WAIT_ROUNDS):
+            if batch.running or not (self.prefill.runs and self.decode.runs):
+                break
+            self._one_round(only_running=True)
+        if batch.running and self.decode.runs:
+            batch.retract(data.draw(st.sampled_from(batch.running)))
+            if evict:
+                self.decode.memory.prefix_cache.evict(NUM_PAGES)
+
+    @rule(which=st.sampled_from(["prefill", "decode"]), pages=st.integers(1, NUM_PAGES))
+    def cache_pressure(self, which: str, pages: int) -> None:
+        """The device tree evicts its least recently used pages, as a short allocation makes it (to the host
+        tier first when there is one): later matches of them load them back or recompute them."""
+        side = getattr(self, which)
+        if side.runs:
+            side.memory.prefix_cache.evict(pages)
 
     @rule()
     def run_transfers(self) -> None:

@@ -27,6 +27,7 @@ ops = st.lists(
         st.sampled_from(["stored", "removed", "clear"]),
         st.sampled_from(WORKERS),
         st.lists(st.integers(0, 20), max_size=6),
+        st.sampled_from(["GPU", "CPU"]),
     ),
     max_size=60,
 )
@@ -34,18 +35,20 @@ ops = st.lists(
 
 @settings(deadline=None)
 @given(ops, st.lists(st.integers(0, 20), max_size=8))
-def test_index_agrees_with_a_set_per_worker(operations, prompt):
-    index, model = KVIndex(), {w: set() for w in WORKERS}
-    for op, worker, hashes in operations:
+def test_index_agrees_with_a_set_per_worker_and_tier(operations, prompt):
+    """A worker holds a page while any tier (medium) holds it."""
+    index, tiers = KVIndex(), {w: set() for w in WORKERS}  # worker -> {(hash, medium)}
+    for op, worker, hashes, medium in operations:
         if op == "stored":
-            index.stored(worker, hashes)
-            model[worker] |= set(hashes)
+            index.stored(worker, hashes, medium)
+            tiers[worker] |= {(h, medium) for h in hashes}
         elif op == "removed":
-            index.removed(worker, hashes)
-            model[worker] -= set(hashes)
+            index.removed(worker, hashes, medium)
+            tiers[worker] -= {(h, medium) for h in hashes}
         else:
             index.clear(worker)
-            model[worker] = set()
+            tiers[worker] = set()
+    model = {w: {h for h, _ in held} for w, held in tiers.items()}
     for w in WORKERS:
         assert index.pages(w) == len(model[w])
         leading = next((i for i, h in enumerate(prompt) if h not in model[w]), len(prompt))
