@@ -2,7 +2,9 @@
 
 Block hashes are chained (common/wire/kv_events.py), so a worker holds a prompt's first k pages exactly when
 it holds their k hashes; a radix cache evicts leaves first, so what a worker holds of a prompt is a prefix and
-`matched` counts leading hashes. Every router process applies the same events in the same order per worker,
+`matched` counts leading hashes. A worker holds a page while any of its tiers does (the event's `medium`: a
+host tier's page is loaded back rather than recomputed), so a page the device evicts after copying it to the
+host stays held. Every router process applies the same events in the same order per worker,
 so every process holds the same index.
 """
 
@@ -14,26 +16,29 @@ from collections.abc import Iterable
 class KVIndex:
     def __init__(self) -> None:
         self.holders: dict[int, set[str]] = {}  # block hash -> urls of the workers that hold it
-        self.blocks: dict[str, set[int]] = {}  # worker url -> the block hashes it holds
+        self.blocks: dict[str, dict[int, set[str]]] = {}  # worker url -> block hash -> the tiers holding it
 
-    def stored(self, worker: str, hashes: Iterable[int]) -> None:
-        mine = self.blocks.setdefault(worker, set())
+    def stored(self, worker: str, hashes: Iterable[int], medium: str = "GPU") -> None:
+        mine = self.blocks.setdefault(worker, {})
         for h in hashes:
-            mine.add(h)
+            mine.setdefault(h, set()).add(medium)
             self.holders.setdefault(h, set()).add(worker)
 
-    def removed(self, worker: str, hashes: Iterable[int]) -> None:
+    def removed(self, worker: str, hashes: Iterable[int], medium: str = "GPU") -> None:
         mine = self.blocks.get(worker)
         if not mine:
             return
         for h in hashes:
-            if h in mine:
-                mine.discard(h)
-                self._forget(h, worker)
+            media = mine.get(h)
+            if media is not None and medium in media:
+                media.discard(medium)
+                if not media:
+                    del mine[h]
+                    self._forget(h, worker)
 
     def clear(self, worker: str) -> None:
         """Forget all of one worker's pages (it cleared its cache, restarted, or its events had a gap)."""
-        for h in self.blocks.pop(worker, set()):
+        for h in self.blocks.pop(worker, {}):
             self._forget(h, worker)
 
     def _forget(self, h: int, worker: str) -> None:
@@ -62,8 +67,8 @@ class KVIndex:
         for event in events:
             tag = event[0]
             if tag == "BlockStored":
-                self.stored(worker, event[1])
+                self.stored(worker, event[1], *event[6:7])  # the medium, when the event has one
             elif tag == "BlockRemoved":
-                self.removed(worker, event[1])
+                self.removed(worker, event[1], *event[2:3])
             elif tag == "AllBlocksCleared":
                 self.clear(worker)

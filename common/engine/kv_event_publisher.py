@@ -35,7 +35,7 @@ from common.wire.kv_events import (
 log = logging.getLogger(__name__)
 MAX_BATCH_EVENTS = 1024
 PERIOD_S = 0.02
-CLEARED = ("cleared", [], 0)
+CLEARED = ("cleared", [], 0, "")
 
 
 class KVEventPublisher:
@@ -43,7 +43,7 @@ class KVEventPublisher:
 
     def __init__(self, config: KVEventsConfig, page_size: int, public_host: str):
         self.config, self.page_size = config, page_size
-        self.queue: queue.Queue[tuple[str, list[int], int]] = queue.Queue(config.max_queue_size)
+        self.queue: queue.Queue[tuple[str, list[int], int, str]] = queue.Queue(config.max_queue_size)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.dropped = self.batches = 0
         self._lost = False  # an event was dropped: the next queued event must be AllBlocksCleared
@@ -79,16 +79,16 @@ class KVEventPublisher:
         }
 
     # -- CacheListener (scheduler thread) ------------------------------------------------------------
-    def stored(self, tokens: list[int], start: int) -> None:
-        self._put(("stored", tokens, start))
+    def stored(self, tokens: list[int], start: int, medium: str) -> None:
+        self._put(("stored", tokens, start, medium))
 
-    def removed(self, tokens: list[int], start: int) -> None:
-        self._put(("removed", tokens, start))
+    def removed(self, tokens: list[int], start: int, medium: str) -> None:
+        self._put(("removed", tokens, start, medium))
 
     def cleared(self) -> None:
         self._put(CLEARED)
 
-    def _put(self, item: tuple[str, list[int], int]) -> None:
+    def _put(self, item: tuple[str, list[int], int, str]) -> None:
         try:
             if self._lost:
                 self.queue.put_nowait(CLEARED)
@@ -115,16 +115,16 @@ class KVEventPublisher:
             if items:
                 self._publish([self._event(*item) for item in items])
 
-    def _event(self, kind: str, tokens: list[int], start: int) -> list[Any]:
+    def _event(self, kind: str, tokens: list[int], start: int, medium: str) -> list[Any]:
         if kind == "cleared":
             return all_blocks_cleared()
         digests = page_digests(tokens, self.page_size)
         first = start // self.page_size
         hashes = [external_hash(d) for d in digests[first:]]
         if kind == "removed":
-            return block_removed(hashes)
+            return block_removed(hashes, medium)
         parent = external_hash(digests[first - 1]) if first else None
-        return block_stored(hashes, parent, tokens[start:], self.page_size)
+        return block_stored(hashes, parent, tokens[start:], self.page_size, medium)
 
     def _publish(self, events: list[list[Any]]) -> None:
         payload = encode_batch(time.time(), events)

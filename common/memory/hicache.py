@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from common.memory.allocator import PagedAllocator
-from common.memory.cache_listener import CacheListener
+from common.memory.cache_listener import HOST_MEDIUM, CacheListener
 from common.memory.errors import MemoryIntegrityError
 from common.memory.host_pool import HostPool
 from common.memory.prefix_cache import MatchResult, NoPrefixCache, PrefixCache
@@ -66,7 +66,7 @@ class HiRadixCache(PrefixCache):
         self.allocator, self.pool, self.page_size = allocator, pool, allocator.page_size
         self.write_policy = write_policy
         self.device = RadixCache(allocator, self.page_size, listener)
-        self.host = RadixCache(pool.allocator, self.page_size)
+        self.host = RadixCache(pool.allocator, self.page_size, listener, HOST_MEDIUM)
         self.device.on_evict = self._on_device_evict
         self.host_hit_tokens = 0  # tokens matched in the host tier and loaded back
 
@@ -192,7 +192,7 @@ def make_prefix_cache(
     config: Any, allocator: PagedAllocator, kv_pool: Any, listener: CacheListener | None = None
 ) -> PrefixCache:
     """The server's prefix cache: none, the device radix cache, or both tiers (`config`: a ServerConfig);
-    `listener` (KV cache events) hears of the device tier's pages."""
+    `listener` (KV cache events) hears of both tiers' pages, each with its medium."""
     if config.disable_radix_cache:
         return NoPrefixCache(allocator, config.page_size)
     if not config.enable_hierarchical_cache:

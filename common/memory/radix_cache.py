@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from common.memory.allocator import PagedAllocator
-from common.memory.cache_listener import CacheListener
+from common.memory.cache_listener import DEVICE_MEDIUM, CacheListener
 from common.memory.errors import MemoryIntegrityError
 from common.memory.prefix_cache import MatchResult, PrefixCache
 
@@ -35,10 +35,17 @@ class TreeNode:
 
 
 class RadixCache(PrefixCache):
-    def __init__(self, allocator: PagedAllocator, page_size: int, listener: CacheListener | None = None):
+    def __init__(
+        self,
+        allocator: PagedAllocator,
+        page_size: int,
+        listener: CacheListener | None = None,
+        medium: str = DEVICE_MEDIUM,
+    ):
+        """`medium`: the tier this tree's pages are in, as `listener` reports it."""
         self.allocator = allocator
         self.page_size = page_size
-        self.listener = listener
+        self.listener, self.medium = listener, medium
         self._clock = itertools.count(1)
         self.on_evict: Callable[[TreeNode], None] | None = None
         self.reset()
@@ -107,7 +114,7 @@ class RadixCache(PrefixCache):
                 node.children[self._page(key, pos)] = new
                 self._evictable += (n - pos) // self.page_size
                 if self.listener is not None:
-                    self.listener.stored(key, pos)
+                    self.listener.stored(key, pos, self.medium)
                 return pos, duplicates
             self._touch(child)
             m = self._common_len(child.key, key[pos:])
@@ -164,7 +171,7 @@ class RadixCache(PrefixCache):
                 self.on_evict(node)
             self.allocator.free_slots(node.value)
             if self.listener is not None:
-                self.listener.removed(*self._path_tokens(node))
+                self.listener.removed(*self._path_tokens(node), self.medium)
             pages = len(node.key) // self.page_size
             freed += pages
             self._evictable -= pages

@@ -18,7 +18,8 @@ Block hashes are chained as vLLM chains them: a page's hash digests its parent p
 so equal hashes mean equal prefixes. The digest is SHA-256 over the parent's 32-byte digest (32 zero bytes for a
 first page) and the page's token ids as 4-byte little-endian integers; on the wire each is the digest's low 64
 bits as an unsigned integer (vLLM's `maybe_convert_block_hash` with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES). A first
-page's `parent_block_hash` is None.
+page's `parent_block_hash` is None. `medium` is the tier ("GPU" the device pool, "CPU" the host tier: see
+common/memory/cache_listener.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-MEDIUM_GPU = "GPU"
 ROOT_DIGEST = bytes(32)
 
 
@@ -86,12 +86,12 @@ def block_hashes(tokens: list[int], page_size: int) -> list[int]:
     return [external_hash(d) for d in page_digests(tokens, page_size)]
 
 
-def block_stored(hashes: list[int], parent: int | None, token_ids: list[int], page_size: int) -> list[Any]:
-    return ["BlockStored", hashes, parent, token_ids, page_size, None, MEDIUM_GPU]
+def block_stored(hashes: list[int], parent: int | None, token_ids: list[int], page_size: int, medium: str) -> list[Any]:
+    return ["BlockStored", hashes, parent, token_ids, page_size, None, medium]
 
 
-def block_removed(hashes: list[int]) -> list[Any]:
-    return ["BlockRemoved", hashes, MEDIUM_GPU]
+def block_removed(hashes: list[int], medium: str) -> list[Any]:
+    return ["BlockRemoved", hashes, medium]
 
 
 def all_blocks_cleared() -> list[Any]:

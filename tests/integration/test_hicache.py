@@ -7,9 +7,12 @@ pages of 16 tokens and whose host tier holds 8x that (write-back).
   complete with the tokens each gives alone; the decode retracts, and the retracted KV comes back from
   the host tier instead of being recomputed;
 - priorities (--enable-priority-scheduling): a high-priority request sent behind a queue of low ones
-  finishes before those still waiting.
+  finishes before those still waiting;
+- PD (one prefill and one decode over Mooncake, both with the same small pool and host tier): the shared
+  prefixes come back from both sides' host tiers (the prefill computes nothing of them, the decode
+  receives only the last page) with the monolithic server's greedy tokens.
 
-Both tiers pass their integrity check (/get_server_info runs it) after every test."""
+Both tiers of every server pass their integrity check (/get_server_info runs it) after every test."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import time
 import pytest
 
 from tests.conftest import start_server
-from tests.integration.cluster import generate
+from tests.integration.cluster import generate, start_cluster
 from tests.integration.faults import wait_until
 from tests.integration.tiny_model import random_prompts
 
@@ -41,6 +44,10 @@ def server(tiny_model_dir):
 @pytest.fixture(autouse=True)
 def idle_after(server):
     yield
+    host_tier_idle(server)
+
+
+def host_tier_idle(server) -> None:
     server.wait_idle()
     host = server.info()["host_kv_pages"]
     assert host["free"] + host["cached"] == host["total"] and host["locked"] == 0
@@ -92,3 +99,27 @@ def test_a_high_priority_request_overtakes_the_waiting_queue(server):
         [f.result() for f in lows]
     later = [name for name, t in done.items() if t > done["high"]]
     assert len(later) >= 3, sorted(done, key=done.get)
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir):
+    pytest.importorskip("mooncake.engine")
+    c = start_cluster("mooncake", flags=("--model", str(tiny_model_dir), *FLAGS, *HOST))
+    yield c
+    c.stop()
+
+
+def test_pd_shared_prefixes_hit_both_sides_host_tiers(server, pd):
+    expected = [generate(server.url, p + SUFFIX, 8)["output_ids"] for p in PREFIXES]
+    first = [generate(pd.url, p + SUFFIX, 8) for p in PREFIXES]
+    assert [r["output_ids"] for r in first] == expected
+    for i, p in enumerate(PREFIXES):
+        before = [host_hits(node) for node in pd.nodes]
+        again = generate(pd.url, p + SUFFIX, 8)
+        assert again["output_ids"] == expected[i]
+        meta = again["meta_info"]
+        assert (meta["prefill_cached_tokens"], meta["decode_cached_tokens"]) == (256, 256)
+        if i < 2:  # evicted from both devices by the later prefixes: every page from the host tiers
+            assert [host_hits(node) - b for node, b in zip(pd.nodes, before)] == [256, 256]
+    for node in pd.nodes:
+        host_tier_idle(node)
