@@ -51,8 +51,8 @@ def rank_pools(kv_heads: int, tp: int) -> list[KVPool]:
 def fill(pools: list[KVPool], kv_heads: int) -> None:
     """Every value names its page, global head, layer, plane, slot and dim: a misplaced byte shows."""
     tp = len(pools)
-    p, l, c, s, d = torch.meshgrid(*(torch.arange(n) for n in (PAGES + 1, LAYERS, 2, PAGE, DIM)), indexing="ij")
-    base = (p * 1e6 + l * 1e4 + c * 1e3 + s * 10 + d * 0.01).float()
+    p, layer, c, s, d = torch.meshgrid(*(torch.arange(n) for n in (PAGES + 1, LAYERS, 2, PAGE, DIM)), indexing="ij")
+    base = (p * 1e6 + layer * 1e4 + c * 1e3 + s * 10 + d * 0.01).float()
     for rank, pool in enumerate(pools):
         for local, head in enumerate(rank_heads(kv_heads, tp, rank)):
             pool.buffer[:, local] = base + head * 1e5
