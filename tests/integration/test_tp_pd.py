@@ -42,16 +42,19 @@ class Servers:
 
 
 def start_servers(flags: tuple[str, ...], prefill_tps: tuple[int, ...], decode_tps: tuple[int, ...]) -> Servers:
+    """One at a time: a port picked for a server stays free only until it binds, and this machine's
+    other tests take ports meanwhile."""
     s = Servers()
     try:
         for tp in prefill_tps:
             boot = free_port()
             mode = ("--disagg-mode", "prefill", "--bootstrap-port", str(boot))
-            s.prefills[tp] = (start_server(*mode, *flags, "--tp-size", str(tp), name=f"prefill-tp{tp}"), boot)
+            server = start_server(*mode, *flags, "--tp-size", str(tp), name=f"prefill-tp{tp}")
+            s.prefills[tp] = (server, boot)
+            server.wait_ready(300)
         for tp in decode_tps:
             s.decodes[tp] = start_server("--disagg-mode", "decode", *flags, "--tp-size", str(tp), name=f"decode-tp{tp}")
-        for server in s.all():
-            server.wait_ready(300)
+            s.decodes[tp].wait_ready(300)
         return s
     except BaseException:
         s.stop()
