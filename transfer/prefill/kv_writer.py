@@ -65,7 +65,7 @@ def layout_problem(mine: KVArgs, registration: Register) -> str | None:
         return f"decode layout: {problem}"
     expected = mine.bytes_per_page
     if registration.tp_size != mine.tp_size:  # a page of the decode's ranks: its share of the heads
-        head_bytes = _head_bytes(mine)
+        head_bytes = head_bytes_of(mine)
         expected = [head_bytes * len(rank_heads(mine.kv_heads, registration.tp_size, 0))] * registration.tp_size
     if len(registration.kv_ptrs) != len(expected):
         return (
@@ -79,7 +79,7 @@ def layout_problem(mine: KVArgs, registration: Register) -> str | None:
     return None
 
 
-def _head_bytes(args: KVArgs) -> int:
+def head_bytes_of(args: KVArgs) -> int:
     """One KV head of one page (a prefill rank's page holds its heads one after another)."""
     return args.bytes_per_page[0] // len(rank_heads(args.kv_heads, args.tp_size, 0))
 
@@ -101,7 +101,7 @@ class KVWriter:
             registration.kv_ptrs,
             a.bytes_per_page[0],
             registration.bytes_per_page[0],
-            _head_bytes(a),
+            head_bytes_of(a),
             plan,
             src_pages,
             dst_pages,
