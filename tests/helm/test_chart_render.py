@@ -239,3 +239,14 @@ def test_gpu_pods_keep_compiled_kernels_in_a_mounted_cache(claim):
         )
     cpu = render(example("cpu-demo.yaml"))
     assert "kernel-cache" not in str(component(cpu, "Deployment", "prefill")["spec"]["template"]["spec"])
+
+
+def test_each_roles_tp_sets_its_tp_size_and_the_gpus_of_its_pods():
+    docs = render({"device": "cuda", "prefill": {"tp": 1}, "decode": {"tp": 4}})
+    for role, tp in (("prefill", 1), ("decode", 4)):
+        c = container(docs, role)
+        assert flag(c["args"], "--tp-size") == str(tp)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
+    cpu = render({"device": "cpu", "decode": {"tp": 3}})
+    assert flag(container(cpu, "decode")["args"], "--tp-size") == "3"
+    assert "nvidia.com/gpu" not in str(container(cpu, "decode").get("resources", {}))

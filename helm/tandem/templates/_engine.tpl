@@ -21,6 +21,8 @@ Called with (dict "root" $ "component" "prefill"|"decode"). */}}
 - {{ . | quote }}
 {{- end }}
 {{ include "tandem.transfer.args" .root }}
+- --tp-size
+- {{ $role.tp | default 1 | quote }}
 {{- if eq .component "prefill" }}
 - --bootstrap-port
 - {{ $v.bootstrap.port | quote }}
@@ -85,7 +87,9 @@ pod at its own address. TANDEM_API_KEY: the router's key, which it sends on ever
 {{- define "tandem.engine.resources" -}}
 {{- $role := index .root.Values .component -}}
 {{- $user := deepCopy ($role.resources | default dict) -}}
-{{- $limits := merge (deepCopy ($user.limits | default dict)) (fromYaml (include "tandem.transfer.resources" .root)) -}}
+{{- $extra := fromYaml (include "tandem.transfer.resources" .root) -}}
+{{- if eq .root.Values.device "cuda" -}}{{- $_ := set $extra .root.Values.gpuResourceName (int ($role.tp | default 1)) -}}{{- end -}}
+{{- $limits := merge (deepCopy ($user.limits | default dict)) $extra -}}
 {{- if $limits -}}{{- $_ := set $user "limits" $limits -}}{{- end -}}
 {{- toYaml $user -}}
 {{- end -}}

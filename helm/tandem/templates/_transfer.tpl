@@ -33,7 +33,8 @@
 {{- end }}
 {{- end -}}
 
-{{/* Extended resources of one engine pod: its GPU and its RDMA device, as asked. */}}
+{{/* Extended resources of one engine pod: its GPU and its RDMA device, as asked (the engine's
+resources set the GPU count to its role's tp). */}}
 {{- define "tandem.transfer.resources" -}}
 {{- $res := dict -}}
 {{- if eq .Values.device "cuda" -}}{{- $_ := set $res .Values.gpuResourceName 1 -}}{{- end -}}
