@@ -110,7 +110,13 @@ def builtin(request):
 def test_builtin_pd_across_tp_sizes_equals_monolithic_tp1(builtin, prompts, expected, prefill_tp, decode_tp):
     got = pd_generate_all(builtin, prefill_tp, decode_tp, prompts)
     assert_same_tokens(expected, got, f"PD at TP {prefill_tp} -> {decode_tp}")
-    assert builtin.decodes[decode_tp].info()["tp"]["size"] == decode_tp
+    for tp, server in ((prefill_tp, builtin.prefills[prefill_tp][0]), (decode_tp, builtin.decodes[decode_tp])):
+        info = server.info()["tp"]  # each rank's heads and pool (the same pages on every rank)
+        assert info["size"] == tp
+        assert [(r["kv_heads"], r["first_kv_head"]) for r in info["ranks"]] == [
+            (3 // tp, r * 3 // tp) for r in range(tp)
+        ]
+        assert len({r["kv_pages"] for r in info["ranks"]}) == 1
     for server in builtin.all():
         server.wait_idle()
 
