@@ -49,9 +49,9 @@ def scales_descriptor(scales: list[tuple[float, float]]) -> str:
 
 
 def model_kv_heads(pool: Any, hf_config: Any, tp_size: int) -> int:
-    """The model's KV heads as the layout counts them: the pool's at TP 1 (MLA's one latent plane),
-    the config's when ranks split them."""
-    return pool.kv_heads if tp_size == 1 else hf_config.num_key_value_heads
+    """The model's KV heads as the layout counts them: the pool's at TP 1 and for MLA (one latent plane,
+    which every rank holds whole), the config's when ranks split them."""
+    return pool.kv_heads if tp_size == 1 or pool.kind == "mla" else hf_config.num_key_value_heads
 
 
 def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
