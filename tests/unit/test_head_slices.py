@@ -145,3 +145,29 @@ def test_a_decode_splitting_other_kv_heads_is_refused_naming_both():
     wait_for(lambda: receiver.poll() == KVPoll.Failed)
     assert "kv_heads: decode has 4, prefill has 3" in receiver.failure_reason
     assert prefill.manager.counters["peers_refused"] == 1
+
+
+def test_one_decode_ranks_failed_write_fails_the_room_for_every_rank():
+    """Every rank's slice goes in one backend batch and the status follows it: a write into decode rank 2
+    that fails fails the room on both sides, and no success is ever reported for the other ranks."""
+    prefill, dec = Side("prefill", 3, 1), Side("decode", 3, 3)
+    rank2 = dec.pools[2].buffer
+    lo, hi = rank2.data_ptr(), rank2.data_ptr() + dec.pools[2].total_bytes
+    backend = prefill.manager.backend
+    real = backend.write_batch
+
+    def failing(peer, src, dst, nbytes, on_device=False):
+        if any(lo <= d < hi for d in dst):
+            raise RuntimeError("write into decode rank 2 failed")
+        real(peer, src, dst, nbytes, on_device)
+
+    backend.write_batch = failing
+    sender = KVSender(prefill.manager, 8)
+    receiver = KVReceiver(dec.manager, 8, prefill.manager.endpoint, prefill.manager.instance_id)
+    receiver.init([1, 2], aux_slot=0)
+    wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender.send([3, 4], is_last=True, aux=bytes(AUX))
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert "write into decode rank 2 failed" in receiver.failure_reason
+    assert sender.poll() == KVPoll.Failed and prefill.manager.counters["rooms_succeeded"] == 0
+    assert dec.aux.sum() == 0  # the record travels in the same batch: it never landed
