@@ -134,7 +134,9 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
     async def models(request: web.Request) -> web.Response:
         for w in workers.healthy("decode"):
             try:
-                async with app["session"].get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                async with app["session"].get(
+                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5), server_hostname=w.tls_name
+                ) as r:
                     return json_response(await r.read(), r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue

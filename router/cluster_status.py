@@ -42,7 +42,9 @@ async def worker_info(session: aiohttp.ClientSession, worker: Worker) -> dict[st
     """{"url", ...the worker's /get_server_info}, or {"url", "error"} saying why there is none."""
     try:
         async with session.get(
-            worker.url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)
+            worker.url + "/get_server_info",
+            timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S),
+            server_hostname=worker.tls_name,
         ) as r:
             raw = await r.read()
         info = json.loads(raw) if r.status == 200 else None

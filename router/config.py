@@ -89,7 +89,9 @@ class RouterConfig(BaseSettings):
     ssl_certfile: str | None = Field(None, description="PEM certificate (chain) of the router's HTTPS listener")
     ssl_keyfile: str | None = Field(None, description="PEM private key of --ssl-certfile")
     ssl_ca_certs: str | None = Field(
-        None, description="PEM CA certificates that verify https:// workers (default: the system's)"
+        None,
+        description="PEM CA certificates that verify https:// workers (default: the system's); with it, "
+        "discovered workers are https, each certificate verified against the discovery name",
     )
 
     @property

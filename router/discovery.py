@@ -3,6 +3,10 @@ Service lists every ready pod behind it). The router re-resolves the prefill and
 interval, adds the workers that appeared and removes the ones that went away, so a role scales with
 no router restart.
 
+With --ssl-ca-certs the discovered workers speak HTTPS: the router dials each address and verifies the
+worker's certificate against the discovery name (the Service's name, which a certificate can carry; a
+pod's address cannot), so one certificate serves every replica.
+
 Only workers this module added are ever removed by it: workers given with --prefill/--decode or
 POST /workers stay. A name that does not exist (NXDOMAIN, no address: a Service with no ready pod)
 means no workers; a failed lookup (DNS down, timeout) changes nothing until the next round.
@@ -52,19 +56,25 @@ class Target:
     port: int
     bootstrap_port: int | None = None
     bootstrap_host: str | None = None
+    tls: bool = False  # https workers, their certificates naming `host`
 
     def url(self, address: str) -> str:
         host = f"[{address}]" if ":" in address else address
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    @property
+    def tls_name(self) -> str | None:
+        return self.host if self.tls else None
 
 
 def targets_from_config(config: RouterConfig) -> list[Target]:
     targets = []
+    tls = config.ssl_ca_certs is not None
     if config.prefill_discovery:
         host, port = split_host_port(config.prefill_discovery)
-        targets.append(Target("prefill", host, port, config.prefill_bootstrap_port, config.prefill_bootstrap_host))
+        targets.append(Target("prefill", host, port, config.prefill_bootstrap_port, config.prefill_bootstrap_host, tls))
     if config.decode_discovery:
-        targets.append(Target("decode", *split_host_port(config.decode_discovery)))
+        targets.append(Target("decode", *split_host_port(config.decode_discovery), tls=tls))
     return targets
 
 
@@ -101,7 +111,7 @@ class Discovery:
         for url in sorted(urls):
             if url in self.workers.workers:  # given by hand: not this module's to remove later
                 continue
-            self.workers.add(url, target.role, target.bootstrap_port, target.bootstrap_host)
+            self.workers.add(url, target.role, target.bootstrap_port, target.bootstrap_host, target.tls_name)
             self.found[target].add(url)
             added.add(url)
             log.info("discovered %s worker %s (%s)", target.role, url, target.host)

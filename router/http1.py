@@ -191,12 +191,16 @@ class Response:
 
 class Pool:
     """Keep-alive connections to one worker (`http://host:port` or `https://...`); `headers` are sent with
-    every request (CRLF-terminated lines), `tls` verifies an https worker (default: the system's CAs)."""
+    every request (CRLF-terminated lines), `tls` verifies an https worker (default: the system's CAs), whose
+    certificate must name `tls_name` (default: the URL's host)."""
 
-    def __init__(self, base_url: str, headers: bytes = b"", tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, base_url: str, headers: bytes = b"", tls: ssl.SSLContext | None = None, tls_name: str | None = None
+    ) -> None:
         u = urlsplit(base_url)
         self.host = u.hostname or "127.0.0.1"
         self.tls = (tls or ssl.create_default_context()) if u.scheme == "https" else None
+        self.tls_name = tls_name if self.tls else None
         self.port = u.port or (443 if self.tls else 80)
         self.prefix = u.path.rstrip("/")
         self.headers = f"Host: {u.netloc}\r\n".encode() + headers
@@ -219,7 +223,10 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: Connection(self), self.host, self.port, ssl=self.tls), CONNECT_TIMEOUT_S
+                loop.create_connection(
+                    lambda: Connection(self), self.host, self.port, ssl=self.tls, server_hostname=self.tls_name
+                ),
+                CONNECT_TIMEOUT_S,
             )
         except OSError as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from None
@@ -250,10 +257,10 @@ class Pools:
         self.tls = tls
         self.by_url: dict[str, Pool] = {}
 
-    def get(self, url: str) -> Pool:
+    def get(self, url: str, tls_name: str | None = None) -> Pool:
         pool = self.by_url.get(url)
         if pool is None:
-            pool = self.by_url[url] = Pool(url, self.headers, self.tls)
+            pool = self.by_url[url] = Pool(url, self.headers, self.tls, tls_name)
         return pool
 
     def close(self) -> None:

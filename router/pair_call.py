@@ -48,8 +48,10 @@ class PairCall:
 
     def __init__(self, pools: Pools, pair: Pair, path: str, prefill_body: bytes, decode_body: bytes, timeout: float):
         self.pair, self.error, self.closed = pair, None, False
-        self.decode = pools.get(pair.decode.url).post(path, decode_body, timeout)
-        self._prefill = pools.get(pair.prefill.url).post(path, prefill_body, timeout, on_done=self._prefill_done)
+        self.decode = pools.get(pair.decode.url, pair.decode.tls_name).post(path, decode_body, timeout)
+        self._prefill = pools.get(pair.prefill.url, pair.prefill.tls_name).post(
+            path, prefill_body, timeout, on_done=self._prefill_done
+        )
         self.prefill_answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         for w in (pair.prefill, pair.decode):
             w.calls.add(self)

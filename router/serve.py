@@ -16,6 +16,7 @@ import time
 
 from aiohttp import web
 
+from common.edge.tls import behind_tls
 from common.wire.body import ARRIVAL_TIMEOUT_S
 from common.wire.drain import FLUSH_S
 from router.app import create_router_app, router_drain
@@ -51,10 +52,7 @@ async def _serve(config: RouterConfig) -> None:
         auto_decompress=False,
     )
     await runner.setup()
-    site = web.TCPSite(
-        runner, config.host, config.port, ssl_context=server_context(config), reuse_port=bool(shared_dir())
-    )
-    await site.start()
+    listener = await _listen(runner, config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: drain.on_sigterm() or stop.set())
@@ -63,7 +61,21 @@ async def _serve(config: RouterConfig) -> None:
         while not stop.is_set() and not (drain.draining and drain.next_step(time.monotonic()) == "exit"):
             await asyncio.sleep(TICK_S)
     finally:
+        if listener is not None:
+            listener.close()
         await runner.cleanup()
+
+
+async def _listen(runner: web.AppRunner, config: RouterConfig) -> asyncio.Server | None:
+    """Plain HTTP through aiohttp's site (None: the runner closes it); with --ssl-certfile, a listener that
+    hands TLS connections to the app and answers plain HTTP with a 400 naming `scheme` (common/edge/tls.py)."""
+    tls = server_context(config)
+    if tls is None:
+        await web.TCPSite(runner, config.host, config.port, reuse_port=bool(shared_dir())).start()
+        return None
+    return await asyncio.get_running_loop().create_server(
+        behind_tls(runner.server, tls), config.host, config.port, reuse_port=bool(shared_dir())
+    )
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

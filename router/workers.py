@@ -34,6 +34,9 @@ class Worker:
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None
     bootstrap_host: str | None = None  # a standalone registry's; None: the prefill's own (its host)
+    # the name an https worker's certificate must carry: a discovered one's discovery name (a Service's name,
+    # while the URL holds the pod's address); None: the URL's host
+    tls_name: str | None = None
     healthy: bool = False  # until its first health check passes
     failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
@@ -68,11 +71,18 @@ class WorkerRegistry:
         self.failure_threshold = failure_threshold
         self.check_timeout_s = check_timeout_s
 
-    def add(self, url: str, role: str, bootstrap_port: int | None = None, bootstrap_host: str | None = None) -> Worker:
+    def add(
+        self,
+        url: str,
+        role: str,
+        bootstrap_port: int | None = None,
+        bootstrap_host: str | None = None,
+        tls_name: str | None = None,
+    ) -> Worker:
         url = url.rstrip("/")
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
-        w = self.workers[url] = Worker(url, role, bootstrap_port, bootstrap_host)
+        w = self.workers[url] = Worker(url, role, bootstrap_port, bootstrap_host, tls_name)
         return w
 
     def remove(self, url: str) -> bool:
@@ -116,7 +126,9 @@ class WorkerRegistry:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
             async with session.get(
-                worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.check_timeout_s)
+                worker.url + "/health",
+                timeout=aiohttp.ClientTimeout(total=self.check_timeout_s),
+                server_hostname=worker.tls_name,
             ) as r:
                 worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
                 if r.status == 503 and r.headers.get(DRAINING_HEADER):

@@ -37,13 +37,12 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
-from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
-from common.model.registry import architecture_of, model_class
+from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
 from common.parallel.leader import LeaderModel
-from common.parallel.partition import TPSizeError, check_tp_size
+from common.parallel.partition import check_tp_size
 from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
 from common.parallel.rank_pools import RankPools
 from common.parallel.ranks import Ranks
@@ -106,9 +105,8 @@ class Engine:
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
         hf, size = self.hf_config, self.config.tp_size
-        if size > 1 and model_class(hf) is not LlamaForCausalLM:
-            raise TPSizeError(f"--tp-size {size}: {architecture_of(hf)} runs at --tp-size 1 only for now")
-        check_tp_size(size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size)
+        spec = attention_spec(hf)  # MLA: one latent "KV head", replicated on every rank
+        check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
         return Ranks(self.config) if size > 1 else None
 
     def _kv_buffers(self) -> KVPool | RankPools:

@@ -4,7 +4,7 @@ of the MoE families (common.model.moe_families) and DeepSeek (common.model.deeps
 Parameter names match Hugging Face's, so a safetensors checkpoint loads with `load_state_dict`. With a
 TensorParallel group of several ranks each rank holds its heads, its share of the MLP and of the
 vocabulary (common.parallel.layers); the loader reads only that share. The MoE and DeepSeek families
-run at TP 1 (their layers are whole).
+shard the same way (common.model.moe, common.model.mla).
 """
 
 from __future__ import annotations
@@ -72,13 +72,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): a dense layer, one expert of an MoE layer, or its shared experts."""
+    """down(silu(gate(x)) * up(x)): a dense layer, one expert of an MoE layer, or its shared experts. With
+    several ranks each holds its slice of the intermediate features; `reduce=False` leaves the partial
+    sum of down to the caller (an MoE layer reduces once)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, tp: TensorParallel = SINGLE):
+    def __init__(self, hidden: int, intermediate: int, bias=False, tp: TensorParallel = SINGLE, reduce=True):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -126,6 +128,11 @@ class LlamaForCausalLM(nn.Module):
     """Subclasses (the MoE and DeepSeek families) change the decoder layer; the rest is shared."""
 
     layer_class: type[DecoderLayer] = DecoderLayer
+
+    @staticmethod
+    def tp_divided(config: PretrainedConfig) -> dict[str, int]:
+        """The config's sizes (besides the heads) that `--tp-size` must divide."""
+        return {"intermediate_size": config.intermediate_size}
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
         super().__init__()

@@ -11,6 +11,10 @@ latent c itself as the value; W_UV then maps each head's attended latent to its 
 is decompressed per cached token: 31-37x faster decode on the CPU than decompressing the latent on the
 fly, though decompressing would be 1.3-2x faster for prefill (benchmarks/mla_attention.py,
 docs/performance.md).
+
+With several TP ranks each rank keeps its query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj
+columns, all-reduced) and the whole latent: q_a_proj and kv_a_proj_with_mqa are replicated, so every
+rank computes and caches the same latent and its pool is the whole MLA pool (nothing to slice in PD).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
 from common.model.llama import RMSNorm
 from common.model.rotary import apply_rotary, rope_parameters
+from common.parallel.group import SINGLE, TensorParallel
+from common.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -50,24 +56,25 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp.size  # this rank's
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank
         hidden, qk_dim, bias = config.hidden_size, self.nope + self.rope, bool(getattr(config, "attention_bias", False))
+        heads = config.num_attention_heads
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim, False, tp)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_dim, False, tp)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_head_dim), False, tp)
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, hidden, bias, tp)
         self.interleaved = bool(getattr(config, "rope_interleave", True))
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:

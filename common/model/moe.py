@@ -4,6 +4,12 @@ the tokens routed to it, and the weighted outputs are summed per token, plus Dee
 
 Experts are kept one module each, named as the checkpoints name them (`experts.{i}.gate_proj`), so a
 safetensors directory loads as it is; experts run in ascending order, as transformers runs them.
+
+Tensor parallelism (SGLang's TP-MoE, not expert parallelism): every rank keeps every expert's slice of
+the intermediate features (gate/up rows, down columns; the shared experts too) and the whole router
+gate, so every rank routes alike and does the same work whatever the routing; the partial sums of all
+experts are all-reduced once per layer. Whole experts per rank would leave ranks idle when the few
+tokens of a step pick one rank's experts, and would need an all-to-all of the tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.llama import MLP
+from common.parallel.group import SINGLE, TensorParallel
 
 
 class RouterGate(nn.Module):
@@ -36,12 +43,23 @@ Route = Callable[[RouterGate, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 class SparseMoE(nn.Module):
     """`route(gate, x)` is the family's rule (common.model.routing): (weights [T, k], expert ids [T, k])."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, gate: RouterGate, route: Route):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        gate: RouterGate,
+        route: Route,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.gate = gate
-        self.route = route
-        self.experts = nn.ModuleList(MLP(hidden, intermediate) for _ in range(num_experts))
+        self.gate, self.route, self.tp = gate, route, tp
+        self.experts = nn.ModuleList(self.expert(hidden, intermediate) for _ in range(num_experts))
         self.shared_experts: MLP | None = None
+
+    def expert(self, hidden: int, intermediate: int) -> MLP:
+        """An expert (or the shared experts) of this rank: its intermediate slice, reduced by forward."""
+        return MLP(hidden, intermediate, tp=self.tp, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(self.gate, x)
@@ -52,4 +70,4 @@ class SparseMoE(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)

@@ -20,9 +20,9 @@ from common.model.routing import softmax_router
 MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def softmax_moe(config: PretrainedConfig, num_experts: int, intermediate: int, renormalize: bool) -> SparseMoE:
+def softmax_moe(config: PretrainedConfig, num_experts: int, intermediate: int, renormalize: bool, tp) -> SparseMoE:
     gate = RouterGate(config.hidden_size, num_experts)
-    return SparseMoE(config.hidden_size, intermediate, num_experts, gate, softmax_router(config, renormalize))
+    return SparseMoE(config.hidden_size, intermediate, num_experts, gate, softmax_router(config, renormalize), tp)
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):
@@ -34,16 +34,21 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
         )
         if not sparse:
             return super().make_mlp(config, layer_id)
-        return softmax_moe(config, config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob))
+        renormalize = bool(config.norm_topk_prob)
+        return softmax_moe(config, config.num_experts, config.moe_intermediate_size, renormalize, self.tp)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
 
+    @staticmethod
+    def tp_divided(config: PretrainedConfig) -> dict[str, int]:
+        return {"intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size}
+
 
 class MixtralDecoderLayer(DecoderLayer):
     def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
-        return softmax_moe(config, config.num_local_experts, config.intermediate_size, renormalize=True)
+        return softmax_moe(config, config.num_local_experts, config.intermediate_size, True, self.tp)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -53,16 +53,20 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+    """`reduce=False` leaves the partial sum to the caller (an MoE layer all-reduces once for all its
+    experts); such a layer has no bias, which would be added once per rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE, reduce=True):
         super().__init__()
-        self.tp = tp
+        assert reduce or not bias, "a RowParallelLinear that does not reduce has no bias"
+        self.tp, self.reduce = tp, reduce
         self.start, self.stop = split(in_features, tp)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.stop - self.start))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.tp.enabled:
+        if not (self.tp.enabled and self.reduce):
             return F.linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -47,9 +47,9 @@ def padded_vocab(vocab: int, tp_size: int) -> int:
     return -(-vocab // tp_size) * tp_size
 
 
-def check_tp_size(tp_size: int, num_heads: int, num_kv_heads: int, intermediate: int) -> None:
+def check_tp_size(tp_size: int, num_heads: int, num_kv_heads: int, divided: dict[str, int]) -> None:
     """Raise TPSizeError unless `tp_size` splits the heads, the KV heads (or is a multiple of them) and
-    the MLP's intermediate size."""
+    every size in `divided` (config field -> value: the MLPs' and experts' intermediate sizes)."""
     problems = []
     if num_heads % tp_size:
         problems.append(f"num_attention_heads {num_heads}")
@@ -57,7 +57,6 @@ def check_tp_size(tp_size: int, num_heads: int, num_kv_heads: int, intermediate:
         problems.append(f"num_key_value_heads {num_kv_heads}")
     if tp_size > num_kv_heads and tp_size % num_kv_heads:
         problems.append(f"num_key_value_heads {num_kv_heads} (to replicate them, --tp-size must be their multiple)")
-    if intermediate % tp_size:
-        problems.append(f"intermediate_size {intermediate}")
+    problems += [f"{name} {value}" for name, value in divided.items() if value % tp_size]
     if problems:
         raise TPSizeError(f"--tp-size {tp_size} does not divide the model's {', '.join(problems)}")

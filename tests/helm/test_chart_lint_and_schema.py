@@ -24,6 +24,7 @@ def test_lint_passes_strict(values_file):
     [
         ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum: got -1, want 0"),
         ({"decode": {"replicas": -2}}, "/decode/replicas", "minimum: got -2, want 0"),
+        ({"decode": {"tpSize": 0}}, "/decode/tpSize", "minimum: got 0, want 1"),
         ({"transfer": {"backend": "gloo"}}, "/transfer/backend", "value must be one of 'mooncake', 'nixl'"),
         ({"transfer": {"protocol": "rdma"}}, "/transfer/rdma/devices", "minItems: got 0, want 1"),
         ({"model": {"source": "hf"}}, "/model/hf", "missing property 'id'"),

@@ -75,8 +75,8 @@ def test_services_probes_and_ports_line_up(values_file):
     rc = router["spec"]["containers"][0]
     assert rc["ports"] == [{"name": "http", "containerPort": int(flag(rc["args"], "--port"))}]
     assert (rc["livenessProbe"]["httpGet"], rc["readinessProbe"]["httpGet"]) == (
-        {"path": "/health", "port": "http"},
-        {"path": "/readiness", "port": "http"},
+        {"path": "/health", "port": "http", "scheme": scheme},
+        {"path": "/readiness", "port": "http", "scheme": scheme},
     )
     svc = component(docs, "Service", "router")["spec"]
     assert svc["ports"][0]["targetPort"] == "http" and svc["selector"].items() <= router["metadata"]["labels"].items()
@@ -134,6 +134,21 @@ def test_gpu_rdma_asks_for_the_gpu_the_rdma_device_and_ipc_lock():
         assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         assert "hostNetwork" not in pod
     assert "rdma/ib" not in str(container(docs, "router").get("resources", {}))
+
+
+def test_deepseek_example_runs_tp_ranks_per_role_with_an_fp8_kv_cache():
+    docs = render(example("cpu-deepseek-tp.yaml"))
+    for role in ("prefill", "decode"):
+        c = container(docs, role)
+        config = parse_serve(c["args"])
+        assert (config.tp_size, config.kv_cache_dtype, config.device) == (4, "fp8_e4m3", "cpu")
+        assert "nvidia.com/gpu" not in str(c["resources"])
+    gpu = example("gpu-1p1d-rdma.yaml")
+    gpu["prefill"]["tpSize"] = 2  # a pod asks for one GPU per rank
+    docs = render(gpu)
+    prefill, decode = container(docs, "prefill"), container(docs, "decode")
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 2 and flag(prefill["args"], "--tp-size") == "2"
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 1 and "--tp-size" not in decode["args"]
 
 
 def test_hf_model_is_downloaded_by_an_init_container_with_the_token_secret():
@@ -239,14 +254,3 @@ def test_gpu_pods_keep_compiled_kernels_in_a_mounted_cache(claim):
         )
     cpu = render(example("cpu-demo.yaml"))
     assert "kernel-cache" not in str(component(cpu, "Deployment", "prefill")["spec"]["template"]["spec"])
-
-
-def test_each_roles_tp_sets_its_tp_size_and_the_gpus_of_its_pods():
-    docs = render({"device": "cuda", "prefill": {"tp": 1}, "decode": {"tp": 4}})
-    for role, tp in (("prefill", 1), ("decode", 4)):
-        c = container(docs, role)
-        assert flag(c["args"], "--tp-size") == str(tp)
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
-    cpu = render({"device": "cpu", "decode": {"tp": 3}})
-    assert flag(container(cpu, "decode")["args"], "--tp-size") == "3"
-    assert "nvidia.com/gpu" not in str(container(cpu, "decode").get("resources", {}))

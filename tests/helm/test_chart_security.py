@@ -1,7 +1,8 @@
 """The chart's security settings rendered by Helm and validated (kubernetes-validate, strict): the API key
 on the router and every engine pod from one Secret; the NetworkPolicies (on by default) admitting only the
 router to the engines' HTTP port, the engines to each other and Prometheus to /metrics; TLS with the
-certificate Secret mounted and the flags set on every server, with the policy and TLS each on and off."""
+certificate Secret mounted and the flags set on every server, the router included (it calls the pods over
+HTTPS), with the policy and TLS each on and off."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ import pytest
 from kubernetes_validate import validate
 from kubernetes_validate.utils import latest_version
 
-from tests.helm.chart import component, container, env_of, example, objects, parse_serve, render
+from router.discovery import targets_from_config
+from tests.helm.chart import (
+    component,
+    container,
+    env_of,
+    example,
+    objects,
+    parse_router,
+    parse_serve,
+    render,
+    service_host,
+)
 
 CRD_KINDS = {"ServiceMonitor", "PodMonitor"}
 TLS = {"enabled": True, "secretName": "tandem-tls"}
@@ -40,6 +52,10 @@ def test_policy_and_tls_on_and_off_render_valid_objects(policy, tls, standalone)
         "bootstrap": {"standalone": {"enabled": standalone}},
         "auth": KEY,
     }
+    if tls and not standalone:  # decodes would reach a prefill pod's registry by address: no certificate names it
+        with pytest.raises(helm_python.HelmValuesError, match="at '/bootstrap/standalone/enabled'"):
+            render(values)
+        return
     docs = render(values)
     for doc in docs:
         if doc["kind"] not in CRD_KINDS:
@@ -102,6 +118,36 @@ def test_tls_mounts_the_certificate_secret_and_sets_the_flags_on_every_server():
         "/etc/tandem/tls/tls.key",
     ]
     assert boot["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
+def test_tls_gives_the_router_its_certificate_and_the_ca_so_it_calls_the_pods_over_https():
+    docs = render({"tls": TLS, "bootstrap": {"standalone": {"enabled": True}}})
+    router = container(docs, "router")
+    config = parse_router(router["args"])
+    assert (config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs) == (
+        "/etc/tandem/tls/tls.crt",
+        "/etc/tandem/tls/tls.key",
+        "/etc/tandem/tls/ca.crt",
+    )
+    # discovered pods are https://<pod address>, each verified against its Service's name
+    assert [(t.role, t.host, t.tls) for t in targets_from_config(config)] == [
+        ("prefill", service_host("prefill"), True),
+        ("decode", service_host("decode"), True),
+    ]
+    assert targets_from_config(config)[0].url("10.1.2.3") == "https://10.1.2.3:30000"
+    assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in router["volumeMounts"]
+    spec = component(docs, "Deployment", "router")["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "tandem-tls"}} in spec["volumes"]
+    assert {router[p]["httpGet"]["scheme"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {"HTTPS"}
+    plain = container(render(), "router")
+    assert parse_router(plain["args"]).ssl_ca_certs is None and "volumeMounts" not in plain
+    assert {plain[p]["httpGet"]["scheme"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {"HTTP"}
+
+
+def test_tls_without_the_ca_is_refused_naming_the_key():
+    """The router cannot verify the pods without it."""
+    with pytest.raises(helm_python.HelmValuesError, match="at '/tls/caKey'"):
+        render({"tls": TLS | {"caKey": ""}, "bootstrap": {"standalone": {"enabled": True}}})
 
 
 def test_the_tls_example_renders_keyed_encrypted_and_fenced():

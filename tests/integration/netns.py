@@ -6,7 +6,9 @@ Names carry this process's pid and a network number n (namespaces `tnd<pid>n<n>-
 run removes what a killed run left (its pid no longer exists). Servers run inside their namespace through `ip netns exec`, listen on 0.0.0.0 and advertise their own address. A
 partition is a drop rule in the receiving host's input chain: `drop(src, dst)` loses every packet from
 src to dst (TCP segments and acknowledgements alike) and leaves the other direction alone.
-Needs root, `ip` (iproute2) and `nft` (nftables); `unavailable()` says why not."""
+`name_hosts(domain)` gives every host the name `<host>.<domain>` in every namespace: `ip netns exec` mounts
+/etc/netns/<namespace>/hosts over /etc/hosts. Needs root, `ip` (iproute2) and `nft` (nftables);
+`unavailable()` says why not."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from tests.integration.cluster import Cluster
 PORT = 8000  # every host has its own port space
 BOOTSTRAP_PORT = 8998
 STARTUP_S = 400.0  # four servers load the model at once, on a machine that may be shared
+HOSTS_DIR = Path("/etc/netns")
 TAG_RE = re.compile(r"^tnd(\d+)(?:n\d+)?(?:-|[vp]\d+$|$)")
 NETWORKS = itertools.count()  # a tag per Network: a namespace kept alive by a straggler never collides
 
@@ -57,7 +60,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale() -> None:
-    """Namespaces and links left by runs whose process is gone (killed before their finalizers ran)."""
+    """Namespaces, their hosts files and links left by runs whose process is gone (killed before their
+    finalizers ran)."""
     for line in sh("ip", "netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = TAG_RE.match(name)
@@ -65,6 +69,10 @@ def remove_stale() -> None:
             for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
                 os.kill(int(pid), signal.SIGKILL)  # servers of the killed run, still inside
             sh("ip", "netns", "del", name, check=False)
+    for path in HOSTS_DIR.glob("tnd*"):
+        m = TAG_RE.match(path.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
     for line in sh("ip", "-o", "link", "show").stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
         m = TAG_RE.match(name)
@@ -123,6 +131,20 @@ class Network:
         )
         return host
 
+    def name_hosts(self, domain: str) -> dict[str, str]:
+        """Every host resolvable as `<name>.<domain>` inside every namespace; {host name: its DNS name}."""
+        names = {h.name: f"{h.name}.{domain}" for h in self.hosts.values()}
+        lines = ["127.0.0.1 localhost", *(f"{h.address} {names[h.name]}" for h in self.hosts.values())]
+        for host in self.hosts.values():
+            (HOSTS_DIR / host.netns).mkdir(parents=True, exist_ok=True)
+            (HOSTS_DIR / host.netns / "hosts").write_text("\n".join(lines) + "\n")
+        return names
+
+    def listening(self, host: Host) -> set[int]:
+        """The TCP ports something listens on inside the host's namespace."""
+        out = sh("ip", "netns", "exec", host.netns, "ss", "-Hltn").stdout
+        return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+
     def drop(self, src: Host, dst: Host) -> None:
         """Every packet from src to dst is lost from now until heal()."""
         dst.nft(f"add rule inet tandem input ip saddr {src.address} counter drop")
@@ -142,6 +164,7 @@ class Network:
                 with suppress(ProcessLookupError):  # a straggler would keep the namespace and its veth alive
                     os.kill(int(pid), signal.SIGKILL)
             sh("ip", "netns", "del", host.netns, check=False)  # its veth end goes with it, and the pair
+            shutil.rmtree(HOSTS_DIR / host.netns, ignore_errors=True)
         sh("ip", "link", "del", self.tag, check=False)
         self.hosts.clear()
 

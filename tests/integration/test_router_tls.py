@@ -112,9 +112,12 @@ def test_a_client_without_the_client_key_is_401_at_the_router(cluster, key):
             assert r.status_code == 401 and r.json()["error"]["param"] == "authorization"
 
 
-def test_plain_http_to_the_routers_tls_port_gets_no_answer(cluster):
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(cluster.router.url.replace("https://", "http://") + "/health", timeout=5)
+def test_plain_http_to_the_routers_tls_port_is_a_400_naming_the_scheme(cluster):
+    r = httpx.get(cluster.router.url.replace("https://", "http://") + "/health", timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "scheme", r.text
+    assert "use https://" in r.json()["error"]["message"]
+    with cluster.client() as c:  # and the port still speaks TLS
+        assert c.get("/health").status_code == 200
 
 
 def test_workers_whose_certificate_the_router_cannot_verify_are_never_used(cluster):

@@ -1,10 +1,11 @@
-"""Certificates made by a test: a CA of its own and a server certificate it signed for 127.0.0.1 and localhost
-(PEM files in a directory), so that TLS is tested with verification on and nothing from outside."""
+"""Certificates made by a test: a CA of its own and a server certificate it signed for 127.0.0.1 and localhost or
+the names a test gives (PEM files in a directory), so that TLS is tested with verification on and nothing from outside."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,15 @@ def _builder(subject: str, issuer: str, public_key) -> x509.CertificateBuilder:
     )
 
 
-def make_certs(directory: Path) -> Certs:
+def _san(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def make_certs(directory: Path, names: tuple[str, ...] = ("localhost", "127.0.0.1")) -> Certs:
+    """A CA and a server certificate naming `names` (DNS names, and IP addresses as IP entries)."""
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca = (
         _builder("tandem test CA", "tandem test CA", ca_key.public_key())
@@ -50,12 +59,9 @@ def make_certs(directory: Path) -> Certs:
         .sign(ca_key, hashes.SHA256())
     )
     server = (
-        _builder("127.0.0.1", "tandem test CA", key.public_key())
+        _builder(names[0], "tandem test CA", key.public_key())
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
+        .add_extension(x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -67,3 +73,19 @@ def make_certs(directory: Path) -> Certs:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return certs
+
+
+class _VerifyAs(ssl.SSLContext):
+    name = ""
+
+    def wrap_socket(self, sock, *args, server_hostname=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        return super().wrap_socket(sock, *args, server_hostname=self.name, **kwargs)
+
+
+def verify_as(ca: Path, name: str) -> ssl.SSLContext:
+    """What httpx's `verify` takes to reach a server at an address its certificate does not name: its
+    certificate is verified against `name` (as a client that resolved `name` to that address would)."""
+    context = _VerifyAs(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(ca)
+    context.name = name
+    return context

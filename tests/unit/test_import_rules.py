@@ -29,7 +29,7 @@ ALLOWED = {
     "bootstrap": {"common/wire", "common/edge/prometheus", "common/edge/tls"},
     "prefill_node": {"common", "transfer", "bootstrap"},
     "decode_node": {"common", "transfer", "bootstrap"},
-    "router": {"common/wire", "common/edge/prometheus"},
+    "router": {"common/wire", "common/edge/prometheus", "common/edge/tls"},
     "tandem": TOP,
 }
 # each side's transfer files and role: none imports the other side's (shared transfer files import neither)

@@ -12,6 +12,7 @@ from common.model.weights import fill_from_shard
 from common.parallel.group import TensorParallel
 from common.parallel.layers import Shard
 from common.parallel.partition import TPSizeError, check_tp_size, head_partition, padded_vocab
+from tests.integration.moe_models import save_family
 from tests.integration.tiny_model import VOCAB, save_tiny_llama
 
 
@@ -30,12 +31,14 @@ def test_head_partition(heads, kv_heads, size, expected):
 
 def test_tp_size_that_does_not_split_the_model_is_named():
     with pytest.raises(TPSizeError, match=r"--tp-size 4 does not divide the model's num_attention_heads 9, "):
-        check_tp_size(4, 9, 3, 1536)
+        check_tp_size(4, 9, 3, {"intermediate_size": 1536})
     with pytest.raises(TPSizeError, match=r"num_key_value_heads 4 \(to replicate them"):
-        check_tp_size(6, 12, 4, 1536)
+        check_tp_size(6, 12, 4, {"intermediate_size": 1536})
     with pytest.raises(TPSizeError, match=r"intermediate_size 100$"):
-        check_tp_size(8, 8, 2, 100)
-    check_tp_size(3, 9, 3, 1536)
+        check_tp_size(8, 8, 2, {"intermediate_size": 100})
+    with pytest.raises(TPSizeError, match=r"divide the model.s moe_intermediate_size 33$"):
+        check_tp_size(2, 8, 1, {"intermediate_size": 64, "moe_intermediate_size": 33})  # MLA: one latent
+    check_tp_size(3, 9, 3, {"intermediate_size": 1536, "moe_intermediate_size": 768})
     assert padded_vocab(49152, 3) == 49152 and padded_vocab(511, 4) == 512
 
 
@@ -72,3 +75,22 @@ def test_padded_vocabulary_rows_are_zero(tmp_path):
     out = torch.full((3, 4), -1.0)
     fill_from_shard(tmp_path / "w.safetensors", ["w"], {"w": out}, {"w": Shard(0, 9, 12, (10, 4))})
     assert torch.equal(out, torch.cat([table[9:], torch.zeros(2, 4)]))
+
+
+def test_deepseek_rank_holds_its_heads_and_expert_slices_and_the_whole_latent(tmp_path):
+    """Tiny DeepSeek-V3 (4 heads, experts of 32 features, 2 shared), TP 2, rank 1."""
+    save_family(tmp_path, "deepseek_v3")
+    full = load_file(tmp_path / "model.safetensors")
+    got = load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu", TensorParallel(1, 2)).state_dict()
+    attn, moe = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    half = lambda name, dim=0: full[name].chunk(2, dim)[1]  # noqa: E731
+    for whole in ("q_a_proj", "kv_a_proj_with_mqa", "kv_a_layernorm"):  # the latent: every rank's own copy
+        assert torch.equal(got[attn + whole + ".weight"], full[attn + whole + ".weight"])
+    for name in ("q_b_proj", "kv_b_proj"):  # heads 2 and 3
+        assert torch.equal(got[attn + name + ".weight"], half(attn + name + ".weight"))
+    assert torch.equal(got[attn + "o_proj.weight"], half(attn + "o_proj.weight", 1))
+    for gate in ("gate.weight", "gate.e_score_correction_bias"):  # the router: whole
+        assert torch.equal(got[moe + gate], full[moe + gate])
+    for expert in ("experts.5.", "shared_experts."):
+        assert torch.equal(got[moe + expert + "up_proj.weight"], half(moe + expert + "up_proj.weight"))
+        assert torch.equal(got[moe + expert + "down_proj.weight"], half(moe + expert + "down_proj.weight", 1))

@@ -21,8 +21,6 @@ Called with (dict "root" $ "component" "prefill"|"decode"). */}}
 - {{ . | quote }}
 {{- end }}
 {{ include "tandem.transfer.args" .root }}
-- --tp-size
-- {{ $role.tp | default 1 | quote }}
 {{- if eq .component "prefill" }}
 - --bootstrap-port
 - {{ $v.bootstrap.port | quote }}
@@ -30,6 +28,10 @@ Called with (dict "root" $ "component" "prefill"|"decode"). */}}
 - --bootstrap-url
 - {{ printf "%s://%s:%d" (include "tandem.scheme" .root) (include "tandem.serviceHost" (dict "root" .root "component" "bootstrap")) (int $v.bootstrap.port) }}
 {{- end }}
+{{- end }}
+{{- if gt (int ($role.tpSize | default 1)) 1 }}
+- --tp-size
+- {{ $role.tpSize | quote }}
 {{- end }}
 - --drain-timeout-s
 - {{ $v.drain.timeoutSeconds | quote }}
@@ -87,9 +89,8 @@ pod at its own address. TANDEM_API_KEY: the router's key, which it sends on ever
 {{- define "tandem.engine.resources" -}}
 {{- $role := index .root.Values .component -}}
 {{- $user := deepCopy ($role.resources | default dict) -}}
-{{- $extra := fromYaml (include "tandem.transfer.resources" .root) -}}
-{{- if eq .root.Values.device "cuda" -}}{{- $_ := set $extra .root.Values.gpuResourceName (int ($role.tp | default 1)) -}}{{- end -}}
-{{- $limits := merge (deepCopy ($user.limits | default dict)) $extra -}}
+{{- $extended := fromYaml (include "tandem.transfer.resources" (dict "root" .root "gpus" (int ($role.tpSize | default 1)))) -}}
+{{- $limits := merge (deepCopy ($user.limits | default dict)) $extended -}}
 {{- if $limits -}}{{- $_ := set $user "limits" $limits -}}{{- end -}}
 {{- toYaml $user -}}
 {{- end -}}

@@ -33,13 +33,14 @@
 {{- end }}
 {{- end -}}
 
-{{/* Extended resources of one engine pod: its GPU and its RDMA device, as asked (the engine's
-resources set the GPU count to its role's tp). */}}
+{{/* Extended resources of one engine pod: its GPUs (one per TP rank) and its RDMA device, as asked.
+Called with (dict "root" $ "gpus" N). */}}
 {{- define "tandem.transfer.resources" -}}
+{{- $v := .root.Values -}}
 {{- $res := dict -}}
-{{- if eq .Values.device "cuda" -}}{{- $_ := set $res .Values.gpuResourceName 1 -}}{{- end -}}
-{{- if and (eq .Values.transfer.protocol "rdma") .Values.transfer.rdma.resourceName -}}
-{{- $_ := set $res .Values.transfer.rdma.resourceName .Values.transfer.rdma.resourceCount -}}
+{{- if eq $v.device "cuda" -}}{{- $_ := set $res $v.gpuResourceName .gpus -}}{{- end -}}
+{{- if and (eq $v.transfer.protocol "rdma") $v.transfer.rdma.resourceName -}}
+{{- $_ := set $res $v.transfer.rdma.resourceName $v.transfer.rdma.resourceCount -}}
 {{- end -}}
 {{- toYaml $res -}}
 {{- end -}}
