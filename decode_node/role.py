@@ -1,12 +1,15 @@
-"""Decode role: find the request's prefill peer, pre-allocate a row, KV pages for the whole prompt and
-an aux slot, tell prefill where to write, commit the first token as soon as the prefill sends its aux
-record ahead of the KV (FirstToken), wait for Success and join the decode batch with no prefill forward.
+"""Decode role: find the request's prefill peer, pre-allocate a row, match the prompt in the prefix
+cache (the pages of earlier requests: a conversation's last turn, prompt and answer), reserve KV pages
+for the rest of the prompt and an aux slot, tell prefill where to write and from which page-aligned
+token on (`cached_prefix_len`: it sends only the pages this decode lacks), commit the first token as
+soon as the prefill sends its aux record ahead of the KV (FirstToken), wait for Success and join the
+decode batch with no prefill forward.
 The same record comes with the KV: it must equal the one sent ahead; if that one was lost, the first
 token is committed from it at Success. A first token that ends the request ends it at Success, so the
 prefill's writes finish normally.
 
-    prealloc --(row + pages + aux slot reserved, receiver.init)--> transferring --(Success)--> decode batch
-      nothing held (a room claimed)                               row + prompt KV + aux slot
+    prealloc --(row, cached prefix locked, pages for the rest,  --> transferring --(Success)--> decode batch
+      nothing held (a room claimed)    aux slot; receiver.init)    row + prompt KV + aux slot
                                                                   first token streamed on FirstToken
                                                                          |
                                                      (failed / aborted before the prefill's status)
@@ -22,6 +25,15 @@ Who frees what: every exit goes through Scheduler.finish -> release() here. With
 the row and pages go back at once (MemoryManager.release caches only KV marked computed, and a transfer
 that never completed marked none); with one, release() keeps them (quarantined) and _poll_quarantined frees
 them through Scheduler.free; the aux slot and the room go with the pages.
+
+    a decode request's prompt slots   held as                            at release
+    [0, cached)                       radix pages it matched, locked     unlocked (never written by the room)
+    [cached, n) before Success        its own pages, the room's target   freed, never cached (after the
+                                                                         quarantine when a write may land)
+    [cached, n) after Success         its own pages, KV arrived          whole pages into the radix cache
+
+The prefill writes only into [cached, n): pages no other request holds and eviction cannot reach (they
+are not in the tree), so a late write lands in pages nobody reads.
 """
 
 from __future__ import annotations
@@ -144,15 +156,17 @@ class DecodeRole(Role):
             or not self.aux_pool.can_alloc()
         ):
             return False
-        memory.admit(req, 0)
-        if not memory.can_extend(req, n + decode_reserve(req)):
+        memory.admit(req, n - 1)  # the prefix cache's hit, locked until release; at least one page crosses
+        cached = req.cached_len
+        if not memory.can_extend(req, n - cached + decode_reserve(req)):
             memory.release(req)
             return False
-        memory.extend(req, n)
+        memory.extend(req, n - cached)
+        req.decode_hit_len = cached
         req.timeline.mark("pages_reserved")
         inb.aux_slot = self.aux_pool.alloc()
         inb.receiver.init(
-            memory.page_ids(req, 0, n), inb.aux_slot
+            memory.page_ids(req, cached, n), inb.aux_slot, cached
         )  # sends nothing if the room failed meanwhile: the next poll ends it
         self.prealloc.remove(req)
         req.status = ReqStatus.TRANSFERRING

@@ -1,7 +1,8 @@
 """Prefill role: a request is prefilled (in chunks) by the scheduler as soon as it arrives, while its
 decode reserves pages; each computed chunk's KV pages go to the decode once it has said where (its room
-request), the aux record with the last chunk; then the request waits in `inflight` until the transfer
-is done, and its KV stays in the radix cache.
+request: its pages for the prompt past the prefix its own cache holds, `cached_prefix_len`; the pages
+before that are never sent), the aux record with the last chunk; then the request waits in `inflight`
+until the transfer is done, and its KV stays in the radix cache.
 
     scheduler's prefill queue --(prompt computed)--> inflight --(room Success/Failed)--> done
       row + KV; each chunk sent once paired          row + KV; the rest sent once paired
@@ -153,18 +154,31 @@ class PrefillRole(Role):
         with the aux record once the prompt is complete; nothing until the decode has said where."""
         if not out.paired and (out.sender.poll() < KVPoll.WaitingForInput or not self._pair(req, out)):
             return
-        if out.sent_tokens == out.computed_tokens and out.aux is None:
-            return
-        pages = self.scheduler.memory.page_ids(req, out.sent_tokens, out.computed_tokens)
-        aux, out.aux, out.sent_tokens = out.aux, None, out.computed_tokens
+        if out.sent_tokens >= out.computed_tokens and out.aux is None:
+            return  # nothing new, or only pages the decode has cached
+        end = max(out.sent_tokens, out.computed_tokens)
+        pages = self.scheduler.memory.page_ids(req, out.sent_tokens, end)
+        aux, out.aux, out.sent_tokens = out.aux, None, end
         out.sender.send(pages, is_last=aux is not None, aux=aux, ready=req.kv_ready)
 
     def _pair(self, req: Req, out: Outbound) -> bool:
-        """The decode asked for the room: True if its pages fit the prompt, else the request fails."""
-        need = self._pages(len(req.prompt_ids))
-        if out.sender.num_dst_pages != need:
-            self.scheduler.fail(req, f"decode reserved {out.sender.num_dst_pages} pages, the prompt needs {need}", 500)
+        """The decode asked for the room: True if its pages fit the prompt past the prefix it has cached
+        (sending starts there), else the request fails."""
+        n, cached = len(req.prompt_ids), out.sender.cached_prefix_len
+        if cached % self.config.page_size or not 0 <= cached < n:
+            ps = self.config.page_size
+            problem = f"decode's cached_prefix_len {cached} must be a multiple of the page size {ps} below the prompt's {n} tokens"
+            self.scheduler.fail(req, problem, 500)
             return False
+        need = self._pages(n) - cached // self.config.page_size
+        if out.sender.num_dst_pages != need:
+            self.scheduler.fail(
+                req,
+                f"decode reserved {out.sender.num_dst_pages} pages, the prompt needs {need} past its cached {cached} tokens",
+                500,
+            )
+            return False
+        out.sent_tokens = cached
         out.paired = True
         self.ahead.pop(req, None)
         return True

@@ -48,6 +48,11 @@ class RouterConfig(BaseSettings):
     prefill: list[PrefillSpec] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     policy: Policy = "cache_aware"
+    decode_policy: Policy | None = Field(
+        None,
+        description="how a decode is picked (SGLang's flag): default --policy, and power_of_two for cache_aware; "
+        "cache_aware sends a conversation's next turn to the decode whose prefix cache holds its last one",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     health_check_interval_s: float = Field(5.0, gt=0, description="seconds between two health checks of a worker")

@@ -60,7 +60,9 @@ class Dispatcher:
     ):
         self.config, self.workers, self.metrics, self.admission = config, workers, metrics, admission
         self.prefill_policy = make_policy(config.policy)
-        self.decode_policy = make_policy("power_of_two" if config.policy == "cache_aware" else config.policy)
+        self.decode_policy = make_policy(
+            config.decode_policy or ("power_of_two" if config.policy == "cache_aware" else config.policy)
+        )
         self.pools = pools  # each worker's keep-alive connections
         self.counters: dict[tuple[str, int], Any] = {}  # (path, status) -> its requests counter
 
@@ -93,7 +95,7 @@ class Dispatcher:
     async def _handle_admitted(
         self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
     ) -> web.StreamResponse:
-        key = _prompt_key(body) if self.config.policy == "cache_aware" else ""
+        key = _prompt_key(body) if "cache_aware" in (self.config.policy, self.config.decode_policy) else ""
         exclude: set[str] = set()
         error: UpstreamError | None = None
         for attempt in (1, 2):

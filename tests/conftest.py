@@ -143,6 +143,34 @@ def start_server(*args: str, name: str = "server", tls_ca: str | None = None) ->
     return ServerProcess(["serve", "--port", str(port), *args], port, name=name, tls_ca=tls_ca)
 
 
+@starts_processes
+class ReferenceServers:
+    """Monolithic servers that give the reference outputs PD is compared with: one per distinct command
+    line, started on first use and shared by every module that asks for the same one (tests only generate
+    on them: none is killed, drained or scraped for counts), stopped at the session's end."""
+
+    def __init__(self) -> None:
+        self.running: dict[tuple[str, ...], ServerProcess] = {}
+
+    def get(self, *args: str) -> ServerProcess:
+        if "--max-total-tokens" not in args:  # start_server's default, explicit: one key for both spellings
+            args = (*args, "--max-total-tokens", "8192")
+        if args not in self.running:
+            self.running[args] = start_server(*args, name=f"mono-ref{len(self.running)}").wait_ready()
+        return self.running[args]
+
+    def stop(self) -> None:
+        for server in self.running.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_servers():
+    servers = ReferenceServers()
+    yield servers
+    servers.stop()
+
+
 @pytest.fixture(scope="session")
 def builtin_model_dir() -> Path:
     from common.model.loader import resolve_model_dir

@@ -3,7 +3,8 @@ not parse, or whose signature does not match the cluster secret, raises BadMessa
 and counted.
 
     decode -> prefill  register  once per (decode instance, prefill): where to write and how to reach it
-    decode -> prefill  request   per room: destination pages and aux slot
+    decode -> prefill  request   per room: destination pages, aux slot, and the page-aligned prompt prefix the
+                                 decode holds already (cached_prefix_len): the pages are for the prompt from there
     decode -> prefill  abort     per room: stop sending (prefill answers with a status once no write is in flight)
     decode -> prefill  ping      every heartbeat interval, to each prefill it waits on
     prefill -> decode  pong         the answer to a ping
@@ -63,8 +64,9 @@ class Register:
 class RoomRequest:
     room_id: int
     decode_id: str
-    dst_pages: list[int]
+    dst_pages: list[int]  # for the prompt's pages from cached_prefix_len on
     aux_slot: int
+    cached_prefix_len: int = 0  # prompt tokens whose KV the decode has (its prefix cache): not sent
 
 
 @dataclass
@@ -125,6 +127,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "room_id": (int,),
     "dst_pages": (list,),
     "aux_slot": (int,),
+    "cached_prefix_len": (int,),
     "reason": (str,),
     "ok": (bool,),
     "endpoint": (str,),
@@ -251,6 +254,8 @@ def _check_ranges(msg: Any) -> None:
     if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):
             raise BadMessage("dst_pages must be a list of ints")
+        if not 0 <= msg.cached_prefix_len < 2**40:
+            raise BadMessage("cached_prefix_len out of range")
     if isinstance(msg, Register):
         ints = msg.kv_ptrs + msg.bytes_per_page
         if (

@@ -102,6 +102,8 @@ class OutputProcessor:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.prefix_hit_len,
         }
+        if req.decode_hit_len is not None:  # PD: what each side reused (the prefill's compute, the decode's transfer)
+            meta |= {"prefill_cached_tokens": req.prefix_hit_len, "decode_cached_tokens": req.decode_hit_len}
         meta |= self.input_meta(req)
         now = time.monotonic()
         ttft = 1000 * (req.first_token_time - req.arrival_time) if req.first_token_time else float("nan")

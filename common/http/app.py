@@ -16,7 +16,16 @@ from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.guard import CountingGuard
-from common.http.serving import Choice, check_input, collect, new_rid, raise_if_failed, stream_choices, tokenize_text
+from common.http.serving import (
+    PD_CACHED,
+    Choice,
+    check_input,
+    collect,
+    new_rid,
+    raise_if_failed,
+    stream_choices,
+    tokenize_text,
+)
 from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
@@ -133,7 +142,7 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
         "prompt_tokens": len(gen.prompt_ids),
         "completion_tokens": len(c.output_ids),
         "cached_tokens": c.meta.get("cached_tokens", 0),
-    }
+    } | {k: c.meta[k] for k in PD_CACHED if k in c.meta}
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
         if body.top_logprobs_num:

@@ -37,6 +37,9 @@ class Choice:
             self.finish = ev.finish
 
 
+PD_CACHED = ("prefill_cached_tokens", "decode_cached_tokens")  # a decode's meta: what each side's cache reused
+
+
 def new_rid(prefix: str = "") -> str:
     return prefix + uuid.uuid4().hex
 
@@ -184,12 +187,15 @@ def raise_if_failed(finish: FinishReason | None) -> None:
 
 def usage(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
     completion = sum(len(c.output_ids) for c in choices)
-    cached = max((c.meta.get("cached_tokens", 0) for c in choices), default=0)
+    details = {"cached_tokens": max((c.meta.get("cached_tokens", 0) for c in choices), default=0)}
+    for key in PD_CACHED:
+        if any(key in c.meta for c in choices):
+            details[key] = max(c.meta.get(key, 0) for c in choices)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 

@@ -29,7 +29,11 @@ class RequestOutput:
     prompt_len: int = 0
     output_len: int = 0
     cached_tokens: int | None = None
+    decode_cached_tokens: int | None = None  # a PD decode's own prefix-cache hit (not sent by the prefill)
     error: str = ""
+    text: str = ""  # the answer
+    output_ids: list[int] | None = None  # the answer's token ids, where the server sends them (/generate)
+    turn: int | None = None  # a multi-turn conversation's turn, from 1
 
 
 class StreamState:
@@ -65,15 +69,23 @@ class StreamState:
         if self.backend == "sglang":  # cumulative output; meta_info counts its tokens
             meta = event.get("meta_info") or {}
             before = self.reported or 0
+            self.out.text = event.get("text", self.out.text)
+            if "output_ids" in event:
+                self.out.output_ids = list(event["output_ids"])
             self._usage(meta.get("prompt_tokens"), meta.get("completion_tokens", before + 1), meta.get("cached_tokens"))
+            self.out.decode_cached_tokens = meta.get("decode_cached_tokens", self.out.decode_cached_tokens)
             return self.reported > before
         usage = event.get("usage") or {}
         if usage:
             details = usage.get("prompt_tokens_details") or {}
             self._usage(usage.get("prompt_tokens"), usage.get("completion_tokens"), details.get("cached_tokens"))
+            self.out.decode_cached_tokens = details.get("decode_cached_tokens", self.out.decode_cached_tokens)
         if self.backend == "openai-chat":
-            return any((c.get("delta") or {}).get("content") for c in event.get("choices") or [])
-        return any(c.get("text") for c in event.get("choices") or [])
+            pieces = [(c.get("delta") or {}).get("content") or "" for c in event.get("choices") or []]
+        else:
+            pieces = [c.get("text") or "" for c in event.get("choices") or []]
+        self.out.text += "".join(pieces)
+        return any(pieces)
 
     def _usage(self, prompt: int | None, completion: int | None, cached: int | None) -> None:
         if prompt is not None:

@@ -8,7 +8,7 @@ import math
 import os
 
 BACKENDS = ("openai", "openai-chat", "sglang")
-DATASETS = ("random", "sharegpt", "jsonl", "generated-shared-prefix")
+DATASETS = ("random", "sharegpt", "jsonl", "generated-shared-prefix", "multi-turn")
 SLO_METRICS = ("ttft", "itl", "tpot", "e2e_latency")
 
 
@@ -52,6 +52,17 @@ def int_at_least(low: int):
         return value
 
     return parse
+
+
+def seconds(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds >= 0")
+    return value
 
 
 def fraction(text: str) -> float:
@@ -117,11 +128,16 @@ def _workload_flags(g: argparse._ArgumentGroup) -> None:
         choices=DATASETS,
         default="random",
         help="random: --random-* lengths; sharegpt: ShareGPT-like length mix generated locally; "
-        "jsonl: prompts of --dataset-path; generated-shared-prefix: --gsp-* groups sharing a system prompt",
+        "jsonl: prompts of --dataset-path; generated-shared-prefix: --gsp-* groups sharing a system prompt; "
+        "multi-turn: --num-prompts conversations of --mt-* turns, each turn's prompt the last one's prompt, "
+        "answer and new tokens (first prompt --random-input-len, answers --random-output-len)",
     )
     g.add_argument("--dataset-path", default=None, help='jsonl: one {"prompt": str, "output_len": int?} per line')
     g.add_argument(
-        "--num-prompts", type=int_at_least(1), default=64, help="requests per run (not generated-shared-prefix)"
+        "--num-prompts",
+        type=int_at_least(1),
+        default=64,
+        help="requests per run (not generated-shared-prefix); multi-turn: conversations",
     )
     g.add_argument("--random-input-len", type=int_at_least(1), default=256, help="prompt tokens")
     g.add_argument(
@@ -143,6 +159,16 @@ def _workload_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--gsp-system-prompt-len", type=int_at_least(1), default=512)
     g.add_argument("--gsp-question-len", type=int_at_least(1), default=32)
     g.add_argument("--gsp-output-len", type=int_at_least(1), default=32)
+    g.add_argument("--mt-num-turns", type=int_at_least(1), default=4, help="multi-turn: turns per conversation")
+    g.add_argument(
+        "--mt-turn-input-len", type=int_at_least(1), default=32, help="multi-turn: new tokens per later turn"
+    )
+    g.add_argument(
+        "--mt-think-time-s",
+        type=seconds,
+        default=0.0,
+        help="multi-turn: seconds between an answer and the conversation's next turn",
+    )
     g.add_argument(
         "--seed",
         type=int,

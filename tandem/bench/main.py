@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from tandem.bench.endpoint import Endpoint, connect
+from tandem.bench.multiturn import build_conversations
 from tandem.bench.report import document, print_report, write_json
 from tandem.bench.runner import Plan, RunResult, make_session, sweep
 from tandem.bench.tokenizer import load_tokenizer
@@ -22,16 +23,23 @@ def make_plans(ns: argparse.Namespace, workload: Workload) -> list[Plan]:
     faster. Warm-up prompts are fresh too, so warming up plants no cache hit."""
     plans = []
     for rate in ns.request_rate:
-        requests = build_workload(ns, workload)
-        first = requests[0]
+        if ns.dataset_name == "multi-turn":
+            conversations = build_conversations(ns, workload)
+            first = workload.request(conversations[0].first, conversations[0].output_len)
+            requests, arrivals = [], arrival_times(len(conversations), rate, ns.seed)
+        else:
+            conversations, requests = None, build_workload(ns, workload)
+            first, arrivals = requests[0], arrival_times(len(requests), rate, ns.seed)
         warmup = workload.random(
             ns.warmup_requests, len(first.prompt_ids), min(first.output_len, WARMUP_OUTPUT_LEN), 1.0
         )
-        plans.append(Plan(rate, requests, arrival_times(len(requests), rate, ns.seed), warmup))
+        plans.append(Plan(rate, requests, arrivals, warmup, conversations, ns.mt_think_time_s))
     return plans
 
 
-async def _measure(ns: argparse.Namespace, plans: list[Plan], probe: BenchRequest) -> list[RunResult]:
+async def _measure(
+    ns: argparse.Namespace, plans: list[Plan], workload: Workload, probe: BenchRequest
+) -> list[RunResult]:
     targets = [(ns.base_url, ns.label)] + ([(ns.compare, ns.compare_label)] if ns.compare else [])
     async with make_session(ns.api_key, ns.request_timeout_s) as session:
         endpoints = []
@@ -46,7 +54,9 @@ async def _measure(ns: argparse.Namespace, plans: list[Plan], probe: BenchReques
                 label=label,
             )
             endpoints.append(await connect(session, wanted, probe))
-        return await sweep(session, endpoints, plans, ns.max_concurrency, dict(ns.goodput), not ns.disable_tqdm)
+        return await sweep(
+            session, endpoints, plans, workload, ns.max_concurrency, dict(ns.goodput), not ns.disable_tqdm
+        )
 
 
 def run_bench(ns: argparse.Namespace) -> dict[str, Any]:
@@ -55,7 +65,7 @@ def run_bench(ns: argparse.Namespace) -> dict[str, Any]:
     workload = Workload(load_tokenizer(ns.tokenizer), ns.seed)
     plans = make_plans(ns, workload)
     probe = workload.random(1, PROBE_LEN, 1, 1.0)[0]  # asks a /v1/completions server whether it takes token ids
-    runs = asyncio.run(_measure(ns, plans, probe))
+    runs = asyncio.run(_measure(ns, plans, workload, probe))
     doc = document(ns, runs)
     print_report(doc)
     if ns.output_json:

@@ -1,5 +1,6 @@
-"""--plot: latency percentiles against request rate for each endpoint (top), and the TTFT and ITL
-distributions as CDFs for each endpoint and rate (bottom), in one PNG."""
+"""--plot: latency percentiles against request rate for each endpoint (top; with a single rate, bars per
+endpoint), the TTFT and ITL distributions as CDFs for each endpoint and rate (middle), and for a
+multi-turn run each turn's TTFT percentiles and cached prompt tokens (bottom), in one PNG."""
 
 from __future__ import annotations
 
@@ -29,7 +30,30 @@ def _color(runs: list[RunResult], run: RunResult, shade: float | None = None):
     return cmap(shade if shade is not None else 0.4 + 0.6 * (rates.index(run.request_rate) + 1) / len(rates))
 
 
+def _percentile_bars(ax, runs: list[RunResult], name: str) -> None:
+    """One rate: a group of bars per endpoint, one bar per percentile."""
+    width = 0.8 / len(PERCENTILES)
+    for i, run in enumerate(runs):
+        for j, q in enumerate(PERCENTILES):
+            value = run.summary[f"p{q}_{name}_ms"]
+            ax.bar(
+                i + (j - 1) * width, np.nan if value is None else value, width, color=_color(runs, run, 0.4 + 0.2 * j)
+            )
+            ax.text(i + (j - 1) * width, 0, f"p{q}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(runs)), [r.endpoint.name for r in runs], fontsize=8)
+    ax.set_ylabel(f"{name.upper()} (ms)")
+    ax.set_title(f"{name.upper()} p50/p90/p99 @ {_rate(runs[0])} req/s")
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _rate(run: RunResult) -> str:
+    return "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}"
+
+
 def _percentile_panel(ax, runs: list[RunResult], name: str) -> None:
+    if len({r.request_rate for r in runs}) == 1:
+        _percentile_bars(ax, runs, name)
+        return
     for endpoint in dict.fromkeys(r.endpoint.name for r in runs):
         mine = sorted((r for r in runs if r.endpoint.name == endpoint), key=_x)
         for q in PERCENTILES:
@@ -53,7 +77,7 @@ def _cdf_panel(ax, runs: list[RunResult], name: str) -> None:
     for run in runs:
         values = np.sort(np.asarray(latency_values(run.outputs, name)) * 1000.0)
         if values.size:
-            rate = "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}"
+            rate = _rate(run)
             ax.step(
                 values,
                 np.arange(1, values.size + 1) / values.size,
@@ -68,18 +92,39 @@ def _cdf_panel(ax, runs: list[RunResult], name: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def _turn_panel(ax, runs: list[RunResult], key: str, ylabel: str) -> None:
+    """A multi-turn run's `key` per turn, one line per run (p50 solid, p99 dotted for TTFT)."""
+    for run in runs:
+        turns = run.summary["turns"]
+        keys = [f"p{q}_ttft_ms" for q in (50, 99)] if key == "ttft" else [key]
+        for k in keys:
+            ys = [np.nan if t[k] is None else t[k] for t in turns]
+            style = ":" if k.startswith("p99") else "-"
+            label = f"{run.endpoint.name} @ {_rate(run)}" + (f" {k.split('_')[0]}" if key == "ttft" else "")
+            ax.plot([t["turn"] for t in turns], ys, style, marker="o", color=_color(runs, run), label=label)
+    ax.set_xlabel("turn")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel} per turn")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 def plot(runs: list[RunResult], path: str) -> None:
-    """Write the 2x2 figure of `runs` to `path` (PNG)."""
+    """Write the figure of `runs` to `path` (PNG): 2x2, or 3x2 for a multi-turn run."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    multi_turn = all("turns" in r.summary for r in runs)
+    fig, axes = plt.subplots(3 if multi_turn else 2, 2, figsize=(13, 13.5 if multi_turn else 9))
     _percentile_panel(axes[0][0], runs, "ttft")
     _percentile_panel(axes[0][1], runs, "itl")
     _cdf_panel(axes[1][0], runs, "ttft")
     _cdf_panel(axes[1][1], runs, "itl")
+    if multi_turn:
+        _turn_panel(axes[2][0], runs, "ttft", "TTFT (ms)")
+        _turn_panel(axes[2][1], runs, "cached_tokens", "cached prompt tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -34,6 +34,14 @@ ROWS = [  # (label, key) of the table, in the order SGLang's bench_serving print
 ]
 
 
+TURN_ROWS = [  # (label, key) of each turn's rows in a multi-turn run
+    ("cached prompt tokens", "cached_tokens"),
+    ("decode cached tokens", "decode_cached_tokens"),
+    ("mean TTFT (ms)", "mean_ttft_ms"),
+    *((f"P{q} TTFT (ms)", f"p{q}_ttft_ms") for q in PERCENTILES),
+]
+
+
 def rate_label(rate: float) -> str | float:
     """A request rate for people and for JSON (which has no infinity)."""
     return "inf" if math.isinf(rate) else rate
@@ -112,9 +120,21 @@ def print_table(records: list[dict[str, Any]], compared: dict[str, Any] | None =
             continue
         cells = [_cell(r.get(key)) for r in records] + ([_cell(compared["ratios"][key])] if compared else [])
         print(f"{label:<34}" + "".join(f"{c:>{width}}" for c in cells))
+    _print_turns(records, width)
     for r in records:
         if "first_error" in r:
             print(f"{r['label']}: first error: {r['first_error']}")
+
+
+def _print_turns(records: list[dict[str, Any]], width: int) -> None:
+    """A multi-turn run's rows per turn, the runs side by side."""
+    turns = max((len(r.get("turns") or []) for r in records), default=0)
+    for i in range(turns):
+        for label, key in TURN_ROWS:
+            cells = [_cell(r["turns"][i].get(key) if i < len(r.get("turns") or []) else None) for r in records]
+            if all(c == "-" for c in cells):
+                continue  # e.g. decode cached tokens from a server that is not a PD decode
+            print(f"{f'Turn {i + 1} {label}':<34}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 def print_report(doc: dict[str, Any]) -> None:

@@ -14,20 +14,29 @@ from tqdm import tqdm
 
 from tandem.bench.client import RequestOutput, send
 from tandem.bench.endpoint import Endpoint
+from tandem.bench.multiturn import Conversation, per_turn, run_conversations
 from tandem.bench.stats import summarize
-from tandem.bench.workload import BenchRequest
+from tandem.bench.workload import BenchRequest, Workload
 
 READ_BUFFER_BYTES = 10 * 1024 * 1024  # a /generate stream repeats the whole output in every event
 
 
 @dataclass
 class Plan:
-    """What one request rate sends, to every endpoint alike."""
+    """What one request rate sends, to every endpoint alike: requests, or conversations (multi-turn; one
+    arrival each)."""
 
     request_rate: float
     requests: list[BenchRequest]
     arrivals: list[float]
     warmup: list[BenchRequest]
+    conversations: list[Conversation] | None = None
+    think_time_s: float = 0.0
+
+    @property
+    def total(self) -> int:
+        """Requests the plan sends."""
+        return sum(c.turns for c in self.conversations) if self.conversations else len(self.requests)
 
 
 @dataclass
@@ -82,10 +91,27 @@ async def run_once(
     return list(outputs), time.perf_counter() - start
 
 
+async def run_plan(
+    session: aiohttp.ClientSession,
+    endpoint: Endpoint,
+    plan: Plan,
+    workload: Workload,
+    max_concurrency: int | None,
+    bar: tqdm,
+) -> tuple[list[RequestOutput], float]:
+    """The plan's requests, or its conversations, against one endpoint."""
+    if plan.conversations is None:
+        return await run_once(session, endpoint, plan.requests, plan.arrivals, max_concurrency, bar)
+    return await run_conversations(
+        session, endpoint, workload, plan.conversations, plan.arrivals, plan.think_time_s, max_concurrency, bar
+    )
+
+
 async def sweep(
     session: aiohttp.ClientSession,
     endpoints: list[Endpoint],
     plans: list[Plan],
+    workload: Workload,
     max_concurrency: int | None,
     slos_ms: dict[str, float],
     show_progress: bool,
@@ -96,10 +122,10 @@ async def sweep(
         for endpoint in endpoints:
             await warm_up(session, endpoint, plan.warmup)
             label = f"{endpoint.base_url} @ {'inf' if math.isinf(plan.request_rate) else plan.request_rate} req/s"
-            with tqdm(total=len(plan.requests), desc=label, unit="req", disable=not show_progress) as bar:
-                outputs, duration = await run_once(
-                    session, endpoint, plan.requests, plan.arrivals, max_concurrency, bar
-                )
+            with tqdm(total=plan.total, desc=label, unit="req", disable=not show_progress) as bar:
+                outputs, duration = await run_plan(session, endpoint, plan, workload, max_concurrency, bar)
             summary = summarize(outputs, duration, slos_ms)
+            if plan.conversations is not None:
+                summary["turns"] = per_turn(outputs)
             results.append(RunResult(endpoint, plan.request_rate, max_concurrency, outputs, summary))
     return results

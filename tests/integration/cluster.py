@@ -46,6 +46,7 @@ def start_cluster(
     prefill_flags: tuple[str, ...] = (),
     router_flags: tuple[str, ...] = (),
     standalone_bootstrap: bool = False,
+    ready_timeout: float = 180.0,
 ) -> Cluster:
     """Prefills (each with its embedded bootstrap registry, or all registered with one standalone
     `tandem bootstrap`), decodes and a router, all ready."""
@@ -79,7 +80,7 @@ def start_cluster(
                 )
             )
         for node in c.nodes:
-            node.wait_ready()
+            node.wait_ready(ready_timeout)
         port = free_port()
         decode_args = [a for d in c.decodes for a in ("--decode", d.url)]
         c.router = ServerProcess(

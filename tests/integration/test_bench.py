@@ -194,3 +194,46 @@ def test_mistakes_end_with_a_message_that_says_what_to_do():
     assert r.returncode == 1 and "cannot connect" in r.stderr and "--base-url" in r.stderr
     r = bench("--dataset-name", "jsonl")
     assert r.returncode == 1 and "--dataset-name jsonl needs --dataset-path FILE" in r.stderr
+
+
+def test_multi_turn_conversations_grow_by_their_answers_and_hit_the_cache(server: ServerProcess, tmp_path):
+    """3 conversations x 3 turns: turn k's prompt is turn k-1's prompt, its 4-token answer and 8 new
+    tokens, so the lengths are exact; from turn 2 on the server's radix cache holds the history."""
+    png = tmp_path / "turns.png"
+    doc = bench_json(
+        tmp_path,
+        "--backend",
+        "sglang",
+        "--base-url",
+        server.url,
+        "--dataset-name",
+        "multi-turn",
+        "--num-prompts",
+        "3",
+        "--mt-num-turns",
+        "3",
+        "--mt-turn-input-len",
+        "8",
+        "--mt-think-time-s",
+        "0.05",
+        "--random-input-len",
+        "40",
+        "--random-output-len",
+        "4",
+        "--request-rate",
+        "10",
+        "--seed",
+        "13",
+        "--plot",
+        str(png),
+    )
+    [run] = doc["runs"]
+    assert (run["num_prompts"], run["completed"], run["failed"], run["total_output_tokens"]) == (9, 9, 0, 36)
+    turns = run["turns"]
+    assert [(t["turn"], t["completed"], t["failed"]) for t in turns] == [(1, 3, 0), (2, 3, 0), (3, 3, 0)]
+    assert [t["input_tokens"] for t in turns] == [3 * 40, 3 * 52, 3 * 64]
+    assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] >= 3 * 32 for t in turns[1:])
+    assert all(0 < t["p50_ttft_ms"] <= t["p99_ttft_ms"] for t in turns)
+    with Image.open(png) as image:
+        image.verify()
+        assert (image.format, image.size) == ("PNG", (1300, 1350))

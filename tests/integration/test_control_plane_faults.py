@@ -20,16 +20,8 @@ from tests.integration.tiny_model import random_prompts
 from transfer.messages import Abort, Ping, Register, RoomRequest, Status, encode
 
 SECRET = "test-cluster-secret"
-FLAGS = (
-    "--page-size",
-    "4",
-    "--chunked-prefill-size",
-    "32",
-    "--heartbeat-interval-s",
-    "0.5",
-    "--transfer-timeout-s",
-    "5",
-)
+ENGINE = ("--page-size", "4", "--chunked-prefill-size", "32")  # what the output depends on
+FLAGS = (*ENGINE, "--heartbeat-interval-s", "0.5", "--transfer-timeout-s", "5")
 PROMPTS = random_prompts(3, 8, 40, seed=7)
 
 
@@ -65,12 +57,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model_dir) -> list[list[int]]:
-    mono = start_server("--model", str(tiny_model_dir), *FLAGS, name="cp-mono").wait_ready()
-    try:
-        return [generate(mono.url, p, 8)["output_ids"] for p in PROMPTS]
-    finally:
-        mono.stop()
+def expected(tiny_model_dir, reference_servers) -> list[list[int]]:
+    mono = reference_servers.get("--model", str(tiny_model_dir), *ENGINE)  # test_soak.py's
+    return [generate(mono.url, p, 8)["output_ids"] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")

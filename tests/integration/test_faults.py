@@ -13,7 +13,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import ServerProcess, record_fault, start_server
+from tests.conftest import ServerProcess, record_fault
 from tests.integration.cluster import Cluster, generate, start_cluster
 from tests.integration.faults import Background, RawClient, chunks_sent, finished, pages_held, router_sees, wait_until
 from tests.integration.test_parity_hf import LONG_TEXT
@@ -38,14 +38,11 @@ def prompts(builtin_model_dir) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(prompts) -> dict[str, list[int]]:
-    mono = start_server(*ENGINE, name="mono-faults").wait_ready()
-    try:
-        want = {k: generate(mono.url, prompts[k], 8)["output_ids"] for k in ("a", "b", "c")}
-        want["story"] = generate(mono.url, prompts["story"], STREAM_TOKENS, sampling={"ignore_eos": True})["output_ids"]
-        return want
-    finally:
-        mono.stop()
+def expected(prompts, reference_servers) -> dict[str, list[int]]:
+    mono = reference_servers.get(*ENGINE)  # test_netns_partitions.py's too
+    want = {k: generate(mono.url, prompts[k], 8)["output_ids"] for k in ("a", "b", "c")}
+    want["story"] = generate(mono.url, prompts["story"], STREAM_TOKENS, sampling={"ignore_eos": True})["output_ids"]
+    return want
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import start_server
 from tests.integration.cluster import start_cluster
 from tests.integration.test_parity_hf import LONG_TEXT
 
@@ -29,10 +28,8 @@ def prompt(builtin_model_dir) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def mono():
-    s = start_server(*FLAGS, name="lp-mono").wait_ready()
-    yield s
-    s.stop()
+def mono(reference_servers):
+    return reference_servers.get(*FLAGS)  # test_pd.py's
 
 
 @pytest.fixture(scope="module")

@@ -164,12 +164,13 @@ def test_health_generate_and_metrics(server):
 def test_full_queue_answers_503_with_retry_after():
     s = start_server("--max-queued-requests", "1", "--max-running-requests", "1", name="tiny-queue").wait_ready()
     body = {"text": "Count:", "sampling_params": {"max_new_tokens": 150, "ignore_eos": True, "temperature": 0}}
+    queued = body | {"sampling_params": body["sampling_params"] | {"max_new_tokens": 1}}  # waits all the same
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(httpx.post, s.url + "/generate", json=body, timeout=120)
             while s.info()["num_running_reqs"] < 1:
                 time.sleep(0.05)
-            second = pool.submit(httpx.post, s.url + "/generate", json=body, timeout=120)
+            second = pool.submit(httpx.post, s.url + "/generate", json=queued, timeout=120)
             while s.info()["num_waiting_reqs"] < 1:  # running 1, queued 1: the queue is full
                 time.sleep(0.05)
             r = httpx.post(s.url + "/generate", json=body, timeout=60)

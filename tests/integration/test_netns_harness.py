@@ -16,8 +16,9 @@ LISTEN = """
 import socket
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", 7000))
-s.settimeout(2)
 print("ready", flush=True)
+input()  # the sender has finished: from now on a datagram has 2 s to arrive
+s.settimeout(2)
 try:
     print(s.recv(64).decode())
 except TimeoutError:
@@ -48,14 +49,20 @@ def test_what_a_killed_run_left_is_removed():
 
 
 def delivers(net: Network, src: str, dst: str) -> bool:
-    """Whether UDP datagrams from src reach a listener on dst (within 2 s)."""
+    """Whether a UDP datagram from src reaches a listener on dst (within 2 s of being sent: the clock starts
+    after the sender's process has exited, so a slow start on a loaded machine is not a lost datagram)."""
     listener = subprocess.Popen(
-        ["ip", "netns", "exec", net.hosts[dst].netns, sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, text=True
+        ["ip", "netns", "exec", net.hosts[dst].netns, sys.executable, "-c", LISTEN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert listener.stdout.readline() == "ready\n"
         send = f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'hello', ('{net.hosts[dst].address}', 7000))"
         sh("ip", "netns", "exec", net.hosts[src].netns, sys.executable, "-c", send)
+        listener.stdin.write("sent\n")
+        listener.stdin.flush()
         return listener.stdout.readline() == "hello\n"
     finally:
         listener.kill()

@@ -34,7 +34,7 @@ from common.http.app import create_app
 from router.app import OPEN_PATHS as ROUTER_OPEN_PATHS
 from router.app import create_router_app
 from router.config import RouterConfig
-from tests.conftest import ServerProcess, start_server
+from tests.conftest import ServerProcess
 from tests.integration.cluster import generate
 from tests.integration.faults import wait_until
 from tests.integration.netns import BOOTSTRAP_PORT, PORT, STARTUP_S, Host, Network, ns_server, unavailable
@@ -107,8 +107,8 @@ def add_decode_and_wait_ready(c: KeyedCluster) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(builtin_model_dir, tmp_path_factory) -> Iterator[KeyedCluster]:
-    mono = start_server(*ENGINE, name="mono-keyed")  # loads while the namespaces' servers do
+def cluster(builtin_model_dir, tmp_path_factory, reference_servers) -> Iterator[KeyedCluster]:
+    mono = reference_servers.get(*ENGINE)  # test_pd.py's
     net = Network()
     servers: dict[str, ServerProcess] = {}
     try:
@@ -119,13 +119,11 @@ def cluster(builtin_model_dir, tmp_path_factory) -> Iterator[KeyedCluster]:
         servers = start_servers(net, certs, names)
         tok = AutoTokenizer.from_pretrained(builtin_model_dir)
         prompts = [tok.encode(t) for t in TEXTS]
-        expected = [generate(mono.wait_ready().url, ids, NEW)["output_ids"] for ids in prompts]
-        mono.stop()
+        expected = [generate(mono.url, ids, NEW)["output_ids"] for ids in prompts]
         c = KeyedCluster(net, certs, names, servers, expected, prompts)
         add_decode_and_wait_ready(c)
         yield c
     finally:
-        mono.stop()
         for proc in servers.values():
             proc.stop()
         net.close()

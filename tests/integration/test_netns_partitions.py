@@ -16,7 +16,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import record_fault, start_server
+from tests.conftest import record_fault
 from tests.integration.cluster import generate
 from tests.integration.faults import Background, Outcome, chunks_sent, pages_held, wait_until
 from tests.integration.netns import ns_cluster, unavailable
@@ -53,14 +53,11 @@ def prompts(builtin_model_dir) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(prompts) -> dict[str, list[int]]:
-    mono = start_server(*ENGINE, name="mono-netns-partitions").wait_ready()
-    try:
-        want = {k: generate(mono.url, prompts[k], 8)["output_ids"] for k in ("long", "a")}
-        want["story"] = generate(mono.url, prompts["story"], STREAM_TOKENS, sampling={"ignore_eos": True})["output_ids"]
-        return want
-    finally:
-        mono.stop()
+def expected(prompts, reference_servers) -> dict[str, list[int]]:
+    mono = reference_servers.get(*ENGINE)  # test_faults.py's
+    want = {k: generate(mono.url, prompts[k], 8)["output_ids"] for k in ("long", "a")}
+    want["story"] = generate(mono.url, prompts["story"], STREAM_TOKENS, sampling={"ignore_eos": True})["output_ids"]
+    return want
 
 
 @pytest.fixture(scope="module")

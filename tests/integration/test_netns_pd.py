@@ -9,7 +9,6 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import start_server
 from tests.integration.cluster import generate
 from tests.integration.netns import ns_cluster, unavailable
 
@@ -27,12 +26,9 @@ def prompts(builtin_model_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(prompts) -> list[list[int]]:
-    mono = start_server(*ENGINE, name="mono-netns").wait_ready()
-    try:
-        return [generate(mono.url, ids, 12)["output_ids"] for ids in prompts]
-    finally:
-        mono.stop()
+def expected(prompts, reference_servers) -> list[list[int]]:
+    mono = reference_servers.get(*ENGINE)  # test_pd.py's
+    return [generate(mono.url, ids, 12)["output_ids"] for ids in prompts]
 
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])

@@ -13,7 +13,6 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import start_server
 from tests.integration.cluster import generate, start_cluster
 from tests.integration.test_parity_hf import LONG_TEXT
 
@@ -47,10 +46,8 @@ def prompts(builtin_model_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def mono():
-    s = start_server("--page-size", "16", "--chunked-prefill-size", "64", name="mono-ref").wait_ready()
-    yield s
-    s.stop()
+def mono(reference_servers):
+    return reference_servers.get("--page-size", "16", "--chunked-prefill-size", "64")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import start_server
 from tests.integration.cluster import generate, start_cluster
 from tests.integration.tiny_model import VOCAB, random_prompts
 
@@ -18,10 +17,8 @@ EOS = VOCAB - 1
 
 
 @pytest.fixture(scope="module")
-def mono(tiny_model_dir):
-    server = start_server("--model", str(tiny_model_dir), *FLAGS, name="pdf-mono").wait_ready()
-    yield server
-    server.stop()
+def mono(tiny_model_dir, reference_servers):
+    return reference_servers.get("--model", str(tiny_model_dir), *FLAGS)  # test_soak.py's
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,8 @@ from tests.integration.faults import Background, RawClient, pages_held, wait_unt
 from tests.integration.tiny_model import random_prompts
 from transfer.messages import Register, RoomRequest, decode, encode
 
-FLAGS = (
-    "--page-size",
-    "4",
-    "--chunked-prefill-size",
-    "32",
-    "--heartbeat-interval-s",
-    "0.5",
-    "--transfer-timeout-s",
-    "60",
-)
+ENGINE = ("--page-size", "4", "--chunked-prefill-size", "32")  # what the output depends on
+FLAGS = (*ENGINE, "--heartbeat-interval-s", "0.5", "--transfer-timeout-s", "60")
 PROMPTS = random_prompts(6, 12, 40, seed=11)
 NEW = 8
 
@@ -37,10 +29,8 @@ def body(ids: list[int], new: int = NEW, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mono(tiny_model_dir):
-    server = start_server("--model", str(tiny_model_dir), *FLAGS, name="rb-mono").wait_ready()
-    yield server
-    server.stop()
+def mono(tiny_model_dir, reference_servers):
+    return reference_servers.get("--model", str(tiny_model_dir), *ENGINE)  # test_soak.py's
 
 
 @pytest.fixture(scope="module")

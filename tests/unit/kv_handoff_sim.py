@@ -19,6 +19,7 @@ from common.engine.role import SchedulerView
 from common.engine.scheduler import Scheduler
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
+from common.memory.prefix_cache import NoPrefixCache
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from decode_node.peers import PeerInfo
@@ -190,7 +191,8 @@ def kv_args(buffers: list[torch.Tensor], aux: AuxPool | None = None) -> KVArgs:
 class Side:
     """One simulated server process: its buffers, scheduler, role and transfer manager."""
 
-    def __init__(self, net: Network, clock: Clock, mode: str, lookup=None):
+    def __init__(self, net: Network, clock: Clock, mode: str, lookup=None, prefix_cache: bool = True):
+        """`prefix_cache` False: as --disable-radix-cache."""
         c = CONFIG
         self.net, self.clock, self.mode = net, clock, mode
         self.buffers = [torch.full(((NUM_PAGES + 1) * c.page_size,), -1, dtype=torch.int64) for _ in range(2)]
@@ -198,7 +200,7 @@ class Side:
         self.memory = MemoryManager(
             ReqToTokenPool(c.max_running_requests + 8, 200, "cpu"),
             allocator,
-            RadixCache(allocator, c.page_size),
+            RadixCache(allocator, c.page_size) if prefix_cache else NoPrefixCache(allocator, c.page_size),
             c.page_size,
         )
         output = OutputProcessor(FakeTokenizer(), {EOS}, context_len=CONTEXT_LEN)

@@ -66,6 +66,9 @@ def test_sglang_stream_counts_tokens_from_cumulative_meta_info():
     ]
     out = fold("sglang", events, [10.5, 10.6, 11.0])
     assert out.ttft == 0.5 and out.itl == [0.5] and (out.prompt_len, out.output_len, out.cached_tokens) == (5, 3, 0)
+    assert (out.text, out.output_ids) == ("ab", None)
+    out = fold("sglang", [{"text": "a", "output_ids": [7], "meta_info": meta | {"completion_tokens": 1}}], [10.5])
+    assert (out.text, out.output_ids) == ("a", [7])  # a multi-turn conversation's next prompt takes these
 
 
 def test_an_error_event_or_an_empty_stream_fails_the_request():

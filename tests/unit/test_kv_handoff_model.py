@@ -1,11 +1,13 @@
 """A model-based test of the KV handoff: hypothesis drives a simulated prefill and decode (see
-kv_handoff_sim.py) through random interleavings of requests, prefill chunks, transfers, control
-messages delivered late, twice or never, aborts from either side, timeouts, heartbeats, frozen,
-killed and restarted peers. After every step it checks:
+kv_handoff_sim.py) through random interleavings of requests, next turns of finished ones (their prompt,
+answer and new tokens: both sides' prefix caches hit, the decode's with the answer too, and evict under
+the small pools), prefill chunks, transfers, control messages delivered late, twice or never, aborts
+from either side, timeouts, heartbeats, frozen, killed and restarted peers. After every step it checks:
 
 - every pool's integrity: each page free, cached, or held by exactly one request (nothing freed twice:
   the allocator raises on a double free);
-- no write lands in a page (or aux slot) that the written room does not own at that moment;
+- no write lands in a page (or aux slot) that the written room does not own at that moment (a decode's
+  cached prefix, locked in its radix cache, is never a room's: only the pages past it are);
 - every KV slot the caches or requests count as computed holds exactly its token's KV;
 - every request that succeeded got exactly the tokens a monolithic server gives;
 
@@ -31,7 +33,14 @@ from common.wire.sampling_params import SamplingParams
 from decode_node.peers import PeerInfo
 from tests.unit.kv_handoff_sim import CONFIG, Clock, Network, Side, done_future
 
+MAX_TURN_TOKENS = 56  # within the simulated context (64)
+TURN_WAIT_ROUNDS = 12  # a next turn waits this many rounds of everything at most for the last one's answer
 BOUND_S = CONFIG.pairing_timeout_s + CONFIG.kv_wait_timeout_s + CONFIG.transfer_timeout_s + 30
+
+
+def monolithic_answer(prompt: list[int], max_new: int) -> list[int]:
+    """The fake model's greedy output: each token the last one + 1."""
+    return [(prompt[-1] + i) % 1000 for i in range(1, max_new + 1)]
 
 
 @dataclass(eq=False)
@@ -50,8 +59,9 @@ class Pair:
 
 
 class KVHandoff(RuleBasedStateMachine):
-    def __init__(self) -> None:
+    def __init__(self, decode_cache: bool = True) -> None:
         super().__init__()
+        self.decode_cache = decode_cache  # False: the decode runs with --disable-radix-cache
         self.clock = Clock()
         self.net = Network(self.clock)
         self.prefill = self._new_prefill()
@@ -80,7 +90,7 @@ class KVHandoff(RuleBasedStateMachine):
         return side
 
     def _new_decode(self) -> Side:
-        return Side(self.net, self.clock, "decode", lookup=self._lookup)
+        return Side(self.net, self.clock, "decode", lookup=self._lookup, prefix_cache=self.decode_cache)
 
     def _lookup(self, rendezvous: Rendezvous):
         p = self.prefill
@@ -124,7 +134,7 @@ class KVHandoff(RuleBasedStateMachine):
         role, memory = self.decode.sched.role, self.decode.memory
         for req, inb in role.inbound.items():
             if inb.receiver is not None and inb.receiver.room.requested and req.req_pool_idx is not None:
-                for page in memory.page_ids(req, 0, req.kv_len):
+                for page in memory.page_ids(req, req.cached_len, req.kv_len):
                     owner[("page", page)] = inb.receiver.room_id
                 owner[("aux", inb.aux_slot)] = inb.receiver.room_id
         return owner
@@ -136,7 +146,38 @@ class KVHandoff(RuleBasedStateMachine):
     @precondition(lambda self: self.prefill.alive and self.decode.alive)
     @rule(prompt_len=st.integers(1, 30), max_new=st.integers(0, 6), stream_first=st.booleans())
     def new_request(self, prompt_len: int, max_new: int, stream_first: bool) -> None:
-        prompt = [(7 * len(self.pairs) + i) % 500 + 1 for i in range(prompt_len)]
+        self._submit([(7 * len(self.pairs) + i) % 500 + 1 for i in range(prompt_len)], max_new)
+
+    @precondition(lambda self: self.prefill.alive and self.decode.alive and self._conversations())
+    @rule(data=st.data())
+    def next_turn(self, data) -> None:
+        """A conversation goes on once its last turn is answered (a few rounds of everything at most):
+        that request's prompt and answer (the monolithic one; in the decode's cache if it succeeded
+        there), then new tokens."""
+        pair = data.draw(st.sampled_from(self._conversations()))
+        for _ in range(TURN_WAIT_ROUNDS):
+            if pair.ended("decode") or not (self.prefill.runs and self.decode.runs):
+                break
+            self._one_round(only_running=True)
+        prev = pair.decode
+        history = prev.prompt_ids + monolithic_answer(prev.prompt_ids, prev.params.max_new_tokens)
+        new_len = data.draw(st.integers(1, min(9, MAX_TURN_TOKENS - len(history) - 1)))
+        max_new = data.draw(st.integers(1, MAX_TURN_TOKENS - len(history) - new_len))
+        self._submit(history + [(11 * len(self.pairs) + i) % 500 + 1 for i in range(new_len)], max_new)
+
+    def _conversations(self) -> list[Pair]:
+        """Requests with an answer that a next turn (a new token and one to generate) still fits: those
+        answered already if any (their history is in the decode's cache), else those still running."""
+        fits = [
+            p
+            for p in self.pairs
+            if p.decode.params.max_new_tokens
+            and len(p.decode.prompt_ids) + p.decode.params.max_new_tokens + 2 <= MAX_TURN_TOKENS
+        ]
+        done = [p for p in fits if p.decode.finished and p.decode.finish.type == "length"]
+        return done or [p for p in fits if not p.decode.finished]
+
+    def _submit(self, prompt: list[int], max_new: int) -> None:
         rendezvous = Rendezvous("sim", 1, next(self.rooms), self.prefill.manager.instance_id)
         pair = Pair(*(self._req(prompt, max_new, rendezvous) for _ in range(2)), self.prefill, self.decode, {})
         for half, req, side in (("prefill", pair.prefill, self.prefill), ("decode", pair.decode, self.decode)):
@@ -262,7 +303,7 @@ class KVHandoff(RuleBasedStateMachine):
         for p in self.pairs:
             r = p.decode
             if r.finished and r.finish.type == "length":
-                assert r.output_ids == [(r.prompt_ids[-1] + i) % 1000 for i in range(1, r.params.max_new_tokens + 1)]
+                assert r.output_ids == monolithic_answer(r.prompt_ids, r.params.max_new_tokens)
 
     # -- the end: everything runs until quiet ------------------------------------------------------
     def teardown(self) -> None:

@@ -42,6 +42,13 @@ def test_flags_win_over_environment_and_environment_over_defaults(monkeypatch):
     )
 
 
+def test_decode_policy_is_its_own_flag_and_defaults_to_none():
+    assert config_from_args([]).decode_policy is None
+    assert config_from_args(["--decode-policy", "cache_aware"]).decode_policy == "cache_aware"
+    with pytest.raises(ValueError):
+        config_from_args(["--decode-policy", "fastest"])
+
+
 def test_bad_values_are_refused(monkeypatch):
     with pytest.raises(ValueError):
         config_from_args(["--health-failure-threshold", "0"])

@@ -65,6 +65,13 @@ def test_garbage_and_truncated_messages_are_rejected(raw):
         decode(raw, None)
 
 
+def test_a_room_request_carries_the_decodes_cached_prefix_within_range():
+    msg = RoomRequest(3, "d", [4, 5], 1, cached_prefix_len=32)
+    assert decode(encode(msg, None), None) == msg
+    with pytest.raises(BadMessage, match="cached_prefix_len"):
+        decode(encode(RoomRequest(3, "d", [4], 1, cached_prefix_len=-16), None), None)
+
+
 def test_wrong_secret_is_rejected_and_right_secret_accepted():
     msg = Status(5, True, "")
     with pytest.raises(BadMessage, match="secret"):

@@ -1,5 +1,5 @@
-"""Prefill side of one room: claims the room, waits for the decode's page indices, then queues chunks
-and, with the last one, the aux record."""
+"""Prefill side of one room: claims the room, waits for the decode's page indices (for the prompt past
+the prefix the decode has cached), then queues chunks and, with the last one, the aux record."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ class KVSender:
     @property
     def num_dst_pages(self) -> int:
         return len(self.room.room_request.dst_pages) if self.room.room_request else 0
+
+    @property
+    def cached_prefix_len(self) -> int:
+        """Prompt tokens the decode has cached: the pages start after them."""
+        return self.room.room_request.cached_prefix_len if self.room.room_request else 0
 
     @property
     def failure_reason(self) -> str | None:
