@@ -88,6 +88,7 @@ class KVWriter:
     def __init__(self, backend: TransferBackend, args: KVArgs):
         self.backend, self.args, self.on_cuda = backend, args, args.on_cuda
         self.aux_staging = AuxStaging(backend)
+        self.page_bytes = sum(args.bytes_per_page)  # one page across every rank's buffer: what a page sends
 
     def pieces(self, registration: Register, src_pages: list[int], dst_pages: list[int]):
         """(src, dst, nbytes) of a chunk: buffers paired by index at equal TP size, else each decode
