@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.wire.kv_events import parse_kv_events_config
+
 DisaggMode = Literal["null", "prefill", "decode"]
 
 
@@ -54,7 +56,23 @@ class ServerConfig(BaseSettings):
     chunked_prefill_size: int = Field(512, description="tokens per prefill chunk; <=0 disables")
     max_prefill_tokens: int = Field(4096, ge=16, description="token budget of one prefill batch")
     disable_radix_cache: bool = False
+    kv_events_config: str | None = Field(
+        None,
+        description="publish the prefix cache's changes as vLLM KV cache events: JSON with vLLM's fields, e.g. "
+        '{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',
+    )
+    enable_hierarchical_cache: bool = Field(
+        False, description="a host-memory tier behind the prefix cache: evicted pages are copied there and loaded back"
+    )
+    hicache_ratio: float = Field(2.0, gt=0, description="host tier pages as a multiple of the device pool's")
+    hicache_size: float = Field(0.0, ge=0, description="host tier size in GiB (overrides --hicache-ratio when > 0)")
+    hicache_write_policy: Literal["write_through", "write_back"] = Field(
+        "write_through", description="copy KV to the host tier when it is cached (write_through) or when evicted"
+    )
     max_queued_requests: int = Field(1024, ge=1)
+    enable_priority_scheduling: bool = Field(
+        False, description="honour requests' priority field (higher first): admission order and who is retracted"
+    )
 
     # PD disaggregation
     transfer_backend: Literal["mooncake", "nixl", "loopback"] = "mooncake"
@@ -112,6 +130,13 @@ class ServerConfig(BaseSettings):
             raise ValueError("ssl_keyfile needs ssl_certfile")
         if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
             raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
+        if self.kv_events_config:
+            parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
+        if self.enable_hierarchical_cache and (self.disable_radix_cache or self.tp_size > 1):
+            raise ValueError(
+                "--enable-hierarchical-cache needs the radix cache and --tp-size 1: "
+                "drop --disable-radix-cache, or run it at --tp-size 1"
+            )
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self

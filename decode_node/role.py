@@ -44,7 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from common.config import ServerConfig
-from common.core.request import FinishReason, Req, ReqStatus
+from common.core.request import FinishReason, Req, ReqStatus, queue_position
 from common.engine.prefill_queue import decode_reserve
 from common.engine.role import Role, SchedulerView
 from common.memory.errors import MemoryIntegrityError
@@ -100,7 +100,7 @@ class DecodeRole(Role):
             lookup.add_done_callback(lambda done: self._peer_found(req, done))
             self.inbound[req] = Inbound(lookup)
             req.status = ReqStatus.PAIRING
-            self.prealloc.append(req)
+            self.prealloc.insert(queue_position(self.prealloc, req), req)  # by priority, then FIFO
         return True
 
     def _peer_found(self, req: Req, lookup: Future[PeerInfo]) -> None:
@@ -278,7 +278,10 @@ class DecodeRole(Role):
         return True
 
     def memory_returning(self) -> bool:
-        return bool(self.quarantined)
+        """Quarantined rooms free their pages within their bound; rooms whose KV is arriving join the
+        running batch within theirs, and then the newest of it can be retracted (its KV cached, on the
+        host tier if there is one) to make room."""
+        return bool(self.quarantined or self.transferring)
 
     def requests(self) -> list[Req]:
         return self.prealloc + self.transferring + self.quarantined

@@ -26,6 +26,9 @@ from router.config import RouterConfig, WorkerChange
 from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher, json_response
 from router.http1 import Pools
+from router.kv_feeds import KVFeeds
+from router.kv_index import KVIndex
+from router.kv_policy import KVAwarePolicy
 from router.metrics import REFRESH_S, RouterMetrics
 from router.processes import shared_dir
 from router.shared_workers import SharedWorkers
@@ -57,9 +60,11 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     )
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     tls = client_context(config)  # workers are called with the router's key for them, https ones verified
-    dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls))
+    feeds = metrics.kv_feeds = KVFeeds(workers, KVIndex())  # every policy counts what its pairs held
+    kv_policy = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens, metrics)
+    dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls), kv_policy)
     app = web.Application(middlewares=[_guard(config.api_key, drain)])
-    app["workers"], app["dispatcher"] = workers, dispatcher
+    app["workers"], app["dispatcher"], app["kv_feeds"] = workers, dispatcher, feeds
     app["shared_workers"] = SharedWorkers(shared, workers) if shared else None
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
@@ -70,6 +75,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
             timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(ssl=tls)
         )
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
+        tasks.append(asyncio.create_task(feeds.follow(session)))
         if discovery.targets:
             tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         if shared:

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Policy = Literal["random", "round_robin", "power_of_two", "cache_aware"]
+Policy = Literal["random", "round_robin", "power_of_two", "cache_aware", "kv_aware"]
 SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})  # never shown (logs, /get_server_info)
 
 
@@ -51,9 +51,16 @@ class RouterConfig(BaseSettings):
     decode_policy: Policy | None = Field(
         None,
         description="how a decode is picked (SGLang's flag): default --policy, and power_of_two for cache_aware; "
-        "cache_aware sends a conversation's next turn to the decode whose prefix cache holds its last one",
+        "cache_aware sends a conversation's next turn to the decode whose prefix cache holds its last one; "
+        "kv_aware picks both halves (--policy kv_aware)",
     )
     host: str = "127.0.0.1"
+    kv_load_tokens: int = Field(
+        64,
+        ge=0,
+        description="kv_aware: the cost, in prompt tokens, of one request in flight on a worker (the cost of a pair "
+        "is the tokens its prefill computes + the tokens whose KV crosses to its decode + this x their requests)",
+    )
     port: int = Field(8000, ge=1, le=65535)
     health_check_interval_s: float = Field(5.0, gt=0, description="seconds between two health checks of a worker")
     health_check_timeout_s: float = Field(2.0, gt=0, description="a GET /health slower than this is a failure")

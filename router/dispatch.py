@@ -20,6 +20,7 @@ from common.wire.errors import TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
 from router.http1 import Pools
+from router.kv_policy import KVAwarePolicy
 from router.logprobs import PromptLogprobs, wants_prompt_logprobs
 from router.metrics import RouterMetrics
 from router.pair_call import Pair, PairCall, with_bootstrap
@@ -56,12 +57,21 @@ class Dispatcher:
     """Routes generation requests (`handle` is the aiohttp handler of every generation path)."""
 
     def __init__(
-        self, config: RouterConfig, workers: WorkerRegistry, metrics: RouterMetrics, admission: Admission, pools: Pools
+        self,
+        config: RouterConfig,
+        workers: WorkerRegistry,
+        metrics: RouterMetrics,
+        admission: Admission,
+        pools: Pools,
+        kv_policy: KVAwarePolicy | None = None,
     ):
+        """`kv_policy`: picks whole pairs under --policy kv_aware; under the others, each side has its own policy
+        and `kv_policy` only counts what the pair held."""
         self.config, self.workers, self.metrics, self.admission = config, workers, metrics, admission
-        self.prefill_policy = make_policy(config.policy)
+        self.kv_policy = kv_policy
+        self.prefill_policy = make_policy("round_robin" if config.policy == "kv_aware" else config.policy)
         self.decode_policy = make_policy(
-            config.decode_policy or ("power_of_two" if config.policy == "cache_aware" else config.policy)
+            config.decode_policy or ("power_of_two" if config.policy in ("cache_aware", "kv_aware") else config.policy)
         )
         self.pools = pools  # each worker's keep-alive connections
         self.counters: dict[tuple[str, int], Any] = {}  # (path, status) -> its requests counter
@@ -99,7 +109,7 @@ class Dispatcher:
         exclude: set[str] = set()
         error: UpstreamError | None = None
         for attempt in (1, 2):
-            pair = self._pick_pair(key, exclude)
+            pair = self._pick_pair(key, body, exclude)
             if pair is None:
                 return self._no_pair(path, error, start)
             try:
@@ -113,12 +123,17 @@ class Dispatcher:
                 self.metrics.retries.inc()
         raise AssertionError("unreachable: the second attempt always returns")
 
-    def _pick_pair(self, key: str, exclude: set[str]) -> Pair | None:
+    def _pick_pair(self, key: str, body: dict[str, Any], exclude: set[str]) -> Pair | None:
         prefills = [w for w in self.workers.healthy("prefill") if w.url not in exclude]
         decodes = [w for w in self.workers.healthy("decode") if w.url not in exclude]
         if not prefills or not decodes:
             return None
-        return Pair(self.prefill_policy.pick(prefills, key), self.decode_policy.pick(decodes, key))
+        if self.config.policy == "kv_aware":
+            return Pair(*self.kv_policy.pick_pair(prefills, decodes, body))
+        pair = Pair(self.prefill_policy.pick(prefills, key), self.decode_policy.pick(decodes, key))
+        if self.kv_policy is not None:
+            self.kv_policy.observe(pair.prefill, pair.decode, body)
+        return pair
 
     def _no_pair(self, path: str, error: UpstreamError | None, start: float) -> web.Response:
         if error is not None:  # the retry found no other pair: the first failure is the better answer

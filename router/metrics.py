@@ -6,11 +6,15 @@ files, /metrics of any process adds them up, and the gauges are refreshed twice 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
 from common.edge.prometheus import render
 from router.workers import WorkerRegistry
+
+if TYPE_CHECKING:
+    from router.kv_feeds import KVFeeds
 
 REFRESH_S = 0.5
 WORKER_LABELS = ["worker", "worker_role"]
@@ -60,6 +64,30 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.kv_index_pages = Gauge(
+            "tandem_router_kv_index_pages",
+            "kv_aware: pages the router's KV index says each worker holds (one sample per router process)",
+            WORKER_LABELS,
+            registry=r,
+            multiprocess_mode="all",
+        )
+        self.kv_resyncs = Gauge(
+            "tandem_router_kv_resyncs",
+            "kv_aware: times a worker's pages were forgotten (its events had a gap that replay could not fill, or "
+            "went back), per router process",
+            registry=r,
+            multiprocess_mode="all",
+        )
+        self.kv_prompt_tokens = Counter(
+            "tandem_router_kv_prompt_tokens", "kv_aware: prompt tokens of the requests routed", registry=r
+        )
+        self.kv_matched_tokens = Counter(
+            "tandem_router_kv_matched_tokens",
+            "kv_aware: prompt tokens the chosen worker held, by the index (prefill: not computed; decode: not sent)",
+            ["worker_role"],
+            registry=r,
+        )
+        self.kv_feeds: KVFeeds | None = None  # set by the app
         self.multiprocess_dir = multiprocess_dir
         self._read_in_flight, self._workers = in_flight, workers
         self._shown: set[tuple[str, str]] = set()  # worker label sets exported, so vanished workers can be dropped
@@ -74,10 +102,16 @@ class RouterMetrics:
         for gone in self._shown - set(current):
             self.worker_load.remove(*gone)
             self.worker_healthy.remove(*gone)
+            if self.kv_feeds is not None:
+                self.kv_index_pages.remove(*gone)
         for key, w in current.items():
             self.worker_load.labels(*key).set(w.in_flight)
             self.worker_healthy.labels(*key).set(1 if w.healthy else 0)
         self._shown = set(current)
+        if self.kv_feeds is not None:
+            for key in current:
+                self.kv_index_pages.labels(*key).set(self.kv_feeds.index.pages(key[0]))
+            self.kv_resyncs.set(self.kv_feeds.resyncs)
 
     def render(self) -> bytes:
         """The text exposition of every metric, of all processes in multiprocess mode."""

@@ -111,6 +111,7 @@ def serve(config: ServerConfig) -> None:
     engine = build_engine(config)
     engine.warm_up()  # the port opens after: /health never answers while kernels build
     engine.start()
+    from common.engine import host_tier
     from common.http.app import create_app
     from common.http.drain import engine_drain, fail_in_flight
 
@@ -126,7 +127,7 @@ def serve(config: ServerConfig) -> None:
         config.device,
         config.tp_size,
         type(engine.runner.attn).__name__,
-        engine.pool_plan.describe(),
+        engine.pool_plan.describe() + host_tier.summary(engine.memory.prefix_cache),
     )
     log.info("serving on %s://%s:%d", config.scheme, config.host, config.port)
     try:

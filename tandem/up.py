@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from common.model.locate import check_model
 from common.wire.user_error import UserError, require_free_ports
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
+
+POLICIES = ("random", "round_robin", "power_of_two", "cache_aware", "kv_aware")
 
 
 @dataclass
@@ -43,6 +46,12 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="cache_aware",
+        help="the router's policy; kv_aware also turns on every engine's KV cache events (--kv-events-config)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("TANDEM_API_KEY"),
         help="clients send it to the router (Bearer), the router to the servers; every process gets it "
@@ -69,8 +78,18 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
     return children
 
 
+def kv_events_flags(ns: argparse.Namespace) -> list[str]:
+    """With --policy kv_aware every engine publishes its cache's changes on ports it picks itself; the
+    router learns them from each server's /get_server_info."""
+    if ns.policy != "kv_aware":
+        return []
+    where = f"tcp://{ns.host}:*"
+    return ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": where, "replay_endpoint": where})]
+
+
 def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> list[Child]:
     children, prefills, decodes = [], [], []
+    common = kv_events_flags(ns) + common
     for i in range(ns.num_prefill):
         port, boot = ns.base_port + i, ns.bootstrap_port + i
         argv = py + [
@@ -106,7 +125,7 @@ def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> li
         ]
         children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health", ports={"--base-port": port}))
         decodes += ["--decode", f"http://{ns.host}:{port}"]
-    router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port)]
+    router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy]
     children.append(Child("router", router, f"http://{ns.host}:{ns.port}/readiness"))
     return children
 
@@ -151,9 +170,17 @@ def place(ns: argparse.Namespace, children: list[Child], gpus: list[str]) -> lis
 UP_SETS = ("--model", "--host", "--port", "--device", "--disagg-mode", "--bootstrap-port", "--transfer-backend")
 
 
+def _check_policy(ns: argparse.Namespace) -> None:
+    if ns.policy == "kv_aware" and ns.mode != "pd":
+        raise UserError("--policy kv_aware: the router's policy needs --mode pd (a monolithic server has no router)")
+    if ns.policy == "kv_aware" and any(f.split("=")[0] == "--kv-events-config" for f in ns.extra):
+        raise UserError("--kv-events-config after --: --policy kv_aware sets it on every server")
+
+
 def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
     """The user's mistakes that show before any process starts: counts, serve flags after `--` (their
     values, and the ones `tandem up` sets itself), the model, every port the cluster will listen on."""
+    _check_policy(ns)
     for flag, n in (("--num-prefill", ns.num_prefill), ("--num-decode", ns.num_decode)):
         if n < 1 and ns.mode == "pd":
             raise UserError(f"{flag} {n}: a PD cluster needs at least 1 (or --mode monolithic)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,7 @@ class GenInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
+    priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
@@ -111,3 +112,12 @@ class Req(GenInput):
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+def queue_position(queue: Sequence[Req], req: Req, ahead_of_equals: bool = False) -> int:
+    """Where `req` goes in a queue kept in priority order (higher first): behind every request of its
+    priority (FIFO among equals; all 0 without --enable-priority-scheduling), or ahead of them."""
+    for i, other in enumerate(queue):
+        if other.priority < req.priority or (ahead_of_equals and other.priority == req.priority):
+            return i
+    return len(queue)

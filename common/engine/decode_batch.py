@@ -1,7 +1,8 @@
 """Requests generating tokens, and the next decode step: one token for each of them, from tensors kept
 across steps (DecodeTensors) and slots allocated for the whole batch at once. When the pages their next
-tokens need do not fit, the newest requests are retracted (their KV kept in the prefix cache, the
-request queued for prefill again, recomputed later) until the rest fit."""
+tokens need do not fit, requests are retracted (the lowest priority, then the least progress; their KV
+kept in the prefix cache, and with a host tier behind it copied there rather than dropped when evicted;
+the request queued for prefill again, its KV matched back later) until the rest fit."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class DecodeBatch:
         while not self._fits(batch):
             if len(self.running) == 1:
                 return None
-            self.retract(self.running[-1])
+            self.retract(self.victim())
             batch = self.tensors.prepare(self.running)
         first_slots = self.memory.alloc_decode_pages(batch.reqs)
         try:
@@ -53,6 +54,10 @@ class DecodeBatch:
             raise
         n = len(batch.reqs)
         return BatchPlan(ForwardMode.DECODE, batch.reqs, [1] * n, [locs], [True] * n, decode=batch)
+
+    def victim(self) -> Req:
+        """Who is retracted first: the lowest priority, then the least progress, then the newest."""
+        return min(reversed(self.running), key=lambda r: (r.priority, len(r.output_ids)))
 
     def _fits(self, batch: DecodeTensors) -> bool:
         return batch.new_page_count(self.config.page_size) <= self.memory.available_pages()

@@ -22,6 +22,8 @@ from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
+from common.engine import host_tier
+from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor
@@ -30,10 +32,9 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
+from common.memory.hicache import make_prefix_cache
 from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
-from common.memory.prefix_cache import NoPrefixCache
-from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
@@ -46,6 +47,7 @@ from common.parallel.partition import check_tp_size
 from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
 from common.parallel.rank_pools import RankPools
 from common.parallel.ranks import Ranks
+from common.wire.kv_events import parse_kv_events_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,11 +88,10 @@ class Engine:
         num_pages = self.pool_plan.num_pages
         req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
-        prefix = (
-            NoPrefixCache(allocator, config.page_size)
-            if config.disable_radix_cache
-            else RadixCache(allocator, config.page_size)
-        )
+        self.kv_events = self._kv_event_publisher()
+        prefix = make_prefix_cache(config, allocator, self.kv_pool, self.kv_events)
+        if config.enable_hierarchical_cache:
+            log.info("%s", host_tier.summary(prefix).removeprefix("; "))
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         eos_ids = self._eos_ids()
         model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
@@ -114,6 +115,22 @@ class Engine:
         if self.ranks is None or self.config.disagg_mode == "null":
             return self.kv_pool
         return RankPools(self.kv_pool, self.ranks.progress.path, self.config.tp_size)
+
+    def _kv_event_publisher(self) -> KVEventPublisher | None:
+        """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
+        events = parse_kv_events_config(self.config.kv_events_config)
+        if events is None or self.config.disable_radix_cache:
+            return None
+        publisher = KVEventPublisher(events, self.config.page_size, self.config.public_host)
+        self.metrics.counter_source(
+            "tandem_kv_events_dropped",
+            "KV cache events dropped because the publisher's queue was full",
+            lambda: publisher.dropped,
+        )
+        self.metrics.counter_source(
+            "tandem_kv_event_batches", "KV cache event batches published", lambda: publisher.batches
+        )
+        return publisher
 
     def _batch_limits(self, config: ServerConfig) -> ServerConfig:
         """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
@@ -157,6 +174,7 @@ class Engine:
             "KV pages requests hold (total = free + cached + used)",
             lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached(),
         )
+        host_tier.register_gauges(m, self.memory.prefix_cache)
         m.labelled_gauges(
             "tandem_pd_queue_requests",
             "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
@@ -185,6 +203,8 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.ranks is not None:
             self.ranks.stop()
 
@@ -201,11 +221,13 @@ class Engine:
             "model_path": str(self.model_dir),
             "context_length": self.context_len,
             "kv_pages": s.check_integrity().to_dict(),
+            "host_kv_pages": host_tier.info(self.memory.prefix_cache),
             "num_running_reqs": len(s.decode.running),
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
             "tp": {"size": self.config.tp_size, "ranks": self.rank_reports},
+            "kv_events": self.kv_events.info() if self.kv_events is not None else None,
         }
 
     def health_problem(self) -> str | None:

@@ -78,6 +78,16 @@ class LabelledGauges:
         yield family
 
 
+class CounterSource:
+    """One counter whose value another component keeps (read at scrape time)."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float]):
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.doc, value=float(self.read()))
+
+
 class EngineMetrics:
     def __init__(self, role: str) -> None:
         """`role`: the server's --disagg-mode (null, prefill or decode), the `role` label of its samples."""
@@ -124,6 +134,10 @@ class EngineMetrics:
     def labelled_gauges(self, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]) -> None:
         """A gauge family `name{label}` whose samples are `read()` at scrape time, from the /metrics thread."""
         self.registry.register(LabelledGauges(name, doc, label, read))
+
+    def counter_source(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A counter `name_total` kept elsewhere, `read()` at scrape time from the /metrics thread."""
+        self.registry.register(CounterSource(name, doc, read))
 
     def render(self) -> bytes:
         return render(self.registry, self.role)

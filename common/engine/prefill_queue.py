@@ -1,5 +1,5 @@
 """Requests whose prompt (or its rest) is still to be computed, and the choice of the next prefill
-batch: FIFO, a token budget per batch, page-aligned chunks of at most --chunked-prefill-size tokens, and
+batch: by priority then FIFO, a token budget per batch, page-aligned chunks of at most --chunked-prefill-size tokens, and
 memory checked before each chunk (a request admitted but not fitting is given back at once)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import deque
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
-from common.core.request import Req
+from common.core.request import Req, queue_position
 from common.engine.model_runner import BatchPlan
 from common.memory.manager import MemoryManager
 
@@ -32,10 +32,12 @@ class PrefillQueue:
         self.considering: Req | None = None
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Behind every waiting request of its priority or higher (all 0 without priorities: FIFO)."""
+        self.waiting.insert(queue_position(self.waiting, req), req)
 
     def add_front(self, req: Req) -> None:
-        self.waiting.appendleft(req)
+        """A retracted request: ahead of the waiting requests of its priority, behind higher ones."""
+        self.waiting.insert(queue_position(self.waiting, req, ahead_of_equals=True), req)
 
     def remove(self, req: Req) -> None:
         if self.chunked is req:

@@ -90,9 +90,9 @@ class Role:
         return False
 
     def memory_returning(self) -> bool:
-        """Whether pages of ended requests come back soon with no one's action (a decode's quarantined
-        rooms, each within its bound): the scheduler then waits for them rather than failing a running
-        request that the pool cannot fit."""
+        """Whether pages come back soon with no one's action (a decode's quarantined rooms, each within its
+        bound), or become retractable (a decode's rooms whose KV is arriving): the scheduler then waits
+        rather than failing a running request that the pool cannot fit."""
         return False
 
     def release(self, req: Req, reason: FinishReason) -> bool:

@@ -16,6 +16,7 @@ from common.engine.engine import Engine
 from common.http.serving import (
     Choice,
     check_input,
+    check_priority,
     collect,
     created,
     new_rid,
@@ -102,6 +103,7 @@ def _gen_input(
         top_logprobs_num=top or 0,
         rendezvous=body.rendezvous,
         logprob_start_len=0 if prompt_logprobs else -1,
+        priority=check_priority(engine, body.priority),
     )
     check_input(engine, gen, param, max_param)
     return gen

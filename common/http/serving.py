@@ -90,6 +90,15 @@ def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: s
         )
 
 
+def check_priority(engine: Engine, priority: int | None) -> int:
+    """A request's priority (0 when absent); giving one needs --enable-priority-scheduling, as in SGLang."""
+    if priority is not None and not engine.config.enable_priority_scheduling:
+        raise InvalidRequest(
+            "priority is not accepted: this server was started without --enable-priority-scheduling", param="priority"
+        )
+    return priority or 0
+
+
 def check_rendezvous(engine: Engine, gen: GenInput) -> None:
     """A prefill or decode server serves only what a router paired (it added the bootstrap fields)."""
     problem = rendezvous_problem(engine.config.disagg_mode, gen.rendezvous)

@@ -2,18 +2,22 @@
 
 A node's key is a run of token ids (a multiple of page_size long); its value holds their KV slots.
 Children are keyed by their first page of token ids. lock_ref > 0 on a node means some running
-request uses its pages (inc/dec walk the whole path to the root).
+request uses its pages (inc/dec walk the whole path to the root). A `CacheListener` (KV cache events) hears
+of every page stored, evicted or cleared. `on_evict(node)`, when set, sees each leaf just before its pages
+are freed (the host tier copies them out: common.memory.hicache).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from common.memory.allocator import PagedAllocator
+from common.memory.cache_listener import CacheListener
 from common.memory.errors import MemoryIntegrityError
 from common.memory.prefix_cache import MatchResult, PrefixCache
 
@@ -31,10 +35,12 @@ class TreeNode:
 
 
 class RadixCache(PrefixCache):
-    def __init__(self, allocator: PagedAllocator, page_size: int):
+    def __init__(self, allocator: PagedAllocator, page_size: int, listener: CacheListener | None = None):
         self.allocator = allocator
         self.page_size = page_size
+        self.listener = listener
         self._clock = itertools.count(1)
+        self.on_evict: Callable[[TreeNode], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -42,6 +48,8 @@ class RadixCache(PrefixCache):
         self.root.lock_ref = 1
         self._evictable = 0
         self._locked = 0
+        if self.listener is not None:
+            self.listener.cleared()
 
     # -- lookup ----------------------------------------------------------------------------------
     def _page(self, key: list[int], pos: int) -> tuple[int, ...]:
@@ -98,6 +106,8 @@ class RadixCache(PrefixCache):
                 self._touch(new)
                 node.children[self._page(key, pos)] = new
                 self._evictable += (n - pos) // self.page_size
+                if self.listener is not None:
+                    self.listener.stored(key, pos)
                 return pos, duplicates
             self._touch(child)
             m = self._common_len(child.key, key[pos:])
@@ -150,7 +160,11 @@ class RadixCache(PrefixCache):
         freed = 0
         while leaves and freed < num_pages:
             _, _, node = heapq.heappop(leaves)
+            if self.on_evict is not None:
+                self.on_evict(node)
             self.allocator.free_slots(node.value)
+            if self.listener is not None:
+                self.listener.removed(*self._path_tokens(node))
             pages = len(node.key) // self.page_size
             freed += pages
             self._evictable -= pages
@@ -159,6 +173,15 @@ class RadixCache(PrefixCache):
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
+
+    def _path_tokens(self, node: TreeNode) -> tuple[list[int], int]:
+        """(the tokens from the root to the end of node, where node's own begin)."""
+        keys, up = [], node.parent
+        while up is not None and up is not self.root:
+            keys.append(up.key)
+            up = up.parent
+        prefix = [t for key in reversed(keys) for t in key]
+        return prefix + node.key, len(prefix)
 
     def evictable_pages(self) -> int:
         return self._evictable

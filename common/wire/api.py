@@ -73,6 +73,7 @@ class GenerateRequest(PDFields):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     logprob_start_len: int = Field(-1, ge=-1)  # checked against the prompt's length by common/http/serving.py
     rid: str | None = Field(None, max_length=256)
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31)  # needs --enable-priority-scheduling
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +121,7 @@ class OpenAIBase(PDFields):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's extension: SGLang's no_stop_trim
     user: str | None = None
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31)  # needs --enable-priority-scheduling
 
     @field_validator("stream", "echo", mode="before", check_fields=False)
     @classmethod

@@ -212,6 +212,13 @@ def test_an_unsupported_field_that_changes_the_output_is_a_400_naming_it(server,
     assert "not supported" in err["message"]
 
 
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_priority_without_priority_scheduling_is_a_400_naming_it(server, path):
+    body = (CHAT if "chat" in path else {"text": "hi"} if path == "/generate" else COMPLETION) | {"priority": 1}
+    err = error_of(post(server, path, body))
+    assert err["param"] == "priority" and "--enable-priority-scheduling" in err["message"]
+
+
 @pytest.mark.parametrize(
     "path,extra",
     [

@@ -9,7 +9,7 @@ import pytest
 from common.core.request import ReqStatus
 from common.wire.api import Rendezvous
 from tests.unit.kv_handoff_sim import SECRET
-from tests.unit.test_kv_handoff_model import KVHandoff
+from tests.unit.test_kv_handoff_model import KVHandoff, Pair
 from transfer.messages import FirstToken, open_frame
 from transfer.prefill.sender import KVSender
 
@@ -153,3 +153,39 @@ def test_the_transfer_reads_a_chunk_only_after_waiting_for_the_forward_that_wrot
         assert m.bad_writes and "before its forward's KV event" in m.bad_writes[0]
     else:
         assert m.bad_writes == []
+
+
+def test_a_starved_decode_waits_for_rooms_whose_kv_is_arriving_then_retracts_instead_of_503():
+    """A decodes a long answer while B and C reserve most of the pool and their KV is still on its way
+    (written, but the prefill's frames to the decode held back). Once A's next page does not fit it waits instead of
+    failing with 503 "KV cache exhausted": B and C join the batch when their KV lands, the newest of
+    least progress is retracted (its KV cached), and every request ends with exact tokens."""
+    m = KVHandoff()
+    m.new_request(prompt_len=8, max_new=56, stream_first=False)
+    a = m.pairs[0].decode
+    for _ in range(20):
+        m._one_round()
+        if a in m.decode.sched.decode.running:
+            break
+    for n in (1, 2):
+        prompt = [100 * n + i for i in range(50)]  # 50 + 2 tokens: 13 of the 40 pages each
+        rendezvous = Rendezvous("sim", 1, next(m.rooms), m.prefill.manager.instance_id)
+        halves = [m._req(prompt, 2, rendezvous) for _ in range(2)]
+        m.prefill.sched.submit(halves[0])
+        m.decode.sched.submit(halves[1])
+        m.pairs.append(Pair(*halves, m.prefill, m.decode, {}))
+    for _ in range(80):  # frames to the decode held, no time passes: B and C stay transferring, A grows
+        while to_prefill := [i for i in m.net.deliverable() if m.net.in_flight[i][0] == m.prefill.manager.endpoint]:
+            m.net.deliver(to_prefill[0])
+        m.prefill.run_transfers()
+        m.prefill.sched.step()
+        m.decode.sched.step()
+        if m.decode.sched.starved_since is not None:
+            break
+    role = m.decode.sched.role
+    assert m.decode.sched.starved_since is not None and not a.finished, a.finish
+    assert role.queue_depths()["transferring"] == 2 and role.memory_returning()
+    m.teardown()
+    assert [p.decode.finish.type for p in m.pairs] == ["length"] * 3
+    m.successful_requests_have_the_monolithic_tokens()
+    assert m.decode.sched.decode.num_retractions >= 1

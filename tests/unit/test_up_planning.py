@@ -4,6 +4,7 @@ a GPU split --mem-fraction-static and start in turn, how the visible GPUs are fo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -135,3 +136,36 @@ def test_prefill_and_decode_tp_sizes_reach_their_servers():
         ns = p.parse_args(args)
         with pytest.raises(UserError, match=error):
             check_up(ns, plan_children(ns))
+
+
+def test_kv_aware_turns_on_every_engines_events_and_sets_the_routers_policy():
+    kids, by_name, engines = children("--num-prefill", "2", "--policy", "kv_aware", "--", "--page-size", "4")
+    for c in engines:
+        at = c.argv.index("--kv-events-config")
+        assert json.loads(c.argv[at + 1]) == {
+            "publisher": "zmq",
+            "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*",
+        }
+        assert c.argv[-2:] == ["--page-size", "4"]  # the user's flags stay last
+    assert by_name["router"].argv[-2:] == ["--policy", "kv_aware"]
+    _, plain, _ = children()
+    assert "--kv-events-config" not in plain["decode-0"].argv and plain["router"].argv[-1] == "cache_aware"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--mode", "monolithic", "--policy", "kv_aware"), "needs --mode pd"),
+        (("--policy", "kv_aware", "--", "--kv-events-config", "{}"), "sets it on every server"),
+    ],
+)
+def test_kv_aware_refuses_what_contradicts_it(args, says):
+    from common.wire.user_error import UserError
+    from tandem.up import check_up
+
+    ns = argparse.ArgumentParser()
+    add_up_flags(ns)
+    parsed = ns.parse_args(["--device", "cpu", *args])
+    with pytest.raises(UserError, match=says):
+        check_up(parsed, plan_children(parsed))

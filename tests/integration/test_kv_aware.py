@@ -1,0 +1,122 @@
+"""`--policy kv_aware` over 2 prefills and 2 decodes that publish KV cache events, behind two router processes:
+greedy output equals the monolithic server's, a conversation's later turns land where its pages are (the
+prefill's cached tokens, and the decode pages the router's index matched), each router process's index equals
+what every worker really holds, and a restarted worker's pages are forgotten and relearned."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.cluster import generate, start_cluster
+
+PAGE = 16
+EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
+FLAGS = ("--page-size", str(PAGE), "--chunked-prefill-size", "64", "--kv-events-config", EVENTS)
+pytestmark = pytest.mark.timeout(1200)  # four servers of the built-in model (and the shared reference) start first
+CONVERSATIONS, FIRST_LEN, TURN_LEN, NEW_TOKENS = 4, 120, 24, 8
+
+
+@pytest.fixture(scope="module")
+def cluster(mono):  # after the monolithic server is up: five servers starting at once are slow on a small machine
+    c = start_cluster(
+        "mooncake",
+        n_prefill=2,
+        n_decode=2,
+        flags=FLAGS,
+        policy="kv_aware",
+        router_flags=("--processes", "2", "--kv-load-tokens", "16"),
+        ready_timeout=600,
+    )
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def mono(reference_servers):
+    return reference_servers.get("--page-size", str(PAGE), "--chunked-prefill-size", "64")  # test_pd.py's
+
+
+def router_samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return [(s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def index_matches_workers(cluster) -> str:
+    """'' when both router processes' index holds exactly each worker's cached pages, else what differs."""
+    pages = router_samples(cluster.url, "tandem_router_kv_index_pages")
+    for node in cluster.nodes:
+        real = node.info()["kv_pages"]["cached"]
+        seen = [v for labels, v in pages if labels["worker"] == node.url]
+        if len(seen) != 2 or any(v != real for v in seen):
+            return f"{node.name} holds {real} cached pages; the router processes' indexes say {seen}"
+    return ""
+
+
+def wait_index(cluster, timeout: float = 20) -> None:
+    deadline, why = time.monotonic() + timeout, "never checked"
+    while time.monotonic() < deadline:
+        cluster.wait_idle()
+        why = index_matches_workers(cluster)
+        if not why:
+            return
+        time.sleep(0.3)
+    raise AssertionError(why)
+
+
+def converse(url: str, seed: int, turns: int, history: list[int] | None = None) -> list[tuple[list[int], dict]]:
+    """One conversation: each turn's prompt is the last prompt, its answer and new tokens."""
+    rng, out = random.Random(seed), []
+    prompt = history or []
+    for _ in range(turns):
+        prompt = prompt + [rng.randrange(100, 20000) for _ in range(TURN_LEN if prompt else FIRST_LEN)]
+        answer = generate(url, prompt, NEW_TOKENS)
+        out.append((prompt, answer))
+        prompt = prompt + answer["output_ids"]
+    return out
+
+
+def check_turns(convs: list[list[tuple[list[int], dict]]], mono) -> int:
+    """Asserts greedy output equals monolithic and every later turn hit its prefill's cache; returns the
+    prompt tokens of earlier turns a decode could have kept (whole pages)."""
+    decode_pages = 0
+    for conv in convs:
+        for k, (prompt, answer) in enumerate(conv):
+            assert answer["output_ids"] == generate(mono.url, prompt, NEW_TOKENS)["output_ids"]
+            if k:
+                earlier = conv[k - 1][0]
+                assert answer["meta_info"]["cached_tokens"] >= len(earlier) // PAGE * PAGE, f"turn {k} missed"
+                decode_pages += len(earlier) // PAGE * PAGE
+    return decode_pages
+
+
+def test_turns_land_where_their_pages_are_and_equal_monolithic(cluster, mono):
+    wait_index(cluster)
+    with ThreadPoolExecutor(CONVERSATIONS) as pool:
+        convs = list(pool.map(lambda i: converse(cluster.url, i, 3), range(CONVERSATIONS)))
+    kept = check_turns(convs, mono)
+    matched = {
+        labels["worker_role"]: v for labels, v in router_samples(cluster.url, "tandem_router_kv_matched_tokens_total")
+    }
+    assert matched["decode"] >= kept  # the decode chosen held at least the earlier turns' prompt pages
+    assert matched["prefill"] >= kept
+    wait_index(cluster)
+
+
+def test_a_restarted_worker_is_forgotten_and_relearned(cluster, mono):
+    wait_index(cluster)
+    first = converse(cluster.url, 100, 1)
+    prefill = cluster.prefills[0]
+    prefill.restart().wait_ready()
+    wait_index(cluster, 30)  # its old pages are gone from both indexes
+    prompt, answer = first[0]
+    later = converse(cluster.url, 101, 2, prompt + answer["output_ids"])
+    for p, a in later:
+        assert a["output_ids"] == generate(mono.url, p, NEW_TOKENS)["output_ids"]
+    wait_index(cluster)

@@ -1,0 +1,148 @@
+"""The router's KV index and its feeds: the index against a plain model (Hypothesis), a feed built from a real
+publisher's batches (gaps filled from its replay socket, a restart forgetting the worker's pages), and the
+kv_aware cost picking the pair."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.engine.kv_event_publisher import KVEventPublisher
+from common.memory.allocator import PagedAllocator
+from common.memory.radix_cache import RadixCache
+from common.wire.kv_events import KVEventsConfig, block_hashes
+from router.kv_feeds import WorkerFeed
+from router.kv_index import KVIndex
+from router.kv_policy import KVAwarePolicy
+from router.workers import Worker
+
+PAGE = 4
+WORKERS = ["http://a", "http://b", "http://c"]
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["stored", "removed", "clear"]),
+        st.sampled_from(WORKERS),
+        st.lists(st.integers(0, 20), max_size=6),
+    ),
+    max_size=60,
+)
+
+
+@settings(deadline=None)
+@given(ops, st.lists(st.integers(0, 20), max_size=8))
+def test_index_agrees_with_a_set_per_worker(operations, prompt):
+    index, model = KVIndex(), {w: set() for w in WORKERS}
+    for op, worker, hashes in operations:
+        if op == "stored":
+            index.stored(worker, hashes)
+            model[worker] |= set(hashes)
+        elif op == "removed":
+            index.removed(worker, hashes)
+            model[worker] -= set(hashes)
+        else:
+            index.clear(worker)
+            model[worker] = set()
+    for w in WORKERS:
+        assert index.pages(w) == len(model[w])
+        leading = next((i for i, h in enumerate(prompt) if h not in model[w]), len(prompt))
+        assert index.matched(w, prompt) == leading
+    assert index.holders == {h: {w for w in WORKERS if h in model[w]} for h in set().union(*model.values())}
+
+
+def published(pub: KVEventPublisher, n: int) -> list[tuple[int, bytes]]:
+    deadline = time.monotonic() + 5
+    while len(pub.buffer) < n or not pub.queue.empty():
+        assert time.monotonic() < deadline, f"{len(pub.buffer)} of {n} batches published"
+        time.sleep(0.01)
+    return list(pub.buffer)
+
+
+def feed_for(pub: KVEventPublisher, index: KVIndex) -> WorkerFeed:
+    import zmq.asyncio
+
+    return WorkerFeed(zmq.asyncio.Context.instance(), index, "http://w", pub.info())
+
+
+def test_feed_fills_a_gap_from_replay_and_forgets_on_restart():
+    config = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    pub = KVEventPublisher(config, PAGE, "127.0.0.1")
+    try:
+        cache = RadixCache(PagedAllocator(64, PAGE), PAGE, pub)
+        published(pub, 1)
+        prompts = [[i] * 8 for i in range(4)]
+        for i, p in enumerate(prompts):
+            cache.cache_finished_req(p, cache.allocator.alloc_token_slots(0, 8, -1), None)
+            published(pub, i + 2)  # one batch each, after the new cache's AllBlocksCleared
+        batches = published(pub, 5)
+        index = KVIndex()
+        feed = feed_for(pub, index)
+
+        async def run() -> None:
+            await feed.on_batch(*batches[0])
+            await feed.on_batch(*batches[4])  # 1..3 missed: replayed before 4 is applied
+            assert feed.resyncs == 0 and feed.next_seq == 5
+            assert all(index.matched("http://w", block_hashes(p, PAGE)) == 2 for p in prompts)
+            await feed.on_batch(*batches[1])  # the sequence went back: a restarted worker, trusted no more
+            assert feed.resyncs == 1
+
+        asyncio.run(run())
+        assert [index.matched("http://w", block_hashes(p, PAGE)) for p in prompts] == [2, 0, 0, 0]
+    finally:
+        pub.close()
+
+
+def test_feed_without_replay_forgets_the_worker_after_a_gap():
+    pub = KVEventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:*"), PAGE, "127.0.0.1")
+    try:
+        cache = RadixCache(PagedAllocator(64, PAGE), PAGE, pub)
+        published(pub, 1)
+        for i in range(2):
+            cache.cache_finished_req([i] * 4, cache.allocator.alloc_token_slots(0, 4, -1), None)
+            published(pub, i + 2)
+        batches, index = published(pub, 3), KVIndex()
+        feed = feed_for(pub, index)
+
+        async def run() -> None:
+            for seq, payload in (batches[0], batches[1], batches[2]):
+                await feed.on_batch(seq, payload)
+            assert index.pages("http://w") == 2
+            await feed.on_batch(5, batches[2][1])  # 3 and 4 never came, and there is no replay socket
+            assert feed.resyncs == 1 and index.pages("http://w") == 1  # only what batch 5 said
+
+        asyncio.run(run())
+    finally:
+        pub.close()
+
+
+class FakeFeeds:
+    model_path = None
+
+    def block_size(self) -> int:
+        return PAGE
+
+
+def test_kv_aware_cost_weighs_compute_crossing_and_load():
+    index, prompt = KVIndex(), list(range(16))  # 4 pages
+    hashes = block_hashes(prompt, PAGE)
+    index.stored("http://p1", hashes[:3])
+    index.stored("http://d0", hashes)
+    p0, p1, d0, d1 = (
+        Worker("http://p0", "prefill"),
+        Worker("http://p1", "prefill"),
+        Worker("http://d0", "decode"),
+        Worker("http://d1", "decode"),
+    )
+    policy = KVAwarePolicy(index, FakeFeeds(), load_tokens=4)
+    assert policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) == (p1, d0)
+    p1.in_flight, d0.in_flight = (
+        4,
+        3,
+    )  # p1: 4 to compute + 16 of load > 16 to compute on p0; d0: 12 of load < 16 to cross
+    assert policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) == (p0, d0)
+    d0.in_flight = 5
+    assert policy.pick_pair([p0, p1], [d0, d1], {"prompt": prompt}) == (p0, d1)
+    assert policy.pick_pair([p0, p1], [d0, d1], {"messages": []}) == (p0, d1)  # no ids: load alone
