@@ -12,7 +12,13 @@ pool before it (one buffer per layer and K/V: 2 x layers pieces per run), kept t
 
 Cases: the KV of a 2048-token prompt of the built-in model's shape (30 layers, 3 kv heads, dim 64,
 page 16) sent in 4 chunks, with contiguous and with fragmented destination pages; and a large
-synthetic pool (256 MiB) in 8 chunks.
+synthetic pool (256 MiB) in 8 chunks. "TP a->b": the fragmented 2k prompt from a prefill at TP a (a
+buffer per rank) to a decode at TP b, each decode rank's heads sliced out of the prefill's heads-first
+pages (one piece per page and head group). For those cases a second table measures the alternatives
+on the same bytes: "layer HND" writes the pieces a pool with heads before tokens inside each layer
+would need (one per page, layer, K/V and head group: the backend's own cost, nothing else), and
+"staging" gathers each decode rank's heads into registered host memory (numpy, timed) and writes it in
+one piece per destination run.
 """
 
 from __future__ import annotations
@@ -30,35 +36,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PAGE = 16
-CASES = {  # name: (layers, heads, head_dim, prompt tokens, chunks, fragmented destination)
-    "2k-prompt contiguous": (30, 3, 64, 2048, 4, False),
-    "2k-prompt fragmented": (30, 3, 64, 2048, 4, True),
-    "256MiB pool": (32, 8, 128, 1024, 8, False),
+CASES = {  # name: (layers, KV heads, dim, prompt tokens, chunks, fragmented destination, prefill TP, decode TP)
+    "2k-prompt contiguous": (30, 3, 64, 2048, 4, False, 1, 1),
+    "2k-prompt fragmented": (30, 3, 64, 2048, 4, True, 1, 1),
+    "256MiB pool": (32, 8, 128, 1024, 8, False, 1, 1),
+    "2k-prompt fragmented TP 1->3": (30, 3, 64, 2048, 4, True, 1, 3),
+    "2k-prompt fragmented TP 3->1": (30, 3, 64, 2048, 4, True, 3, 1),
 }
 
 
-def make_buffers(layout: str, device: str, layers: int, heads: int, dim: int, pages: int):
-    """The registered KV memory in `layout` and its BufferInfos (the tensors must outlive the manager)."""
+def make_buffers(layout: str, device: str, layers: int, heads: int, dim: int, pages: int, tp: int = 1):
+    """The registered KV memory in `layout` and its BufferInfos (the tensors must outlive the manager);
+    page-major at TP `tp`: one pool per rank, each with its share of the heads."""
     import torch
 
     from common.memory.kv_pool import BufferInfo, KVPool
+    from common.wire.kv_heads import rank_heads
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if layout == "page-major":
-        pool = KVPool(layers, pages, PAGE, heads, dim, dtype, device)
-        pool.buffer.fill_(1)
-        return [pool.buffer], pool.buffer_infos()
+        pools = [KVPool(layers, pages, PAGE, len(rank_heads(heads, tp, r)), dim, dtype, device) for r in range(tp)]
+        for pool in pools:
+            pool.buffer.fill_(1)
+        return [p.buffer for p in pools], [p.buffer_infos()[0] for p in pools]
     bufs = [torch.ones((pages + 1) * PAGE, heads, dim, dtype=dtype, device=device) for _ in range(2 * layers)]
     bpp = PAGE * heads * dim * bufs[0].element_size()
     return bufs, [BufferInfo(b.data_ptr(), b.numel() * b.element_size(), bpp) for b in bufs]
 
 
-def make_manager(mode: str, backend: str, device: str, layout: str, layers: int, heads: int, dim: int, pages: int, aux):
+def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, tp=1):
     from transfer.decode.decode_manager import DecodeKVManager
     from transfer.manager import KVArgs
     from transfer.prefill.prefill_manager import PrefillKVManager
 
-    bufs, infos = make_buffers(layout, device, layers, heads, dim, pages)
+    bufs, infos = make_buffers(layout, device, layers, heads, dim, pages, tp)
     args = KVArgs(
         [i.data_ptr for i in infos],
         [i.nbytes for i in infos],
@@ -71,6 +82,8 @@ def make_manager(mode: str, backend: str, device: str, layout: str, layers: int,
         aux_ptr=aux.data_ptr() if aux is not None else 0,
         aux_record_bytes=64 if aux is not None else 0,
         aux_slots=1 if aux is not None else 0,
+        tp_size=tp,
+        kv_heads=heads,
     )
     manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)
     manager.bench_wake = threading.Event()  # woken as a server's scheduler is
@@ -83,10 +96,11 @@ def decode_side(backend, device, layout, case, q_out, q_in):
 
     from transfer.decode.receiver import KVReceiver
 
-    layers, heads, dim, tokens, _, frag = CASES[case]
+    layers, heads, dim, tokens, _, frag, src_tp, dst_tp = CASES[case]
     pages = tokens // PAGE
     aux = torch.zeros(1, 64, dtype=torch.uint8)
-    manager, bufs = make_manager("decode", backend, device, layout, layers, heads, dim, 2 * pages, aux)
+    room = pages * max(2, src_tp, dst_tp)  # rank 0's buffer takes the raw one-piece write of every rank's bytes
+    manager, bufs = make_manager("decode", backend, device, layout, layers, heads, dim, room, aux, dst_tp)
     endpoint, prefill_id, rooms = q_in.get()
     dst = list(range(1, 2 * pages + 1, 2)) if frag else list(range(1, pages + 1))
     q_out.put(manager.instance_id)
@@ -140,21 +154,20 @@ def timed(fn, *args) -> float:
 
 
 def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
-    from transfer.prefill.runs import chunk_triples
-
-    layers, heads, dim, tokens, chunks, _ = CASES[case]
+    layers, heads, dim, tokens, chunks, _, src_tp, dst_tp = CASES[case]
     pages = tokens // PAGE
-    manager, bufs = make_manager("prefill", backend, device, layout, layers, heads, dim, pages, None)
+    room = pages * max(src_tp, dst_tp)  # rank 0's buffer holds the raw one-piece write's bytes
+    manager, bufs = make_manager("prefill", backend, device, layout, layers, heads, dim, room, None, src_tp)
     q_out.put((manager.endpoint, manager.instance_id, repeat + 1))
     decode_id = q_in.get()
     a, write = manager.args, manager.backend.write_batch
     total = pages * sum(a.bytes_per_page)
-    times = []  # per round: ours, raw in one piece, raw with the room's pieces
+    times, alternatives = [], []  # per round: ours, raw in one piece, raw with the room's pieces; TP alternatives
     try:
         for room in range(repeat + 1):  # the three alternate, so load from other processes hits them alike
             elapsed, dst_pages = send_room(manager, room, pages, chunks)
             registration = manager.registrations[decode_id]
-            pieces = chunk_triples(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, range(1, pages + 1), dst_pages)
+            pieces = manager.writer.pieces(registration, list(range(1, pages + 1)), dst_pages)
             raw = nan
             if layout == "page-major":  # pages 1.. of one pool into pages 1.. of the other, one piece
                 one = (
@@ -166,7 +179,11 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
             row = elapsed, raw, timed(write, decode_id, *pieces, a.on_cuda)
             if room:  # the first round warms up connections
                 times.append(row)
-        results.put((case, total, len(pieces[0]), *(statistics.median(col) for col in zip(*times))))
+                if src_tp != dst_tp:
+                    alternatives.append(tp_alternatives(manager, decode_id, case, pages, dst_pages))
+        medians = [statistics.median(col) for col in zip(*times)]
+        alt = [statistics.median(col) for col in zip(*alternatives)] if alternatives else []
+        results.put((case, total, len(pieces[0]), *medians, alt))
     except Exception as e:
         results.put((case, repr(e)))
     q_out.put("done")
@@ -209,11 +226,14 @@ def main() -> None:
     ns = ap.parse_args()
     # on CUDA the managers choose their transports as servers do (NIXL sets UCX_TLS; Mooncake refuses
     # MC_INTRANODE_NVLINK, whose transport cannot reach the host-memory aux records)
-    rows = []
+    rows, alternatives = [], []
     for backend in ns.backends:
         for case in ns.cases:
             for layout in ns.layouts:
-                rows.append((backend, layout, *run_case(backend, ns.device, layout, case, ns.repeat)))
+                *row, alt = run_case(backend, ns.device, layout, case, ns.repeat)
+                rows.append((backend, layout, *row))
+                if alt:
+                    alternatives.append((backend, case, row[1], row[3], *alt))
                 print(f"  {backend:9} {case:22} {layout:11} done", flush=True)
     print(
         f"\n{'backend':9} {'case':22} {'layout':11} {'MiB':>6} {'pieces':>6} {'ours GB/s':>9} {'raw GB/s':>8} {'ratio':>5}"
@@ -223,6 +243,32 @@ def main() -> None:
         print(
             f"{backend:9} {case:22} {layout:11} {total / 2**20:6.1f} {pieces:6d} {total / ours / 1e9:9.3f}"
             f" {total / raw / 1e9:8.3f} {raw / ours:5.2f} {total / raw_pieces / 1e9:15.3f} {raw_pieces / ours:5.2f}"
+        )
+    if alternatives:
+        print_alternatives(alternatives)
+
+
+def tp_alternatives(manager, decode_id, case, pages, dst_pages) -> tuple:
+    """(layer-HND pieces, their write s, staging gather s, staging write s) of a TP case (see the docstring)."""
+    from tp_alternatives import layer_hnd_pieces, staging_write
+
+    layers = CASES[case][0]
+    registration = manager.registrations[decode_id]
+    src_pages = list(range(1, pages + 1))
+    hnd = layer_hnd_pieces(manager.writer, registration, layers, src_pages, dst_pages)
+    hnd_s = timed(manager.backend.write_batch, decode_id, *hnd, False)
+    return (len(hnd[0]), hnd_s, *staging_write(manager, registration, src_pages, dst_pages))
+
+
+def print_alternatives(rows) -> None:
+    print(
+        f"\n{'backend':9} {'case':30} {'ours GB/s':>9} {'layer-HND pieces':>16} {'GB/s':>6}"
+        f" {'staging gather s':>16} {'staging GB/s':>12}"
+    )
+    for backend, case, total, ours, pieces, hnd_s, gather_s, write_s in rows:
+        print(
+            f"{backend:9} {case:30} {total / ours / 1e9:9.3f} {pieces:16.0f} {total / hnd_s / 1e9:6.3f}"
+            f" {gather_s:16.4f} {total / (gather_s + write_s) / 1e9:12.3f}"
         )
 
 

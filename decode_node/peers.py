@@ -6,10 +6,15 @@ it is REFRESH_AFTER_S old the next request that uses it starts a new lookup in t
 entry in use stays fresh, and a bootstrap that stopped answering (or a prefill it no longer lists) is
 noticed within CACHE_TTL_S, as before: the first request after that waits for a lookup of its own,
 which fails with the registry's answer. Lookups run on a small thread pool, one at a time per entry.
+
+A prefill at another TP size fits when it splits the same KV heads: the first lookup of an instance
+logs which prefill rank(s) hold each decode rank's heads (common.wire.kv_heads), the heads its writes
+will bring.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +25,10 @@ import httpx
 from bootstrap.client import lookup_prefill
 from common.edge.tls import client_verify
 from common.wire.api import Rendezvous
+from common.wire.kv_heads import describe_sources, head_sources
 from common.wire.kv_layout import layout_mismatch
+
+log = logging.getLogger(__name__)
 
 CACHE_TTL_S = 2.0
 REFRESH_AFTER_S = 1.0
@@ -51,6 +59,7 @@ class PeerDirectory:
         self._pending: dict[Key, Future[PeerInfo]] = {}
         self._generation = 0  # grows with every invalidate(): a lookup that started before it is not cached
         self._lock = threading.Lock()
+        self._sources_logged: set[str] = set()  # prefill instances whose head sources were logged
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-lookup")
         # keep-alive: a lookup is one round trip, not a new connection
         self._http = httpx.Client(timeout=5, verify=client_verify(True if tls is None else tls))
@@ -101,7 +110,15 @@ class PeerDirectory:
         mismatch = layout_mismatch(self.layout, entry)
         if mismatch:
             raise RuntimeError(f"refusing prefill at {url}: {mismatch}")
+        self._log_sources(entry)
         return PeerInfo(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])
+
+    def _log_sources(self, entry: dict) -> None:
+        if entry["tp_size"] == self.layout["tp_size"] or entry["instance_id"] in self._sources_logged:
+            return
+        self._sources_logged.add(entry["instance_id"])
+        plan = head_sources(self.layout["kv_heads"], entry["tp_size"], self.layout["tp_size"])
+        log.info("prefill %s at TP %d: %s", entry["instance_id"], entry["tp_size"], describe_sources(plan))
 
     def _lookup(self, url: str, instance_id: str | None) -> dict | None:
         try:

@@ -12,7 +12,7 @@ from common.config import ServerConfig
 from common.edge.tls import server_context
 from common.engine.engine import Engine
 from common.engine.role import SchedulerView
-from common.wire.kv_layout import LAYOUT_KEYS, kv_layout
+from common.wire.kv_layout import LAYOUT_KEYS, kv_layout, model_kv_heads
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
@@ -25,7 +25,8 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
         config = engine.config  # with the batch limits derived for the device
-        args = kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES)
+        kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
+        args = kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES, kv_heads=kv_heads)
         manager = PrefillKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
@@ -46,7 +47,7 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size),
+            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size, kv_heads),
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
         verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain

@@ -39,6 +39,8 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", choices=["mooncake", "nixl"], default="mooncake")
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--prefill-tp-size", type=int, default=1, help="--tp-size of every prefill server (pd mode)")
+    p.add_argument("--decode-tp-size", type=int, default=1, help="--tp-size of every decode server (pd mode)")
     p.add_argument("--base-port", type=int, default=30000, help="first port of the prefill/decode servers")
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when a GPU is visible")
@@ -100,6 +102,8 @@ def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> li
             str(boot),
             "--transfer-backend",
             ns.transfer_backend,
+            "--tp-size",
+            str(ns.prefill_tp_size),
             *common,
         ]
         ports = {"--base-port": port, "--bootstrap-port": boot}
@@ -115,6 +119,8 @@ def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> li
             str(port),
             "--transfer-backend",
             ns.transfer_backend,
+            "--tp-size",
+            str(ns.decode_tp_size),
             *common,
         ]
         children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health", ports={"--base-port": port}))
@@ -181,6 +187,16 @@ def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
     for flag in ns.extra:
         if flag.split("=")[0] in UP_SETS:
             raise UserError(f"{flag} after --: tandem up sets it for every server; give `tandem up {flag}` instead")
+        if flag.split("=")[0] == "--tp-size" and ns.mode == "pd":
+            raise UserError(
+                f"{flag} after --: give `tandem up --prefill-tp-size A --decode-tp-size B` (they may differ)"
+            )
+    tp = max(ns.prefill_tp_size, ns.decode_tp_size)
+    if ns.mode == "pd" and tp > 1 and ns.device == "cuda":
+        raise UserError(
+            f"--prefill-tp-size {ns.prefill_tp_size} --decode-tp-size {ns.decode_tp_size} with --device cuda: "
+            "PD with tensor parallelism runs on the CPU only for now (CUDA needs a transfer engine per rank)"
+        )
     from tandem.cli import build_parser
     from tandem.server import server_config
 

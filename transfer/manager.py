@@ -42,7 +42,7 @@ class RoomState(Protocol):
 
 @dataclass
 class KVArgs:
-    kv_ptrs: list[int]  # the registered KV buffers (one: the page-major pool)
+    kv_ptrs: list[int]  # the registered KV buffers (one per rank: the page-major pool of each, in rank order)
     kv_nbytes: list[int]
     bytes_per_page: list[int]
     num_pages: int
@@ -62,6 +62,8 @@ class KVArgs:
     heartbeat_interval_s: float = 5.0
     heartbeat_misses: int = 2
     max_queued_chunks: int = 4096  # prefill: chunks waiting per decode before a room fails
+    tp_size: int = 1  # the ranks whose pools kv_ptrs are
+    kv_heads: int = 1  # the model's KV heads, as the KV layout says (common.wire.kv_heads splits them)
 
 
 class KVManager(ABC):
@@ -202,7 +204,11 @@ class KVManager(ABC):
         self.backend.close()
 
 
-def kv_args_from_pool(pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0, aux_slots: int = 0) -> KVArgs:
+def kv_args_from_pool(
+    pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0, aux_slots: int = 0, kv_heads: int | None = None
+) -> KVArgs:
+    """The transfer args of a pool (a KVPool, or a TP server's RankPools) of a model with `kv_heads`
+    (default: the pool's, right at TP 1)."""
     infos = pool.buffer_infos()
     return KVArgs(
         kv_ptrs=[i.data_ptr for i in infos],
@@ -224,4 +230,6 @@ def kv_args_from_pool(pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0,
         transfer_timeout_s=config.transfer_timeout_s,
         heartbeat_interval_s=config.heartbeat_interval_s,
         heartbeat_misses=config.heartbeat_misses,
+        tp_size=config.tp_size,
+        kv_heads=kv_heads or pool.kv_heads,
     )

@@ -56,6 +56,8 @@ class Register:
     aux_ptr: int
     aux_record_bytes: int
     aux_slots: int
+    tp_size: int = 1  # the decode's ranks: one KV buffer each, in rank order
+    kv_heads: int = 1  # the model's KV heads (the layout's), split or replicated over the ranks
 
 
 @dataclass
@@ -120,6 +122,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "aux_ptr": (int,),
     "aux_record_bytes": (int,),
     "aux_slots": (int,),
+    "tp_size": (int,),
+    "kv_heads": (int,),
     "room_id": (int,),
     "dst_pages": (list,),
     "aux_slot": (int,),
@@ -260,5 +264,6 @@ def _check_ranges(msg: Any) -> None:
             or not all(type(x) is int and x > 0 for x in ints)
         ):
             raise BadMessage("kv_ptrs / bytes_per_page must be matching lists of positive ints")
-        if min(msg.num_pages, msg.page_size, msg.aux_record_bytes, msg.aux_slots) < 1 or msg.aux_ptr <= 0:
+        sizes = (msg.num_pages, msg.page_size, msg.aux_record_bytes, msg.aux_slots, msg.tp_size, msg.kv_heads)
+        if min(sizes) < 1 or msg.aux_ptr <= 0:
             raise BadMessage("register sizes must be positive")

@@ -1,7 +1,7 @@
 """CUDA attention with FlashInfer's paged prefill/decode kernels, reading the pool's pages in place.
 
-The page-major pool gives each layer as a [num_pages + 1, page_size, H, D] view strided across pages
-(FlashInfer's NHD paged layout; its kernels take the page stride); page ids come from req_to_token.
+The page-major pool gives each layer as a [num_pages + 1, H, page_size, D] view strided across pages
+and heads (FlashInfer's HND paged layout; its kernels take the strides); page ids come from req_to_token.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ class FlashInferAttention(AttentionBackend):
 
         device = kv_pool.buffer.device
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
         group = num_q_heads // kv_pool.kv_heads
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=group >= 4)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=group >= 4)
         self.page_size = kv_pool.page_size
 
     def init_forward(self, batch: ForwardBatch) -> None:

@@ -1,15 +1,16 @@
 """The KV pool, page-major: one buffer holding, page after page, every layer's K and V of that page.
 
-    buffer: [num_pages + 1, num_layers, 2 (K, V), page_size, kv_heads, head_dim]
+    buffer: [num_pages + 1, kv_heads, num_layers, 2 (K, V), page_size, head_dim]
     page p holds token slots [p * page_size, (p + 1) * page_size); usable pages are 1..num_pages; page 0
     is padding that is never allocated
 
 A run of consecutive pages is one contiguous byte range across every layer, so the transfer engine moves
 it as one piece (a layer-major pool needs 2 x num_layers pieces per run: SGLang's "page_first" host
-layout makes the same choice). Attention reads a layer through `k_pages(layer)`: a strided
-[num_pages + 1, page_size, kv_heads, head_dim] view (FlashInfer's NHD paged layout, page stride
-num_layers x 2 x page_size x kv_heads x head_dim). DeepSeek's MLA keeps one plane instead of K and V
-(common.memory.mla_pool).
+layout makes the same choice). Inside a page the KV heads come first: a group of consecutive heads is
+one contiguous range of the page, so a decode at another TP size receives its heads of a page as one
+piece (transfer/prefill/head_slices.py). Attention reads a layer through `k_pages(layer)`: a strided
+[num_pages + 1, kv_heads, page_size, head_dim] view (FlashInfer's HND paged layout; its kernels take the
+strides). DeepSeek's MLA keeps one plane instead of K and V (common.memory.mla_pool).
 
 FP8 (`--kv-cache-dtype fp8_e4m3|fp8_e5m2`): the buffer holds float8, written as x / scale (clamped to
 the format's range) and read back as stored * scale in the model's dtype, with one scale per layer for
@@ -92,13 +93,13 @@ class KVPool:
         self.scales = scales or [(1.0, 1.0)] * num_layers
         if len(self.scales) != num_layers:
             raise ValueError(f"KVPool: {len(self.scales)} scales for {num_layers} layers")
-        shape = (num_pages + 1, num_layers, self.planes, page_size, kv_heads, head_dim)
+        shape = (num_pages + 1, kv_heads, num_layers, self.planes, page_size, head_dim)
         if shared_file is None:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         else:  # created zero-filled
             self.buffer = map_shared(shared_file, shape, dtype)
-        self._k = [self.buffer[:, layer, 0] for layer in range(num_layers)]
-        self._v = [self.buffer[:, layer, self.planes - 1] for layer in range(num_layers)]
+        self._k = [self.buffer[:, :, layer, 0] for layer in range(num_layers)]
+        self._v = [self.buffer[:, :, layer, self.planes - 1] for layer in range(num_layers)]
 
     def locate(self, slots: torch.Tensor) -> SlotIndex:
         """Token slots (any shape) as page and offset, computed once per forward and used by every layer."""
@@ -106,8 +107,8 @@ class KVPool:
 
     def set_kv(self, layer: int, at: SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k/v [n, kv_heads, head_dim] into the n slots `at` of one layer."""
-        self._k[layer][at.page, at.offset] = self._store(k, self.scales[layer][0])
-        self._v[layer][at.page, at.offset] = self._store(v, self.scales[layer][1])
+        self._k[layer][at.page, :, at.offset] = self._store(k, self.scales[layer][0])
+        self._v[layer][at.page, :, at.offset] = self._store(v, self.scales[layer][1])
 
     def _store(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.quantized:
@@ -121,13 +122,14 @@ class KVPool:
     def k_at(self, layer: int, at: SlotIndex) -> torch.Tensor:
         """One layer's K of the slots `at`: [*at.shape, kv_heads, head_dim] (a copy, in compute_dtype
         when the pool is FP8)."""
-        return self._load(self._k[layer][at.page, at.offset], self.scales[layer][0])
+        return self._load(self._k[layer][at.page, :, at.offset], self.scales[layer][0])
 
     def v_at(self, layer: int, at: SlotIndex) -> torch.Tensor:
-        return self._load(self._v[layer][at.page, at.offset], self.scales[layer][1])
+        return self._load(self._v[layer][at.page, :, at.offset], self.scales[layer][1])
 
     def k_pages(self, layer: int) -> torch.Tensor:
-        """One layer's K as a [num_pages + 1, page_size, kv_heads, head_dim] view (strided across pages)."""
+        """One layer's K as a [num_pages + 1, kv_heads, page_size, head_dim] view (HND, strided across pages
+        and heads)."""
         return self._k[layer]
 
     def v_pages(self, layer: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The KV pool of DeepSeek's multi-head latent attention: per token and layer one plane, the latent
 (kv_lora_rank wide) followed by the rotated rope key (qk_rope_head_dim), shared by every query head.
 
-    buffer: [num_pages + 1, num_layers, 1, page_size, 1, kv_lora_rank + qk_rope_head_dim]
+    buffer: [num_pages + 1, 1, num_layers, 1, page_size, kv_lora_rank + qk_rope_head_dim]
 
 Page-major like KVPool (a run of pages is one piece for the transfer engine). Attention reads the plane
 as K and its first kv_lora_rank values as V (common.model.mla absorbs the up-projections), so V is a
@@ -54,4 +54,4 @@ class MLAPool(KVPool):
 
     def set_kv(self, layer: int, at: SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """k: [n, 1, latent_dim + rope_dim]; v, its latent part, is already in it."""
-        self._k[layer][at.page, at.offset] = self._store(k, self.scales[layer][0])
+        self._k[layer][at.page, :, at.offset] = self._store(k, self.scales[layer][0])

@@ -1,9 +1,10 @@
 """Every rank's KV pool as one transfer layout, for a prefill or decode server with `--tp-size N` (CPU).
 
 Each follower's pool is a shared file (`pool_file`) that rank 0 maps too, so rank 0's one transfer
-engine registers N buffers: its own pool and the followers', in rank order. The transfer layer pairs a
-prefill's buffers with a decode's by index, so rank r's KV heads go from prefill rank r to decode rank
-r, and a pair whose TP sizes differ is refused at pairing (the buffer counts and `tp_size` differ).
+engine registers N buffers: its own pool and the followers', in rank order. At equal TP sizes the
+transfer layer pairs a prefill's buffers with a decode's by index (rank r's KV heads go from prefill
+rank r to decode rank r); at unequal ones it slices each decode rank's heads out of the prefill ranks'
+pages (common.wire.kv_heads, transfer.prefill.runs.slice_triples).
 """
 
 from __future__ import annotations

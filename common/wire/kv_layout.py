@@ -24,16 +24,17 @@ LAYOUT_KEYS = (
 )
 
 
-def kv_layout(pool: Any, backend: str, model_id: str = "", tp_size: int = 1) -> dict[str, Any]:
+def kv_layout(pool: Any, backend: str, model_id: str = "", tp_size: int = 1, kv_heads: int = 0) -> dict[str, Any]:
     """The layout of a KV pool (anything with the pool's attributes; with `tp_size` ranks, each rank's
-    pool) moved by `backend`."""
+    pool) moved by `backend`. `kv_heads`: the model's KV heads, which the ranks split or replicate
+    (common.wire.kv_heads; default: the pool's, as at TP 1)."""
     return {
         "model_id": model_id,
         "tp_size": tp_size,
         "attention": pool.kind,
         "kv_scales": scales_descriptor(pool.scales) if pool.quantized else "none",
         "num_layers": pool.num_layers,
-        "kv_heads": pool.kv_heads,
+        "kv_heads": kv_heads or pool.kv_heads,
         "head_dim": pool.head_dim,
         "dtype": str(pool.dtype).removeprefix("torch."),
         "page_size": pool.page_size,
@@ -47,11 +48,27 @@ def scales_descriptor(scales: list[tuple[float, float]]) -> str:
     return "per-layer:" + hashlib.sha256(repr(scales).encode()).hexdigest()[:12]
 
 
+def model_kv_heads(pool: Any, hf_config: Any, tp_size: int) -> int:
+    """The model's KV heads as the layout counts them: the pool's at TP 1 and for MLA (one latent plane,
+    which every rank holds whole), the config's when ranks split them."""
+    return pool.kv_heads if tp_size == 1 or pool.kind == "mla" else hf_config.num_key_value_heads
+
+
 def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """A message naming every layout field that differs, or None when decode and prefill fit."""
+    """A message naming every layout field that differs and both layouts, or None when decode and
+    prefill fit. The TP sizes may differ: the prefill sends each decode rank its heads
+    (common.wire.kv_heads), as long as both split the same KV heads."""
     diffs = [
         f"{k}: decode has {mine.get(k)!r}, prefill has {theirs.get(k)!r}"
         for k in LAYOUT_KEYS
-        if mine.get(k) != theirs.get(k)
+        if k != "tp_size" and mine.get(k) != theirs.get(k)
     ]
-    return "KV layout mismatch: " + "; ".join(diffs) if diffs else None
+    if not diffs:
+        return None
+    return (
+        f"KV layout mismatch: {'; '.join(diffs)} (decode layout: {describe(mine)}; prefill layout: {describe(theirs)})"
+    )
+
+
+def describe(layout: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={layout.get(k)}" for k in LAYOUT_KEYS if k != "model_id")

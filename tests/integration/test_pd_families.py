@@ -13,8 +13,8 @@ decode can be paired with any prefill. The families cover the pool kinds and cac
 
 The monolithic reference is the engine in this process with the same flags (the server's code, one
 request at a time as the cluster serves them). Mismatched pairs fail at the decode with a message naming
-the field and both values (model, attention kind, KV dtype and scales, TP size, transfer backend; page
-size: test_pd_scale), and no page leaks on either side.
+the field and both values (model, attention kind, KV dtype and scales, transfer backend; page size:
+test_pd_scale) and both layouts (TP sizes may differ: test_tp_pd), and no page leaks on either side.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ MISMATCHES = [
     ("deepseek_v3", "mixtral", "attention: decode has 'mla', prefill has 'mha'"),
     ("mixtral", "qwen3_moe", "dtype: decode has 'float32', prefill has 'float8_e5m2'"),
     ("qwen3_moe", "mixtral", "kv_scales: decode has 'k=1,v=1', prefill has 'none'"),
-    ("deepseek_v3", "deepseek_v2", "tp_size: decode has 1, prefill has 2"),
+    ("deepseek_v3", "deepseek_v2", "(decode layout: tp_size=1, attention=mla"),  # TP sizes: named, may differ
 ]
 
 

@@ -1,51 +1,161 @@
-"""PD at equal tensor parallelism (CPU): a prefill and a decode of the built-in model at TP 3 over
-Mooncake, each rank's KV heads moving from prefill rank r to decode rank r; greedy tokens equal the
-monolithic server at TP 1 (near-ties reported, see test_tensor_parallel) and every pool is clean after.
-A decode at another TP size is refused at pairing with both layouts named."""
+"""PD across TP sizes (CPU): prefills and decodes at different `--tp-size`, each decode rank receiving
+exactly its KV heads from the prefill rank(s) holding them. The built-in model (3 KV heads) pairs
+(prefill TP, decode TP) = (1, 3), (3, 1), (3, 3) over Mooncake and NIXL; a tiny Llama (8 heads, 4 KV
+heads) pairs (2, 4) and (4, 2). Greedy tokens equal the monolithic server at TP 1 (transformers for the
+tiny model; near-ties reported, see test_tensor_parallel) and every pool is clean after. A decode of
+a model with other KV heads is refused at pairing with both layouts named.
+
+One module-scoped set of servers per model and backend; each pair is called directly (the router's
+rendezvous fields, a fresh room per request), so no router is started."""
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
-from tests.conftest import start_server
-from tests.integration.cluster import generate, start_cluster, start_router
+from tests.conftest import ServerProcess, free_port, start_server
 from tests.integration.test_pd import FLAGS, expected, mono, prompts  # noqa: F401  (module fixtures)
-from tests.integration.test_tensor_parallel import assert_same_tokens
+from tests.integration.test_tensor_parallel import assert_same_tokens, greedy_reference
+from tests.integration.tiny_model import random_prompts, save_tiny_llama
 
-TP3 = ("--tp-size", "3")
+ROOMS = itertools.count(1 << 40)
+NEW_TOKENS = 16
+
+
+@dataclass
+class Servers:
+    """Prefills (with their embedded bootstrap ports) and decodes, by TP size."""
+
+    prefills: dict[int, tuple[ServerProcess, int]] = field(default_factory=dict)
+    decodes: dict[int, ServerProcess] = field(default_factory=dict)
+
+    def all(self) -> list[ServerProcess]:
+        return [p for p, _ in self.prefills.values()] + list(self.decodes.values())
+
+    def stop(self) -> None:
+        for s in self.all():
+            s.stop()
+
+
+def start_servers(flags: tuple[str, ...], prefill_tps: tuple[int, ...], decode_tps: tuple[int, ...]) -> Servers:
+    """One at a time: a port picked for a server stays free only until it binds, and this machine's
+    other tests take ports meanwhile."""
+    s = Servers()
+    try:
+        for tp in prefill_tps:
+            boot = free_port()
+            mode = ("--disagg-mode", "prefill", "--bootstrap-port", str(boot))
+            server = start_server(*mode, *flags, "--tp-size", str(tp), name=f"prefill-tp{tp}")
+            s.prefills[tp] = (server, boot)
+            server.wait_ready(300)
+        for tp in decode_tps:
+            s.decodes[tp] = start_server("--disagg-mode", "decode", *flags, "--tp-size", str(tp), name=f"decode-tp{tp}")
+            s.decodes[tp].wait_ready(300)
+        return s
+    except BaseException:
+        s.stop()
+        raise
+
+
+def pair_call(
+    prefill: tuple[ServerProcess, int], decode: ServerProcess, ids: list[int], prefill_timeout: float = 300
+) -> httpx.Response:
+    """What the router does: the same body, with the rendezvous fields, to both halves at once; the
+    decode's answer (the prefill's must succeed too when the decode's did). A prefill half still
+    waiting after `prefill_timeout` is cancelled as the router cancels it: its connection closes."""
+    server, boot = prefill
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": boot,
+        "bootstrap_room": next(ROOMS),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(httpx.post, server.url + "/generate", json=body, timeout=prefill_timeout)
+        d = httpx.post(decode.url + "/generate", json=body, timeout=300)
+        try:
+            prefill_answer = p.result()
+        except httpx.TimeoutException:
+            prefill_answer = None
+    if d.status_code == 200:
+        assert prefill_answer is not None and prefill_answer.status_code == 200, prefill_answer
+    return d
+
+
+def pd_generate_all(servers: Servers, prefill_tp: int, decode_tp: int, prompts: list[list[int]]) -> list[dict]:
+    pair = servers.prefills[prefill_tp], servers.decodes[decode_tp]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda ids: pair_call(*pair, ids), prompts))
+    for r in answers:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in answers]
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def builtin(request):
+    s = start_servers(("--transfer-backend", request.param, *FLAGS[request.param]), (1, 3), (1, 3))
+    yield s
+    s.stop()
+
+
+@pytest.mark.timeout(1200)  # eight processes of the built-in model start first
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 3), (3, 1), (3, 3)])
+def test_builtin_pd_across_tp_sizes_equals_monolithic_tp1(builtin, prompts, expected, prefill_tp, decode_tp):
+    got = pd_generate_all(builtin, prefill_tp, decode_tp, prompts)
+    assert_same_tokens(expected, got, f"PD at TP {prefill_tp} -> {decode_tp}")
+    for tp, server in ((prefill_tp, builtin.prefills[prefill_tp][0]), (decode_tp, builtin.decodes[decode_tp])):
+        info = server.info()["tp"]  # each rank's heads and pool (the same pages on every rank)
+        assert info["size"] == tp
+        assert [(r["kv_heads"], r["first_kv_head"]) for r in info["ranks"]] == [
+            (3 // tp, r * 3 // tp) for r in range(tp)
+        ]
+        assert len({r["kv_pages"] for r in info["ranks"]}) == 1
+    for server in builtin.all():
+        server.wait_idle()
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = start_cluster("mooncake", flags=(*FLAGS["mooncake"], *TP3))
-    yield c
-    c.stop()
+def tiny(tmp_path_factory):
+    model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny") / "kv4", heads=8, kv_heads=4)
+    flags = ("--model", str(model_dir), "--transfer-backend", "mooncake", "--chunked-prefill-size", "64")
+    s = start_servers(flags, (2, 4), (2, 4))
+    s.model_dir = model_dir
+    yield s
+    s.stop()
 
 
-@pytest.mark.timeout(900)  # seven processes of the built-in model start first
-def test_tp3_prefill_and_decode_equal_monolithic_tp1(cluster, prompts, expected):
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda ids: generate(cluster.url, ids, return_logprob=True, top_logprobs_num=2), prompts))
-    assert_same_tokens(expected, got, "PD at TP 3")
-    for node in cluster.nodes:
-        assert node.info()["tp"]["size"] == 3
-    cluster.wait_idle()
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 4), (4, 2)])
+def test_tiny_llama_pd_across_tp_sizes_equals_transformers(tiny, prefill_tp, decode_tp):
+    prompts = random_prompts(4, 40, 150, seed=prefill_tp)
+    expected = greedy_reference(tiny.model_dir, prompts, NEW_TOKENS)
+    got = pd_generate_all(tiny, prefill_tp, decode_tp, prompts)
+    assert_same_tokens(expected, got, f"tiny PD at TP {prefill_tp} -> {decode_tp}")
+    for server in tiny.all():
+        server.wait_idle()
 
 
 @pytest.mark.timeout(600)
-def test_decode_at_another_tp_size_is_refused_at_pairing(cluster, prompts):
-    decode = start_server("--disagg-mode", "decode", "--transfer-backend", "mooncake", *FLAGS["mooncake"], name="d-tp1")
+def test_a_decode_of_other_kv_heads_is_refused_at_pairing_naming_both_layouts(tiny, tmp_path):
+    other = save_tiny_llama(tmp_path / "kv2", heads=8, kv_heads=2)
+    flags = ("--model", str(other), "--transfer-backend", "mooncake", "--chunked-prefill-size", "64")
+    decode = start_server("--disagg-mode", "decode", *flags, name="decode-kv2").wait_ready()
     try:
-        router = start_router([(cluster.prefills[0], cluster.prefill_bootstrap_ports[0])], [decode.wait_ready()])
-        body = {"input_ids": prompts[3], "sampling_params": {"max_new_tokens": 4}}
-        r = httpx.post(router.url + "/generate", json=body, timeout=120)
+        r = pair_call(tiny.prefills[2], decode, random_prompts(1, 20, 20)[0], prefill_timeout=5)
         assert r.status_code == 502, r.text
-        assert "tp_size: decode has 1, prefill has 3" in r.json()["error"]["message"]
-        router.stop()
+        message = r.json()["error"]["message"]
+        assert "kv_heads: decode has 2, prefill has 4" in message
+        assert "decode layout: tp_size=1, attention=mha, num_layers=2, kv_heads=2" in message
+        assert "prefill layout: tp_size=2, attention=mha, num_layers=2, kv_heads=4" in message
         decode.wait_idle()
-        cluster.wait_idle()
+        for server in tiny.all():
+            server.wait_idle(60)  # the prefill's half ended when its client went away
     finally:
         decode.stop()

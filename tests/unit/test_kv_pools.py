@@ -32,7 +32,7 @@ def test_mla_pool_of_a_tp_rank_lives_in_its_shared_file(tmp_path):
     seen_by_rank0 = map_shared(path, tuple(pool.buffer.shape), torch.float32)
     seen_by_rank0.copy_(torch.randn(seen_by_rank0.shape))  # the transfer engine writes the pages
     at = pool.locate(torch.tensor([4, 9]))
-    assert torch.equal(pool.k_at(1, at), seen_by_rank0[at.page, 1, 0, at.offset])  # [2, 1, latent + rope]
+    assert torch.equal(pool.k_at(1, at), seen_by_rank0[at.page, :, 1, 0, at.offset])  # [2, 1, latent + rope]
 
 
 def test_fp8_pool_stores_scaled_values_and_reads_them_back_in_the_model_dtype():

@@ -62,22 +62,22 @@ def test_allocator_raises_when_exhausted():
 # -- pools -------------------------------------------------------------------------------------
 def test_kv_pool_is_page_major_and_one_buffer():
     pool = KVPool(num_layers=3, num_pages=5, page_size=4, kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
-    page_bytes = 3 * 2 * 4 * 2 * 8 * 4  # layers x (K, V) x page_size x heads x dim x fp32
+    page_bytes = 2 * 3 * 2 * 4 * 8 * 4  # heads x layers x (K, V) x page_size x dim x fp32
     assert pool.bytes_per_page == page_bytes and pool.total_bytes == 6 * page_bytes
     assert pool.buffer_infos() == [BufferInfo(pool.buffer.data_ptr(), 6 * page_bytes, page_bytes)]
-    assert pool.k_pages(1).shape == (6, 4, 2, 8)
+    assert pool.k_pages(1).shape == (6, 2, 4, 8)  # HND
     loc = torch.tensor([4, 9])  # page 1 offset 0, page 2 offset 1
     k = torch.randn(2, 2, 8)
     at = pool.locate(loc)
     assert at.page.tolist() == [1, 2] and at.offset.tolist() == [0, 1]
     pool.set_kv(1, at, k, -k)
     assert torch.equal(pool.k_at(1, at), k) and torch.equal(pool.v_at(1, at), -k)
-    assert torch.equal(pool.k_pages(1)[2, 1], k[1]) and pool.k_pages(0).abs().sum() == 0
+    assert torch.equal(pool.k_pages(1)[2, :, 1], k[1]) and pool.k_pages(0).abs().sum() == 0
     # every byte of page 2 lies in [2 * page_bytes, 3 * page_bytes) of the buffer: one transfer piece
     flat = pool.buffer.view(-1)
     per_page = page_bytes // 4
-    assert torch.equal(flat[2 * per_page : 3 * per_page].view(3, 2, 4, 2, 8)[1, 0, 1], k[1])
-    assert torch.equal(flat[2 * per_page : 3 * per_page].view(3, 2, 4, 2, 8)[1, 1, 1], -k[1])
+    page = flat[2 * per_page : 3 * per_page].view(2, 3, 2, 4, 8)  # heads first: a head group is one range
+    assert torch.equal(page[:, 1, 0, 1], k[1]) and torch.equal(page[:, 1, 1, 1], -k[1])
     assert flat[:per_page].abs().sum() == 0 and flat[3 * per_page :].abs().sum() == 0
 
 

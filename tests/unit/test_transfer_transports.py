@@ -104,6 +104,6 @@ def test_nixl_descriptors_name_the_pools_device():
 
 def test_the_kv_pools_cuda_device_reaches_the_transfer_args():
     info = SimpleNamespace(data_ptr=1 << 20, nbytes=4096, bytes_per_page=1024)
-    pool = SimpleNamespace(device_index=2, buffer_infos=lambda: [info], num_pages=3, page_size=16)
+    pool = SimpleNamespace(device_index=2, buffer_infos=lambda: [info], num_pages=3, page_size=16, kv_heads=1)
     args = kv_args_from_pool(pool, ServerConfig(device="cuda", transfer_backend="nixl"))
     assert args.on_cuda and args.device_index == 2

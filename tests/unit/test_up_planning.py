@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
+from common.wire.user_error import UserError
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
-from tandem.up import add_up_flags, plan_children, resolve_device
+from tandem.up import add_up_flags, check_up, plan_children, resolve_device
 from tests.conftest import ROOT
 
 
@@ -119,6 +120,22 @@ def test_api_key_reaches_every_process_through_its_environment_not_its_argv(mode
     kids, _, _ = children("--mode", mode, "--num-decode", "2", "--api-key", "k-123")
     assert len(kids) == (4 if mode == "pd" else 1)
     assert all(c.env["TANDEM_API_KEY"] == "k-123" and "k-123" not in " ".join(c.argv) for c in kids)
+
+
+def test_prefill_and_decode_tp_sizes_reach_their_servers():
+    p = argparse.ArgumentParser()
+    add_up_flags(p)
+    ns = p.parse_args(["--device", "cpu", "--num-decode", "2", "--prefill-tp-size", "1", "--decode-tp-size", "3"])
+    by_name = {c.name: c for c in plan_children(ns)}
+    tp_of = lambda c: c.argv[c.argv.index("--tp-size") + 1]  # noqa: E731
+    assert [tp_of(by_name[n]) for n in ("prefill-0", "decode-0", "decode-1")] == ["1", "3", "3"]
+    for args, error in (
+        (["--device", "cpu", "--", "--tp-size", "2"], "--tp-size after --: give `tandem up --prefill-tp-size A"),
+        (["--device", "cuda", "--decode-tp-size", "2"], "PD with tensor parallelism runs on the CPU only for now"),
+    ):
+        ns = p.parse_args(args)
+        with pytest.raises(UserError, match=error):
+            check_up(ns, plan_children(ns))
 
 
 def test_kv_aware_turns_on_every_engines_events_and_sets_the_routers_policy():

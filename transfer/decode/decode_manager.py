@@ -97,6 +97,8 @@ class DecodeKVManager(KVManager):
                 a.aux_ptr,
                 a.aux_record_bytes,
                 a.aux_slots,
+                a.tp_size,
+                a.kv_heads,
             ),
         )
         self.registered_with[endpoint] = prefill_id

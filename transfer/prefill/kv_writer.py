@@ -2,8 +2,9 @@
 written into the decode's registered memory through the transfer backend.
 
 Every write is checked against what the decode registered: page ids inside its pool (the control plane
-already refused requests outside it) and a layout identical to ours (checked once, at registration:
-see `layout_problem`), so a decode's claim can never make us write out of bounds.
+already refused requests outside it) and a layout that fits ours (checked once, at registration: see
+`layout_problem`), so a decode's claim can never make us write out of bounds. A decode at another TP
+size receives, in each of its ranks' buffers, exactly that rank's KV heads (`KVWriter.pieces`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from common.wire.kv_heads import head_sources, rank_heads
+from common.wire.kv_heads import layout_problem as kv_heads_problem
 from transfer.backends.base import TransferBackend
+from transfer.manager import KVArgs
 from transfer.messages import Register, RoomRequest
 from transfer.poll import Mark, no_mark
-from transfer.prefill.runs import chunk_triples
+from transfer.prefill.runs import chunk_triples, slice_triples
 
 
 class AuxStaging:
@@ -49,31 +53,60 @@ class AuxStaging:
             self._available.release()
 
 
-def layout_problem(
-    mine_bytes_per_page: list[int], page_size: int, aux_record_bytes: int, registration: Register
-) -> str | None:
-    """Why we must never write into what `registration` registered (naming the field), or None when it fits."""
-    if registration.page_size != page_size:
-        return f"page_size: decode has {registration.page_size}, prefill has {page_size}"
-    if len(registration.kv_ptrs) != len(mine_bytes_per_page):
+def layout_problem(mine: KVArgs, registration: Register) -> str | None:
+    """Why we must never write into what `registration` registered (naming the field), or None when it
+    fits: the same page size and KV heads, and one buffer per decode rank holding exactly its heads."""
+    if registration.page_size != mine.page_size:
+        return f"page_size: decode has {registration.page_size}, prefill has {mine.page_size}"
+    if registration.kv_heads != mine.kv_heads:
+        return f"kv_heads: decode has {registration.kv_heads}, prefill has {mine.kv_heads}"
+    problem = kv_heads_problem(registration.kv_heads, registration.tp_size)
+    if problem is not None:
+        return f"decode layout: {problem}"
+    expected = mine.bytes_per_page
+    if registration.tp_size != mine.tp_size:  # a page of the decode's ranks: its share of the heads
+        head_bytes = head_bytes_of(mine)
+        expected = [head_bytes * len(rank_heads(mine.kv_heads, registration.tp_size, 0))] * registration.tp_size
+    if len(registration.kv_ptrs) != len(expected):
         return (
-            f"kv_ptrs: decode registered {len(registration.kv_ptrs)} KV buffers, prefill has {len(mine_bytes_per_page)} "
-            "(a page-major pool registers one: run one Tandem version on both)"
+            f"kv_ptrs: decode registered {len(registration.kv_ptrs)} KV buffers, prefill expects {len(expected)} "
+            f"(one per rank of its tp_size {registration.tp_size}: run one Tandem version on both)"
         )
-    if registration.bytes_per_page != mine_bytes_per_page:
-        return (
-            f"bytes_per_page: decode has {registration.bytes_per_page[:4]}..., prefill has {mine_bytes_per_page[:4]}..."
-        )
-    if aux_record_bytes and registration.aux_record_bytes != aux_record_bytes:
-        return f"aux_record_bytes: decode has {registration.aux_record_bytes}, prefill writes {aux_record_bytes}"
+    if registration.bytes_per_page != expected:
+        return f"bytes_per_page: decode has {registration.bytes_per_page[:4]}..., prefill expects {expected[:4]}..."
+    if mine.aux_record_bytes and registration.aux_record_bytes != mine.aux_record_bytes:
+        return f"aux_record_bytes: decode has {registration.aux_record_bytes}, prefill writes {mine.aux_record_bytes}"
     return None
 
 
+def head_bytes_of(args: KVArgs) -> int:
+    """One KV head of one page (a prefill rank's page holds its heads one after another)."""
+    return args.bytes_per_page[0] // len(rank_heads(args.kv_heads, args.tp_size, 0))
+
+
 class KVWriter:
-    def __init__(self, backend: TransferBackend, kv_ptrs: list[int], bytes_per_page: list[int], on_cuda: bool):
-        self.backend, self.kv_ptrs, self.bytes_per_page, self.on_cuda = backend, kv_ptrs, bytes_per_page, on_cuda
+    def __init__(self, backend: TransferBackend, args: KVArgs):
+        self.backend, self.args, self.on_cuda = backend, args, args.on_cuda
         self.aux_staging = AuxStaging(backend)
-        self.page_bytes = sum(bytes_per_page)  # one page across every KV buffer
+        self.page_bytes = sum(args.bytes_per_page)  # one page across every rank's buffer: what a page sends
+
+    def pieces(self, registration: Register, src_pages: list[int], dst_pages: list[int]):
+        """(src, dst, nbytes) of a chunk: buffers paired by index at equal TP size, else each decode
+        rank's heads sliced out of the prefill ranks' pages (common.wire.kv_heads)."""
+        a = self.args
+        if registration.tp_size == a.tp_size:
+            return chunk_triples(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
+        plan = head_sources(a.kv_heads, a.tp_size, registration.tp_size)
+        return slice_triples(
+            a.kv_ptrs,
+            registration.kv_ptrs,
+            a.bytes_per_page[0],
+            registration.bytes_per_page[0],
+            head_bytes_of(a),
+            plan,
+            src_pages,
+            dst_pages,
+        )
 
     def write(
         self,
@@ -91,12 +124,13 @@ class KVWriter:
         status, sent once the whole batch landed); device KV and the host record take a batch each.
         `fence()` runs before each backend call and raises when the decode may no longer be written to;
         `mark` records the writes on the request's timeline."""
-        src, dst, nbytes = chunk_triples(self.kv_ptrs, registration.kv_ptrs, self.bytes_per_page, src_pages, dst_pages)
+        src, dst, nbytes = self.pieces(registration, src_pages, dst_pages)
+        written = sum(nbytes)
         if aux is not None and not self.on_cuda:
             self._write_with_aux(registration, room_request, aux, src, dst, nbytes, fence)
             mark("chunk_written")
             mark("aux_written")
-            return len(src_pages) * self.page_bytes
+            return written
         fence()
         self.backend.write_batch(
             room_request.decode_id, src, dst, nbytes, self.on_cuda
@@ -105,7 +139,7 @@ class KVWriter:
         if aux is not None:
             self._write_with_aux(registration, room_request, aux, [], [], [], fence)
             mark("aux_written")
-        return len(src_pages) * self.page_bytes
+        return written
 
     def _write_with_aux(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from common.wire.kv_heads import describe_sources, head_sources
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import Abort, BadMessage, Envelope, FirstToken, Ping, Pong, Register, RoomRequest, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
@@ -32,7 +33,7 @@ class PrefillKVManager(KVManager):
 
     def __init__(self, args: KVArgs, **kwargs):
         super().__init__(args, **kwargs)
-        self.writer = KVWriter(self.backend, args.kv_ptrs, args.bytes_per_page, args.on_cuda)
+        self.writer = KVWriter(self.backend, args)
         self.registrations: dict[str, Register] = {}  # decode instances that registered and fit our layout
         self.refused: dict[str, tuple[Register, str]] = {}  # decode instances whose layout does not fit, and why
         self.table = PrefillRoomTable(self.clock)
@@ -62,7 +63,7 @@ class PrefillKVManager(KVManager):
             self._on_abort(msg, registration)
 
     def _on_register(self, msg: Register, envelope: Envelope) -> None:
-        problem = layout_problem(self.args.bytes_per_page, self.args.page_size, self.args.aux_record_bytes, msg)
+        problem = layout_problem(self.args, msg)
         if problem is not None:
             self.counters["peers_refused"] += 1
             self.refused[msg.decode_id] = (msg, problem)
@@ -78,6 +79,15 @@ class PrefillKVManager(KVManager):
                 msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
             )
         self.backend.add_peer(msg.decode_id, msg.backend_address)
+        if msg.tp_size != self.args.tp_size:
+            plan = head_sources(self.args.kv_heads, self.args.tp_size, msg.tp_size)
+            log.info(
+                "decode %s at TP %d (we are at TP %d): %s",
+                msg.decode_id,
+                msg.tp_size,
+                self.args.tp_size,
+                describe_sources(plan),
+            )
         self.registrations[msg.decode_id] = msg
         self.refused.pop(msg.decode_id, None)
         self.liveness.seen(msg.decode_id, envelope.sent_at)

@@ -1,4 +1,6 @@
-"""Page runs contiguous on both sides, and the (src, dst, nbytes) triples of one chunk (numpy, vectorised)."""
+"""Page runs contiguous on both sides, and the (src, dst, nbytes) triples of one chunk (numpy, vectorised):
+buffers paired by index when both sides have the same layout (`chunk_triples`), each decode rank's heads
+sliced out of the prefill ranks' pages when their TP sizes differ (`slice_triples`)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,27 @@ def chunk_triples(src_bases, dst_bases, bytes_per_page, src_pages, dst_pages) ->
         dst_ptrs.ravel().tolist(),
         np.broadcast_to(nbytes, src_ptrs.shape).ravel().tolist(),
     )
+
+
+def slice_triples(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pages, dst_pages):
+    """Triples moving each decode rank's KV heads of `dst_pages` from the prefill rank(s) holding them
+    (`plan`: common.wire.kv_heads.head_sources). The pool keeps a page's heads first, so a segment of
+    consecutive heads is one range of a page: one piece per page, or per run of pages when the segment
+    is every head of both ranks' pages (equal head counts). `head_bytes`: one head of one page."""
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if src.shape != dst.shape:
+        raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
+    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for dst_rank, segments in enumerate(plan):
+        for seg in segments:
+            nbytes = seg.count * head_bytes
+            if nbytes == src_bpp == dst_bpp:  # whole pages on both sides: runs
+                part = chunk_triples([src_bases[seg.src_rank]], [dst_bases[dst_rank]], [nbytes], src, dst)
+            else:
+                s = src_bases[seg.src_rank] + src * src_bpp + seg.src_head * head_bytes
+                d = dst_bases[dst_rank] + dst * dst_bpp + seg.dst_head * head_bytes
+                part = (s.tolist(), d.tolist(), [nbytes] * src.size)
+            for acc, new in zip(out, part):
+                acc.extend(new)
+    return out
