@@ -4,8 +4,9 @@ answer and new tokens: both sides' prefix caches hit, the decode's with the answ
 the small pools), prefill chunks, transfers, control messages delivered late, twice or never, aborts
 from either side (a decode's room aborted mid-transfer drains in quarantine), retractions of running
 decode requests while other rooms transfer, timeouts, heartbeats, frozen, killed and restarted peers.
-Each side runs with or without a host tier (either write policy; drawn per example). After every step
-it checks:
+Each side runs with or without a host tier (either write policy; drawn per example), and the decode with
+1, 2 or 4 TP ranks, each write going out as the ranks' head slices, one of which can fail
+(kv_handoff_ranks.py). After every step it checks:
 
 - every pool's integrity on both tiers: each page free, cached, or held by exactly one request (nothing
   freed twice: the allocator raises on a double free), each host page free or in the host tree;
@@ -14,6 +15,7 @@ it checks:
 - every KV slot the caches (device and host trees) or requests count as computed holds exactly its
   token's KV;
 - every request that succeeded got exactly the tokens a monolithic server gives;
+- a room whose write lost one rank's slice succeeds on neither side (nor runs on the decode);
 
 and at the end, with every process running, that each request ended within its bound and every pool,
 room and queue is back to idle. Set TANDEM_MODEL_SEED to explore other schedules; a failure prints its
@@ -36,6 +38,7 @@ from common.memory.hicache import HiRadixCache
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
 from decode_node.peers import PeerInfo
+from tests.unit.kv_handoff_ranks import RankedWrites
 from tests.unit.kv_handoff_sim import CONFIG, NUM_PAGES, Clock, Network, Side, done_future
 
 MAX_TURN_TOKENS = 56  # within the simulated context (64)
@@ -70,6 +73,7 @@ class KVHandoff(RuleBasedStateMachine):
         self.host_tier: dict[str, str | None] = {"prefill": None, "decode": None}  # a write policy, or no host tier
         self.clock = Clock()
         self.net = Network(self.clock)
+        self.ranks = RankedWrites(1)
         self.prefill = self._new_prefill()
         self.decode = self._new_decode()
         self.pairs: list[Pair] = []
@@ -91,7 +95,7 @@ class KVHandoff(RuleBasedStateMachine):
         side.manager._write = write
         real_batch = side.manager.backend.write_batch
         side.manager.backend.write_batch = lambda peer, src, dst, n, *a: self._checked_write(
-            side, peer, dst, n, real_batch, src, *a
+            side, peer, dst, n, lambda *w: self._rank_write(side, real_batch, *w), src, *a
         )
         return side
 
@@ -126,6 +130,11 @@ class KVHandoff(RuleBasedStateMachine):
                     self.bad_writes.append(f"room {side.writing} wrote {t}, which room {owner.get(t)} owns")
         real(peer, src, dst, nbytes, *args)
 
+    def _rank_write(self, side: Side, real, *write) -> None:
+        """The batch as the decode's ranks' slices (kv_handoff_ranks.py)."""
+        a, d = side.manager.args, self.decode.manager.args
+        self.ranks.write(real, side.writing, a.kv_ptrs, d.kv_ptrs, d.kv_nbytes, *write)
+
     def _check_read_order(self, side: Side, src: list[int], nbytes: list[int]) -> None:
         """Every page read was written by a forward whose KV event the transfer waited on first."""
         a, page_bytes = side.manager.args, side.manager.args.bytes_per_page[0]
@@ -152,9 +161,15 @@ class KVHandoff(RuleBasedStateMachine):
         return [self.prefill, self.decode]
 
     # -- rules -------------------------------------------------------------------------------------
-    @initialize(tiers=st.sampled_from([None, "write_through", "write_back"]), both=st.booleans())
-    def choose_host_tiers(self, tiers: str | None, both: bool) -> None:
-        """The host tier on the decode (where retraction uses it), and on the prefill too if `both`."""
+    @initialize(
+        tiers=st.sampled_from([None, "write_through", "write_back"]),
+        both=st.booleans(),
+        ranks=st.sampled_from([1, 2, 4]),
+    )
+    def choose_host_tiers(self, tiers: str | None, both: bool, ranks: int) -> None:
+        """The host tier on the decode (where retraction uses it), and on the prefill too if `both`; the
+        decode's TP ranks, each written its own slice of every page."""
+        self.ranks = RankedWrites(ranks)
         self.host_tier = {"prefill": tiers if both else None, "decode": tiers}
         self.prefill.kill()
         self.decode.kill()
@@ -303,6 +318,12 @@ class KVHandoff(RuleBasedStateMachine):
         if self.prefill.runs and any(w.chunks for w in self.prefill.manager.workers.alive()):
             self.prefill.freeze(True)
 
+    @rule(rank=st.integers(0, 3))
+    def a_rank_write_fails(self, rank: int) -> None:
+        """The next write batch with KV loses decode rank `rank`'s slice (of the decode's ranks): every
+        other slice lands, and the batch raises."""
+        self.ranks.failing_rank = rank % self.ranks.ranks
+
     @rule(dt=st.sampled_from([0.3, 1.0, 2.5, 7.0, 25.0]))
     def time_passes(self, dt: float) -> None:
         self.clock.now += dt
@@ -350,6 +371,16 @@ class KVHandoff(RuleBasedStateMachine):
             return [(side.buffers[:1], cache)]
         host = [cache.pool.buffer[:, i].reshape(-1) for i in range(cache.pool.buffer.shape[1])]
         return [(side.buffers, cache.device), (host, cache.host)]
+
+    @invariant()
+    def a_room_that_lost_a_rank_slice_succeeds_nowhere(self) -> None:
+        """Success (on either side, or the decode running the request) only when every rank's slice of
+        every page landed: a room whose batch lost one fails on both sides."""
+        for p in self.pairs:
+            if p.prefill.rendezvous.room_id in self.ranks.torn_rooms:
+                for req in (p.prefill, p.decode):
+                    assert not (req.finished and req.finish.type == "length"), "a torn room reported success"
+                assert p.decode not in self.decode.sched.decode.running, "a torn room's request runs on the decode"
 
     @invariant()
     def successful_requests_have_the_monolithic_tokens(self) -> None:
