@@ -44,13 +44,8 @@ def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def path_of(node: TreeNode) -> tuple[list[int], torch.Tensor]:
     """The tokens and slots from the root down to node (inclusive)."""
-    keys, values = [], []
-    while node.parent is not None:
-        keys.append(node.key)
-        values.append(node.value)
-        node = node.parent
-    tokens = [t for key in reversed(keys) for t in key]
-    return tokens, torch.cat(values[::-1])
+    nodes = node.path()
+    return [t for n in nodes for t in n.key], torch.cat([n.value for n in nodes])
 
 
 class HiRadixCache(PrefixCache):

@@ -33,6 +33,14 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
 
+    def path(self) -> list[TreeNode]:
+        """The nodes from the root's child down to this one (the root itself excluded)."""
+        nodes, node = [], self
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
 
 class RadixCache(PrefixCache):
     def __init__(
@@ -183,12 +191,8 @@ class RadixCache(PrefixCache):
 
     def _path_tokens(self, node: TreeNode) -> tuple[list[int], int]:
         """(the tokens from the root to the end of node, where node's own begin)."""
-        keys, up = [], node.parent
-        while up is not None and up is not self.root:
-            keys.append(up.key)
-            up = up.parent
-        prefix = [t for key in reversed(keys) for t in key]
-        return prefix + node.key, len(prefix)
+        tokens = [t for n in node.path() for t in n.key]
+        return tokens, len(tokens) - len(node.key)
 
     def evictable_pages(self) -> int:
         return self._evictable

@@ -54,22 +54,23 @@ def int_at_least(low: int):
     return parse
 
 
-def seconds(text: str) -> float:
-    """A finite number >= 0."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def seconds(text: str) -> float:
+    """A finite number >= 0."""
+    value = _number(text)
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds >= 0")
     return value
 
 
 def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be between 0 and 1")
     return value
