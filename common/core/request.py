@@ -117,6 +117,8 @@ class Req(GenInput):
 def queue_position(queue: Sequence[Req], req: Req, ahead_of_equals: bool = False) -> int:
     """Where `req` goes in a queue kept in priority order (higher first): behind every request of its
     priority (FIFO among equals; all 0 without --enable-priority-scheduling), or ahead of them."""
+    if not ahead_of_equals and (not queue or queue[-1].priority >= req.priority):
+        return len(queue)  # the common case (no priorities): no walk over the queue
     for i, other in enumerate(queue):
         if other.priority < req.priority or (ahead_of_equals and other.priority == req.priority):
             return i
