@@ -59,7 +59,10 @@ def layout_problem(mine: KVArgs, registration: Register) -> str | None:
     if registration.page_size != mine.page_size:
         return f"page_size: decode has {registration.page_size}, prefill has {mine.page_size}"
     if registration.kv_heads != mine.kv_heads:
-        return f"kv_heads: decode has {registration.kv_heads}, prefill has {mine.kv_heads}"
+        return (
+            f"kv_heads: decode has {registration.kv_heads}, prefill has {mine.kv_heads} "
+            "(another model, or a Tandem before heads-first pages, which sends 1: run one version on both)"
+        )
     problem = kv_heads_problem(registration.kv_heads, registration.tp_size)
     if problem is not None:
         return f"decode layout: {problem}"
