@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ports import free_port
 from tests.tiers import load_hypothesis_profile, mark_slow_tests, starts_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,10 +26,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_slow_tests(items)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# how a server says that a port it was given is taken: its start-up check, or uvicorn's bind after the load
+PORT_TAKEN = re.compile(r"(\d+): another process listens on|address \('[^']*', (\d+)\)[^\n]*in use", re.I)
 
 
 @starts_processes
@@ -58,6 +57,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.health = health
         self.proc = self._spawn()
+        self.moves = 0  # times the first start moved to fresh ports (tests/ports.py)
 
     @property
     def auth(self) -> dict[str, str]:
@@ -66,6 +66,7 @@ class ServerProcess:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _spawn(self) -> subprocess.Popen:
+        self._log_start = self.log_path.stat().st_size  # where this start's output begins
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "tandem", *self.args],
@@ -74,6 +75,10 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env=env,
         )
+
+    def arg(self, flag: str) -> str | None:
+        """The value given to `flag` (the current one, if the server moved ports), None without it."""
+        return self.args[self.args.index(flag) + 1] if flag in self.args else None
 
     def signal(self, sig: int) -> None:
         """SIGKILL, SIGSTOP, SIGCONT... to the server process (a fault injected by a test)."""
@@ -84,15 +89,39 @@ class ServerProcess:
     def restart(self) -> ServerProcess:
         """The same command again on the same port (after a kill or stop()); its log is appended to.
         Call wait_ready() next."""
+        self._respawn()
+        self.moves = -1  # on its own port again: a test (or a router) already knows it
+        return self
+
+    def _respawn(self) -> None:
         self.stop()
         self._log = open(self.log_path, "ab")
         self.proc = self._spawn()
-        return self
+
+    def _move_off_taken_port(self) -> bool:
+        """After the first start exited because a port it was given is taken: the same command started
+        again with a fresh port in its place (at most 3 times). Whether it was started again."""
+        taken = PORT_TAKEN.search(self.log_path.read_bytes()[self._log_start :].decode(errors="replace"))
+        if taken is None or not 0 <= self.moves < 3:
+            return False
+        port = taken.group(1) or taken.group(2)
+        flags = [i for i, a in enumerate(self.args[:-1]) if a.endswith("-port") and self.args[i + 1] == port]
+        if not flags:
+            return False
+        fresh = free_port()
+        for i in flags:
+            self.args[i + 1] = str(fresh)
+        if int(port) == self.port:
+            self.port = fresh
+            self.url = self.url.rsplit(":", 1)[0] + f":{fresh}"
+        self._respawn()
+        self.moves += 1
+        return True
 
     def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None and not self._move_off_taken_port():
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + self.health, timeout=2, verify=self.verify).status_code == 200:

@@ -28,13 +28,18 @@ NEW_TOKENS = 16
 
 @dataclass
 class Servers:
-    """Prefills (with their embedded bootstrap ports) and decodes, by TP size."""
+    """Prefills and decodes, by TP size."""
 
-    prefills: dict[int, tuple[ServerProcess, int]] = field(default_factory=dict)
+    prefills: dict[int, ServerProcess] = field(default_factory=dict)
     decodes: dict[int, ServerProcess] = field(default_factory=dict)
 
     def all(self) -> list[ServerProcess]:
-        return [p for p, _ in self.prefills.values()] + list(self.decodes.values())
+        return [*self.prefills.values(), *self.decodes.values()]
+
+    def prefill(self, tp: int) -> tuple[ServerProcess, int]:
+        """The prefill at this TP size and its embedded bootstrap port."""
+        server = self.prefills[tp]
+        return server, int(server.arg("--bootstrap-port"))
 
     def stop(self) -> None:
         for s in self.all():
@@ -42,19 +47,16 @@ class Servers:
 
 
 def start_servers(flags: tuple[str, ...], prefill_tps: tuple[int, ...], decode_tps: tuple[int, ...]) -> Servers:
-    """One at a time: a port picked for a server stays free only until it binds, and this machine's
-    other tests take ports meanwhile."""
+    """All at once (tests/ports.py: no two servers race for a port), each ready."""
     s = Servers()
     try:
         for tp in prefill_tps:
-            boot = free_port()
-            mode = ("--disagg-mode", "prefill", "--bootstrap-port", str(boot))
-            server = start_server(*mode, *flags, "--tp-size", str(tp), name=f"prefill-tp{tp}")
-            s.prefills[tp] = (server, boot)
-            server.wait_ready(300)
+            mode = ("--disagg-mode", "prefill", "--bootstrap-port", str(free_port()))
+            s.prefills[tp] = start_server(*mode, *flags, "--tp-size", str(tp), name=f"prefill-tp{tp}")
         for tp in decode_tps:
             s.decodes[tp] = start_server("--disagg-mode", "decode", *flags, "--tp-size", str(tp), name=f"decode-tp{tp}")
-            s.decodes[tp].wait_ready(300)
+        for server in s.all():
+            server.wait_ready(300)
         return s
     except BaseException:
         s.stop()
@@ -90,7 +92,7 @@ def pair_call(
 
 
 def pd_generate_all(servers: Servers, prefill_tp: int, decode_tp: int, prompts: list[list[int]]) -> list[dict]:
-    pair = servers.prefills[prefill_tp], servers.decodes[decode_tp]
+    pair = servers.prefill(prefill_tp), servers.decodes[decode_tp]
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda ids: pair_call(*pair, ids), prompts))
     for r in answers:
@@ -110,7 +112,7 @@ def builtin(request):
 def test_builtin_pd_across_tp_sizes_equals_monolithic_tp1(builtin, prompts, expected, prefill_tp, decode_tp):
     got = pd_generate_all(builtin, prefill_tp, decode_tp, prompts)
     assert_same_tokens(expected, got, f"PD at TP {prefill_tp} -> {decode_tp}")
-    for tp, server in ((prefill_tp, builtin.prefills[prefill_tp][0]), (decode_tp, builtin.decodes[decode_tp])):
+    for tp, server in ((prefill_tp, builtin.prefills[prefill_tp]), (decode_tp, builtin.decodes[decode_tp])):
         info = server.info()["tp"]  # each rank's heads and pool (the same pages on every rank)
         assert info["size"] == tp
         assert [(r["kv_heads"], r["first_kv_head"]) for r in info["ranks"]] == [
@@ -148,7 +150,7 @@ def test_a_decode_of_other_kv_heads_is_refused_at_pairing_naming_both_layouts(ti
     flags = ("--model", str(other), "--transfer-backend", "mooncake", "--chunked-prefill-size", "64")
     decode = start_server("--disagg-mode", "decode", *flags, name="decode-kv2").wait_ready()
     try:
-        r = pair_call(tiny.prefills[2], decode, random_prompts(1, 20, 20)[0], prefill_timeout=5)
+        r = pair_call(tiny.prefill(2), decode, random_prompts(1, 20, 20)[0], prefill_timeout=5)
         assert r.status_code == 502, r.text
         message = r.json()["error"]["message"]
         assert "kv_heads: decode has 2, prefill has 4" in message
