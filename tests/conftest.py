@@ -128,7 +128,7 @@ class ServerProcess:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         raise TimeoutError(f"{self.name} not ready after {timeout} s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:

@@ -15,7 +15,6 @@ class Cluster:
     prefills: list[ServerProcess] = field(default_factory=list)
     decodes: list[ServerProcess] = field(default_factory=list)
     router: ServerProcess | None = None
-    prefill_bootstrap_ports: list[int] = field(default_factory=list)
     bootstrap: ServerProcess | None = None  # a standalone registry shared by every prefill, if any
 
     @property
@@ -25,6 +24,11 @@ class Cluster:
     @property
     def nodes(self) -> list[ServerProcess]:
         return self.prefills + self.decodes
+
+    @property
+    def prefill_bootstrap_ports(self) -> list[int]:
+        """Each prefill's registry: its embedded one, or the standalone one."""
+        return [int(p.arg("--bootstrap-port") or self.bootstrap.port) for p in self.prefills]
 
     def wait_idle(self) -> None:
         for node in self.nodes:
@@ -49,57 +53,30 @@ def start_cluster(
     ready_timeout: float = 180.0,
 ) -> Cluster:
     """Prefills (each with its embedded bootstrap registry, or all registered with one standalone
-    `tandem bootstrap`), decodes and a router, all ready."""
+    `tandem bootstrap`), decodes and a router, started at once (tests/ports.py), all ready."""
     c = Cluster()
     try:
-        prefill_args = []
         if standalone_bootstrap:
             port = free_port()
             c.bootstrap = ServerProcess(["bootstrap", "--port", str(port)], port, name="bootstrap").wait_ready(60)
         for i in range(n_prefill):
-            boot = c.bootstrap.port if c.bootstrap else free_port()
-            where = ("--bootstrap-url", c.bootstrap.url) if c.bootstrap else ("--bootstrap-port", str(boot))
-            c.prefill_bootstrap_ports.append(boot)
-            c.prefills.append(
-                start_server(
-                    "--disagg-mode",
-                    "prefill",
-                    "--transfer-backend",
-                    backend,
-                    *where,
-                    *flags,
-                    *prefill_flags,
-                    name=f"prefill{i}",
-                )
-            )
-            prefill_args += ["--prefill", c.prefills[-1].url, str(boot)]
+            where = ("--bootstrap-url", c.bootstrap.url) if c.bootstrap else ("--bootstrap-port", str(free_port()))
+            mode = ("--disagg-mode", "prefill", "--transfer-backend", backend, *where)
+            c.prefills.append(start_server(*mode, *flags, *prefill_flags, name=f"prefill{i}"))
         for j in range(n_decode):
-            c.decodes.append(
-                start_server(
-                    "--disagg-mode", "decode", "--transfer-backend", backend, *flags, *decode_flags, name=f"decode{j}"
-                )
-            )
+            mode = ("--disagg-mode", "decode", "--transfer-backend", backend)
+            c.decodes.append(start_server(*mode, *flags, *decode_flags, name=f"decode{j}"))
+        router_args = ("--health-check-interval-s", "0.5", *router_flags)
+        c.router = spawn_router(
+            list(zip(c.prefills, c.prefill_bootstrap_ports)), c.decodes, *router_args, policy=policy
+        )
         for node in c.nodes:
             node.wait_ready(ready_timeout)
-        port = free_port()
-        decode_args = [a for d in c.decodes for a in ("--decode", d.url)]
-        c.router = ServerProcess(
-            [
-                "router",
-                *prefill_args,
-                *decode_args,
-                "--port",
-                str(port),
-                "--policy",
-                policy,
-                "--health-check-interval-s",
-                "0.5",
-                *router_flags,
-            ],
-            port,
-            name="router",
-            health="/readiness",
-        ).wait_ready()
+        if any(node.moves for node in c.nodes):  # the router was told ports a node no longer has
+            c.router.stop()
+            pairs = list(zip(c.prefills, c.prefill_bootstrap_ports))
+            c.router = spawn_router(pairs, c.decodes, *router_args, policy=policy)
+        c.router.wait_ready()
         return c
     except BaseException:
         c.stop()
@@ -126,6 +103,17 @@ def start_router(
 ) -> ServerProcess:
     """A router over running workers: `prefills` are (server, bootstrap port) pairs; waits until it has a
     healthy pair."""
+    return spawn_router(prefills, decodes, *flags, policy=policy, name=name).wait_ready(60)
+
+
+def spawn_router(
+    prefills: list[tuple[ServerProcess, int]],
+    decodes: list[ServerProcess],
+    *flags: str,
+    policy: str = "round_robin",
+    name: str = "router",
+) -> ServerProcess:
+    """start_router's router, not waited for: it is ready once it has a healthy pair."""
     port = free_port()
     prefill_args = [a for p, boot in prefills for a in ("--prefill", p.url, str(boot))]
     decode_args = [a for d in decodes for a in ("--decode", d.url)]
@@ -134,4 +122,4 @@ def start_router(
         port,
         name=name,
         health="/readiness",
-    ).wait_ready(60)
+    )

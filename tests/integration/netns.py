@@ -198,7 +198,8 @@ def start_ns_cluster(
     router_flags: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> Cluster:
-    """Router, standalone bootstrap, one prefill and one decode, each on its own host of `net`, all ready.
+    """Router, standalone bootstrap, one prefill and one decode, each on its own host of `net`, started at
+    once, all ready.
     Engine servers get `flags` and `env` (e.g. UCX settings)."""
     hosts = {name: net.add_host(name) for name in ("router", "bootstrap", "prefill", "decode")}
     c = Cluster()
@@ -210,7 +211,6 @@ def start_ns_cluster(
             f"ns-{label}-bootstrap",
             BOOTSTRAP_PORT,
         )
-        c.bootstrap.wait_ready(60)
         for role in ("prefill", "decode"):
             host = hosts[role]
             args = ["serve", "--host", "0.0.0.0", "--port", str(PORT), "--advertise-host", host.address]
@@ -220,12 +220,11 @@ def start_ns_cluster(
             (c.prefills if role == "prefill" else c.decodes).append(
                 ns_server(host, args, f"ns-{label}-{role}", env=env)
             )
-        for node in c.nodes:
-            node.wait_ready(STARTUP_S)
         where = ["--prefill", c.prefills[0].url, f"{boot.address}:{BOOTSTRAP_PORT}", "--decode", c.decodes[0].url]
         args = ["router", "--host", "0.0.0.0", "--port", str(PORT), *where, "--health-check-interval-s", "0.5"]
         c.router = ns_server(hosts["router"], [*args, *router_flags], f"ns-{label}-router", health="/readiness")
-        c.router.wait_ready(STARTUP_S)
+        for server in (c.bootstrap, *c.nodes, c.router):  # started at once: the prefill registers once it can
+            server.wait_ready(STARTUP_S)
         return c
     except BaseException:
         c.stop()
