@@ -11,7 +11,7 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, start_server
+from tests.conftest import ROOT
 from tests.integration.cluster import generate, start_cluster
 from tests.integration.tiny_model import random_prompts
 from tests.promql import dashboard_queries, exported_series, matches, query_metric_names, selectors, variable_queries
@@ -34,14 +34,11 @@ def scrape(url: str, role: str) -> set[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_model_dir) -> set[tuple[str, str]]:
-    """What every kind of process exports; at most three servers run at once."""
-    mono = start_server("--model", str(tiny_model_dir), *FLAGS, name="dash-mono")
-    try:
-        generate(mono.wait_ready().url, PROMPT, 4)
-        found = scrape(mono.url, "null")
-    finally:
-        mono.stop()
+def exported(tiny_model_dir, reference_servers) -> set[tuple[str, str]]:
+    """What every kind of process exports (metric names: the monolithic server is test_soak.py's reference)."""
+    mono = reference_servers.get("--model", str(tiny_model_dir), *FLAGS)
+    generate(mono.url, PROMPT, 4)
+    found = scrape(mono.url, "null")
     c = start_cluster("mooncake", flags=("--model", str(tiny_model_dir), *FLAGS))
     try:
         generate(c.url, PROMPT, 4)

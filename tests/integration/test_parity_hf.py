@@ -7,8 +7,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import start_server
-
 NEW_TOKENS = 24
 LONG_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -73,17 +71,14 @@ def generate(url: str, ids: list[int]) -> dict:
     [["--page-size", "16", "--chunked-prefill-size", "64"], ["--page-size", "1", "--chunked-prefill-size", "0"]],
     ids=["page16-chunked64", "page1-unchunked"],
 )
-def test_greedy_output_equals_transformers(expected, flags):
-    server = start_server(*flags, "--max-total-tokens", "8192", name="parity").wait_ready()
-    try:
-        for ids, want in expected:
-            got = generate(server.url, ids)
-            assert got["output_ids"] == want, f"prompt of {len(ids)} tokens diverged"
-        # a radix hit: the long prompt again reuses cached pages and still matches exactly
-        ids, want = expected[3]
-        again = generate(server.url, ids)
-        assert again["meta_info"]["cached_tokens"] >= len(ids) - 16
-        assert again["output_ids"] == want
-        server.wait_idle()
-    finally:
-        server.stop()
+def test_greedy_output_equals_transformers(expected, flags, reference_servers):
+    server = reference_servers.get(*flags)  # page16-chunked64: test_pd.py's reference too
+    for ids, want in expected:
+        got = generate(server.url, ids)
+        assert got["output_ids"] == want, f"prompt of {len(ids)} tokens diverged"
+    # a radix hit: the long prompt again reuses cached pages and still matches exactly
+    ids, want = expected[3]
+    again = generate(server.url, ids)
+    assert again["meta_info"]["cached_tokens"] >= len(ids) - 16
+    assert again["output_ids"] == want
+    server.wait_idle()
