@@ -16,6 +16,8 @@ class Cluster:
     decodes: list[ServerProcess] = field(default_factory=list)
     router: ServerProcess | None = None
     bootstrap: ServerProcess | None = None  # a standalone registry shared by every prefill, if any
+    policy: str = "round_robin"
+    router_args: tuple[str, ...] = ()  # the router's other flags
 
     @property
     def url(self) -> str:
@@ -30,6 +32,24 @@ class Cluster:
         """Each prefill's registry: its embedded one, or the standalone one."""
         return [int(p.arg("--bootstrap-port") or self.bootstrap.port) for p in self.prefills]
 
+    def spawn_router(self) -> None:
+        pairs = list(zip(self.prefills, self.prefill_bootstrap_ports))
+        self.router = spawn_router(pairs, self.decodes, *self.router_args, policy=self.policy)
+
+    def wait_ready(self, timeout: float = 180.0) -> Cluster:
+        """Every node ready, then the router (started again if a node moved ports: it was told the old ones)."""
+        try:
+            for node in self.nodes:
+                node.wait_ready(timeout)
+            if any(node.moves for node in self.nodes):
+                self.router.stop()
+                self.spawn_router()
+            self.router.wait_ready()
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
     def wait_idle(self) -> None:
         for node in self.nodes:
             node.wait_idle()
@@ -40,7 +60,12 @@ class Cluster:
                 p.stop()
 
 
-def start_cluster(
+def start_cluster(*args, ready_timeout: float = 180.0, **kwargs) -> Cluster:
+    """spawn_cluster's cluster, all ready."""
+    return spawn_cluster(*args, **kwargs).wait_ready(ready_timeout)
+
+
+def spawn_cluster(
     backend: str = "mooncake",
     n_prefill: int = 1,
     n_decode: int = 1,
@@ -50,11 +75,10 @@ def start_cluster(
     prefill_flags: tuple[str, ...] = (),
     router_flags: tuple[str, ...] = (),
     standalone_bootstrap: bool = False,
-    ready_timeout: float = 180.0,
 ) -> Cluster:
     """Prefills (each with its embedded bootstrap registry, or all registered with one standalone
-    `tandem bootstrap`), decodes and a router, started at once (tests/ports.py), all ready."""
-    c = Cluster()
+    `tandem bootstrap`), decodes and a router, all started at once (tests/ports.py); call wait_ready()."""
+    c = Cluster(policy=policy, router_args=("--health-check-interval-s", "0.5", *router_flags))
     try:
         if standalone_bootstrap:
             port = free_port()
@@ -66,17 +90,7 @@ def start_cluster(
         for j in range(n_decode):
             mode = ("--disagg-mode", "decode", "--transfer-backend", backend)
             c.decodes.append(start_server(*mode, *flags, *decode_flags, name=f"decode{j}"))
-        router_args = ("--health-check-interval-s", "0.5", *router_flags)
-        c.router = spawn_router(
-            list(zip(c.prefills, c.prefill_bootstrap_ports)), c.decodes, *router_args, policy=policy
-        )
-        for node in c.nodes:
-            node.wait_ready(ready_timeout)
-        if any(node.moves for node in c.nodes):  # the router was told ports a node no longer has
-            c.router.stop()
-            pairs = list(zip(c.prefills, c.prefill_bootstrap_ports))
-            c.router = spawn_router(pairs, c.decodes, *router_args, policy=policy)
-        c.router.wait_ready()
+        c.spawn_router()
         return c
     except BaseException:
         c.stop()

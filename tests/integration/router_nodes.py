@@ -59,7 +59,7 @@ def nodes() -> Iterator[Nodes]:
         )
         for s in servers:
             s.wait_ready()
-        yield Nodes(*servers, bootstrap_port=boot)
+        yield Nodes(*servers, bootstrap_port=int(servers[0].arg("--bootstrap-port")))  # where it listens
     finally:
         for s in servers:
             s.stop()

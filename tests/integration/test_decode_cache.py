@@ -27,26 +27,20 @@ def pair(tiny_model_dir):
     """One prefill, a decode with its cache (router `on`) and one without (router `off`)."""
     pytest.importorskip("mooncake.engine")
     flags = ("--model", str(tiny_model_dir), "--page-size", str(PAGE), "--chunked-prefill-size", "64")
-    c = start_cluster("mooncake", flags=flags)
-    plain = routers = None
+    plain_flags = ("--disagg-mode", "decode", "--transfer-backend", "mooncake", "--disable-radix-cache", *flags)
+    plain = start_server(*plain_flags, name="decode-nc")
+    c = routers = None
     try:
-        plain = start_server(
-            "--disagg-mode",
-            "decode",
-            "--transfer-backend",
-            "mooncake",
-            "--disable-radix-cache",
-            *flags,
-            name="decode-nc",
-        ).wait_ready()
+        c = start_cluster("mooncake", flags=flags)  # starts while `plain` does
+        plain.wait_ready()
         routers = {"on": c.router, "off": start_router([(c.prefills[0], c.prefill_bootstrap_ports[0])], [plain])}
         yield c, plain, routers
     finally:
         if routers is not None:
             routers["off"].stop()
-        if plain is not None:
-            plain.stop()
-        c.stop()
+        plain.stop()
+        if c is not None:
+            c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tests.conftest import start_server
-from tests.integration.cluster import generate, start_cluster
+from tests.integration.cluster import generate, spawn_cluster
 from tests.integration.faults import wait_until
 from tests.integration.tiny_model import random_prompts
 
@@ -35,10 +35,28 @@ DRILL = random_prompts(6, 200, 200, seed=13)  # 200 + 80 new tokens: 18 pages ea
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = start_server("--model", str(tiny_model_dir), *FLAGS, *HOST, *PRIORITY, name="hicache").wait_ready()
-    yield s
-    s.stop()
+def servers(tiny_model_dir):
+    """The monolithic server and the PD cluster (test_pd_shared_prefixes_...), started at once."""
+    pytest.importorskip("mooncake.engine")
+    s = start_server("--model", str(tiny_model_dir), *FLAGS, *HOST, *PRIORITY, name="hicache")
+    c = None
+    try:
+        c = spawn_cluster("mooncake", flags=("--model", str(tiny_model_dir), *FLAGS, *HOST))
+        yield s.wait_ready(), c.wait_ready()
+    finally:
+        s.stop()
+        if c is not None:
+            c.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def pd(servers):
+    return servers[1]
 
 
 @pytest.fixture(autouse=True)
@@ -99,14 +117,6 @@ def test_a_high_priority_request_overtakes_the_waiting_queue(server):
         [f.result() for f in lows]
     later = [name for name, t in done.items() if t > done["high"]]
     assert len(later) >= 3, sorted(done, key=done.get)
-
-
-@pytest.fixture(scope="module")
-def pd(tiny_model_dir):
-    pytest.importorskip("mooncake.engine")
-    c = start_cluster("mooncake", flags=("--model", str(tiny_model_dir), *FLAGS, *HOST))
-    yield c
-    c.stop()
 
 
 def test_pd_shared_prefixes_hit_both_sides_host_tiers(server, pd):

@@ -83,6 +83,7 @@ def servers(request, model_dirs):
             )
         for (prefill, _), decode in made.values():
             prefill.wait_ready(300), decode.wait_ready(300)
+        made = {f: ((p, int(p.arg("--bootstrap-port"))), d) for f, ((p, _), d) in made.items()}  # where it listens
         yield backend, made
     finally:
         for (prefill, _), decode in made.values():
