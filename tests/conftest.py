@@ -174,9 +174,10 @@ def start_server(*args: str, name: str = "server", tls_ca: str | None = None) ->
 
 @starts_processes
 class ReferenceServers:
-    """Monolithic servers that give the reference outputs PD is compared with: one per distinct command
-    line, started on first use and shared by every module that asks for the same one (tests only generate
-    on them: none is killed, drained or scraped for counts), stopped at the session's end."""
+    """Monolithic servers shared by modules: those that give the reference outputs PD is compared with, and
+    those the API tests call. One per distinct command line, started on first use and shared by every
+    module that asks for the same one (tests only generate on them: none is killed, drained or scraped
+    for counts), stopped at the session's end."""
 
     def __init__(self) -> None:
         self.running: dict[tuple[str, ...], ServerProcess] = {}

@@ -47,19 +47,16 @@ def process(docs: list[dict], role: str, flags: dict[str, str], port: int, healt
 
 
 def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(builtin_model_dir):
-    mono = start_server(name="chart-mono").wait_ready()
-    try:
-        expected = generate(mono.url, PROMPT, 16)["output_ids"]
-    finally:
-        mono.stop()
-
     docs = render(example("cpu-demo.yaml"))
     assert len(objects(docs, "Secret")) == 1  # the cluster secret every node gets
     p_http, p_boot, d_http, r_http = free_port(), free_port(), free_port(), free_port()
-    prefill = process(docs, "prefill", {"--port": str(p_http), "--bootstrap-port": str(p_boot)}, p_http)
-    decode = process(docs, "decode", {"--port": str(d_http)}, d_http)
-    router = None
+    mono = start_server(name="chart-mono")  # starts with the chart's prefill and decode
+    prefill = decode = router = None
     try:
+        prefill = process(docs, "prefill", {"--port": str(p_http), "--bootstrap-port": str(p_boot)}, p_http)
+        decode = process(docs, "decode", {"--port": str(d_http)}, d_http)
+        expected = generate(mono.wait_ready().url, PROMPT, 16)["output_ids"]
+        mono.stop()
         assert "--max-total-tokens" in prefill.args and "--max-total-tokens" in decode.args  # a small KV pool
         prefill.wait_ready()
         decode.wait_ready()
@@ -68,9 +65,9 @@ def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(bui
             "router",
             {
                 "--port": str(r_http),
-                "--prefill-bootstrap-port": str(p_boot),
-                "--prefill-discovery": f"localhost:{p_http}",
-                "--decode-discovery": f"localhost:{d_http}",
+                "--prefill-bootstrap-port": prefill.arg("--bootstrap-port"),  # where they listen
+                "--prefill-discovery": f"localhost:{prefill.port}",
+                "--decode-discovery": f"localhost:{decode.port}",
             },
             r_http,
             health="/readiness",
@@ -79,6 +76,6 @@ def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(bui
         out = generate(router.url, PROMPT, 16)
         assert out["output_ids"] == expected and out["meta_info"]["finish_reason"]["type"] == "length"
     finally:
-        for p in (router, decode, prefill):
+        for p in (router, decode, prefill, mono):
             if p is not None:
                 p.stop()

@@ -12,19 +12,15 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import start_server
-
 EOS = 2  # SmolLM2's <|im_end|>
 COMMA = 28
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start_server(
-        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096", name="api-fields"
-    ).wait_ready()
-    yield s
-    s.stop()
+def server(reference_servers):
+    return reference_servers.get(
+        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096"
+    )  # test_monolithic_api.py's
 
 
 @pytest.fixture(autouse=True)

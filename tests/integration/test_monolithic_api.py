@@ -15,12 +15,10 @@ from tests.conftest import start_server
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start_server(
-        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096", name="mono"
-    ).wait_ready()
-    yield s
-    s.stop()
+def server(reference_servers):
+    return reference_servers.get(
+        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096"
+    )  # test_api_fields.py's
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, free_port, start_server
-from tests.integration.cluster import generate, start_router
+from tests.integration.cluster import generate, spawn_router
 from tests.integration.faults import wait_until
 from tests.integration.tiny_model import random_prompts
 
@@ -23,16 +23,17 @@ NEW = 40
 
 class Setup:
     """One prefill (queue bound 12) and two small decodes, one of which waits at most 0.3 s for
-    memory; one router per decode."""
+    memory; one router per decode; and the monolithic server that gives the expected tokens (stopped once
+    it gave them), all started at once."""
 
     def __init__(self, model: str):
         common = ("--model", model, "--transfer-backend", "mooncake", *ENGINE)
-        self.boot = free_port()
+        self.mono = start_server("--model", model, *ENGINE, name="ov-mono")
         self.prefill = start_server(
             "--disagg-mode",
             "prefill",
             "--bootstrap-port",
-            str(self.boot),
+            str(free_port()),
             "--max-queued-requests",
             "12",
             *common,
@@ -44,17 +45,20 @@ class Setup:
         )
         for n in self.nodes:
             n.wait_ready()
-        self.to_patient, self.to_hasty = self._router(self.patient), self._router(self.hasty)
+        self.to_patient, self.to_hasty = (self._router(d) for d in (self.patient, self.hasty))
+        for r in (self.to_patient, self.to_hasty):
+            r.wait_ready(60)
 
     def _router(self, decode: ServerProcess) -> ServerProcess:
-        return start_router([(self.prefill, self.boot)], [decode], name=f"ov-router-{decode.name}")
+        prefill = (self.prefill, int(self.prefill.arg("--bootstrap-port")))
+        return spawn_router([prefill], [decode], name=f"ov-router-{decode.name}")
 
     @property
     def nodes(self) -> list[ServerProcess]:
         return [self.prefill, self.patient, self.hasty]
 
     def stop(self) -> None:
-        for p in [self.to_patient, self.to_hasty, *self.nodes]:
+        for p in [self.to_patient, self.to_hasty, *self.nodes, self.mono]:
             p.stop()
 
 
@@ -66,8 +70,8 @@ def setup(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model_dir) -> list[list[int]]:
-    mono = start_server("--model", str(tiny_model_dir), *ENGINE, name="ov-mono").wait_ready()
+def expected(setup) -> list[list[int]]:
+    mono = setup.mono.wait_ready()
     try:
         return [generate(mono.url, p, NEW, sampling={"ignore_eos": True})["output_ids"] for p in BIG_PROMPTS]
     finally:
