@@ -80,7 +80,7 @@ def start_servers(net: Network, certs: Certs, names: dict[str, str]) -> dict[str
         return proc
 
     boot = ["bootstrap", "--host", "0.0.0.0", "--port", str(BOOTSTRAP_PORT), "--cluster-secret", SECRET, *tls]
-    start("bootstrap", boot, BOOTSTRAP_PORT).wait_ready(60)
+    start("bootstrap", boot, BOOTSTRAP_PORT)  # all start at once: the prefill registers once it can
     for role in ("prefill", "decode"):
         args = ["serve", "--host", "0.0.0.0", "--port", str(PORT), "--advertise-host", hosts[role].address]
         args += ["--disagg-mode", role, "--transfer-backend", "mooncake", *ENGINE, *keyed]
