@@ -125,12 +125,19 @@ def test_builtin_pd_across_tp_sizes_equals_monolithic_tp1(builtin, prompts, expe
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny") / "kv4", heads=8, kv_heads=4)
-    flags = ("--model", str(model_dir), "--transfer-backend", "mooncake", "--chunked-prefill-size", "64")
-    s = start_servers(flags, (2, 4), (2, 4))
-    s.model_dir = model_dir
-    yield s
-    s.stop()
+    """The TP servers of a tiny Llama with 4 KV heads, and (started with them) a decode of one with 2."""
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = save_tiny_llama(root / "kv4", heads=8, kv_heads=4)
+    other = save_tiny_llama(root / "kv2", heads=8, kv_heads=2)
+    mode = ("--transfer-backend", "mooncake", "--chunked-prefill-size", "64")
+    other_decode = start_server("--disagg-mode", "decode", "--model", str(other), *mode, name="decode-kv2")
+    try:
+        s = start_servers(("--model", str(model_dir), *mode), (2, 4), (2, 4))
+        s.model_dir, s.other_decode = model_dir, other_decode
+        yield s
+        s.stop()
+    finally:
+        other_decode.stop()
 
 
 @pytest.mark.timeout(900)
@@ -145,19 +152,14 @@ def test_tiny_llama_pd_across_tp_sizes_equals_transformers(tiny, prefill_tp, dec
 
 
 @pytest.mark.timeout(600)
-def test_a_decode_of_other_kv_heads_is_refused_at_pairing_naming_both_layouts(tiny, tmp_path):
-    other = save_tiny_llama(tmp_path / "kv2", heads=8, kv_heads=2)
-    flags = ("--model", str(other), "--transfer-backend", "mooncake", "--chunked-prefill-size", "64")
-    decode = start_server("--disagg-mode", "decode", *flags, name="decode-kv2").wait_ready()
-    try:
-        r = pair_call(tiny.prefill(2), decode, random_prompts(1, 20, 20)[0], prefill_timeout=5)
-        assert r.status_code == 502, r.text
-        message = r.json()["error"]["message"]
-        assert "kv_heads: decode has 2, prefill has 4" in message
-        assert "decode layout: tp_size=1, attention=mha, num_layers=2, kv_heads=2" in message
-        assert "prefill layout: tp_size=2, attention=mha, num_layers=2, kv_heads=4" in message
-        decode.wait_idle()
-        for server in tiny.all():
-            server.wait_idle(60)  # the prefill's half ended when its client went away
-    finally:
-        decode.stop()
+def test_a_decode_of_other_kv_heads_is_refused_at_pairing_naming_both_layouts(tiny):
+    decode = tiny.other_decode.wait_ready()
+    r = pair_call(tiny.prefill(2), decode, random_prompts(1, 20, 20)[0], prefill_timeout=5)
+    assert r.status_code == 502, r.text
+    message = r.json()["error"]["message"]
+    assert "kv_heads: decode has 2, prefill has 4" in message
+    assert "decode layout: tp_size=1, attention=mha, num_layers=2, kv_heads=2" in message
+    assert "prefill layout: tp_size=2, attention=mha, num_layers=2, kv_heads=4" in message
+    decode.wait_idle()
+    for server in tiny.all():
+        server.wait_idle(60)  # the prefill's half ended when its client went away
