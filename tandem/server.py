@@ -1,4 +1,5 @@
-"""Start one engine server: config, start-up summary, engine of the right role, uvicorn."""
+"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on node k > 0
+of a TP group spanning hosts (--node-rank), that node's ranks (common.parallel.node)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def setup_logging(role: str) -> None:
 
 def serve_from_args(ns: argparse.Namespace) -> None:
     config = server_config(ns)
+    if config.node_rank > 0:  # another host's share of the TP group: ranks only, no HTTP
+        check_model(config.model)
+        setup_logging(f"node{config.node_rank}")
+        from common.parallel.node import run_node
+
+        run_node(config)
     check_before_loading(config)
     serve(config)
 

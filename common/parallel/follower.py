@@ -4,7 +4,7 @@ then runs every forward rank 0 sends, until rank 0 says stop or goes away.
 It decides nothing: no scheduler, no request table, no sampling. Its logits are dropped (rank 0 samples
 from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank.
 
-    python -m common.parallel.follower --rank R --size N --port P --progress FILE --config JSON
+    python -m common.parallel.follower --rank R --size N --addr HOST:PORT --progress FILE --config JSON
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from common.config import ServerConfig
 from common.model.loader import load_hf_config, resolve_model_dir
-from common.parallel.group import init_group
+from common.parallel.group import init_group, join_store
 from common.parallel.progress import Progress
 from common.parallel.rank_model import RankModel, build_rank_model, rank_report
 from common.parallel.rank_pools import pool_file
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 
 def exit_with_rank0(files: list[str]) -> None:
-    """Exit as soon as rank 0's end of our stdin closes (rank 0 exited, however it did), removing the
-    shared `files` rank 0 may not have removed (it died before)."""
+    """Exit as soon as our starter's end of our stdin closes (rank 0, or node k's process, exited however
+    it did), removing the shared `files` it may not have removed (it died before)."""
 
     def wait() -> None:
         sys.stdin.buffer.read()
@@ -59,8 +59,9 @@ def serve_steps(rank: int, built: RankModel, channel: StepChannel, progress: Pro
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="common.parallel.follower")
-    for flag in ("--rank", "--size", "--port"):
+    for flag in ("--rank", "--size"):
         p.add_argument(flag, type=int, required=True)
+    p.add_argument("--addr", required=True)
     p.add_argument("--progress", required=True)
     p.add_argument("--config", required=True)
     ns = p.parse_args(argv)
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     kv_file = pool_file(ns.progress, ns.rank) if config.disagg_mode != "null" else None
     exit_with_rank0([ns.progress, *([kv_file] if kv_file else [])])
     torch.manual_seed(config.seed)
-    tp = init_group(ns.rank, ns.size, ns.port, config.device, GROUP_TIMEOUT_S)
+    store = join_store(ns.addr, GROUP_TIMEOUT_S)
+    tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_node)
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)

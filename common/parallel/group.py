@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.wire.user_error import split_host_port
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -69,15 +71,29 @@ def _host_group():
     return _HOST_GROUP[0] if _HOST_GROUP else None
 
 
-def init_group(rank: int, size: int, port: int, device: str, timeout_s: float) -> TensorParallel:
-    """Join the group of `size` ranks whose rank 0 listens on 127.0.0.1:`port`."""
+def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: the group's rendezvous store, listening on `addr`'s port (HOST:PORT)."""
+    _, port = split_host_port(addr)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore("0.0.0.0", port, size, True, timeout, wait_for_workers=False)
+
+
+def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
+    """Any other rank or node: a client of rank 0's store at `addr`, waiting up to `timeout_s` for it."""
+    host, port = split_host_port(addr)
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_node: int) -> TensorParallel:
+    """Join the group of `size` ranks that meet in `store` (see host_store / join_store); `per_node`
+    ranks share this host: on CUDA the rank's index on its node picks its GPU."""
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % per_node)
     else:  # the ranks share the cores: more threads each would spin against each other in every collective
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     dist.init_process_group(
         backend="nccl" if device == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -1,0 +1,137 @@
+"""Node k > 0 of a TP group spanning hosts (`tandem serve --nnodes N --node-rank k --dist-init-addr
+HOST:PORT`): no HTTP and no model of its own. It starts this host's ranks (followers of rank 0, which
+node 0 runs), posts their state on the node board every --heartbeat-interval-s, and exits when they are
+done:
+- rank 0 stops them (after its drain): they exit 0, and so does this process;
+- one of them exits otherwise: the fault is posted naming the rank, the others are killed, exit 1;
+- a fault posted by any node, node 0's heartbeat unchanged for --heartbeat-interval-s x
+  --heartbeat-misses once node 0 serves (it hangs), or node 0's store gone (rank 0 exited, at any
+  time: a frozen node 0 during its start-up is not caught): the ranks get one second
+  to finish a stop on their own, then are killed; exit 1 unless they all stopped cleanly.
+SIGTERM or SIGINT: the ranks run on until rank 0 stops them (node 0 drains), for at most
+--drain-timeout-s + 15 s. When this process is killed, its ranks' stdin closes and they exit; node 0
+sees the heartbeat stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from common.config import ServerConfig
+from common.parallel.group import join_store
+from common.parallel.launch import end_followers, kill, local_ranks, spawn_followers, state_of
+from common.parallel.node_board import NodeBoard
+from common.parallel.progress import Progress
+from common.parallel.ranks import GROUP_TIMEOUT_S, POLL_S
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 1.0
+
+
+class Node:
+    def __init__(self, config: ServerConfig):
+        self.config, self.addr = config, config.dist_init_addr
+        self.window_s = config.heartbeat_interval_s * config.heartbeat_misses
+        self.progress = Progress.create(config.tp_size)
+        ranks = [r for r in local_ranks(config)]
+        self.procs = dict(zip(ranks, spawn_followers(config, self.addr, self.progress.path)))
+        self.board: NodeBoard | None = None
+        self.problem: str | None = None  # found by the heartbeat thread
+        self.node0: tuple[int, float] | None = None  # node 0's last beat since it serves, and when it arrived
+        self.deadline: float | None = None  # set by SIGTERM / SIGINT
+        log.info("node %d: tp ranks %s (pids %s), group at %s", config.node_rank, ranks, self.pids(), self.addr)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+    def run(self) -> int:
+        """Until the ranks are done; the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        threading.Thread(target=self._heartbeat, name="node-heartbeat", daemon=True).start()
+        while True:
+            code = self._ranks_done()
+            if code is not None:
+                return code
+            reason = self.problem or self._node0_silence() or self._past_deadline()
+            if reason is not None:
+                return self._end(reason)
+            time.sleep(POLL_S)
+
+    def _ranks_done(self) -> int | None:
+        """0 when every rank exited cleanly, 1 after one failed (posted, the others killed), else None."""
+        for rank, p in self.procs.items():
+            if p.poll() not in (None, 0):
+                self._post(
+                    f"tp rank {rank} (pid {p.pid} on node {self.config.node_rank}) exited with code {p.returncode}"
+                )
+                return self._end(f"tp rank {rank} exited with code {p.returncode}")
+        return 0 if all(p.poll() == 0 for p in self.procs.values()) else None
+
+    def _end(self, reason: str) -> int:
+        log.error("ending tp ranks %s: %s", list(self.procs), reason)
+        end_followers(list(self.procs.values()), STOP_GRACE_S)
+        return 0 if all(p.returncode == 0 for p in self.procs.values()) else 1
+
+    def _post(self, message: str) -> None:
+        """Post a fault for every node to see, waiting at most a second (a frozen node 0 never answers)."""
+        if self.board is not None:
+            t = threading.Thread(target=self.board.set_fault, args=(message,), daemon=True)
+            t.start()
+            t.join(1.0)
+
+    def _heartbeat(self) -> None:
+        """Connect to node 0's store (waiting for node 0 to start), then post and read every interval."""
+        try:
+            self.board = NodeBoard(join_store(self.addr, GROUP_TIMEOUT_S), self.config.node_rank)
+            while True:
+                self.board.publish(
+                    {r: (p.pid, state_of(p.pid), int(self.progress.values[r])) for r, p in self.procs.items()}
+                )
+                self._read_node0()
+                time.sleep(self.config.heartbeat_interval_s)
+        except Exception as e:  # the store's connection closed: rank 0's process is gone
+            self.problem = f"node 0's store at {self.addr} is gone (rank 0 exited): {str(e).splitlines()[0]}"
+
+    def _read_node0(self) -> None:
+        fault = self.board.fault()
+        if fault is not None:
+            self.problem = f"the TP group is broken: {fault}"
+        seen = self.board.read(0)
+        if seen is not None and seen.serving and (self.node0 is None or self.node0[0] != seen.number):
+            self.node0 = (seen.number, time.monotonic())
+
+    def _node0_silence(self) -> str | None:
+        silent = time.monotonic() - self.node0[1] if self.node0 is not None else 0.0
+        if silent <= self.window_s:
+            return None
+        return (
+            f"node 0 has sent no heartbeat for {silent:.1f} s (over --heartbeat-interval-s x --heartbeat-misses "
+            f"= {self.window_s:g} s): it hangs"
+        )
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.config.drain_timeout_s + 15.0
+            log.info("%s: the ranks run on until node 0 stops them", signal.Signals(signum).name)
+
+    def _past_deadline(self) -> str | None:
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return None
+        return "node 0 did not stop the ranks within --drain-timeout-s + 15 s of this node's SIGTERM"
+
+
+def run_node(config: ServerConfig) -> None:
+    node = Node(config)
+    try:
+        code = node.run()
+    finally:
+        for p in node.procs.values():
+            kill(p)
+        node.progress.remove()
+    logging.shutdown()
+    os._exit(code)  # not through interpreter teardown: the heartbeat thread may block in a store call
