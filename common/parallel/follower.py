@@ -2,7 +2,9 @@
 then runs every forward rank 0 sends, until rank 0 says stop or goes away.
 
 It decides nothing: no scheduler, no request table, no sampling. Its logits are dropped (rank 0 samples
-from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank.
+from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank,
+unless it was a collective failing (exit code PEER_GONE_EXIT): then another rank is gone, and that one
+is named.
 
     python -m common.parallel.follower --rank R --size N --addr HOST:PORT --progress FILE --config JSON
 """
@@ -22,7 +24,7 @@ import torch
 
 from common.config import ServerConfig
 from common.model.loader import load_hf_config, resolve_model_dir
-from common.parallel.group import init_group, join_store
+from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store
 from common.parallel.progress import Progress
 from common.parallel.rank_model import RankModel, build_rank_model, rank_report
 from common.parallel.rank_pools import pool_file
@@ -82,10 +84,15 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)
     tp.all_gather_objects(rank_report(ns.rank, built))
-    serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))
-    log.info("stopped by rank 0")
+    code = 0
+    try:
+        serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))
+        log.info("stopped by rank 0")
+    except PeerGone as e:  # not this rank's fault: whoever starts and watches it names the rank that is gone
+        log.error("a collective failed, another rank is gone: %s", e)
+        code = PEER_GONE_EXIT
     logging.shutdown()
-    os._exit(0)  # not through interpreter teardown: the stdin watcher blocks in a read
+    os._exit(code)  # not through interpreter teardown: the stdin watcher blocks in a read
 
 
 if __name__ == "__main__":

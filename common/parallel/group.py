@@ -8,14 +8,30 @@ runs exactly the operations it ran before tensor parallelism existed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from common.wire.user_error import split_host_port
+
+PEER_GONE_EXIT = 3  # a follower's exit code after a collective failed: a consequence of a fault elsewhere
+
+
+class PeerGone(RuntimeError):
+    """A collective failed: another rank of the group is gone (its connection closed)."""
+
+
+@contextlib.contextmanager
+def _collective():
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise it when a peer's connection breaks
+        raise PeerGone(str(e).splitlines()[0]) from e
 
 
 @dataclass(frozen=True)
@@ -30,7 +46,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place."""
         if self.enabled:
-            dist.all_reduce(x)
+            with _collective():
+                dist.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,13 +55,15 @@ class TensorParallel:
         if not self.enabled:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        with _collective():
+            dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (same shape and dtype); `host`: over the gloo group."""
         if self.enabled:
-            dist.broadcast(x, src=0, group=_host_group() if host else None)
+            with _collective():
+                dist.broadcast(x, src=0, group=_host_group() if host else None)
         return x
 
     def all_gather_objects(self, obj: object) -> list:
@@ -64,6 +83,7 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+CONNECT_TRY_S = 3.0
 _HOST_GROUP: list = []
 
 
@@ -79,9 +99,20 @@ def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
 
 
 def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
-    """Any other rank or node: a client of rank 0's store at `addr`, waiting up to `timeout_s` for it."""
+    """Any other rank or node: a client of rank 0's store at `addr`, waiting up to `timeout_s` for it to
+    listen, tried every few seconds (one long try backs off ever longer between its attempts)."""
     host, port = split_host_port(addr)
-    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try_s = max(0.1, min(CONNECT_TRY_S, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=try_s), wait_for_workers=False)
+        except (RuntimeError, TimeoutError):  # not listening yet (torch.distributed.DistError)
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))  # how long a rank waits for the others
+        return store
 
 
 def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_node: int) -> TensorParallel:

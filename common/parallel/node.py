@@ -3,7 +3,8 @@ HOST:PORT`): no HTTP and no model of its own. It starts this host's ranks (follo
 node 0 runs), posts their state on the node board every --heartbeat-interval-s, and exits when they are
 done:
 - rank 0 stops them (after its drain): they exit 0, and so does this process;
-- one of them exits otherwise: the fault is posted naming the rank, the others are killed, exit 1;
+- one of them exits otherwise: the fault is posted naming the rank (unless a collective failed in it,
+  PEER_GONE_EXIT: another rank is gone, and rank 0 names that one), the others are killed, exit 1;
 - a fault posted by any node, node 0's heartbeat unchanged for --heartbeat-interval-s x
   --heartbeat-misses once node 0 serves (it hangs), or node 0's store gone (rank 0 exited, at any
   time: a frozen node 0 during its start-up is not caught): the ranks get one second
@@ -22,7 +23,7 @@ import threading
 import time
 
 from common.config import ServerConfig
-from common.parallel.group import join_store
+from common.parallel.group import PEER_GONE_EXIT, join_store
 from common.parallel.launch import end_followers, kill, local_ranks, spawn_followers, state_of
 from common.parallel.node_board import NodeBoard
 from common.parallel.progress import Progress
@@ -64,12 +65,13 @@ class Node:
 
     def _ranks_done(self) -> int | None:
         """0 when every rank exited cleanly, 1 after one failed (posted, the others killed), else None."""
+        node = self.config.node_rank
         for rank, p in self.procs.items():
             if p.poll() not in (None, 0):
-                self._post(
-                    f"tp rank {rank} (pid {p.pid} on node {self.config.node_rank}) exited with code {p.returncode}"
-                )
-                return self._end(f"tp rank {rank} exited with code {p.returncode}")
+                message = f"tp rank {rank} (pid {p.pid} on node {node}) exited with code {p.returncode}"
+                if p.returncode != PEER_GONE_EXIT:  # else a consequence: rank 0 names the rank that is gone
+                    self._post(message)
+                return self._end(message)
         return 0 if all(p.poll() == 0 for p in self.procs.values()) else None
 
     def _end(self, reason: str) -> int:
@@ -86,8 +88,9 @@ class Node:
 
     def _heartbeat(self) -> None:
         """Connect to node 0's store (waiting for node 0 to start), then post and read every interval."""
+        self.board = NodeBoard(join_store(self.addr, GROUP_TIMEOUT_S), self.config.node_rank)
+        log.info("node %d: heartbeat to node 0's store at %s", self.config.node_rank, self.addr)
         try:
-            self.board = NodeBoard(join_store(self.addr, GROUP_TIMEOUT_S), self.config.node_rank)
             while True:
                 self.board.publish(
                     {r: (p.pid, state_of(p.pid), int(self.progress.values[r])) for r, p in self.procs.items()}

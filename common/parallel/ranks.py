@@ -4,7 +4,9 @@ sends every forward to all ranks before running its own share (`forward`), watch
 Faults: a follower that exits, or that has not finished a step within --watchdog-timeout-s, is a fault
 of the whole group: it is named (`fault`, what /health answers with 503), the other followers are killed
 (which also ends the collective rank 0 waits in), the step's requests fail with a RankFault naming the
-rank, and so does every later forward. A follower that exits during start-up ends the server. With
+rank, and so does every later forward. A follower that exits because a collective failed
+(PEER_GONE_EXIT) is not blamed unless no other rank is named within `grace_s`. A follower that exits
+during start-up ends the server. With
 --nnodes > 1 the ranks of other hosts are watched through the node board (common.parallel.remote_nodes),
 and a fault is posted there so that every node ends its ranks.
 """
@@ -21,7 +23,7 @@ from typing import TypeVar
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardBatch
-from common.parallel.group import TensorParallel, host_store, init_group
+from common.parallel.group import PEER_GONE_EXIT, TensorParallel, host_store, init_group
 from common.parallel.launch import end_followers, group_addr, kill, spawn_followers, state_of
 from common.parallel.node_board import NodeBoard
 from common.parallel.progress import Progress
@@ -51,6 +53,10 @@ class Ranks:
         self.serving = self.stopping = False
         self.step, self.step_started = 0, None
         self._lock = threading.Lock()
+        # how long a failed collective waits for the name of the rank that is gone (a node's silence on
+        # another host), and a follower here that exited because of it is not blamed
+        self.grace_s = 2.0 + (self.remote.window_s if self.remote else 0.0)
+        self._lost: dict[int, float] = {}  # follower -> when it was seen exited with PEER_GONE_EXIT
         threading.Thread(target=self._watch, name="tp-ranks", daemon=True).start()
         per_node = config.ranks_per_node
         self.tp: TensorParallel = init_group(0, config.tp_size, store, config.device, GROUP_TIMEOUT_S, per_node)
@@ -72,9 +78,9 @@ class Ranks:
             self.step_started = None
 
     def _diagnose(self, error: Exception) -> str:
-        """Why the step failed: a follower that exited (waited for briefly: its collective may end first;
-        on another host, up to the heartbeat window: its node's process may have died with it)."""
-        deadline = time.monotonic() + 2.0 + (self.remote.window_s if self.remote else 0.0)
+        """Why the step failed: a follower that exited (waited for: its collective may end first; on
+        another host, up to the heartbeat window: its node's process may have died with it)."""
+        deadline = time.monotonic() + self.grace_s
         while self.fault is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
         self._set_fault(f"a collective of the TP group failed on rank 0: {error!r}")
@@ -82,15 +88,15 @@ class Ranks:
 
     def _watch(self) -> None:
         while not self.stopping:
+            problem = self.remote.poll(self.serving, self.progress) if self.remote else None
+            if problem is not None:  # first: a follower here may have exited because of it
+                self._on_remote(problem)
             for rank, p in enumerate(self.procs, start=1):
                 if p.poll() is not None and not self.stopping:
                     self._on_exit(rank, p)
             started = self.step_started
             if started is not None and time.monotonic() - started > self.config.watchdog_timeout_s:
                 self._on_hang(self.step, time.monotonic() - started)
-            problem = self.remote.poll(self.serving, self.progress) if self.remote and not self.stopping else None
-            if problem is not None:
-                self._on_remote(problem)
             time.sleep(POLL_S)
 
     def _on_exit(self, rank: int, p: subprocess.Popen) -> None:
@@ -98,6 +104,10 @@ class Ranks:
             log.critical("tp rank %d (pid %d) exited with code %s during start-up", rank, p.pid, p.returncode)
             self._kill_all()
             os._exit(1)
+        if p.returncode == PEER_GONE_EXIT:  # another rank is gone: give its name time to arrive
+            lost = self._lost.setdefault(rank, time.monotonic())
+            if time.monotonic() - lost < self.grace_s:
+                return
         self._set_fault(f"tp rank {rank} (pid {p.pid}) exited with code {p.returncode}")
 
     def _on_remote(self, problem: str) -> None:

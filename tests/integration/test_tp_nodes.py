@@ -2,11 +2,13 @@
 Llama (8 heads, 4 KV heads): TP 4 over 2 nodes gives transformers' greedy tokens over HTTP (as TP 1 does,
 test_tensor_parallel); killing node 1's process turns node 0's /health 503 naming node 1's ranks within
 the heartbeat window and the request in flight fails naming them; killing node 0 ends node 1's
-processes within the window; SIGTERM on node 0 drains and stops every rank on both nodes. Three groups
+processes within the window; a rank on node 1 that hangs is named by node 0's step watchdog; SIGTERM on
+node 0 drains and stops every rank on both nodes. Four groups
 start together (each fault ends its group); the bounds are printed."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from tests.tiers import starts_processes
 INTERVAL_S, MISSES = 0.5, 6  # a 3 s window: a loaded machine delays a beat by seconds
 WINDOW_S = INTERVAL_S * MISSES
 HEARTBEAT = ("--heartbeat-interval-s", str(INTERVAL_S), "--heartbeat-misses", str(MISSES))
+WATCHDOG_S = 4.0
 
 
 @starts_processes
@@ -48,6 +51,7 @@ def start_group(model_dir: Path, tp: int, name: str):
     """Node 0 (a server) and node 1 of a TP `tp` group, started."""
     addr = f"127.0.0.1:{free_port()}"
     flags = ["--model", str(model_dir), "--tp-size", str(tp), "--nnodes", "2", "--dist-init-addr", addr, *HEARTBEAT]
+    flags += ["--watchdog-timeout-s", str(WATCHDOG_S)]
     node1 = Node([*flags, "--node-rank", "1"], f"{name}-node1")
     return start_server(*flags, "--node-rank", "0", name=f"{name}-node0"), node1
 
@@ -59,7 +63,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def groups(model_dir):
-    started = {name: start_group(model_dir, tp, name) for name, tp in (("tp4", 4), ("kill0", 2), ("drain", 2))}
+    started = {
+        name: start_group(model_dir, tp, name) for name, tp in (("tp4", 4), ("hang", 2), ("kill0", 2), ("drain", 2))
+    }
     try:
         for server, _ in started.values():
             server.wait_ready(400)
@@ -104,6 +110,27 @@ def test_node1_death_is_named_on_node0(groups):
     server.wait_idle()
     print(f"node 1 SIGKILL: request failed and /health 503 after {t_error:.2f} s (window {WINDOW_S:g} s)")
     record_fault("TP node 1 SIGKILL mid-decode", "HTTP 500 naming node 1's ranks; /health 503", t_error, 0, None)
+
+
+def test_a_hung_rank_on_node1_is_named_by_the_step_watchdog(groups):
+    server, node1 = groups["hang"]
+    [pid] = node1_rank_pids(server, 2)
+    with ThreadPoolExecutor(1) as pool:
+        fut = in_flight(pool, server)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        r = fut.result()
+        t_error = time.monotonic() - t0
+    named = f"tp rank 1 (pid {pid} on node 1, state T) has not finished step"
+    assert r.status_code == 500 and named in r.json()["error"]["message"], r.text
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 503 and named in health.json()["error"]["message"], health.text
+    assert t_error < WATCHDOG_S + 3, f"the request failed {t_error:.2f} s after rank 1 froze"
+    assert node1.proc.wait(5) == 1  # it read the posted fault and ended its (frozen) rank
+    wait_gone([pid], 5)
+    server.wait_idle()
+    print(f"rank 1 on node 1 SIGSTOP: request failed and /health 503 after {t_error:.2f} s (watchdog {WATCHDOG_S:g} s)")
+    record_fault("TP rank on node 1 SIGSTOP mid-decode", "HTTP 500 naming tp rank 1 on node 1", t_error, 0, None)
 
 
 def test_node0_death_ends_node1(groups):
