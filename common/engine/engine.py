@@ -226,7 +226,7 @@ class Engine:
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
-            "tp": {"size": self.config.tp_size, "ranks": self.rank_reports},
+            "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
             "kv_events": self.kv_events.info() if self.kv_events is not None else None,
         }
 

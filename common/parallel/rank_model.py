@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import resource
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def rank_report(rank: int, built: RankModel) -> dict:
     weights = {id(p): p.numel() * p.element_size() for p in built.model.parameters()}
     return {
         "rank": rank,
+        "host": socket.gethostname(),
         "pid": os.getpid(),
         "q_heads": built.heads.num_heads,
         "kv_heads": built.heads.num_kv_heads,
@@ -83,7 +85,7 @@ def rank_report(rank: int, built: RankModel) -> dict:
 
 def describe_rank(r: dict) -> str:
     return (
-        f"tp rank {r['rank']} (pid {r['pid']}): {r['q_heads']} query heads, {r['kv_heads']} KV heads from "
+        f"tp rank {r['rank']} (pid {r['pid']} on {r['host']}): {r['q_heads']} query heads, {r['kv_heads']} KV heads from "
         f"{r['first_kv_head']}, weights {r['weight_bytes'] / 2**20:.1f} MiB, KV pool {r['kv_pages']} pages "
         f"{r['kv_pool_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
     )

@@ -86,8 +86,9 @@ def test_tp4_over_two_nodes_equals_transformers(groups, model_dir):
     prompts = random_prompts(4, 40, 150, seed=7)
     expected = greedy_reference(model_dir, prompts, 16)
     assert_same_tokens(expected, generate_all(server.url, prompts, 16), "tiny TP 4 over 2 nodes")
-    ranks = server.info()["tp"]["ranks"]
-    assert [(r["rank"], r["kv_heads"], r["first_kv_head"]) for r in ranks] == [(r, 1, r) for r in range(4)]
+    tp = server.info()["tp"]
+    assert tp["size"] == 4 and tp["nnodes"] == 2
+    assert [(r["rank"], r["kv_heads"], r["first_kv_head"]) for r in tp["ranks"]] == [(r, 1, r) for r in range(4)]
     server.wait_idle()
 
 
