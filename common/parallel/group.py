@@ -92,7 +92,8 @@ def _host_group():
 
 
 def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0: the group's rendezvous store, listening on `addr`'s port (HOST:PORT)."""
+    """Rank 0: the group's rendezvous store, listening on `addr`'s port (HOST:PORT) on every interface
+    (torch's TCPStore binds no one address)."""
     _, port = split_host_port(addr)
     timeout = datetime.timedelta(seconds=timeout_s)
     return dist.TCPStore("0.0.0.0", port, size, True, timeout, wait_for_workers=False)
