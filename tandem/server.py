@@ -17,7 +17,7 @@ from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
 from common.edge.tls import behind_tls, server_context
 from common.model.locate import check_model
-from common.wire.user_error import UserError, config_error, require_free_ports
+from common.wire.user_error import UserError, config_error, require_free_ports, split_host_port
 
 log = logging.getLogger("tandem")
 
@@ -59,6 +59,8 @@ def check_before_loading(config: ServerConfig) -> None:
     ports = {"--port": config.port}
     if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
         ports["--bootstrap-port"] = config.bootstrap_port
+    if config.dist_init_addr is not None:  # rank 0 hosts its TP group's rendezvous there
+        ports["--dist-init-addr"] = split_host_port(config.dist_init_addr)[1]
     require_free_ports(config.host, ports)
     tls_context(config)  # the certificate and key load
 

@@ -4,6 +4,7 @@ a posted fault (the first stays), remote progress copied for the step watchdog."
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -16,7 +17,8 @@ from common.parallel.node import Node
 from common.parallel.node_board import NodeBoard
 from common.parallel.progress import Progress
 from common.parallel.remote_nodes import RemoteNodes
-from common.wire.user_error import config_error
+from common.wire.user_error import UserError, config_error
+from tandem.server import check_before_loading
 
 ADDR = "10.0.0.1:5000"
 
@@ -38,6 +40,16 @@ def test_bad_node_flags_are_refused_naming_them(flags, message):
     with pytest.raises(ValidationError) as e:
         ServerConfig(**flags)
     assert message in str(config_error(e.value))
+
+
+def test_node0_checks_that_its_rendezvous_port_is_free():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        addr = f"127.0.0.1:{held.getsockname()[1]}"
+        config = ServerConfig(tp_size=2, nnodes=2, dist_init_addr=addr, port=free_port())
+        with pytest.raises(UserError, match=f"--dist-init-addr {held.getsockname()[1]}: another process listens"):
+            check_before_loading(config)
 
 
 def test_each_node_runs_an_even_share_of_the_ranks():
