@@ -1,7 +1,8 @@
 """Node k > 0 of a TP group spanning hosts (`tandem serve --nnodes N --node-rank k --dist-init-addr
-HOST:PORT`): no HTTP and no model of its own. It starts this host's ranks (followers of rank 0, which
-node 0 runs), posts their state on the node board every --heartbeat-interval-s, and exits when they are
-done:
+HOST:PORT`): no HTTP and no model of its own. It waits for node 0's store, starts this host's ranks
+(followers of rank 0, which node 0 runs) with node 0's config (`node0_config`: this host keeps only its
+own place, model path and addresses), posts their state on the node board every
+--heartbeat-interval-s, and exits when they are done:
 - rank 0 stops them (after its drain): they exit 0, and so does this process;
 - one of them exits otherwise: the fault is posted naming the rank (unless a collective failed in it,
   PEER_GONE_EXIT: another rank is gone, and rank 0 names that one), the others are killed, exit 1;
@@ -22,25 +23,48 @@ import signal
 import threading
 import time
 
+from pydantic import ValidationError
+
 from common.config import ServerConfig
 from common.parallel.group import PEER_GONE_EXIT, join_store
 from common.parallel.launch import end_followers, kill, local_ranks, spawn_followers, state_of
 from common.parallel.node_board import NodeBoard
 from common.parallel.progress import Progress
 from common.parallel.ranks import GROUP_TIMEOUT_S, POLL_S
+from common.wire.user_error import config_error
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 1.0
 
 
+# what a node keeps of its own config: where it is and what is its host's (the rest is node 0's)
+OWN_FIELDS = frozenset(
+    {"node_rank", "model", "host", "port", "advertise_host", "dist_init_addr", "drain_timeout_s", "kernel_cache_dir"}
+    | {"api_key", "cluster_secret", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs"}
+)
+
+
+def node0_config(own: ServerConfig, posted: dict) -> ServerConfig:
+    """The config this node's ranks run with: node 0's `posted` one, but for this host's own fields
+    (OWN_FIELDS: its --node-rank, its --model path, its addresses); a flag of its own that differs from
+    node 0's is logged and overridden, so no rank of the group runs with another's sizes."""
+    mine = own.model_dump(mode="json")
+    merged = {k: v for k, v in posted.items() if k not in OWN_FIELDS} | {k: mine[k] for k in OWN_FIELDS}
+    for k in sorted(k for k, v in merged.items() if v != mine[k]):
+        log.warning("--%s %s on this node: node 0's %s is used", k.replace("_", "-"), mine[k], merged[k])
+    try:
+        return ServerConfig.model_validate(merged)
+    except ValidationError as e:
+        raise config_error(e) from None
+
+
 class Node:
-    def __init__(self, config: ServerConfig):
-        self.config, self.addr = config, config.dist_init_addr
+    def __init__(self, config: ServerConfig, board: NodeBoard):
+        self.config, self.addr, self.board = config, config.dist_init_addr, board
         self.window_s = config.heartbeat_interval_s * config.heartbeat_misses
         self.progress = Progress.create(config.tp_size)
         ranks = [r for r in local_ranks(config)]
         self.procs = dict(zip(ranks, spawn_followers(config, self.addr, self.progress.path)))
-        self.board: NodeBoard | None = None
         self.problem: str | None = None  # found by the heartbeat thread
         self.node0: tuple[int, float] | None = None  # node 0's last beat since it serves, and when it arrived
         self.deadline: float | None = None  # set by SIGTERM / SIGINT
@@ -81,15 +105,12 @@ class Node:
 
     def _post(self, message: str) -> None:
         """Post a fault for every node to see, waiting at most a second (a frozen node 0 never answers)."""
-        if self.board is not None:
-            t = threading.Thread(target=self.board.set_fault, args=(message,), daemon=True)
-            t.start()
-            t.join(1.0)
+        t = threading.Thread(target=self.board.set_fault, args=(message,), daemon=True)
+        t.start()
+        t.join(1.0)
 
     def _heartbeat(self) -> None:
-        """Connect to node 0's store (waiting for node 0 to start), then post and read every interval."""
-        self.board = NodeBoard(join_store(self.addr, GROUP_TIMEOUT_S), self.config.node_rank)
-        log.info("node %d: heartbeat to node 0's store at %s", self.config.node_rank, self.addr)
+        """Post this node's heartbeat and read node 0's every interval."""
         try:
             while True:
                 self.board.publish(
@@ -128,8 +149,10 @@ class Node:
         return "node 0 did not stop the ranks within --drain-timeout-s + 15 s of this node's SIGTERM"
 
 
-def run_node(config: ServerConfig) -> None:
-    node = Node(config)
+def run_node(own: ServerConfig) -> None:
+    """Wait for node 0's store (node 0 may start later), run this node's ranks with node 0's config, exit."""
+    board = NodeBoard(join_store(own.dist_init_addr, GROUP_TIMEOUT_S), own.node_rank)
+    node = Node(node0_config(own, board.config()), board)
     try:
         code = node.run()
     finally:

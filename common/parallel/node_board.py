@@ -6,6 +6,8 @@ rendezvous store (torch.distributed's TCPStore at --dist-init-addr, which rank 0
                       common.parallel.progress; node 0's "serving": its start-up is over)
     tandem/fault      the first fault of the group, in words naming the rank or node; every node that
                       reads it ends its ranks
+    tandem/config     node 0's config (secrets left out), posted before any rank starts: every node's
+                      ranks run with it (common.parallel.node)
 
 A store call to a stopped host may block for good (a TCPStore get does not honour its timeout when
 the server is frozen), so callers judge a peer by when they last heard from it, not by a call failing.
@@ -19,8 +21,11 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from common.config import ServerConfig
+
 log = logging.getLogger(__name__)
 FAULT_KEY = "tandem/fault"
+CONFIG_KEY = "tandem/config"
 RankState = dict[int, tuple[int, str, int]]  # rank -> (pid, state letter, progress value)
 
 
@@ -61,3 +66,11 @@ class NodeBoard:
     def set_fault(self, message: str) -> None:
         """Post `message` as the group's fault unless one is posted already (the first one stays)."""
         self.store.compare_set(FAULT_KEY, "", message)
+
+    def post_config(self, config: ServerConfig) -> None:
+        """Node 0's config for the other nodes' ranks, without its secrets (the store is unauthenticated)."""
+        self.store.set(CONFIG_KEY, config.model_dump_json(exclude={"api_key", "cluster_secret"}))
+
+    def config(self) -> dict:
+        """Node 0's config, waiting for it to be posted."""
+        return json.loads(self.store.get(CONFIG_KEY))

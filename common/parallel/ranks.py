@@ -49,6 +49,8 @@ class Ranks:
         store = host_store(addr, config.tp_size, GROUP_TIMEOUT_S)
         self.procs: list[subprocess.Popen] = spawn_followers(config, addr, self.progress.path)
         self.remote = RemoteNodes(config, NodeBoard(store, 0)) if config.nnodes > 1 else None
+        if self.remote is not None:  # the other nodes' ranks run with it (common.parallel.node)
+            self.remote.board.post_config(config)
         self.fault: str | None = None
         self.serving = self.stopping = False
         self.step, self.step_started = 0, None

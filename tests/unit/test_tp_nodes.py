@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from common.config import ServerConfig
 from common.parallel.group import host_store, join_store
 from common.parallel.launch import free_port, local_ranks
-from common.parallel.node import Node
+from common.parallel.node import Node, node0_config
 from common.parallel.node_board import NodeBoard
 from common.parallel.progress import Progress
 from common.parallel.remote_nodes import RemoteNodes
@@ -119,3 +119,16 @@ def test_node_k_judges_node0_only_once_it_serves(board_pair):
     node0.set_fault("tp rank 1 exited")
     node._read_node0()
     assert node.problem == "the TP group is broken: tp rank 1 exited"
+
+
+def test_node_k_runs_its_ranks_with_node0s_config_but_its_own_place(board_pair):
+    addr, node0, node1 = board_pair
+    leader = ServerConfig(tp_size=4, nnodes=2, dist_init_addr=addr, page_size=32, api_key="k0", cluster_secret="s0")
+    node0.post_config(leader)
+    assert "k0" not in node0.store.get("tandem/config").decode()  # secrets stay off the unauthenticated store
+    own = ServerConfig(tp_size=4, nnodes=2, node_rank=1, dist_init_addr=addr, model="/mnt/m", cluster_secret="s1")
+    config = node0_config(own, node1.config())
+    assert (config.page_size, config.node_rank, config.model, config.cluster_secret) == (32, 1, "/mnt/m", "s1")
+    lost = ServerConfig(tp_size=6, nnodes=3, node_rank=2, dist_init_addr=addr)
+    with pytest.raises(UserError, match="--node-rank 2 must be below --nnodes 2"):
+        node0_config(lost, node1.config())
