@@ -63,7 +63,7 @@ class Node:
         self.config, self.addr, self.board = config, config.dist_init_addr, board
         self.window_s = config.heartbeat_interval_s * config.heartbeat_misses
         self.progress = Progress.create(config.tp_size)
-        ranks = [r for r in local_ranks(config)]
+        ranks = list(local_ranks(config))
         self.procs = dict(zip(ranks, spawn_followers(config, self.addr, self.progress.path)))
         self.problem: str | None = None  # found by the heartbeat thread
         self.node0: tuple[int, float] | None = None  # node 0's last beat since it serves, and when it arrived
