@@ -128,8 +128,6 @@ class ServerConfig(BaseSettings):
             )
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
-        if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
-            raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
         if self.kv_events_config:
             parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
         if self.enable_hierarchical_cache and (self.disable_radix_cache or self.tp_size > 1):
