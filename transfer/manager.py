@@ -42,8 +42,8 @@ class RoomState(Protocol):
 
 @dataclass
 class KVArgs:
-    kv_ptrs: list[int]  # the KV buffers, one per rank (the page-major pool of each, in rank order); this
-    # process's engine registers rank 0's, each follower's own engine its own (transfer.rank_agent)
+    kv_ptrs: list[int]  # the KV buffers, the same number per rank (a server's page-major pool: one), in rank
+    # order; this process's engine registers rank 0's, each follower's own engine its own (transfer.rank_agent)
     kv_nbytes: list[int]
     bytes_per_page: list[int]
     num_pages: int
@@ -99,7 +99,9 @@ class KVManager(ABC):
             )
         )
         log.info("%s KV transfer: %s", self.mode, self.backend.describe())
-        self.backend.register(args.kv_ptrs[0], args.kv_nbytes[0], args.on_cuda)  # rank 0's pool: ours
+        own = len(args.kv_ptrs) // args.tp_size  # rank 0's buffers (its pool: one) are ours
+        for ptr, nbytes in zip(args.kv_ptrs[:own], args.kv_nbytes[:own]):
+            self.backend.register(ptr, nbytes, args.on_cuda)
         self.counters: Counter[str] = Counter()
         self.metrics = TransferMetrics(self.counters)  # the engine's /metrics exposes it
         self.liveness = Liveness(args.heartbeat_interval_s, args.heartbeat_misses, clock, wall_clock)

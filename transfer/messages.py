@@ -312,10 +312,10 @@ def _check_ranges(msg: Any) -> None:
         sizes = (msg.num_pages, msg.page_size, msg.aux_record_bytes, msg.aux_slots, msg.tp_size, msg.kv_heads)
         if min(sizes) < 1 or msg.aux_ptr <= 0:
             raise BadMessage("register sizes must be positive")
-        if len(msg.backend_addresses) != len(msg.kv_ptrs) or not all(
+        if len(msg.backend_addresses) != msg.tp_size or not all(
             isinstance(a, bytes) and a for a in msg.backend_addresses
         ):
-            raise BadMessage("backend_addresses: one non-empty address per KV buffer (one per rank)")
+            raise BadMessage("backend_addresses: one non-empty address per rank (tp_size)")
     if isinstance(msg, RankWrite):
         pieces = (msg.src, msg.dst, msg.nbytes)
         if len({len(x) for x in pieces}) != 1 or not all(type(x) is int and x > 0 for xs in pieces for x in xs):

@@ -15,6 +15,7 @@ from transfer.decode.receiver import KVReceiver
 from transfer.manager import KVArgs
 from transfer.messages import BadMessage, Register, RoomRequest, Status, decode, encode
 from transfer.poll import KVPoll, PollState
+from transfer.prefill.kv_writer import rank_peer
 from transfer.prefill.prefill_manager import PrefillKVManager
 from transfer.prefill.runs import chunk_triples
 from transfer.prefill.sender import KVSender
@@ -228,7 +229,7 @@ def block_writes_to(side: Side, decode_id: str) -> tuple[threading.Event, thread
     real = side.manager.backend.write_batch
 
     def write_batch(peer_id, *args, **kwargs):
-        if peer_id == decode_id:
+        if peer_id == rank_peer(decode_id, 0):
             entered.set()
             release.wait(10)
         return real(peer_id, *args, **kwargs)

@@ -125,7 +125,7 @@ class KVWriter:
         size, else each decode rank's heads sliced out of the prefill ranks' pages (common.wire.kv_heads)."""
         a = self.args
         if registration.tp_size == a.tp_size:
-            return paired_groups(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
+            return paired_groups(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, a.tp_size, src_pages, dst_pages)
         plan = head_sources(a.kv_heads, a.tp_size, registration.tp_size)
         return rank_groups(
             a.kv_ptrs,

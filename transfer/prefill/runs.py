@@ -77,9 +77,13 @@ def rank_groups(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pa
     return groups
 
 
-def paired_groups(src_bases, dst_bases, bytes_per_page, src_pages, dst_pages) -> dict[tuple[int, int], Triples]:
-    """{(rank, rank): triples} at equal TP sizes: rank r's pages to decode rank r, a piece per run."""
+def paired_groups(src_bases, dst_bases, bytes_per_page, tp_size, src_pages, dst_pages) -> dict[tuple, Triples]:
+    """{(rank, rank): triples} at equal TP sizes: rank r's buffers to decode rank r's, a piece per buffer
+    and run (a server's pool: one buffer per rank)."""
+    per = len(src_bases) // tp_size
     return {
-        (r, r): chunk_triples([s], [d], [b], src_pages, dst_pages)
-        for r, (s, d, b) in enumerate(zip(src_bases, dst_bases, bytes_per_page))
+        (r, r): chunk_triples(
+            *(x[r * per : (r + 1) * per] for x in (src_bases, dst_bases, bytes_per_page)), src_pages, dst_pages
+        )
+        for r in range(tp_size)
     }
