@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -86,7 +87,13 @@ def follower_rank(backend, device, layers, heads, dim, pages, tp, rank, serve, q
         serve,
     )
     q_out.put(agent.report())
-    q_in.get()
+    parent = os.getppid()
+    while os.getppid() == parent:  # until told to stop, or the side that started it is gone
+        try:
+            q_in.get(timeout=1)
+            break
+        except queue.Empty:
+            pass
     os._exit(0)
 
 
@@ -101,6 +108,14 @@ def start_followers(backend, device, layers, heads, dim, pages, tp, serve) -> tu
         reports.append(q_out.get(timeout=120))
         stops.append(q_in)
     return reports, stops
+
+
+def stop_followers(manager) -> None:
+    """Tell the followers to exit, flushing the queues first (os._exit skips their feeder threads)."""
+    for stop in manager.follower_stops:
+        stop.put("stop")
+        stop.close()
+        stop.join_thread()
 
 
 def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, tp=1):
@@ -153,8 +168,7 @@ def decode_side(backend, device, layout, case, q_out, q_in):
         wait_until_done(manager, r)
         r.release()
     q_in.get()
-    for stop in manager.follower_stops:
-        stop.put("stop")
+    stop_followers(manager)
     os._exit(0)
 
 
@@ -233,8 +247,7 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
     except Exception as e:
         results.put((case, repr(e)))
     q_out.put("done")
-    for stop in manager.follower_stops:
-        stop.put("stop")
+    stop_followers(manager)
     for q in (results, q_out):  # os._exit skips the queues' feeder threads: flush them first
         q.close()
         q.join_thread()
