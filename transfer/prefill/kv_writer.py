@@ -8,10 +8,10 @@ size receives, in each of its ranks' buffers, exactly that rank's KV heads (`KVW
 
 Per-rank engines: a chunk's pieces are grouped by (prefill rank, decode rank). Rank 0 writes its own
 groups with its own engine, and each follower's group goes to that follower's agent
-(transfer.prefill.rank_links), which writes it with the follower's engine; all at once. The group of
-rank 0 to decode rank 0 goes last, once every other group landed, with the aux record (one batch on the
-host), so the record lands only after every rank's slice, and any failure fails the chunk only after
-every group finished or failed: nothing of the room lands after its status.
+(transfer.prefill.rank_links), which writes it with the follower's engine; all at once. The aux record
+goes last, once every group landed (at TP 1 on both sides, the one group and the record are one batch
+on the host), so the record lands only after every rank's slice, and any failure fails the chunk only
+after every group finished or failed: nothing of the room lands after its status.
 
 Ordering: rank 0 waits on the chunk's `ready` event (recorded after its forward) before any group is
 issued. A follower's pages of that forward are written by then: each layer's attention writes the
@@ -149,13 +149,13 @@ class KVWriter:
         mark: Mark = no_mark,
     ) -> int:
         """The pages and, on the last chunk, the aux record; returns the KV bytes written, raises on any
-        failure of a group (after every group ended). The other groups first, all at once; then rank 0's
-        group for decode rank 0: host KV with the record in one batch (one round trip: the decode reads
-        the record only after the status, sent once the whole batch landed); device KV and the host
-        record take a batch each. `fence()` runs before each round of backend calls and raises when the
+        failure of a group (after every group ended). Every group at once, then the record; one group
+        alone (TP 1 on both sides) goes with the record in one batch when on the host (one round trip:
+        the decode reads the record only after the status, sent once the whole batch landed); device KV
+        and the host record take a batch each. `fence()` runs before each round of backend calls and raises when the
         decode may no longer be written to; `mark` records the writes on the request's timeline."""
         groups = self.groups(registration, src_pages, dst_pages)
-        src, dst, nbytes = groups.pop((0, 0))
+        src, dst, nbytes = groups.pop((0, 0)) if len(groups) == 1 else ([], [], [])
         written = self._write_groups(registration, room_request.decode_id, groups, fence) + sum(nbytes)
         peer = rank_peer(room_request.decode_id, 0)
         if aux is not None and not self.on_cuda:
@@ -164,9 +164,10 @@ class KVWriter:
             mark("chunk_written")
             mark("aux_written")
             return written
-        fence()
-        self.backend.write_batch(peer, src, dst, nbytes, self.on_cuda)  # each backend splits as it must
-        self._count(0, sum(nbytes))
+        if src:
+            fence()
+            self.backend.write_batch(peer, src, dst, nbytes, self.on_cuda)  # each backend splits as it must
+            self._count(0, sum(nbytes))
         mark("chunk_written")
         if aux is not None:
             self._write_with_aux(registration, room_request, aux, [], [], [], fence)
