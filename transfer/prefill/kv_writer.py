@@ -116,6 +116,7 @@ class KVWriter:
         """`links`: the followers' agents (None at TP 1)."""
         self.backend, self.args, self.on_cuda, self.links = backend, args, args.on_cuda, links
         self.aux_staging = AuxStaging(backend)
+        self.page_bytes = sum(args.bytes_per_page)  # one page across every rank's buffer: what a page sends
         self.rank_bytes: Counter[int] = Counter()  # bytes each prefill rank's own engine wrote
         self._lock = threading.Lock()
         self._group_writers = ThreadPoolExecutor(GROUP_WRITERS, "kv-rank-write", initializer=lower_this_thread)
