@@ -190,13 +190,14 @@ def test_one_decode_ranks_failed_write_fails_the_room_for_every_rank():
     assert dec.aux.sum() == 0  # the record goes after every group landed: never
 
 
-def record_writes(backend, log: list, name: str, fail: str | None = None) -> None:
-    """Log every batch `backend` writes as (name, pieces, carries the aux record); raise `fail` instead."""
+def record_writes(backend, log: list, name: str, fail: list[str] = ()) -> None:
+    """Log every batch `backend` writes as (name, pieces, carries the aux record); raise `fail`'s message
+    instead while it holds one."""
     real = backend.write_batch
 
     def write(peer, src, dst, nbytes, on_device=False):
         if fail:
-            raise RuntimeError(fail)
+            raise RuntimeError(fail[0])
         log.append((name, len(src), AUX in nbytes))
         real(peer, src, dst, nbytes, on_device)
 
@@ -243,18 +244,24 @@ def test_each_prefill_rank_writes_its_heads_with_its_own_engine_and_the_record_g
 
 def test_one_follower_engine_failing_its_group_fails_the_room_and_no_record_lands():
     """All or nothing: rank 2's engine fails its group; the other groups still end before the status, the
-    room fails on both sides naming rank 2, and the record is never written."""
+    room fails on both sides naming rank 2, and the record is never written. Only that room: once the
+    engine works again, the next room lands."""
     prefill, dec = Side("prefill", 3, 3), Side("decode", 3, 1)
     writes: list = []
     record_writes(prefill.manager.backend, writes, "rank0")
     record_writes(prefill.agents[0].backend, writes, "rank1")
-    record_writes(prefill.agents[1].backend, writes, "rank2", fail="rank 2's NIC is gone")
+    broken = ["rank 2's NIC is gone"]
+    record_writes(prefill.agents[1].backend, writes, "rank2", fail=broken)
     sender, receiver = pair_room(prefill, dec, 12)
     wait_for(lambda: receiver.poll() == KVPoll.Failed)
     assert "tp rank 2's transfer engine failed" in receiver.failure_reason
     assert "rank 2's NIC is gone" in receiver.failure_reason
     assert sorted(writes) == [("rank0", 2, False), ("rank1", 2, False)]
     assert sender.poll() == KVPoll.Failed and dec.aux.sum() == 0
+    broken.clear()
+    _, receiver = pair_room(prefill, dec, 14)
+    wait_for(lambda: receiver.poll() == KVPoll.Success)
+    assert dec.aux[1].tolist() == list(range(AUX))
 
 
 def test_a_follower_that_does_not_answer_fails_the_room_when_the_tp_group_faults():
