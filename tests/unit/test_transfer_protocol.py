@@ -218,7 +218,7 @@ def test_unknown_room_status_is_counted():
 
 
 def test_register_validation_rejects_bad_pointers():
-    bad = Register("d", "tcp://x:1", b"a", [0], [16], 4, 4, 1, 8, 1)
+    bad = Register("d", "tcp://x:1", [b"a"], [0], [16], 4, 4, 1, 8, 1)
     with pytest.raises(BadMessage):
         decode(encode(bad, None), None)
 
