@@ -136,8 +136,6 @@ class ServerConfig(BaseSettings):
             )
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
-        if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
-            raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
         self._check_nodes()
         if self.kv_events_config:
             parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
@@ -162,11 +160,6 @@ class ServerConfig(BaseSettings):
             return
         if self.dist_init_addr is None:
             raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
-        if self.disagg_mode != "null":
-            raise ValueError(
-                f"--disagg-mode {self.disagg_mode} with --nnodes {self.nnodes}: a prefill or decode server runs "
-                "its TP group on one node for now (--nnodes 1)"
-            )
 
     @property
     def ranks_per_node(self) -> int:

@@ -4,7 +4,9 @@ then runs every forward rank 0 sends, until rank 0 says stop or goes away.
 It decides nothing: no scheduler, no request table, no sampling. Its logits are dropped (rank 0 samples
 from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank,
 unless it was a collective failing (exit code PEER_GONE_EXIT): then another rank is gone, and that one
-is named.
+is named. A prefill's or decode's follower also runs its own KV transfer engine: its entry point
+(tandem.rank_follower) passes `services`, started once the pool exists, whose report goes to rank 0
+with the rank's (under "transfer").
 
     python -m common.parallel.follower --rank R --size N --addr HOST:PORT --progress FILE --config JSON
 """
@@ -19,19 +21,24 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from common.config import ServerConfig
+from common.memory.kv_pool import KVPool
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store
 from common.parallel.progress import Progress
 from common.parallel.rank_model import RankModel, build_rank_model, rank_report
-from common.parallel.rank_pools import pool_file
 from common.parallel.ranks import GROUP_TIMEOUT_S
 from common.parallel.step import StepChannel
 
 log = logging.getLogger(__name__)
+
+
+Services = Callable[[ServerConfig, KVPool], Any]  # starts what else a rank runs; returns it (with `report()`)
 
 
 def exit_with_rank0(files: list[str]) -> None:
@@ -59,7 +66,7 @@ def serve_steps(rank: int, built: RankModel, channel: StepChannel, progress: Pro
         progress.finished(rank, step)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, services: Services | None = None) -> None:
     p = argparse.ArgumentParser(prog="common.parallel.follower")
     for flag in ("--rank", "--size"):
         p.add_argument(flag, type=int, required=True)
@@ -75,15 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = ServerConfig.model_validate(json.loads(ns.config))
-    kv_file = pool_file(ns.progress, ns.rank) if config.disagg_mode != "null" else None
-    exit_with_rank0([ns.progress, *([kv_file] if kv_file else [])])
+    exit_with_rank0([ns.progress])
     torch.manual_seed(config.seed)
     store = join_store(ns.addr, GROUP_TIMEOUT_S)
     tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_node)
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
-    built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)
-    tp.all_gather_objects(rank_report(ns.rank, built))
+    built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp)
+    started = services(config, built.kv_pool) if services is not None else None  # lives as long as we serve
+    tp.all_gather_objects(rank_report(ns.rank, built) | ({"transfer": started.report()} if started else {}))
     code = 0
     try:
         serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))

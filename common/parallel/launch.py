@@ -20,6 +20,9 @@ from pathlib import Path
 from common.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+# a PD server's followers also run their own KV transfer engine (transfer.rank_agent), started by tandem's
+# entry point: common does not import the transfer layer
+FOLLOWER = {False: "common.parallel.follower", True: "tandem.rank_follower"}
 
 
 def free_port() -> int:
@@ -46,7 +49,7 @@ def spawn_followers(config: ServerConfig, addr: str, progress_path: str) -> list
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "common.parallel.follower", "--rank", str(rank), *argv],
+            [sys.executable, "-m", FOLLOWER[config.disagg_mode != "null"], "--rank", str(rank), *argv],
             stdin=subprocess.PIPE,
             env=env,
         )

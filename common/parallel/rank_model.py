@@ -39,15 +39,9 @@ class RankModel:
 
 
 def build_rank_model(
-    config: ServerConfig,
-    model_dir: Path,
-    hf: PretrainedConfig,
-    dtype: torch.dtype,
-    tp: TensorParallel,
-    kv_file: str | None = None,
+    config: ServerConfig, model_dir: Path, hf: PretrainedConfig, dtype: torch.dtype, tp: TensorParallel
 ) -> RankModel:
-    """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds
-    (in `kv_file`, shared, when given: common.parallel.rank_pools)."""
+    """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
     model = load_model(model_dir, hf, dtype, config.device, tp)
     whole = attention_spec(hf)
     heads = head_partition(whole.q_heads, whole.kv_heads, tp)
@@ -59,7 +53,7 @@ def build_rank_model(
     plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
     scales, source = read_kv_scales(model_dir, spec.num_layers)
     log.info("%s", describe_kv_cache(spec, store_dtype, source))
-    pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales, kv_file)
+    pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales)
     attn = make_attention_backend(
         config.attention_backend, config.device, pool, spec.q_heads, spec.head_dim, spec.scaling
     )

@@ -28,12 +28,12 @@ def templates(docs: list[dict]) -> dict[str, dict]:
 
 def as_launched(args: list[str], env: dict[str, str]) -> ServerConfig:
     """The args as the kubelet expands $(VAR) from the pod's env, through `tandem serve`'s own flags and
-    checks, as a monolithic server (a prefill or decode server refuses --nnodes > 1 for now)."""
+    checks."""
     for name, value in env.items():
         args = [a.replace(f"$({name})", value) for a in args]
     parser = argparse.ArgumentParser()
     add_model_flags(parser, ServerConfig)
-    return ServerConfig(**vars(parser.parse_args(args[1:])) | {"disagg_mode": "null"})
+    return ServerConfig(**vars(parser.parse_args(args[1:])))
 
 
 def test_a_group_of_pods_per_replica_with_the_node_flags():
@@ -50,6 +50,7 @@ def test_a_group_of_pods_per_replica_with_the_node_flags():
         assert flag(c["args"], "--node-rank") == {"leader": "0", "worker": "$(LWS_WORKER_INDEX)"}[node]
         config = as_launched(c["args"], env)
         assert (config.tp_size, config.nnodes, config.node_rank) == (4, 2, int(env["LWS_WORKER_INDEX"]))
+        assert config.disagg_mode == "prefill"
         assert config.dist_init_addr == f"{LEADER_ENV['LWS_LEADER_ADDRESS']}:5000"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # tpSize / nodes
     leader, worker = (pods[n]["spec"]["containers"][0] for n in ("leader", "worker"))

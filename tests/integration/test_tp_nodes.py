@@ -3,8 +3,9 @@ Llama (8 heads, 4 KV heads): TP 4 over 2 nodes gives transformers' greedy tokens
 test_tensor_parallel); killing node 1's process turns node 0's /health 503 naming node 1's ranks within
 the heartbeat window and the request in flight fails naming them; killing node 0 ends node 1's
 processes within the window; a rank on node 1 that hangs is named by node 0's step watchdog; SIGTERM on
-node 0 drains and stops every rank on both nodes. Four groups
-start together (each fault ends its group); the bounds are printed."""
+node 0 drains and stops every rank on both nodes; a prefill and a decode, each over two nodes, give
+transformers' greedy tokens. Five groups start together (each fault ends its group); the bounds are
+printed."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 from tests.conftest import ROOT, free_port, record_fault, start_server
 from tests.integration.test_tensor_parallel import assert_same_tokens, generate_all, greedy_reference
 from tests.integration.test_tp_faults import LONG, in_flight, wait_gone
+from tests.integration.test_tp_pd import pair_call
 from tests.integration.tiny_model import random_prompts, save_tiny_llama
 from tests.tiers import starts_processes
 
@@ -47,10 +49,11 @@ class Node:
             self.proc.wait()
 
 
-def start_group(model_dir: Path, tp: int, name: str):
+def start_group(model_dir: Path, tp: int, name: str, extra: tuple[str, ...] = ()):
     """Node 0 (a server) and node 1 of a TP `tp` group, started."""
     addr = f"127.0.0.1:{free_port()}"
     flags = ["--model", str(model_dir), "--tp-size", str(tp), "--nnodes", "2", "--dist-init-addr", addr, *HEARTBEAT]
+    flags += extra
     flags += ["--watchdog-timeout-s", str(WATCHDOG_S)]
     node1 = Node([*flags, "--node-rank", "1"], f"{name}-node1")
     return start_server(*flags, "--node-rank", "0", name=f"{name}-node0"), node1
@@ -62,10 +65,19 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def groups(model_dir):
-    started = {
-        name: start_group(model_dir, tp, name) for name, tp in (("tp4", 4), ("hang", 2), ("kill0", 2), ("drain", 2))
+def boot_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def groups(model_dir, boot_port):
+    """Started together; the PD pair's decode is killed (node 0) after the PD test."""
+    pd = {
+        "pd-prefill": ("--disagg-mode", "prefill", "--bootstrap-port", str(boot_port)),
+        "pd-decode": ("--disagg-mode", "decode"),
     }
+    sizes = {"tp4": 4, "hang": 2, "drain": 2, "pd-prefill": 2, "pd-decode": 2}
+    started = {name: start_group(model_dir, tp, name, pd.get(name, ())) for name, tp in sizes.items()}
     try:
         for server, _ in started.values():
             server.wait_ready(400)
@@ -134,8 +146,22 @@ def test_a_hung_rank_on_node1_is_named_by_the_step_watchdog(groups):
     record_fault("TP rank on node 1 SIGSTOP mid-decode", "HTTP 500 naming tp rank 1 on node 1", t_error, 0, None)
 
 
+def test_pd_with_both_sides_over_two_nodes_equals_transformers(groups, model_dir, boot_port):
+    """Prefill TP 2 and decode TP 2, each over two nodes: rank 1 of each runs on its node 1 with its own
+    transfer engine (the prefill's writes its KV heads, the decode's receives them). The decode's greedy
+    tokens equal transformers', and both pools end clean."""
+    (prefill, _), (decode, _) = groups["pd-prefill"], groups["pd-decode"]
+    prompts = random_prompts(3, 40, 120, seed=11)
+    got = [pair_call((prefill, boot_port), decode, ids) for ids in prompts]
+    assert all(r.status_code == 200 for r in got), [r.text for r in got]
+    assert_same_tokens(greedy_reference(model_dir, prompts, 16), [r.json() for r in got], "PD over 2 nodes")
+    prefill.wait_idle()
+    decode.wait_idle()
+
+
 def test_node0_death_ends_node1(groups):
-    server, node1 = groups["kill0"]
+    """Runs after the PD test on its decode (a group of its own would cost three more processes)."""
+    server, node1 = groups["pd-decode"]
     pids = [node1.proc.pid, *node1_rank_pids(server, 2)]
     server.signal(signal.SIGKILL)
     t_gone = wait_gone(pids, WINDOW_S + 5)

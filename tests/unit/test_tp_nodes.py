@@ -30,10 +30,6 @@ ADDR = "10.0.0.1:5000"
         (dict(tp_size=3, nnodes=2, dist_init_addr=ADDR), "--tp-size 3 must be a multiple of --nnodes 2"),
         (dict(tp_size=4, nnodes=2), "--nnodes 2 needs --dist-init-addr HOST:PORT"),
         (dict(tp_size=2, nnodes=2, dist_init_addr="10.0.0.1"), "--dist-init-addr '10.0.0.1' is not HOST:PORT"),
-        (
-            dict(tp_size=2, nnodes=2, dist_init_addr=ADDR, disagg_mode="decode"),
-            "--disagg-mode decode with --nnodes 2: a prefill or decode server runs its TP group on one node",
-        ),
     ],
 )
 def test_bad_node_flags_are_refused_naming_them(flags, message):
