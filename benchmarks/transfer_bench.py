@@ -12,13 +12,12 @@ pool before it (one buffer per layer and K/V: 2 x layers pieces per run), kept t
 
 Cases: the KV of a 2048-token prompt of the built-in model's shape (30 layers, 3 kv heads, dim 64,
 page 16) sent in 4 chunks, with contiguous and with fragmented destination pages; and a large
-synthetic pool (256 MiB) in 8 chunks. "TP a->b": the fragmented 2k prompt from a prefill at TP a (a
-buffer per rank) to a decode at TP b, each decode rank's heads sliced out of the prefill's heads-first
-pages (one piece per page and head group). For those cases a second table measures the alternatives
-on the same bytes: "layer HND" writes the pieces a pool with heads before tokens inside each layer
-would need (one per page, layer, K/V and head group: the backend's own cost, nothing else), and
-"staging" gathers each decode rank's heads into registered host memory (numpy, timed) and writes it in
-one piece per destination run.
+synthetic pool (256 MiB) in 8 chunks. "TP a->b" (page-major only): the fragmented 2k prompt from a
+prefill at TP a to a decode at TP b, each decode rank's heads sliced out of the prefill's heads-first
+pages (one piece per page and head group), every rank in its own process with its own transfer engine
+as in a server: ranks 1.. of each side run `transfer.rank_agent` (a prefill's serving rank 0's
+groups); rank 0 is the manager. Their "raw pieces" column is "nan": the pieces lie in several
+processes, which no single backend call reaches.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -47,7 +47,7 @@ CASES = {  # name: (layers, KV heads, dim, prompt tokens, chunks, fragmented des
 
 def make_buffers(layout: str, device: str, layers: int, heads: int, dim: int, pages: int, tp: int = 1):
     """The registered KV memory in `layout` and its BufferInfos (the tensors must outlive the manager);
-    page-major at TP `tp`: one pool per rank, each with its share of the heads."""
+    page-major at TP `tp`: rank 0's pool, its share of the heads (the followers': `follower_rank`)."""
     import torch
 
     from common.memory.kv_pool import BufferInfo, KVPool
@@ -55,13 +55,67 @@ def make_buffers(layout: str, device: str, layers: int, heads: int, dim: int, pa
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if layout == "page-major":
-        pools = [KVPool(layers, pages, PAGE, len(rank_heads(heads, tp, r)), dim, dtype, device) for r in range(tp)]
-        for pool in pools:
-            pool.buffer.fill_(1)
-        return [p.buffer for p in pools], [p.buffer_infos()[0] for p in pools]
+        pool = KVPool(layers, pages, PAGE, len(rank_heads(heads, tp, 0)), dim, dtype, device)
+        pool.buffer.fill_(1)
+        return [pool.buffer], pool.buffer_infos()
     bufs = [torch.ones((pages + 1) * PAGE, heads, dim, dtype=dtype, device=device) for _ in range(2 * layers)]
     bpp = PAGE * heads * dim * bufs[0].element_size()
     return bufs, [BufferInfo(b.data_ptr(), b.numel() * b.element_size(), bpp) for b in bufs]
+
+
+def follower_rank(backend, device, layers, heads, dim, pages, tp, rank, serve, q_out, q_in) -> None:
+    """Rank `rank` of `tp`: its own pool (its heads) and engine, its agent's report sent to rank 0."""
+    import torch
+
+    from common.memory.kv_pool import KVPool
+    from common.wire.kv_heads import rank_heads
+    from transfer.backends.base import make_backend
+    from transfer.rank_agent import RankAgent
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    pool = KVPool(layers, pages, PAGE, len(rank_heads(heads, tp, rank)), dim, dtype, device)
+    pool.buffer.fill_(1)
+    engine = make_backend(backend, "127.0.0.1", on_cuda=device == "cuda", device_index=pool.device_index)
+    agent = RankAgent(
+        engine,
+        (pool.buffer.data_ptr(), pool.total_bytes, pool.bytes_per_page),
+        device == "cuda",
+        "127.0.0.1",
+        None,
+        serve,
+    )
+    q_out.put(agent.report())
+    parent = os.getppid()
+    while os.getppid() == parent:  # until told to stop, or the side that started it is gone
+        try:
+            q_in.get(timeout=1)
+            break
+        except queue.Empty:
+            pass
+    os._exit(0)
+
+
+def start_followers(backend, device, layers, heads, dim, pages, tp, serve) -> tuple[list[dict], list]:
+    """Ranks 1..tp-1, each in its own process: their reports, and what ends them (put anything)."""
+    ctx = mp.get_context("spawn")
+    reports, stops = [], []
+    for rank in range(1, tp):
+        q_out, q_in = ctx.Queue(), ctx.Queue()
+        args = (backend, device, layers, heads, dim, pages, tp, rank, serve, q_out, q_in)
+        ctx.Process(target=follower_rank, args=args).start()
+        reports.append(q_out.get(timeout=120))
+        stops.append(q_in)
+    return reports, stops
+
+
+def stop_followers(manager) -> None:
+    """Tell the followers to exit, flushing the queues first (os._exit skips their feeder threads)."""
+    for stop in manager.follower_stops:
+        stop.put("stop")
+        stop.close()
+        stop.join_thread()
 
 
 def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, tp=1):
@@ -70,10 +124,11 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
     from transfer.prefill.prefill_manager import PrefillKVManager
 
     bufs, infos = make_buffers(layout, device, layers, heads, dim, pages, tp)
+    followers, stops = start_followers(backend, device, layers, heads, dim, pages, tp, mode == "prefill")
     args = KVArgs(
-        [i.data_ptr for i in infos],
-        [i.nbytes for i in infos],
-        [i.bytes_per_page for i in infos],
+        [*(i.data_ptr for i in infos), *(f["kv_ptr"] for f in followers)],
+        [*(i.nbytes for i in infos), *(f["kv_nbytes"] for f in followers)],
+        [*(i.bytes_per_page for i in infos), *(f["bytes_per_page"] for f in followers)],
         pages,
         PAGE,
         backend=backend,
@@ -84,8 +139,11 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
         aux_slots=1 if aux is not None else 0,
         tp_size=tp,
         kv_heads=heads,
+        rank_addresses=[f["backend_address"] for f in followers],
+        rank_agents=[(f["agent_endpoint"], f["agent_id"]) for f in followers if f["agent_endpoint"]],
     )
     manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)
+    manager.follower_stops = stops
     manager.bench_wake = threading.Event()  # woken as a server's scheduler is
     manager.wake_scheduler = manager.bench_wake.set
     return manager, bufs
@@ -110,6 +168,7 @@ def decode_side(backend, device, layout, case, q_out, q_in):
         wait_until_done(manager, r)
         r.release()
     q_in.get()
+    stop_followers(manager)
     os._exit(0)
 
 
@@ -154,39 +213,41 @@ def timed(fn, *args) -> float:
 
 
 def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
+    from transfer.prefill.kv_writer import rank_peer
+
     layers, heads, dim, tokens, chunks, _, src_tp, dst_tp = CASES[case]
     pages = tokens // PAGE
     room = pages * max(src_tp, dst_tp)  # rank 0's buffer holds the raw one-piece write's bytes
     manager, bufs = make_manager("prefill", backend, device, layout, layers, heads, dim, room, None, src_tp)
     q_out.put((manager.endpoint, manager.instance_id, repeat + 1))
     decode_id = q_in.get()
-    a, write = manager.args, manager.backend.write_batch
+    a, write, peer = manager.args, manager.backend.write_batch, rank_peer(decode_id, 0)
     total = pages * sum(a.bytes_per_page)
-    times, alternatives = [], []  # per round: ours, raw in one piece, raw with the room's pieces; TP alternatives
+    times = []  # per round: ours, raw in one piece, raw with the room's pieces
     try:
         for room in range(repeat + 1):  # the three alternate, so load from other processes hits them alike
             elapsed, dst_pages = send_room(manager, room, pages, chunks)
             registration = manager.registrations[decode_id]
-            pieces = manager.writer.pieces(registration, list(range(1, pages + 1)), dst_pages)
-            raw = nan
+            groups = manager.writer.groups(registration, list(range(1, pages + 1)), dst_pages)
+            pieces = [x for g in groups.values() for x in g[0]]
+            raw = raw_pieces = nan
             if layout == "page-major":  # pages 1.. of one pool into pages 1.. of the other, one piece
                 one = (
                     [a.kv_ptrs[0] + a.bytes_per_page[0]],
                     [registration.kv_ptrs[0] + registration.bytes_per_page[0]],
                     [total],
                 )
-                raw = timed(write, decode_id, *one, a.on_cuda)
-            row = elapsed, raw, timed(write, decode_id, *pieces, a.on_cuda)
+                raw = timed(write, peer, *one, a.on_cuda)
+            if list(groups) == [(0, 0)]:  # one rank on each side: the room's pieces in one call
+                raw_pieces = timed(write, peer, *groups[0, 0], a.on_cuda)
             if room:  # the first round warms up connections
-                times.append(row)
-                if src_tp != dst_tp:
-                    alternatives.append(tp_alternatives(manager, decode_id, case, pages, dst_pages))
+                times.append((elapsed, raw, raw_pieces))
         medians = [statistics.median(col) for col in zip(*times)]
-        alt = [statistics.median(col) for col in zip(*alternatives)] if alternatives else []
-        results.put((case, total, len(pieces[0]), *medians, alt))
+        results.put((case, total, len(pieces), *medians))
     except Exception as e:
         results.put((case, repr(e)))
     q_out.put("done")
+    stop_followers(manager)
     for q in (results, q_out):  # os._exit skips the queues' feeder threads: flush them first
         q.close()
         q.join_thread()
@@ -226,14 +287,13 @@ def main() -> None:
     ns = ap.parse_args()
     # on CUDA the managers choose their transports as servers do (NIXL sets UCX_TLS; Mooncake refuses
     # MC_INTRANODE_NVLINK, whose transport cannot reach the host-memory aux records)
-    rows, alternatives = [], []
+    rows = []
     for backend in ns.backends:
         for case in ns.cases:
             for layout in ns.layouts:
-                *row, alt = run_case(backend, ns.device, layout, case, ns.repeat)
-                rows.append((backend, layout, *row))
-                if alt:
-                    alternatives.append((backend, case, row[1], row[3], *alt))
+                if layout != "page-major" and CASES[case][6:] != (1, 1):
+                    continue  # ranks of their own pools: page-major only
+                rows.append((backend, layout, *run_case(backend, ns.device, layout, case, ns.repeat)))
                 print(f"  {backend:9} {case:22} {layout:11} done", flush=True)
     print(
         f"\n{'backend':9} {'case':22} {'layout':11} {'MiB':>6} {'pieces':>6} {'ours GB/s':>9} {'raw GB/s':>8} {'ratio':>5}"
@@ -243,32 +303,6 @@ def main() -> None:
         print(
             f"{backend:9} {case:22} {layout:11} {total / 2**20:6.1f} {pieces:6d} {total / ours / 1e9:9.3f}"
             f" {total / raw / 1e9:8.3f} {raw / ours:5.2f} {total / raw_pieces / 1e9:15.3f} {raw_pieces / ours:5.2f}"
-        )
-    if alternatives:
-        print_alternatives(alternatives)
-
-
-def tp_alternatives(manager, decode_id, case, pages, dst_pages) -> tuple:
-    """(layer-HND pieces, their write s, staging gather s, staging write s) of a TP case (see the docstring)."""
-    from tp_alternatives import layer_hnd_pieces, staging_write
-
-    layers = CASES[case][0]
-    registration = manager.registrations[decode_id]
-    src_pages = list(range(1, pages + 1))
-    hnd = layer_hnd_pieces(manager.writer, registration, layers, src_pages, dst_pages)
-    hnd_s = timed(manager.backend.write_batch, decode_id, *hnd, False)
-    return (len(hnd[0]), hnd_s, *staging_write(manager, registration, src_pages, dst_pages))
-
-
-def print_alternatives(rows) -> None:
-    print(
-        f"\n{'backend':9} {'case':30} {'ours GB/s':>9} {'layer-HND pieces':>16} {'GB/s':>6}"
-        f" {'staging gather s':>16} {'staging GB/s':>12}"
-    )
-    for backend, case, total, ours, pieces, hnd_s, gather_s, write_s in rows:
-        print(
-            f"{backend:9} {case:30} {total / ours / 1e9:9.3f} {pieces:16.0f} {total / hnd_s / 1e9:6.3f}"
-            f" {gather_s:16.4f} {total / (gather_s + write_s) / 1e9:12.3f}"
         )
 
 

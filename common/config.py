@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.wire.kv_events import parse_kv_events_config
+from common.wire.user_error import split_host_port
 
 DisaggMode = Literal["null", "prefill", "decode"]
 
@@ -36,6 +37,13 @@ class ServerConfig(BaseSettings):
     seed: int = 0
     tp_size: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"
+    )
+    nnodes: int = Field(1, ge=1, le=64, description="hosts the TP group spans: each runs tp_size / nnodes ranks")
+    node_rank: int = Field(
+        0, ge=0, description="this host's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
+    )
+    dist_init_addr: str | None = Field(
+        None, description="HOST:PORT where node 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
     )
 
     # memory
@@ -128,8 +136,7 @@ class ServerConfig(BaseSettings):
             )
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
-        if self.tp_size > 1 and self.disagg_mode != "null" and self.device != "cpu":
-            raise ValueError("a prefill or decode server with tp_size > 1 runs on the CPU only for now (--device cpu)")
+        self._check_nodes()
         if self.kv_events_config:
             parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
         if self.enable_hierarchical_cache and (self.disable_radix_cache or self.tp_size > 1):
@@ -140,6 +147,23 @@ class ServerConfig(BaseSettings):
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
+
+    def _check_nodes(self) -> None:
+        """--nnodes, --node-rank and --dist-init-addr fit together and with --tp-size (SGLang's meanings)."""
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per node)")
+        if self.dist_init_addr is not None:
+            split_host_port(self.dist_init_addr)
+        if self.nnodes == 1:
+            return
+        if self.dist_init_addr is None:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def torch_dtype_name(self) -> str:

@@ -23,7 +23,9 @@ def build_decode_engine(config: ServerConfig) -> Engine:
         config = engine.config  # with the batch limits derived for the device
         aux = AuxPool(2 * config.max_running_requests + 16)
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
-        args = kv_args_from_pool(engine.kv_buffers, config, aux.data_ptr, RECORD_BYTES, aux.num_slots, kv_heads)
+        args = kv_args_from_pool(
+            engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots, kv_heads, engine.followers_transfer
+        )
         manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])

@@ -26,8 +26,10 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
     def make_role(engine: Engine) -> PrefillRole:
         config = engine.config  # with the batch limits derived for the device
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
-        args = kv_args_from_pool(engine.kv_buffers, config, aux_record_bytes=RECORD_BYTES, kv_heads=kv_heads)
-        manager = PrefillKVManager(args, wake_scheduler=engine.scheduler.wake)
+        followers = engine.followers_transfer
+        args = kv_args_from_pool(engine.kv_pool, config, 0, RECORD_BYTES, 0, kv_heads, followers)
+        fault = (lambda: engine.ranks.fault) if engine.ranks is not None else (lambda: None)
+        manager = PrefillKVManager(args, rank_fault=fault, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         bootstrap_url = config.bootstrap_url

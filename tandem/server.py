@@ -1,4 +1,5 @@
-"""Start one engine server: config, start-up summary, engine of the right role, uvicorn."""
+"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on node k > 0
+of a TP group spanning hosts (--node-rank), that node's ranks (common.parallel.node)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
 from common.edge.tls import behind_tls, server_context
 from common.model.locate import check_model
-from common.wire.user_error import UserError, config_error, require_free_ports
+from common.wire.user_error import UserError, config_error, require_free_ports, split_host_port
 
 log = logging.getLogger("tandem")
 
@@ -34,6 +35,12 @@ def setup_logging(role: str) -> None:
 
 def serve_from_args(ns: argparse.Namespace) -> None:
     config = server_config(ns)
+    if config.node_rank > 0:  # another host's share of the TP group: ranks only, no HTTP
+        check_model(config.model)
+        setup_logging(f"node{config.node_rank}")
+        from common.parallel.node import run_node
+
+        run_node(config)
     check_before_loading(config)
     serve(config)
 
@@ -52,6 +59,8 @@ def check_before_loading(config: ServerConfig) -> None:
     ports = {"--port": config.port}
     if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
         ports["--bootstrap-port"] = config.bootstrap_port
+    if config.dist_init_addr is not None:  # rank 0 hosts its TP group's rendezvous there
+        ports["--dist-init-addr"] = split_host_port(config.dist_init_addr)[1]
     require_free_ports(config.host, ports)
     tls_context(config)  # the certificate and key load
 

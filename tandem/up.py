@@ -195,7 +195,8 @@ def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
     if ns.mode == "pd" and tp > 1 and ns.device == "cuda":
         raise UserError(
             f"--prefill-tp-size {ns.prefill_tp_size} --decode-tp-size {ns.decode_tp_size} with --device cuda: "
-            "PD with tensor parallelism runs on the CPU only for now (CUDA needs a transfer engine per rank)"
+            "tandem up gives each server one GPU, and a server at --tp-size N needs N: start those servers with "
+            "`tandem serve --tp-size N` (or the Helm chart's per-role tp)"
         )
     from tandem.cli import build_parser
     from tandem.server import server_config

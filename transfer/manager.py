@@ -18,7 +18,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from transfer.backends.base import make_backend
@@ -42,7 +42,8 @@ class RoomState(Protocol):
 
 @dataclass
 class KVArgs:
-    kv_ptrs: list[int]  # the registered KV buffers (one per rank: the page-major pool of each, in rank order)
+    kv_ptrs: list[int]  # the KV buffers, the same number per rank (a server's page-major pool: one), in rank
+    # order; this process's engine registers rank 0's, each follower's own engine its own (transfer.rank_agent)
     kv_nbytes: list[int]
     bytes_per_page: list[int]
     num_pages: int
@@ -64,6 +65,8 @@ class KVArgs:
     max_queued_chunks: int = 4096  # prefill: chunks waiting per decode before a room fails
     tp_size: int = 1  # the ranks whose pools kv_ptrs are
     kv_heads: int = 1  # the model's KV heads, as the KV layout says (common.wire.kv_heads splits them)
+    rank_addresses: list[bytes] = field(default_factory=list)  # followers' engines (ranks 1..), in rank order
+    rank_agents: list[tuple[str, str]] = field(default_factory=list)  # prefill: followers' (endpoint, agent id)
 
 
 class KVManager(ABC):
@@ -96,7 +99,8 @@ class KVManager(ABC):
             )
         )
         log.info("%s KV transfer: %s", self.mode, self.backend.describe())
-        for ptr, nbytes in zip(args.kv_ptrs, args.kv_nbytes):
+        own = len(args.kv_ptrs) // args.tp_size  # rank 0's buffers (its pool: one) are ours
+        for ptr, nbytes in zip(args.kv_ptrs[:own], args.kv_nbytes[:own]):
             self.backend.register(ptr, nbytes, args.on_cuda)
         self.counters: Counter[str] = Counter()
         self.metrics = TransferMetrics(self.counters)  # the engine's /metrics exposes it
@@ -205,15 +209,21 @@ class KVManager(ABC):
 
 
 def kv_args_from_pool(
-    pool, config, aux_ptr: int = 0, aux_record_bytes: int = 0, aux_slots: int = 0, kv_heads: int | None = None
+    pool,
+    config,
+    aux_ptr: int = 0,
+    aux_record_bytes: int = 0,
+    aux_slots: int = 0,
+    kv_heads: int | None = None,
+    followers: list[dict] = (),
 ) -> KVArgs:
-    """The transfer args of a pool (a KVPool, or a TP server's RankPools) of a model with `kv_heads`
-    (default: the pool's, right at TP 1)."""
-    infos = pool.buffer_infos()
+    """The transfer args of rank 0's pool and its `followers`' (their agents' reports, ranks 1..:
+    transfer.rank_agent) of a model with `kv_heads` (default: the pool's, right at TP 1)."""
+    (own,) = pool.buffer_infos()
     return KVArgs(
-        kv_ptrs=[i.data_ptr for i in infos],
-        kv_nbytes=[i.nbytes for i in infos],
-        bytes_per_page=[i.bytes_per_page for i in infos],
+        kv_ptrs=[own.data_ptr, *(f["kv_ptr"] for f in followers)],
+        kv_nbytes=[own.nbytes, *(f["kv_nbytes"] for f in followers)],
+        bytes_per_page=[own.bytes_per_page, *(f["bytes_per_page"] for f in followers)],
         num_pages=pool.num_pages,
         page_size=pool.page_size,
         host=config.public_host,
@@ -232,4 +242,6 @@ def kv_args_from_pool(
         heartbeat_misses=config.heartbeat_misses,
         tp_size=config.tp_size,
         kv_heads=kv_heads or pool.kv_heads,
+        rank_addresses=[f["backend_address"] for f in followers],
+        rank_agents=[(f["agent_endpoint"], f["agent_id"]) for f in followers if f["agent_endpoint"]],
     )

@@ -11,6 +11,9 @@ and counted.
     prefill -> decode  first_token  per room: its aux record (first sampled token), once the last chunk is queued,
                                     ahead of the KV
     prefill -> decode  status       per room: ok or failed(reason), after the last write of that room
+    prefill rank 0 -> its follower's agent  rank_write    one group of a chunk's pieces, written by that rank's
+                                                          own engine (transfer.rank_agent)
+    agent -> prefill rank 0                 rank_written  ok (bytes written) or failed(reason)
 
 Frame: msgpack [body, mac]; mac = HMAC-SHA256(cluster secret, body), empty without a secret, so the
 secret itself never crosses the wire. The signed body carries an envelope: the sender's instance id, a
@@ -48,7 +51,7 @@ class BadMessage(ValueError):
 class Register:
     decode_id: str
     status_endpoint: str
-    backend_address: bytes
+    backend_addresses: list[bytes]  # each rank's transfer engine, in rank order (one per KV buffer)
     kv_ptrs: list[int]
     bytes_per_page: list[int]
     num_pages: int
@@ -102,6 +105,31 @@ class FirstToken:
     record: bytes
 
 
+@dataclass
+class RankWrite:
+    """Prefill rank 0 to a follower's agent: write these pieces of the follower's pool into a decode
+    rank (`peer_id`, reached at `peer_address`) with the follower's engine, then answer `reply_to`."""
+
+    job: int
+    peer_id: str
+    peer_address: bytes
+    src: list[int]
+    dst: list[int]
+    nbytes: list[int]
+    on_device: bool
+    reply_to: str
+
+
+@dataclass
+class RankWritten:
+    """A follower's agent to prefill rank 0: the group `job` landed (`written` bytes), or why not."""
+
+    job: int
+    ok: bool
+    reason: str
+    written: int
+
+
 KINDS = {
     "register": Register,
     "request": RoomRequest,
@@ -110,11 +138,13 @@ KINDS = {
     "pong": Pong,
     "status": Status,
     "first_token": FirstToken,
+    "rank_write": RankWrite,
+    "rank_written": RankWritten,
 }
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "decode_id": (str,),
     "status_endpoint": (str,),
-    "backend_address": (bytes,),
+    "backend_addresses": (list,),
     "kv_ptrs": (list,),
     "bytes_per_page": (list,),
     "num_pages": (int,),
@@ -132,6 +162,15 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "ok": (bool,),
     "endpoint": (str,),
     "record": (bytes,),
+    "job": (int,),
+    "peer_id": (str,),
+    "peer_address": (bytes,),
+    "src": (list,),
+    "dst": (list,),
+    "nbytes": (list,),
+    "on_device": (bool,),
+    "reply_to": (str,),
+    "written": (int,),
 }
 
 
@@ -188,7 +227,11 @@ def open_frame(raw: bytes, secret: str | None) -> tuple[Any, Envelope]:
     envelope = {k: data.pop(k) for k in ENVELOPE if k in data}
     fields = cls.__dataclass_fields__
     if set(data) != set(fields):
-        raise BadMessage(f"{cls.__name__} fields {sorted(map(str, data))} != {sorted(fields)}")
+        missing, extra = sorted(set(fields) - set(data)), sorted(map(str, set(data) - set(fields)))
+        raise BadMessage(
+            f"{cls.__name__} fields {sorted(map(str, data))} != {sorted(fields)} (missing {missing}, "
+            f"unexpected {extra}: a peer of another Tandem version? run one version on both)"
+        )
     for name, value in data.items():
         if not isinstance(value, FIELD_TYPES[name]) or (FIELD_TYPES[name] == (int,) and isinstance(value, bool)):
             raise BadMessage(f"{cls.__name__}.{name} has type {type(value).__name__}")
@@ -251,6 +294,8 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
 def _check_ranges(msg: Any) -> None:
     if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room_id < 2**63:
         raise BadMessage("room out of range")
+    if isinstance(msg, (RankWrite, RankWritten)) and not 0 <= msg.job < 2**63:
+        raise BadMessage("job out of range")
     if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):
             raise BadMessage("dst_pages must be a list of ints")
@@ -267,3 +312,11 @@ def _check_ranges(msg: Any) -> None:
         sizes = (msg.num_pages, msg.page_size, msg.aux_record_bytes, msg.aux_slots, msg.tp_size, msg.kv_heads)
         if min(sizes) < 1 or msg.aux_ptr <= 0:
             raise BadMessage("register sizes must be positive")
+        if len(msg.backend_addresses) != msg.tp_size or not all(
+            isinstance(a, bytes) and a for a in msg.backend_addresses
+        ):
+            raise BadMessage("backend_addresses: one non-empty address per rank (tp_size)")
+    if isinstance(msg, RankWrite):
+        pieces = (msg.src, msg.dst, msg.nbytes)
+        if len({len(x) for x in pieces}) != 1 or not all(type(x) is int and x > 0 for xs in pieces for x in xs):
+            raise BadMessage("rank_write: src, dst and nbytes must be matching lists of positive ints")

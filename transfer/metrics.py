@@ -59,6 +59,7 @@ class TransferMetrics:
         )
         for cause in CAUSES:  # every cause is exported from the start, at 0
             self.failures.labels(cause)
+        self.rank_bytes: Counts[int] | None = None  # prefill: KV bytes each TP rank's own engine wrote
 
     def failed(self, cause: str) -> None:
         if cause not in CAUSES:
@@ -74,3 +75,10 @@ class TransferMetrics:
         yield events
         yield from self.latency.collect()
         yield from self.failures.collect()
+        if self.rank_bytes is not None:
+            ranks = CounterMetricFamily(
+                "tandem_kv_rank_bytes", "KV bytes written by each TP rank's own transfer engine", labels=["rank"]
+            )
+            for rank, nbytes in sorted(self.rank_bytes.items()):
+                ranks.add_metric([str(rank)], nbytes)
+            yield ranks

@@ -33,7 +33,6 @@ from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.hicache import make_prefix_cache
-from common.memory.kv_pool import KVPool
 from common.memory.manager import MemoryManager
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
@@ -45,7 +44,6 @@ from common.parallel.group import SINGLE
 from common.parallel.leader import LeaderModel
 from common.parallel.partition import check_tp_size
 from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
-from common.parallel.rank_pools import RankPools
 from common.parallel.ranks import Ranks
 from common.wire.kv_events import parse_kv_events_config
 
@@ -77,11 +75,12 @@ class Engine:
         tp = self.ranks.tp if self.ranks else SINGLE
         built = build_rank_model(config, self.model_dir, self.hf_config, self.dtype, tp)
         self.rank_reports = tp.all_gather_objects(rank_report(0, built))
+        # a PD follower's transfer engine and pool (transfer.rank_agent), for the role's KV manager
+        self.followers_transfer = [r.pop("transfer") for r in self.rank_reports[1:] if "transfer" in r]
         if self.ranks is not None:
             self.ranks.serving = True
             log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
         self.pool_plan, self.kv_pool = built.pool_plan, built.kv_pool
-        self.kv_buffers = self._kv_buffers()
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
@@ -109,12 +108,6 @@ class Engine:
         spec = attention_spec(hf)  # MLA: one latent "KV head", replicated on every rank
         check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
         return Ranks(self.config) if size > 1 else None
-
-    def _kv_buffers(self) -> KVPool | RankPools:
-        """What a PD role's transfer engine moves: every rank's pool (see common.parallel.rank_pools)."""
-        if self.ranks is None or self.config.disagg_mode == "null":
-            return self.kv_pool
-        return RankPools(self.kv_pool, self.ranks.progress.path, self.config.tp_size)
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
@@ -226,7 +219,7 @@ class Engine:
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
-            "tp": {"size": self.config.tp_size, "ranks": self.rank_reports},
+            "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
             "kv_events": self.kv_events.info() if self.kv_events is not None else None,
         }
 

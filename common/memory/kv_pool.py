@@ -46,13 +46,6 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: tor
     return planes * num_layers * kv_heads * head_dim * dtype.itemsize
 
 
-def map_shared(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for n in shape:
-        numel *= n
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-
-
 class KVPool:
     kind = "mha"
     planes = 2  # K, V
@@ -68,12 +61,9 @@ class KVPool:
         device: str,
         compute_dtype: torch.dtype | None = None,
         scales: list[tuple[float, float]] | None = None,
-        shared_file: str | None = None,
     ):
         """`dtype`: what the buffer stores; `compute_dtype`: what reads return (default: `dtype`);
-        `scales`: (k_scale, v_scale) per layer, used when `dtype` is a float8 (default 1.0);
-        `shared_file` (CPU): the buffer is that file, mapped shared, so that another process (rank 0 of a
-        tensor-parallel PD server) can map it too and move this rank's pages."""
+        `scales`: (k_scale, v_scale) per layer, used when `dtype` is a float8 (default 1.0)."""
         sizes = {
             "num_layers": num_layers,
             "num_pages": num_pages,
@@ -94,10 +84,7 @@ class KVPool:
         if len(self.scales) != num_layers:
             raise ValueError(f"KVPool: {len(self.scales)} scales for {num_layers} layers")
         shape = (num_pages + 1, kv_heads, num_layers, self.planes, page_size, head_dim)
-        if shared_file is None:
-            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
-        else:  # created zero-filled
-            self.buffer = map_shared(shared_file, shape, dtype)
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self._k = [self.buffer[:, :, layer, 0] for layer in range(num_layers)]
         self._v = [self.buffer[:, :, layer, self.planes - 1] for layer in range(num_layers)]
 

@@ -6,8 +6,8 @@
 Page-major like KVPool (a run of pages is one piece for the transfer engine). Attention reads the plane
 as K and its first kv_lora_rank values as V (common.model.mla absorbs the up-projections), so V is a
 view: nothing is stored twice. FP8 uses the layer's K scale for both. With tensor parallelism every
-rank keeps the whole latent; a PD follower's pool lives in a shared file as an MHA pool's does
-(common.parallel.rank_pools), so the decode rank r receives prefill rank r's copy.
+rank keeps the whole latent, so a PD decode rank r receives (with its own transfer engine, as an MHA
+pool's heads) prefill rank r's copy.
 """
 
 from __future__ import annotations
@@ -32,22 +32,12 @@ class MLAPool(KVPool):
         device: str,
         compute_dtype: torch.dtype | None = None,
         scales: list[tuple[float, float]] | None = None,
-        shared_file: str | None = None,
     ):
         if not isinstance(latent_dim, int) or latent_dim < 1:
             raise ValueError(f"MLAPool: latent_dim must be an int >= 1, got {latent_dim!r}")
         scales = [(k, k) for k, _ in scales] if scales else None
         super().__init__(
-            num_layers,
-            num_pages,
-            page_size,
-            1,
-            latent_dim + rope_dim,
-            dtype,
-            device,
-            compute_dtype,
-            scales,
-            shared_file,
+            num_layers, num_pages, page_size, 1, latent_dim + rope_dim, dtype, device, compute_dtype, scales
         )
         self.latent_dim = latent_dim
         self._v = [k[..., :latent_dim] for k in self._k]

@@ -30,34 +30,14 @@ def make_kv_pool(
     model_dtype: torch.dtype,
     device: str,
     scales: list[tuple[float, float]] | None = None,
-    shared_file: str | None = None,
 ) -> KVPool:
-    """`shared_file`: the pool's buffer in that file (a TP rank of a PD server, common.parallel.rank_pools)."""
     if spec.kind == "mla":
         rope_dim, latent = spec.head_dim - spec.v_head_dim, spec.v_head_dim
         return MLAPool(
-            spec.num_layers,
-            num_pages,
-            page_size,
-            latent,
-            rope_dim,
-            store_dtype,
-            device,
-            model_dtype,
-            scales,
-            shared_file,
+            spec.num_layers, num_pages, page_size, latent, rope_dim, store_dtype, device, model_dtype, scales
         )
     return KVPool(
-        spec.num_layers,
-        num_pages,
-        page_size,
-        spec.kv_heads,
-        spec.head_dim,
-        store_dtype,
-        device,
-        model_dtype,
-        scales,
-        shared_file,
+        spec.num_layers, num_pages, page_size, spec.kv_heads, spec.head_dim, store_dtype, device, model_dtype, scales
     )
 
 

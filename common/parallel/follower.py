@@ -2,9 +2,13 @@
 then runs every forward rank 0 sends, until rank 0 says stop or goes away.
 
 It decides nothing: no scheduler, no request table, no sampling. Its logits are dropped (rank 0 samples
-from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank.
+from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank,
+unless it was a collective failing (exit code PEER_GONE_EXIT): then another rank is gone, and that one
+is named. A prefill's or decode's follower also runs its own KV transfer engine: its entry point
+(tandem.rank_follower) passes `services`, started once the pool exists, whose report goes to rank 0
+with the rank's (under "transfer").
 
-    python -m common.parallel.follower --rank R --size N --port P --progress FILE --config JSON
+    python -m common.parallel.follower --rank R --size N --addr HOST:PORT --progress FILE --config JSON
 """
 
 from __future__ import annotations
@@ -17,24 +21,29 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from common.config import ServerConfig
+from common.memory.kv_pool import KVPool
 from common.model.loader import load_hf_config, resolve_model_dir
-from common.parallel.group import init_group
+from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store
 from common.parallel.progress import Progress
 from common.parallel.rank_model import RankModel, build_rank_model, rank_report
-from common.parallel.rank_pools import pool_file
 from common.parallel.ranks import GROUP_TIMEOUT_S
 from common.parallel.step import StepChannel
 
 log = logging.getLogger(__name__)
 
 
+Services = Callable[[ServerConfig, KVPool], Any]  # starts what else a rank runs; returns it (with `report()`)
+
+
 def exit_with_rank0(files: list[str]) -> None:
-    """Exit as soon as rank 0's end of our stdin closes (rank 0 exited, however it did), removing the
-    shared `files` rank 0 may not have removed (it died before)."""
+    """Exit as soon as our starter's end of our stdin closes (rank 0, or node k's process, exited however
+    it did), removing the shared `files` it may not have removed (it died before)."""
 
     def wait() -> None:
         sys.stdin.buffer.read()
@@ -57,10 +66,11 @@ def serve_steps(rank: int, built: RankModel, channel: StepChannel, progress: Pro
         progress.finished(rank, step)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, services: Services | None = None) -> None:
     p = argparse.ArgumentParser(prog="common.parallel.follower")
-    for flag in ("--rank", "--size", "--port"):
+    for flag in ("--rank", "--size"):
         p.add_argument(flag, type=int, required=True)
+    p.add_argument("--addr", required=True)
     p.add_argument("--progress", required=True)
     p.add_argument("--config", required=True)
     ns = p.parse_args(argv)
@@ -72,18 +82,24 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = ServerConfig.model_validate(json.loads(ns.config))
-    kv_file = pool_file(ns.progress, ns.rank) if config.disagg_mode != "null" else None
-    exit_with_rank0([ns.progress, *([kv_file] if kv_file else [])])
+    exit_with_rank0([ns.progress])
     torch.manual_seed(config.seed)
-    tp = init_group(ns.rank, ns.size, ns.port, config.device, GROUP_TIMEOUT_S)
+    store = join_store(ns.addr, GROUP_TIMEOUT_S)
+    tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_node)
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
-    built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp, kv_file)
-    tp.all_gather_objects(rank_report(ns.rank, built))
-    serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))
-    log.info("stopped by rank 0")
+    built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp)
+    started = services(config, built.kv_pool) if services is not None else None  # lives as long as we serve
+    tp.all_gather_objects(rank_report(ns.rank, built) | ({"transfer": started.report()} if started else {}))
+    code = 0
+    try:
+        serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))
+        log.info("stopped by rank 0")
+    except PeerGone as e:  # not this rank's fault: whoever starts and watches it names the rank that is gone
+        log.error("a collective failed, another rank is gone: %s", e)
+        code = PEER_GONE_EXIT
     logging.shutdown()
-    os._exit(0)  # not through interpreter teardown: the stdin watcher blocks in a read
+    os._exit(code)  # not through interpreter teardown: the stdin watcher blocks in a read
 
 
 if __name__ == "__main__":

@@ -8,12 +8,30 @@ runs exactly the operations it ran before tensor parallelism existed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from common.wire.user_error import split_host_port
+
+PEER_GONE_EXIT = 3  # a follower's exit code after a collective failed: a consequence of a fault elsewhere
+
+
+class PeerGone(RuntimeError):
+    """A collective failed: another rank of the group is gone (its connection closed)."""
+
+
+@contextlib.contextmanager
+def _collective():
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise it when a peer's connection breaks
+        raise PeerGone(str(e).splitlines()[0]) from e
 
 
 @dataclass(frozen=True)
@@ -28,7 +46,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place."""
         if self.enabled:
-            dist.all_reduce(x)
+            with _collective():
+                dist.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,13 +55,15 @@ class TensorParallel:
         if not self.enabled:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        with _collective():
+            dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (same shape and dtype); `host`: over the gloo group."""
         if self.enabled:
-            dist.broadcast(x, src=0, group=_host_group() if host else None)
+            with _collective():
+                dist.broadcast(x, src=0, group=_host_group() if host else None)
         return x
 
     def all_gather_objects(self, obj: object) -> list:
@@ -62,6 +83,7 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+CONNECT_TRY_S = 3.0
 _HOST_GROUP: list = []
 
 
@@ -69,15 +91,41 @@ def _host_group():
     return _HOST_GROUP[0] if _HOST_GROUP else None
 
 
-def init_group(rank: int, size: int, port: int, device: str, timeout_s: float) -> TensorParallel:
-    """Join the group of `size` ranks whose rank 0 listens on 127.0.0.1:`port`."""
+def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: the group's rendezvous store, listening on `addr`'s port (HOST:PORT) on every interface
+    (torch's TCPStore binds no one address)."""
+    _, port = split_host_port(addr)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore("0.0.0.0", port, size, True, timeout, wait_for_workers=False)
+
+
+def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
+    """Any other rank or node: a client of rank 0's store at `addr`, waiting up to `timeout_s` for it to
+    listen, tried every few seconds (one long try backs off ever longer between its attempts)."""
+    host, port = split_host_port(addr)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try_s = max(0.1, min(CONNECT_TRY_S, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=try_s), wait_for_workers=False)
+        except (RuntimeError, TimeoutError):  # not listening yet (torch.distributed.DistError)
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))  # how long a rank waits for the others
+        return store
+
+
+def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_node: int) -> TensorParallel:
+    """Join the group of `size` ranks that meet in `store` (see host_store / join_store); `per_node`
+    ranks share this host: on CUDA the rank's index on its node picks its GPU."""
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % per_node)
     else:  # the ranks share the cores: more threads each would spin against each other in every collective
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     dist.init_process_group(
         backend="nccl" if device == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -1,8 +1,9 @@
-"""Rank 0 starts the follower processes (`python -m common.parallel.follower`) and ends them.
+"""Rank 0 (or, with --nnodes > 1, node k's process) starts this host's follower processes
+(`python -m common.parallel.follower`) and ends them.
 
-A follower's stdin is a pipe from rank 0 that is never written: when rank 0 dies in any way (even
-SIGKILL), the pipe closes and the follower exits (common.parallel.follower). Followers ignore SIGINT
-and SIGTERM: a stop reaches them from rank 0 once it drained.
+A follower's stdin is a pipe from its starter that is never written: when the starter dies in any way
+(even SIGKILL), the pipe closes and the follower exits (common.parallel.follower). Followers ignore
+SIGINT and SIGTERM: a stop reaches them from rank 0 once it drained.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pathlib import Path
 from common.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+# a PD server's followers also run their own KV transfer engine (transfer.rank_agent), started by tandem's
+# entry point: common does not import the transfer layer
+FOLLOWER = {False: "common.parallel.follower", True: "tandem.rank_follower"}
 
 
 def free_port() -> int:
@@ -27,18 +31,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_followers(config: ServerConfig, port: int, progress_path: str) -> list[subprocess.Popen]:
-    """Ranks 1..tp_size-1, each told the group's port, the progress file and the server's config."""
-    argv = ["--size", str(config.tp_size), "--port", str(port), "--progress", progress_path]
+def group_addr(config: ServerConfig) -> str:
+    """Where rank 0 hosts the group's rendezvous: --dist-init-addr, else a free port of this host."""
+    return config.dist_init_addr or f"127.0.0.1:{free_port()}"
+
+
+def local_ranks(config: ServerConfig) -> range:
+    """The ranks this host runs (--node-rank's share of --tp-size), rank 0 included on node 0."""
+    per = config.ranks_per_node
+    return range(config.node_rank * per, (config.node_rank + 1) * per)
+
+
+def spawn_followers(config: ServerConfig, addr: str, progress_path: str) -> list[subprocess.Popen]:
+    """This host's ranks but rank 0, each told the group's address, the progress file and the config."""
+    argv = ["--size", str(config.tp_size), "--addr", addr, "--progress", progress_path]
     argv += ["--config", json.dumps(config.model_dump(mode="json"))]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "common.parallel.follower", "--rank", str(rank), *argv],
+            [sys.executable, "-m", FOLLOWER[config.disagg_mode != "null"], "--rank", str(rank), *argv],
             stdin=subprocess.PIPE,
             env=env,
         )
-        for rank in range(1, config.tp_size)
+        for rank in local_ranks(config)
+        if rank != 0
     ]
 
 

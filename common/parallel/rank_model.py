@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import resource
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,15 +39,9 @@ class RankModel:
 
 
 def build_rank_model(
-    config: ServerConfig,
-    model_dir: Path,
-    hf: PretrainedConfig,
-    dtype: torch.dtype,
-    tp: TensorParallel,
-    kv_file: str | None = None,
+    config: ServerConfig, model_dir: Path, hf: PretrainedConfig, dtype: torch.dtype, tp: TensorParallel
 ) -> RankModel:
-    """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds
-    (in `kv_file`, shared, when given: common.parallel.rank_pools)."""
+    """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
     model = load_model(model_dir, hf, dtype, config.device, tp)
     whole = attention_spec(hf)
     heads = head_partition(whole.q_heads, whole.kv_heads, tp)
@@ -58,7 +53,7 @@ def build_rank_model(
     plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
     scales, source = read_kv_scales(model_dir, spec.num_layers)
     log.info("%s", describe_kv_cache(spec, store_dtype, source))
-    pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales, kv_file)
+    pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales)
     attn = make_attention_backend(
         config.attention_backend, config.device, pool, spec.q_heads, spec.head_dim, spec.scaling
     )
@@ -70,6 +65,7 @@ def rank_report(rank: int, built: RankModel) -> dict:
     weights = {id(p): p.numel() * p.element_size() for p in built.model.parameters()}
     return {
         "rank": rank,
+        "host": socket.gethostname(),
         "pid": os.getpid(),
         "q_heads": built.heads.num_heads,
         "kv_heads": built.heads.num_kv_heads,
@@ -83,7 +79,7 @@ def rank_report(rank: int, built: RankModel) -> dict:
 
 def describe_rank(r: dict) -> str:
     return (
-        f"tp rank {r['rank']} (pid {r['pid']}): {r['q_heads']} query heads, {r['kv_heads']} KV heads from "
+        f"tp rank {r['rank']} (pid {r['pid']} on {r['host']}): {r['q_heads']} query heads, {r['kv_heads']} KV heads from "
         f"{r['first_kv_head']}, weights {r['weight_bytes'] / 2**20:.1f} MiB, KV pool {r['kv_pages']} pages "
         f"{r['kv_pool_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
     )

@@ -1,10 +1,14 @@
-"""Rank 0's side of tensor parallelism: it starts the followers, joins their group, sends every forward
-to them before running its own share (`forward`), watches them, and stops them.
+"""Rank 0's side of tensor parallelism: it starts this host's followers, hosts and joins the group,
+sends every forward to all ranks before running its own share (`forward`), watches them, and stops them.
 
 Faults: a follower that exits, or that has not finished a step within --watchdog-timeout-s, is a fault
 of the whole group: it is named (`fault`, what /health answers with 503), the other followers are killed
 (which also ends the collective rank 0 waits in), the step's requests fail with a RankFault naming the
-rank, and so does every later forward. A follower that exits during start-up ends the server.
+rank, and so does every later forward. A follower that exits because a collective failed
+(PEER_GONE_EXIT) is not blamed unless no other rank is named within `grace_s`. A follower that exits
+during start-up ends the server. With
+--nnodes > 1 the ranks of other hosts are watched through the node board (common.parallel.remote_nodes),
+and a fault is posted there so that every node ends its ranks.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from typing import TypeVar
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardBatch
-from common.parallel.group import TensorParallel, init_group
-from common.parallel.launch import end_followers, free_port, kill, spawn_followers, state_of
+from common.parallel.group import PEER_GONE_EXIT, TensorParallel, host_store, init_group
+from common.parallel.launch import end_followers, group_addr, kill, spawn_followers, state_of
+from common.parallel.node_board import NodeBoard
 from common.parallel.progress import Progress
+from common.parallel.remote_nodes import RemoteNodes
 from common.parallel.step import StepChannel
 
 log = logging.getLogger(__name__)
@@ -39,14 +45,23 @@ class Ranks:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.progress = Progress.create(config.tp_size)
-        port = free_port()
-        self.procs: list[subprocess.Popen] = spawn_followers(config, port, self.progress.path)
+        addr = group_addr(config)
+        store = host_store(addr, config.tp_size, GROUP_TIMEOUT_S)
+        self.procs: list[subprocess.Popen] = spawn_followers(config, addr, self.progress.path)
+        self.remote = RemoteNodes(config, NodeBoard(store, 0)) if config.nnodes > 1 else None
+        if self.remote is not None:  # the other nodes' ranks run with it (common.parallel.node)
+            self.remote.board.post_config(config)
         self.fault: str | None = None
         self.serving = self.stopping = False
         self.step, self.step_started = 0, None
         self._lock = threading.Lock()
+        # how long a failed collective waits for the name of the rank that is gone (a node's silence on
+        # another host), and a follower here that exited because of it is not blamed
+        self.grace_s = 2.0 + (self.remote.window_s if self.remote else 0.0)
+        self._lost: dict[int, float] = {}  # follower -> when it was seen exited with PEER_GONE_EXIT
         threading.Thread(target=self._watch, name="tp-ranks", daemon=True).start()
-        self.tp: TensorParallel = init_group(0, config.tp_size, port, config.device, GROUP_TIMEOUT_S)
+        per_node = config.ranks_per_node
+        self.tp: TensorParallel = init_group(0, config.tp_size, store, config.device, GROUP_TIMEOUT_S, per_node)
         self.channel = StepChannel(self.tp, config.device, config.page_size)
 
     def forward(self, batch: ForwardBatch, run: Callable[[], T]) -> T:
@@ -65,8 +80,9 @@ class Ranks:
             self.step_started = None
 
     def _diagnose(self, error: Exception) -> str:
-        """Why the step failed: a follower that exited (waited for briefly: its collective may end first)."""
-        deadline = time.monotonic() + 2.0
+        """Why the step failed: a follower that exited (waited for: its collective may end first; on
+        another host, up to the heartbeat window: its node's process may have died with it)."""
+        deadline = time.monotonic() + self.grace_s
         while self.fault is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
         self._set_fault(f"a collective of the TP group failed on rank 0: {error!r}")
@@ -74,6 +90,9 @@ class Ranks:
 
     def _watch(self) -> None:
         while not self.stopping:
+            problem = self.remote.poll(self.serving, self.progress) if self.remote else None
+            if problem is not None:  # first: a follower here may have exited because of it
+                self._on_remote(problem)
             for rank, p in enumerate(self.procs, start=1):
                 if p.poll() is not None and not self.stopping:
                     self._on_exit(rank, p)
@@ -87,17 +106,31 @@ class Ranks:
             log.critical("tp rank %d (pid %d) exited with code %s during start-up", rank, p.pid, p.returncode)
             self._kill_all()
             os._exit(1)
+        if p.returncode == PEER_GONE_EXIT:  # another rank is gone: give its name time to arrive
+            lost = self._lost.setdefault(rank, time.monotonic())
+            if time.monotonic() - lost < self.grace_s:
+                return
         self._set_fault(f"tp rank {rank} (pid {p.pid}) exited with code {p.returncode}")
 
+    def _on_remote(self, problem: str) -> None:
+        if not self.serving:
+            log.critical("the TP group failed during start-up: %s", problem)
+            self._set_fault(problem)
+            os._exit(1)
+        self._set_fault(problem)
+
     def _on_hang(self, step: int, running_s: float) -> None:
-        laggards = self.progress.laggards(step)
-        names = ", ".join(
-            f"{r} (pid {self.procs[r - 1].pid}, state {state_of(self.procs[r - 1].pid)})" for r in laggards
-        )
+        names = ", ".join(f"{r} ({self._describe(r)})" for r in self.progress.laggards(step))
         self._set_fault(
             f"tp rank {names or '0'} has not finished step {step} after {running_s:.0f} s "
             f"(over --watchdog-timeout-s {self.config.watchdog_timeout_s:g}): it hangs"
         )
+
+    def _describe(self, rank: int) -> str:
+        if rank < self.config.ranks_per_node:  # a follower on this host
+            pid = self.procs[rank - 1].pid
+            return f"pid {pid}, state {state_of(pid)}"
+        return self.remote.describe(rank)
 
     def _set_fault(self, message: str) -> None:
         with self._lock:
@@ -106,6 +139,12 @@ class Ranks:
             self.fault = message
         log.error("the TP group is broken, this server cannot serve: %s", message)
         self._kill_all()
+        self._post(message)
+
+    def _post(self, message: str) -> None:
+        """Tell the other nodes (they end their ranks on any posted fault)."""
+        if self.remote is not None:
+            self.remote.board.set_fault(message)
 
     def _kill_all(self) -> None:
         for p in self.procs:
@@ -119,5 +158,8 @@ class Ranks:
                 self.channel.send_stop()
             except Exception as e:  # a follower gone meanwhile: end_followers kills the rest
                 log.warning("could not tell the TP ranks to stop: %r", e)
+                self._post(f"node 0 could not stop the TP ranks: {e!r}")
+        else:
+            self._post(f"node 0 stopped with the TP group broken or a step stuck: {self.fault or 'a step runs'}")
         end_followers(self.procs, STOP_GRACE_S)
         self.progress.remove()

@@ -61,3 +61,12 @@ def _bind_problem(e: OSError, host: str, port: int, flag: str) -> str:
     if e.errno == errno.EACCES:
         return f"{flag} {port}: this user may not listen on ports below 1024; choose a port above 1023"
     return f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror})"
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[v6]:PORT` too) as (host, port); a ValueError naming --dist-init-addr otherwise."""
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--dist-init-addr {addr!r} is not HOST:PORT (e.g. 10.0.0.1:5000)")
+    return host, int(port)

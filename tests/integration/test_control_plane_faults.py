@@ -127,7 +127,7 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
     prefill_ep = cluster.prefill.info()["role"]["control_endpoint"]
     decode_ep = cluster.decode.info()["role"]["control_endpoint"]
     before = {n.name: rejected(n) for n in cluster.nodes}
-    fake = Register("intruder", "tcp://127.0.0.1:1", b"127.0.0.1:1", [4096], [64], 8, 4, 4096, 188, 2)
+    fake = Register("intruder", "tcp://127.0.0.1:1", [b"127.0.0.1:1"], [4096], [64], 8, 4, 4096, 188, 2)
     garbage = [
         b"",
         b"\x00" * 7,
@@ -145,7 +145,7 @@ def test_garbage_and_forged_control_messages_are_rejected_counted_and_harmless(c
         encode(fake, "wrong-secret"),  # an unknown process trying to register
         encode(RoomRequest(5, "intruder", [1], 0), SECRET),  # a request from a decode that never registered
         encode(Abort(5, "intruder", "x"), SECRET),
-        encode(Register("intruder", "tcp://127.0.0.1:1", b"x", [0], [64], 8, 4, 1, 1, 1), SECRET),  # null pointers
+        encode(Register("intruder", "tcp://127.0.0.1:1", [b"x"], [0], [64], 8, 4, 1, 1, 1), SECRET),  # null pointers
         encode(fake, SECRET),  # a well-formed registration (a buggy decode that knows the secret) ...
         encode(RoomRequest(6, "intruder", [9, 1], 0), SECRET),  # ... asking for pages outside its own pool
         encode(RoomRequest(7, "intruder", [1], 5), SECRET),  # ... and an aux slot outside it

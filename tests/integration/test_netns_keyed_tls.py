@@ -222,7 +222,7 @@ def check_bootstrap(c: KeyedCluster, url: str) -> int:
 
 def check_control(c: KeyedCluster, p: Port) -> int:
     owner = c.servers[p.owner]
-    fake = Register("intruder", "tcp://10.0.0.1:1", b"10.0.0.1:1", [4096], [64], 8, 16, 4096, 188, 2)
+    fake = Register("intruder", "tcp://10.0.0.1:1", [b"10.0.0.1:1"], [4096], [64], 8, 16, 4096, 188, 2)
     frames = [encode(fake, None), encode(fake, "not-the-secret"), encode(Status(1, True, ""), None)]
     frames.append(encode(Ping("intruder"), "not-the-secret"))
 

@@ -191,7 +191,7 @@ def test_a_decode_registering_another_layout_is_refused_with_the_field_named(clu
     inbox = ctx.socket(zmq.PULL)
     port = inbox.bind_to_random_port("tcp://127.0.0.1")
     kv_heads = 2  # the tiny model's (save_tiny_llama): the liar differs in bytes_per_page alone
-    liar = Register("liar", f"tcp://127.0.0.1:{port}", b"127.0.0.1:1", [4096], [64], 8, 4, 4096, 188, 2, 1, kv_heads)
+    liar = Register("liar", f"tcp://127.0.0.1:{port}", [b"127.0.0.1:1"], [4096], [64], 8, 4, 4096, 188, 2, 1, kv_heads)
     out = ctx.socket(zmq.PUSH)
     out.connect(endpoint)
     refused_before = metric(prefill.url, "tandem_kv_transfer_events_total", event="peers_refused")

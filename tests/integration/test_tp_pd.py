@@ -2,7 +2,8 @@
 exactly its KV heads from the prefill rank(s) holding them. The built-in model (3 KV heads) pairs
 (prefill TP, decode TP) = (1, 3), (3, 1), (3, 3) over Mooncake and NIXL; a tiny Llama (8 heads, 4 KV
 heads) pairs (2, 4) and (4, 2). Greedy tokens equal the monolithic server at TP 1 (transformers for the
-tiny model; near-ties reported, see test_tensor_parallel) and every pool is clean after. A decode of
+tiny model; near-ties reported, see test_tensor_parallel), every pool is clean after, and a prefill at
+TP > 1 counts bytes written by each of its ranks' own transfer engines. A decode of
 a model with other KV heads is refused at pairing with both layouts named.
 
 One module-scoped set of servers per model and backend; each pair is called directly (the router's
@@ -119,8 +120,18 @@ def test_builtin_pd_across_tp_sizes_equals_monolithic_tp1(builtin, prompts, expe
             (3 // tp, r * 3 // tp) for r in range(tp)
         ]
         assert len({r["kv_pages"] for r in info["ranks"]}) == 1
+    if prefill_tp > 1:  # every prefill rank wrote its own heads with its own transfer engine
+        sent = rank_bytes(builtin.prefills[prefill_tp][0])
+        assert sorted(sent) == [str(r) for r in range(prefill_tp)] and all(v > 0 for v in sent.values()), sent
     for server in builtin.all():
         server.wait_idle()
+
+
+def rank_bytes(server: ServerProcess) -> dict[str, float]:
+    """tandem_kv_rank_bytes_total by rank, from the server's /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    rows = [line for line in text.splitlines() if line.startswith("tandem_kv_rank_bytes_total{")]
+    return {line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in rows}
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import torch
 from common.memory.kv_pool import KVPool
 from common.wire.kv_heads import Segment, head_sources, rank_heads
 from tests.unit.test_transfer_protocol import wait_for
+from transfer.backends.loopback import LoopbackBackend
 from transfer.decode.decode_manager import DecodeKVManager
 from transfer.decode.receiver import KVReceiver
 from transfer.manager import KVArgs
@@ -19,6 +20,7 @@ from transfer.poll import KVPoll
 from transfer.prefill.prefill_manager import PrefillKVManager
 from transfer.prefill.runs import slice_triples
 from transfer.prefill.sender import KVSender
+from transfer.rank_agent import RankAgent
 
 LAYERS, PAGES, PAGE, DIM, AUX = 2, 8, 4, 8, 32
 LAYOUTS = [(3, 1, 3), (3, 3, 1), (4, 2, 4), (4, 4, 2), (2, 4, 2), (2, 2, 4), (2, 1, 4), (2, 4, 1), (3, 3, 3)]
@@ -97,11 +99,24 @@ def test_a_head_slice_is_one_piece_per_page_and_whole_pages_stay_runs():
 
 
 class Side:
-    """One server's rank pools (real KVPools, heads-first pages) and its manager on the loopback backend."""
+    """One server's rank pools (real KVPools, heads-first pages) and its manager on the loopback backend;
+    each follower rank's own engine and agent (transfer.rank_agent, on real ZMQ sockets) in this process."""
 
     def __init__(self, mode: str, kv_heads: int, tp: int):
         self.pools = rank_pools(kv_heads, tp)
         self.aux = torch.zeros(2, AUX, dtype=torch.uint8)
+        self.agents = [
+            RankAgent(
+                LoopbackBackend(),
+                (p.buffer.data_ptr(), p.total_bytes, p.bytes_per_page),
+                False,
+                "127.0.0.1",
+                None,
+                serve=mode == "prefill",
+            )
+            for p in self.pools[1:]
+        ]
+        reports = [a.report() for a in self.agents]
         self.args = KVArgs(
             [p.buffer.data_ptr() for p in self.pools],
             [p.total_bytes for p in self.pools],
@@ -115,6 +130,8 @@ class Side:
             kv_wait_timeout_s=3.0,
             tp_size=tp,
             kv_heads=kv_heads,
+            rank_addresses=[r["backend_address"] for r in reports],
+            rank_agents=[(r["agent_endpoint"], r["agent_id"]) for r in reports if r["agent_endpoint"]],
         )
         self.manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(self.args)
 
@@ -148,8 +165,8 @@ def test_a_decode_splitting_other_kv_heads_is_refused_naming_both():
 
 
 def test_one_decode_ranks_failed_write_fails_the_room_for_every_rank():
-    """Every rank's slice goes in one backend batch and the status follows it: a write into decode rank 2
-    that fails fails the room on both sides, and no success is ever reported for the other ranks."""
+    """Each decode rank's slice is a group of its own and the status follows them all: a write into decode
+    rank 2 that fails fails the room on both sides, and no success is ever reported for the other ranks."""
     prefill, dec = Side("prefill", 3, 1), Side("decode", 3, 3)
     rank2 = dec.pools[2].buffer
     lo, hi = rank2.data_ptr(), rank2.data_ptr() + dec.pools[2].total_bytes
@@ -170,4 +187,92 @@ def test_one_decode_ranks_failed_write_fails_the_room_for_every_rank():
     wait_for(lambda: receiver.poll() == KVPoll.Failed)
     assert "write into decode rank 2 failed" in receiver.failure_reason
     assert sender.poll() == KVPoll.Failed and prefill.manager.counters["rooms_succeeded"] == 0
-    assert dec.aux.sum() == 0  # the record travels in the same batch: it never landed
+    assert dec.aux.sum() == 0  # the record goes after every group landed: never
+
+
+def record_writes(backend, log: list, name: str, fail: list[str] = ()) -> None:
+    """Log every batch `backend` writes as (name, pieces, carries the aux record); raise `fail`'s message
+    instead while it holds one."""
+    real = backend.write_batch
+
+    def write(peer, src, dst, nbytes, on_device=False):
+        if fail:
+            raise RuntimeError(fail[0])
+        log.append((name, len(src), AUX in nbytes))
+        real(peer, src, dst, nbytes, on_device)
+
+    backend.write_batch = write
+
+
+def pair_room(prefill: Side, dec: Side, room: int) -> tuple[KVSender, KVReceiver]:
+    sender = KVSender(prefill.manager, room)
+    receiver = KVReceiver(dec.manager, room, prefill.manager.endpoint, prefill.manager.instance_id)
+    receiver.init([5, 2], aux_slot=1)
+    wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender.send([1, 2], is_last=True, aux=bytes(range(AUX)))
+    return sender, receiver
+
+
+def test_each_prefill_rank_writes_its_heads_with_its_own_engine_and_the_record_goes_last():
+    """TP 3 -> 1: ranks 1 and 2 write their heads through their agents' own engines, rank 0 its own, all
+    at once; the aux record follows once every group landed."""
+    prefill, dec = Side("prefill", 3, 3), Side("decode", 3, 1)
+    fill(prefill.pools, 3)
+    writes: list = []
+    for name, backend in [
+        ("rank0", prefill.manager.backend),
+        *((f"rank{r}", a.backend) for r, a in enumerate(prefill.agents, 1)),
+    ]:
+        record_writes(backend, writes, name)
+    _, receiver = pair_room(prefill, dec, 11)
+    wait_for(lambda: receiver.poll() == KVPoll.Success)
+    assert sorted(writes[:3]) == [("rank0", 2, False), ("rank1", 2, False), ("rank2", 2, False)]  # a piece per page
+    assert writes[3:] == [("rank0", 1, True)]  # the record, after every group
+    want = rank_pools(3, 1)
+    fill(want, 3)
+    assert torch.equal(dec.pools[0].buffer[[5, 2]], want[0].buffer[[1, 2]])
+    head_page = prefill.pools[0].bytes_per_page
+    assert [a.counters["bytes_sent"] for a in prefill.agents] == [2 * head_page] * 2
+    assert dict(prefill.manager.writer.rank_bytes) == {0: 2 * head_page, 1: 2 * head_page, 2: 2 * head_page}
+    metric = {m.name: m for m in prefill.manager.metrics.collect()}["tandem_kv_rank_bytes"]
+    assert {s.labels["rank"]: s.value for s in metric.samples} == {
+        "0": 2 * head_page,
+        "1": 2 * head_page,
+        "2": 2 * head_page,
+    }
+
+
+def test_one_follower_engine_failing_its_group_fails_the_room_and_no_record_lands():
+    """All or nothing: rank 2's engine fails its group; the other groups still end before the status, the
+    room fails on both sides naming rank 2, and the record is never written. Only that room: once the
+    engine works again, the next room lands."""
+    prefill, dec = Side("prefill", 3, 3), Side("decode", 3, 1)
+    writes: list = []
+    record_writes(prefill.manager.backend, writes, "rank0")
+    record_writes(prefill.agents[0].backend, writes, "rank1")
+    broken = ["rank 2's NIC is gone"]
+    record_writes(prefill.agents[1].backend, writes, "rank2", fail=broken)
+    sender, receiver = pair_room(prefill, dec, 12)
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert "tp rank 2's transfer engine failed" in receiver.failure_reason
+    assert "rank 2's NIC is gone" in receiver.failure_reason
+    assert sorted(writes) == [("rank0", 2, False), ("rank1", 2, False)]
+    assert sender.poll() == KVPoll.Failed and dec.aux.sum() == 0
+    broken.clear()
+    _, receiver = pair_room(prefill, dec, 14)
+    wait_for(lambda: receiver.poll() == KVPoll.Success)
+    assert dec.aux[1].tolist() == list(range(AUX))
+
+
+def test_a_follower_that_does_not_answer_fails_the_room_when_the_tp_group_faults():
+    """An agent whose process is gone answers nothing: the group fails as soon as rank 0's TP group
+    names the fault, not after --transfer-timeout-s."""
+    prefill, dec = Side("prefill", 3, 3), Side("decode", 3, 1)
+    prefill.agents[1].control.close()  # rank 2's agent stops reading
+    fault: list = []
+    prefill.manager.links.fault = lambda: fault[0] if fault else None
+    sender, receiver = pair_room(prefill, dec, 13)
+    fault.append("tp rank 2 (pid 1) exited with code -9")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert "tp rank 2 cannot write: tp rank 2 (pid 1) exited with code -9" in receiver.failure_reason
+    assert dec.aux.sum() == 0

@@ -40,6 +40,7 @@ from common.wire.sampling_params import SamplingParams
 from decode_node.peers import PeerInfo
 from tests.unit.kv_handoff_ranks import RankedWrites
 from tests.unit.kv_handoff_sim import CONFIG, NUM_PAGES, Clock, Network, Side, done_future
+from transfer.prefill.kv_writer import rank_peer
 
 MAX_TURN_TOKENS = 56  # within the simulated context (64)
 TURN_WAIT_ROUNDS = 12  # a next turn waits this many rounds of everything at most for the last one's answer
@@ -113,7 +114,7 @@ class KVHandoff(RuleBasedStateMachine):
 
     def _checked_write(self, side: Side, peer: str, dst: list[int], nbytes: list[int], real, src, *args) -> None:
         dec = self.decode
-        if not dec.alive or peer != dec.manager.instance_id:
+        if not dec.alive or peer != rank_peer(dec.manager.instance_id, 0):
             raise ConnectionError("the decode process is gone")
         self._check_read_order(side, src, nbytes)
         owner = self._decode_owners()

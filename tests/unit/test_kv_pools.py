@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from common.core.attention_spec import AttentionSpec
-from common.memory.kv_pool import KVPool, map_shared
+from common.memory.kv_pool import KVPool
 from common.memory.mla_pool import MLAPool
 from common.memory.pool_factory import kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.model.kv_scales import read_kv_scales
@@ -23,16 +23,6 @@ def test_mla_pool_keeps_one_plane_and_reads_v_as_the_latent():
     assert torch.equal(pool.k_at(1, at), kv)
     assert torch.equal(pool.v_at(1, at), kv[..., :6])
     assert pool.k_at(0, at).abs().sum() == 0  # the other layer is untouched
-
-
-def test_mla_pool_of_a_tp_rank_lives_in_its_shared_file(tmp_path):
-    """A PD follower's pool: rank 0 maps the same file, so what it receives is what the rank reads."""
-    spec, path = AttentionSpec("mla", 2, 4, 1, 8, 6, 0.1), str(tmp_path / "kv1")
-    pool = make_kv_pool(spec, 3, 4, torch.float32, torch.float32, "cpu", shared_file=path)
-    seen_by_rank0 = map_shared(path, tuple(pool.buffer.shape), torch.float32)
-    seen_by_rank0.copy_(torch.randn(seen_by_rank0.shape))  # the transfer engine writes the pages
-    at = pool.locate(torch.tensor([4, 9]))
-    assert torch.equal(pool.k_at(1, at), seen_by_rank0[at.page, :, 1, 0, at.offset])  # [2, 1, latent + rope]
 
 
 def test_fp8_pool_stores_scaled_values_and_reads_them_back_in_the_model_dtype():

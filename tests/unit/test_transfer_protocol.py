@@ -15,6 +15,7 @@ from transfer.decode.receiver import KVReceiver
 from transfer.manager import KVArgs
 from transfer.messages import BadMessage, Register, RoomRequest, Status, decode, encode
 from transfer.poll import KVPoll, PollState
+from transfer.prefill.kv_writer import rank_peer
 from transfer.prefill.prefill_manager import PrefillKVManager
 from transfer.prefill.runs import chunk_triples
 from transfer.prefill.sender import KVSender
@@ -217,7 +218,7 @@ def test_unknown_room_status_is_counted():
 
 
 def test_register_validation_rejects_bad_pointers():
-    bad = Register("d", "tcp://x:1", b"a", [0], [16], 4, 4, 1, 8, 1)
+    bad = Register("d", "tcp://x:1", [b"a"], [0], [16], 4, 4, 1, 8, 1)
     with pytest.raises(BadMessage):
         decode(encode(bad, None), None)
 
@@ -228,7 +229,7 @@ def block_writes_to(side: Side, decode_id: str) -> tuple[threading.Event, thread
     real = side.manager.backend.write_batch
 
     def write_batch(peer_id, *args, **kwargs):
-        if peer_id == decode_id:
+        if peer_id == rank_peer(decode_id, 0):
             entered.set()
             release.wait(10)
         return real(peer_id, *args, **kwargs)

@@ -131,7 +131,10 @@ def test_prefill_and_decode_tp_sizes_reach_their_servers():
     assert [tp_of(by_name[n]) for n in ("prefill-0", "decode-0", "decode-1")] == ["1", "3", "3"]
     for args, error in (
         (["--device", "cpu", "--", "--tp-size", "2"], "--tp-size after --: give `tandem up --prefill-tp-size A"),
-        (["--device", "cuda", "--decode-tp-size", "2"], "PD with tensor parallelism runs on the CPU only for now"),
+        (
+            ["--device", "cuda", "--decode-tp-size", "2"],
+            "tandem up gives each server one GPU, and a server at --tp-size N needs N",
+        ),
     ):
         ns = p.parse_args(args)
         with pytest.raises(UserError, match=error):

@@ -89,7 +89,7 @@ class DecodeKVManager(KVManager):
             Register(
                 self.instance_id,
                 self.endpoint,
-                self.backend.address(),
+                [self.backend.address(), *a.rank_addresses],
                 a.kv_ptrs,
                 a.bytes_per_page,
                 a.num_pages,

@@ -4,23 +4,47 @@ written into the decode's registered memory through the transfer backend.
 Every write is checked against what the decode registered: page ids inside its pool (the control plane
 already refused requests outside it) and a layout that fits ours (checked once, at registration: see
 `layout_problem`), so a decode's claim can never make us write out of bounds. A decode at another TP
-size receives, in each of its ranks' buffers, exactly that rank's KV heads (`KVWriter.pieces`).
+size receives, in each of its ranks' buffers, exactly that rank's KV heads (`KVWriter.groups`).
+
+Per-rank engines: a chunk's pieces are grouped by (prefill rank, decode rank). Rank 0 writes its own
+groups with its own engine, and each follower's group goes to that follower's agent
+(transfer.prefill.rank_links), which writes it with the follower's engine; all at once. The aux record
+goes last, once every group landed (at TP 1 on both sides, the one group and the record are one batch
+on the host), so the record lands only after every rank's slice, and any failure fails the chunk only
+after every group finished or failed: nothing of the room lands after its status.
+
+Ordering: rank 0 waits on the chunk's `ready` event (recorded after its forward) before any group is
+issued. A follower's pages of that forward are written by then: each layer's attention writes the
+rank's KV before its row-parallel o_proj all-reduce, which rank 0's forward waited on (on the CPU,
+gloo returns only once every rank contributed; on CUDA, NCCL's kernel on the follower's stream runs
+after its KV writes, and rank 0's copy of that all-reduce, before its event, completes only after it).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 from common.wire.kv_heads import head_sources, rank_heads
 from common.wire.kv_heads import layout_problem as kv_heads_problem
 from transfer.backends.base import TransferBackend
+from transfer.bulk_priority import lower_this_thread
 from transfer.manager import KVArgs
 from transfer.messages import Register, RoomRequest
 from transfer.poll import Mark, no_mark
-from transfer.prefill.runs import chunk_triples, slice_triples
+from transfer.prefill.rank_links import RankLinks
+from transfer.prefill.runs import Triples, paired_groups, rank_groups
+
+GROUP_WRITERS = 16  # groups in flight at once, over every decode (a chunk has at most tp x tp)
+
+
+def rank_peer(decode_id: str, rank: int) -> str:
+    """How a prefill's engines name decode rank `rank`'s engine."""
+    return f"{decode_id}/tp{rank}"
 
 
 class AuxStaging:
@@ -88,19 +112,23 @@ def head_bytes_of(args: KVArgs) -> int:
 
 
 class KVWriter:
-    def __init__(self, backend: TransferBackend, args: KVArgs):
-        self.backend, self.args, self.on_cuda = backend, args, args.on_cuda
+    def __init__(self, backend: TransferBackend, args: KVArgs, links: RankLinks | None = None):
+        """`links`: the followers' agents (None at TP 1)."""
+        self.backend, self.args, self.on_cuda, self.links = backend, args, args.on_cuda, links
         self.aux_staging = AuxStaging(backend)
         self.page_bytes = sum(args.bytes_per_page)  # one page across every rank's buffer: what a page sends
+        self.rank_bytes: Counter[int] = Counter()  # bytes each prefill rank's own engine wrote
+        self._lock = threading.Lock()
+        self._group_writers = ThreadPoolExecutor(GROUP_WRITERS, "kv-rank-write", initializer=lower_this_thread)
 
-    def pieces(self, registration: Register, src_pages: list[int], dst_pages: list[int]):
-        """(src, dst, nbytes) of a chunk: buffers paired by index at equal TP size, else each decode
-        rank's heads sliced out of the prefill ranks' pages (common.wire.kv_heads)."""
+    def groups(self, registration: Register, src_pages: list[int], dst_pages: list[int]) -> dict[tuple, Triples]:
+        """{(prefill rank, decode rank): (src, dst, nbytes)} of a chunk: buffers paired by index at equal TP
+        size, else each decode rank's heads sliced out of the prefill ranks' pages (common.wire.kv_heads)."""
         a = self.args
         if registration.tp_size == a.tp_size:
-            return chunk_triples(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, src_pages, dst_pages)
+            return paired_groups(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, a.tp_size, src_pages, dst_pages)
         plan = head_sources(a.kv_heads, a.tp_size, registration.tp_size)
-        return slice_triples(
+        return rank_groups(
             a.kv_ptrs,
             registration.kv_ptrs,
             a.bytes_per_page[0],
@@ -122,27 +150,59 @@ class KVWriter:
         mark: Mark = no_mark,
     ) -> int:
         """The pages and, on the last chunk, the aux record; returns the KV bytes written, raises on any
-        failure of the backend. Host KV
-        goes out with the record in one batch (one round trip: the decode reads the record only after the
-        status, sent once the whole batch landed); device KV and the host record take a batch each.
-        `fence()` runs before each backend call and raises when the decode may no longer be written to;
-        `mark` records the writes on the request's timeline."""
-        src, dst, nbytes = self.pieces(registration, src_pages, dst_pages)
-        written = sum(nbytes)
+        failure of a group (after every group ended). Every group at once, then the record; one group
+        alone (TP 1 on both sides) goes with the record in one batch when on the host (one round trip:
+        the decode reads the record only after the status, sent once the whole batch landed); device KV
+        and the host record take a batch each. `fence()` runs before each round of backend calls and raises when the
+        decode may no longer be written to; `mark` records the writes on the request's timeline."""
+        groups = self.groups(registration, src_pages, dst_pages)
+        src, dst, nbytes = groups.pop((0, 0)) if len(groups) == 1 else ([], [], [])
+        written = self._write_groups(registration, room_request.decode_id, groups, fence) + sum(nbytes)
+        peer = rank_peer(room_request.decode_id, 0)
         if aux is not None and not self.on_cuda:
             self._write_with_aux(registration, room_request, aux, src, dst, nbytes, fence)
+            self._count(0, sum(nbytes))
             mark("chunk_written")
             mark("aux_written")
             return written
-        fence()
-        self.backend.write_batch(
-            room_request.decode_id, src, dst, nbytes, self.on_cuda
-        )  # each backend splits as it must
+        if src:
+            fence()
+            self.backend.write_batch(peer, src, dst, nbytes, self.on_cuda)  # each backend splits as it must
+            self._count(0, sum(nbytes))
         mark("chunk_written")
         if aux is not None:
             self._write_with_aux(registration, room_request, aux, [], [], [], fence)
             mark("aux_written")
         return written
+
+    def _write_groups(self, registration: Register, decode_id: str, groups: dict, fence: Callable[[], None]) -> int:
+        """Every group at once, each by its prefill rank's engine; waits for all, then raises the first
+        failure (in rank order) or returns the bytes written."""
+        if not groups:
+            return 0
+        fence()
+        futures = [
+            self._group_writers.submit(self._write_group, registration, decode_id, src_rank, dst_rank, triples)
+            for (src_rank, dst_rank), triples in sorted(groups.items())
+        ]
+        wait(futures)
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+        return sum(f.result() for f in futures)
+
+    def _write_group(self, registration: Register, decode_id: str, src_rank: int, dst_rank: int, triples) -> int:
+        peer, n = rank_peer(decode_id, dst_rank), sum(triples[2])
+        if src_rank == 0:
+            self.backend.write_batch(peer, *triples, self.on_cuda)
+        else:
+            n = self.links.write(src_rank, peer, registration.backend_addresses[dst_rank], *triples, self.on_cuda)
+        self._count(src_rank, n)
+        return n
+
+    def _count(self, rank: int, nbytes: int) -> None:
+        with self._lock:
+            self.rank_bytes[rank] += nbytes
 
     def _write_with_aux(
         self,
@@ -154,14 +214,18 @@ class KVWriter:
         nbytes: list[int],
         fence: Callable[[], None],
     ) -> None:
-        """One host-memory batch: the pieces given, then the aux record into the room's slot."""
+        """One host-memory batch into decode rank 0: the pieces given, then the aux record into the
+        room's slot."""
         if len(aux) != registration.aux_record_bytes:
             raise ValueError(f"aux record of {len(aux)} bytes, decode expects {registration.aux_record_bytes}")
         with self.aux_staging.slot(aux) as src_aux:
             fence()
             self.backend.write_batch(
-                room_request.decode_id,
+                rank_peer(room_request.decode_id, 0),
                 [*src, src_aux],
                 [*dst, registration.aux_ptr + room_request.aux_slot * registration.aux_record_bytes],
                 [*nbytes, len(aux)],
             )
+
+    def close(self) -> None:
+        self._group_writers.shutdown(wait=False, cancel_futures=True)

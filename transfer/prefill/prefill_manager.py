@@ -9,13 +9,26 @@ the room is in flight), except for a room this process never started writing, wh
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from common.wire.kv_heads import describe_sources, head_sources
 from transfer.manager import KVArgs, KVManager
-from transfer.messages import Abort, BadMessage, Envelope, FirstToken, Ping, Pong, Register, RoomRequest, Status
+from transfer.messages import (
+    Abort,
+    BadMessage,
+    Envelope,
+    FirstToken,
+    Ping,
+    Pong,
+    RankWritten,
+    Register,
+    RoomRequest,
+    Status,
+)
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
-from transfer.prefill.kv_writer import KVWriter, layout_problem
+from transfer.prefill.kv_writer import KVWriter, layout_problem, rank_peer
 from transfer.prefill.prefill_rooms import PrefillRoomState, PrefillRoomTable
+from transfer.prefill.rank_links import Agent, RankLinks
 from transfer.prefill.transfer_worker import Chunk, TransferWorker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -31,14 +44,28 @@ class FencedError(RuntimeError):
 class PrefillKVManager(KVManager):
     mode = "prefill"
 
-    def __init__(self, args: KVArgs, **kwargs):
+    def __init__(self, args: KVArgs, rank_fault: Callable[[], str | None] = lambda: None, **kwargs):
+        """`rank_fault()`: why the TP group is broken, or None (common.parallel.ranks: its followers'
+        agents then answer nothing, and what waits on them fails at once)."""
         super().__init__(args, **kwargs)
-        self.writer = KVWriter(self.backend, args)
+        self.links = self._rank_links(rank_fault)
+        self.writer = KVWriter(self.backend, args, self.links)
+        self.metrics.rank_bytes = self.writer.rank_bytes
         self.registrations: dict[str, Register] = {}  # decode instances that registered and fit our layout
         self.refused: dict[str, tuple[Register, str]] = {}  # decode instances whose layout does not fit, and why
         self.table = PrefillRoomTable(self.clock)
         self.workers = WorkerPool(self._make_worker)
         self.start()
+
+    def _rank_links(self, fault: Callable[[], str | None]) -> RankLinks | None:
+        """The followers' agents (transfer.rank_agent), one per rank 1..tp_size-1; None at TP 1."""
+        a = self.args
+        if a.tp_size == 1:
+            return None
+        if len(a.rank_agents) != a.tp_size - 1:
+            raise ValueError(f"a prefill at tp_size {a.tp_size} needs its followers' agents, got {len(a.rank_agents)}")
+        agents = [Agent(rank, *agent) for rank, agent in enumerate(a.rank_agents, start=1)]
+        return RankLinks(agents, self.send, self.endpoint, a.transfer_timeout_s, fault)
 
     def _make_worker(self, decode_id: str) -> TransferWorker:
         return TransferWorker(
@@ -47,6 +74,8 @@ class PrefillKVManager(KVManager):
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: object, envelope: Envelope) -> None:
+        if isinstance(msg, RankWritten) and self.links is not None:
+            return self.links.on_reply(msg, envelope)
         if not isinstance(msg, (Register, RoomRequest, Abort, Ping)):
             raise BadMessage(f"{type(msg).__name__} is not for a prefill server")
         if msg.decode_id != envelope.sender:
@@ -78,7 +107,8 @@ class PrefillKVManager(KVManager):
             self._fail_rooms_of(
                 msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
             )
-        self.backend.add_peer(msg.decode_id, msg.backend_address)
+        for rank, address in enumerate(msg.backend_addresses):  # our followers' agents learn them on first use
+            self.backend.add_peer(rank_peer(msg.decode_id, rank), address)
         if msg.tp_size != self.args.tp_size:
             plan = head_sources(self.args.kv_heads, self.args.tp_size, msg.tp_size)
             log.info(
@@ -203,6 +233,10 @@ class PrefillKVManager(KVManager):
             self.send(registration.status_endpoint, Status(room.room_id, ok, reason))
             room.mark("status_sent")
         self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
+
+    def close(self) -> None:
+        super().close()
+        self.writer.close()
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> list[str]:

@@ -1,10 +1,13 @@
 """Page runs contiguous on both sides, and the (src, dst, nbytes) triples of one chunk (numpy, vectorised):
 buffers paired by index when both sides have the same layout (`chunk_triples`), each decode rank's heads
-sliced out of the prefill ranks' pages when their TP sizes differ (`slice_triples`)."""
+sliced out of the prefill ranks' pages when their TP sizes differ (`slice_triples`); grouped by (prefill
+rank, decode rank) for the ranks' own transfer engines (`paired_groups`, `rank_groups`)."""
 
 from __future__ import annotations
 
 import numpy as np
+
+Triples = tuple[list[int], list[int], list[int]]  # (src, dst, nbytes) of every piece
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,14 +43,26 @@ def chunk_triples(src_bases, dst_bases, bytes_per_page, src_pages, dst_pages) ->
 
 def slice_triples(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pages, dst_pages):
     """Triples moving each decode rank's KV heads of `dst_pages` from the prefill rank(s) holding them
-    (`plan`: common.wire.kv_heads.head_sources). The pool keeps a page's heads first, so a segment of
-    consecutive heads is one range of a page: one piece per page, or per run of pages when the segment
-    is every head of both ranks' pages (equal head counts). `head_bytes`: one head of one page."""
+    (`plan`: common.wire.kv_heads.head_sources), every group of `rank_groups` in one list."""
+    out: Triples = ([], [], [])
+    groups = rank_groups(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pages, dst_pages)
+    for part in groups.values():
+        for acc, new in zip(out, part):
+            acc.extend(new)
+    return out
+
+
+def rank_groups(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pages, dst_pages):
+    """{(prefill rank, decode rank): triples}: each decode rank's heads of `dst_pages` from the prefill
+    rank(s) holding them, grouped by the pair of ranks (each prefill rank's engine writes its own
+    groups). The pool keeps a page's heads first, so a segment of consecutive heads is one range of a
+    page: one piece per page, or per run of pages when the segment is every head of both ranks' pages
+    (equal head counts). `head_bytes`: one head of one page."""
     src = np.asarray(src_pages, dtype=np.int64)
     dst = np.asarray(dst_pages, dtype=np.int64)
     if src.shape != dst.shape:
         raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
-    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+    groups: dict[tuple[int, int], Triples] = {}
     for dst_rank, segments in enumerate(plan):
         for seg in segments:
             nbytes = seg.count * head_bytes
@@ -57,6 +72,18 @@ def slice_triples(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_
                 s = src_bases[seg.src_rank] + src * src_bpp + seg.src_head * head_bytes
                 d = dst_bases[dst_rank] + dst * dst_bpp + seg.dst_head * head_bytes
                 part = (s.tolist(), d.tolist(), [nbytes] * src.size)
-            for acc, new in zip(out, part):
+            for acc, new in zip(groups.setdefault((seg.src_rank, dst_rank), ([], [], [])), part):
                 acc.extend(new)
-    return out
+    return groups
+
+
+def paired_groups(src_bases, dst_bases, bytes_per_page, tp_size, src_pages, dst_pages) -> dict[tuple, Triples]:
+    """{(rank, rank): triples} at equal TP sizes: rank r's buffers to decode rank r's, a piece per buffer
+    and run (a server's pool: one buffer per rank)."""
+    per = len(src_bases) // tp_size
+    return {
+        (r, r): chunk_triples(
+            *(x[r * per : (r + 1) * per] for x in (src_bases, dst_bases, bytes_per_page)), src_pages, dst_pages
+        )
+        for r in range(tp_size)
+    }

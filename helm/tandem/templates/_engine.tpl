@@ -1,5 +1,14 @@
 {{/* One engine role (prefill or decode): its `tandem serve` arguments and its pod template.
-Called with (dict "root" $ "component" "prefill"|"decode"). */}}
+Called with (dict "root" $ "component" "prefill"|"decode"), plus "node" "leader"|"worker" for the pods
+of a LeaderWorkerSet (the role's nodes > 1: one TP group over `nodes` pods, engine-leaderworkerset.yaml). */}}
+
+{{- define "tandem.engine.nodes" -}}
+{{- int ((index .root.Values .component).nodes | default 1) -}}
+{{- end -}}
+
+{{- define "tandem.engine.isWorker" -}}
+{{- if eq (.node | default "") "worker" }}true{{ end -}}
+{{- end -}}
 
 {{- define "tandem.engine.args" -}}
 {{- $v := .root.Values -}}
@@ -32,6 +41,15 @@ Called with (dict "root" $ "component" "prefill"|"decode"). */}}
 {{- if gt (int ($role.tpSize | default 1)) 1 }}
 - --tp-size
 - {{ $role.tpSize | quote }}
+{{- end }}
+{{- $nodes := int (include "tandem.engine.nodes" .) }}
+{{- if gt $nodes 1 }}
+- --nnodes
+- {{ $nodes | quote }}
+- --node-rank
+- {{ ternary "$(LWS_WORKER_INDEX)" "0" (eq (include "tandem.engine.isWorker" .) "true") | quote }}
+- --dist-init-addr
+- {{ printf "$(LWS_LEADER_ADDRESS):%d" (int $v.engine.distInitPort) | quote }}
 {{- end }}
 - --drain-timeout-s
 - {{ $v.drain.timeoutSeconds | quote }}
@@ -89,7 +107,8 @@ pod at its own address. TANDEM_API_KEY: the router's key, which it sends on ever
 {{- define "tandem.engine.resources" -}}
 {{- $role := index .root.Values .component -}}
 {{- $user := deepCopy ($role.resources | default dict) -}}
-{{- $extended := fromYaml (include "tandem.transfer.resources" (dict "root" .root "gpus" (int ($role.tpSize | default 1)))) -}}
+{{- $gpus := div (int ($role.tpSize | default 1)) (int (include "tandem.engine.nodes" .)) -}}
+{{- $extended := fromYaml (include "tandem.transfer.resources" (dict "root" .root "gpus" $gpus)) -}}
 {{- $limits := merge (deepCopy ($user.limits | default dict)) $extended -}}
 {{- if $limits -}}{{- $_ := set $user "limits" $limits -}}{{- end -}}
 {{- toYaml $user -}}
@@ -127,6 +146,9 @@ containers:
       {{- include "tandem.engine.args" . | nindent 6 }}
     env:
       {{- fromYamlArray (include "tandem.engine.env" .) | toYaml | nindent 6 }}
+    {{- if include "tandem.engine.isWorker" . }}
+    {{- /* a worker pod runs ranks only: no HTTP, no probes; it exits when the leader stops its ranks */}}
+    {{- else }}
     ports:
       - name: http
         containerPort: {{ $v.engine.port }}
@@ -134,8 +156,13 @@ containers:
       - name: bootstrap
         containerPort: {{ $v.bootstrap.port }}
       {{- end }}
+      {{- if gt (int (include "tandem.engine.nodes" .)) 1 }}
+      - name: dist-init
+        containerPort: {{ $v.engine.distInitPort }}
+      {{- end }}
     {{- include "tandem.engine.probes" .root | nindent 4 }}
     {{- include "tandem.preStop" .root | nindent 4 }}
+    {{- end }}
     {{- with (fromYaml (include "tandem.engine.resources" .)) }}
     resources:
       {{- toYaml . | nindent 6 }}

@@ -1,0 +1,39 @@
+"""The follower rank of a prefill or decode server at `--tp-size N` (rank 0 starts it:
+common.parallel.launch): common.parallel.follower, plus the rank's own KV transfer engine and agent
+(transfer.rank_agent), started once its pool exists and reported to rank 0.
+
+    python -m tandem.rank_follower --rank R --size N --addr HOST:PORT --progress FILE --config JSON
+"""
+
+from __future__ import annotations
+
+from common.config import ServerConfig
+from common.memory.kv_pool import KVPool
+from common.parallel import follower
+from transfer.backends.base import make_backend
+from transfer.bulk_priority import create_lowered
+from transfer.rank_agent import RankAgent
+
+
+def start_agent(config: ServerConfig, pool: KVPool) -> RankAgent:
+    """This rank's engine on its own device, its pool registered; a prefill's agent serves rank 0."""
+    on_cuda = config.device == "cuda"
+    backend = create_lowered(
+        lambda: make_backend(
+            config.transfer_backend,
+            config.public_host,
+            config.transfer_protocol,
+            config.transfer_device,
+            config.transfer_timeout_s,
+            on_cuda,
+            pool.device_index,
+        )
+    )
+    (buffer,) = pool.buffer_infos()
+    serve = config.disagg_mode == "prefill"
+    triple = (buffer.data_ptr, buffer.nbytes, buffer.bytes_per_page)
+    return RankAgent(backend, triple, on_cuda, config.public_host, config.cluster_secret, serve)
+
+
+if __name__ == "__main__":
+    follower.main(services=start_agent)
