@@ -10,9 +10,7 @@ printed."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,18 +50,10 @@ class Node:
 
 
 def rendezvous_port() -> int:
-    """A free port below the ephemeral range, as a deployment's --dist-init-addr is: node 1 retries its
-    connection until node 0 listens, and a connection to an ephemeral port may get that very port as its
-    own (TCP self-connect), which then keeps node 0 from listening there."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(20000, low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
+    """A free port below the ephemeral range (tests/ports.py), as a deployment's --dist-init-addr is: node 1
+    retries its connection until node 0 listens, and a connection to an ephemeral port may get that very
+    port as its own (TCP self-connect), which then keeps node 0 from listening there."""
+    return free_port()
 
 
 def start_group(model_dir: Path, tp: int, name: str, extra: tuple[str, ...] = ()):

@@ -121,7 +121,7 @@ def test_builtin_pd_across_tp_sizes_equals_monolithic_tp1(builtin, prompts, expe
         ]
         assert len({r["kv_pages"] for r in info["ranks"]}) == 1
     if prefill_tp > 1:  # every prefill rank wrote its own heads with its own transfer engine
-        sent = rank_bytes(builtin.prefills[prefill_tp][0])
+        sent = rank_bytes(builtin.prefills[prefill_tp])
         assert sorted(sent) == [str(r) for r in range(prefill_tp)] and all(v > 0 for v in sent.values()), sent
     for server in builtin.all():
         server.wait_idle()
