@@ -8,7 +8,9 @@ size receives, in each of its ranks' buffers, exactly that rank's KV heads (`KVW
 
 Per-rank engines: a chunk's pieces are grouped by (prefill rank, decode rank). Rank 0 writes its own
 groups with its own engine, and each follower's group goes to that follower's agent
-(transfer.prefill.rank_links), which writes it with the follower's engine; all at once. The aux record
+(transfer.prefill.rank_links), which writes it with the follower's engine; the ranks at once, each
+rank's groups one after another (one engine writing to several decode ranks at once was 3x slower with
+NIXL). The aux record
 goes last, once every group landed (at TP 1 on both sides, the one group and the record are one batch
 on the host), so the record lands only after every rank's slice, and any failure fails the chunk only
 after every group finished or failed: nothing of the room lands after its status.
@@ -39,7 +41,7 @@ from transfer.poll import Mark, no_mark
 from transfer.prefill.rank_links import RankLinks
 from transfer.prefill.runs import Triples, paired_groups, rank_groups
 
-GROUP_WRITERS = 16  # groups in flight at once, over every decode (a chunk has at most tp x tp)
+GROUP_WRITERS = 16  # prefill ranks writing at once, over every decode (a chunk's groups: tp per rank)
 
 
 def rank_peer(decode_id: str, rank: int) -> str:
@@ -150,7 +152,8 @@ class KVWriter:
         mark: Mark = no_mark,
     ) -> int:
         """The pages and, on the last chunk, the aux record; returns the KV bytes written, raises on any
-        failure of a group (after every group ended). Every group at once, then the record; one group
+        failure of a group (after every group ended). The prefill ranks at once (each its groups in turn),
+        then the record; one group
         alone (TP 1 on both sides) goes with the record in one batch when on the host (one round trip:
         the decode reads the record only after the status, sent once the whole batch landed); device KV
         and the host record take a batch each. `fence()` runs before each round of backend calls and raises when the
@@ -176,20 +179,27 @@ class KVWriter:
         return written
 
     def _write_groups(self, registration: Register, decode_id: str, groups: dict, fence: Callable[[], None]) -> int:
-        """Every group at once, each by its prefill rank's engine; waits for all, then raises the first
-        failure (in rank order) or returns the bytes written."""
+        """Each prefill rank's groups in decode-rank order by its own engine, the ranks at once; waits
+        for all, then raises the first failure (in rank order) or returns the bytes written. (One engine
+        writing to several decode ranks at once ran 3x slower with NIXL: `docs/performance.md`.)"""
         if not groups:
             return 0
         fence()
+        by_source: dict[int, list] = {}
+        for (src_rank, dst_rank), triples in sorted(groups.items()):
+            by_source.setdefault(src_rank, []).append((dst_rank, triples))
         futures = [
-            self._group_writers.submit(self._write_group, registration, decode_id, src_rank, dst_rank, triples)
-            for (src_rank, dst_rank), triples in sorted(groups.items())
+            self._group_writers.submit(self._write_rank_groups, registration, decode_id, src_rank, rank_groups)
+            for src_rank, rank_groups in by_source.items()
         ]
         wait(futures)
         for f in futures:
             if f.exception() is not None:
                 raise f.exception()
         return sum(f.result() for f in futures)
+
+    def _write_rank_groups(self, registration: Register, decode_id: str, src_rank: int, groups: list) -> int:
+        return sum(self._write_group(registration, decode_id, src_rank, dst, triples) for dst, triples in groups)
 
     def _write_group(self, registration: Register, decode_id: str, src_rank: int, dst_rank: int, triples) -> int:
         peer, n = rank_peer(decode_id, dst_rank), sum(triples[2])
