@@ -5,7 +5,7 @@ and the router cut from the decode. Mooncake over TCP, short heartbeats.
 For each: the request ends within BOUND_S of the cut, with an error naming the cause (a partition that
 comes after the KV moved does not touch the request: it ends with every token exact); no page stays held
 on any node once idle, and every pool's integrity holds; after the heal the cluster serves exact tokens
-again within one heartbeat window, the long prompt included (a late write into pages the decode reused
+again within RECOVERY_S, the long prompt included (a late write into pages the decode reused
 would change them)."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ WINDOW_S = HEARTBEAT_S * MISSES  # a peer silent this long is dead
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "32")
 FAULTS = ("--heartbeat-interval-s", str(HEARTBEAT_S), "--heartbeat-misses", str(MISSES), "--transfer-timeout-s", "5")
 ROUTER = ("--health-check-timeout-s", "1", "--health-failure-threshold", "2")
+ROUTER_HEALTH_S = 1.0 + 0.5  # a check sent during the cut times out (1 s); the next comes an interval (0.5 s) later
+RECOVERY_S = max(WINDOW_S, ROUTER_HEALTH_S) + 0.25  # + the client's retry and one round trip
 BOUND_S = 8.0  # every request ends within this of the cut
 HOLD_S = 2 * WINDOW_S  # the cut lasts at least this: both sides have given up on each other and freed pages
 STREAM_TOKENS = 80
@@ -166,4 +168,4 @@ def test_partition_then_heal(cluster, prompts, expected, partition, moment):
     record_fault(
         f"{partition}, {moment}, healed", saw, None if untouched(partition, moment) else took, leaked, recovery
     )
-    assert recovery <= WINDOW_S, f"served again only {recovery:.2f} s after the heal"
+    assert recovery <= RECOVERY_S, f"served again only {recovery:.2f} s after the heal"
