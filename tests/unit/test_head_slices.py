@@ -11,6 +11,7 @@ import torch
 
 from common.memory.kv_pool import KVPool
 from common.wire.kv_heads import Segment, head_sources, rank_heads
+from tests.unit.kv_handoff_ranks import slice_triples
 from tests.unit.test_transfer_protocol import wait_for
 from transfer.backends.loopback import LoopbackBackend
 from transfer.decode.decode_manager import DecodeKVManager
@@ -18,7 +19,6 @@ from transfer.decode.receiver import KVReceiver
 from transfer.manager import KVArgs
 from transfer.poll import KVPoll
 from transfer.prefill.prefill_manager import PrefillKVManager
-from transfer.prefill.runs import slice_triples
 from transfer.prefill.sender import KVSender
 from transfer.rank_agent import RankAgent
 

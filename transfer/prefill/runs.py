@@ -1,7 +1,7 @@
 """Page runs contiguous on both sides, and the (src, dst, nbytes) triples of one chunk (numpy, vectorised):
-buffers paired by index when both sides have the same layout (`chunk_triples`), each decode rank's heads
-sliced out of the prefill ranks' pages when their TP sizes differ (`slice_triples`); grouped by (prefill
-rank, decode rank) for the ranks' own transfer engines (`paired_groups`, `rank_groups`)."""
+buffers paired by index when both sides have the same layout (`chunk_triples`), grouped by (prefill rank,
+decode rank) for the ranks' own transfer engines: rank r to rank r at equal TP sizes (`paired_groups`),
+each decode rank's heads sliced out of the prefill ranks' pages when they differ (`rank_groups`)."""
 
 from __future__ import annotations
 
@@ -39,17 +39,6 @@ def chunk_triples(src_bases, dst_bases, bytes_per_page, src_pages, dst_pages) ->
         dst_ptrs.ravel().tolist(),
         np.broadcast_to(nbytes, src_ptrs.shape).ravel().tolist(),
     )
-
-
-def slice_triples(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pages, dst_pages):
-    """Triples moving each decode rank's KV heads of `dst_pages` from the prefill rank(s) holding them
-    (`plan`: common.wire.kv_heads.head_sources), every group of `rank_groups` in one list."""
-    out: Triples = ([], [], [])
-    groups = rank_groups(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pages, dst_pages)
-    for part in groups.values():
-        for acc, new in zip(out, part):
-            acc.extend(new)
-    return out
 
 
 def rank_groups(src_bases, dst_bases, src_bpp, dst_bpp, head_bytes, plan, src_pages, dst_pages):
