@@ -70,6 +70,17 @@ def in_flight(pool: ThreadPoolExecutor, server, body: dict = LONG) -> Future:
     return fut
 
 
+def sigterm_with_a_request_in_flight(server, tokens: int) -> None:
+    """SIGTERM `server` while a request of `tokens` tokens runs: it finishes whole, then the server exits 0."""
+    body = LONG | {"sampling_params": LONG["sampling_params"] | {"max_new_tokens": tokens}}
+    with ThreadPoolExecutor(1) as pool:
+        fut = in_flight(pool, server, body)
+        server.proc.send_signal(signal.SIGTERM)
+        r = fut.result()
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == tokens, r.text
+    assert server.proc.wait(30) == 0
+
+
 @pytest.mark.parametrize(("name", "sig"), [("hang", signal.SIGSTOP), ("kill", signal.SIGKILL)])
 def test_follower_fault_is_named(servers, name, sig):
     server = servers[name]
@@ -102,13 +113,7 @@ def test_rank0_death_ends_the_followers(servers):
 def test_sigterm_drains_every_rank(servers):
     server = servers["drain"]
     pids = follower_pids(server)
-    short = LONG | {"sampling_params": LONG["sampling_params"] | {"max_new_tokens": 200}}
-    with ThreadPoolExecutor(1) as pool:
-        fut = in_flight(pool, server, short)
-        server.proc.send_signal(signal.SIGTERM)
-        r = fut.result()
-    assert r.status_code == 200 and len(r.json()["output_ids"]) == 200, r.text
-    assert server.proc.wait(30) == 0
+    sigterm_with_a_request_in_flight(server, 200)
     wait_gone(pids, 5)
 
 

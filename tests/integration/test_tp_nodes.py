@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import ROOT, free_port, record_fault, start_server
 from tests.integration.test_tensor_parallel import assert_same_tokens, generate_all, greedy_reference
-from tests.integration.test_tp_faults import LONG, in_flight, wait_gone
+from tests.integration.test_tp_faults import in_flight, sigterm_with_a_request_in_flight, wait_gone
 from tests.integration.test_tp_pd import pair_call
 from tests.integration.tiny_model import random_prompts, save_tiny_llama
 from tests.tiers import starts_processes
@@ -178,12 +178,6 @@ def test_node0_death_ends_node1(groups):
 def test_sigterm_on_node0_drains_every_rank(groups):
     server, node1 = groups["drain"]
     pids = node1_rank_pids(server, 2)
-    short = LONG | {"sampling_params": LONG["sampling_params"] | {"max_new_tokens": 100}}
-    with ThreadPoolExecutor(1) as pool:
-        fut = in_flight(pool, server, short)
-        server.proc.send_signal(signal.SIGTERM)
-        r = fut.result()
-    assert r.status_code == 200 and len(r.json()["output_ids"]) == 100, r.text
-    assert server.proc.wait(30) == 0
+    sigterm_with_a_request_in_flight(server, 100)
     assert node1.proc.wait(10) == 0  # its ranks were stopped by rank 0, not killed
     wait_gone(pids, 5)
