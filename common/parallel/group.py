@@ -8,7 +8,6 @@ runs exactly the operations it ran before tensor parallelism existed.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import time
@@ -26,10 +25,10 @@ class PeerGone(RuntimeError):
     """A collective failed: another rank of the group is gone (its connection closed)."""
 
 
-@contextlib.contextmanager
-def _collective():
+def _collective(op, *args, **kwargs):
+    """`op(*args, **kwargs)`, a collective (on every layer's path: a plain call, no context manager)."""
     try:
-        yield
+        return op(*args, **kwargs)
     except RuntimeError as e:  # gloo and NCCL raise it when a peer's connection breaks
         raise PeerGone(str(e).splitlines()[0]) from e
 
@@ -46,8 +45,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place."""
         if self.enabled:
-            with _collective():
-                dist.all_reduce(x)
+            _collective(dist.all_reduce, x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,15 +53,13 @@ class TensorParallel:
         if not self.enabled:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        with _collective():
-            dist.all_gather(parts, x.contiguous())
+        _collective(dist.all_gather, parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (same shape and dtype); `host`: over the gloo group."""
         if self.enabled:
-            with _collective():
-                dist.broadcast(x, src=0, group=_host_group() if host else None)
+            _collective(dist.broadcast, x, src=0, group=_host_group() if host else None)
         return x
 
     def all_gather_objects(self, obj: object) -> list:
