@@ -28,6 +28,11 @@ class ServerConfig(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    flashinfer_backend: Literal["fa2", "fa3", "auto"] = Field(
+        "fa2",
+        description="FlashInfer's kernel family (as SGLang pins it): fa2 builds two kernels; auto adds FA3's on Hopper "
+        "(several more minutes of first-start compilation)",
+    )
     kernel_cache_dir: str | None = Field(
         None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
     )

@@ -62,7 +62,13 @@ def choose_attention_backend(name: str, device: str, dtype: str) -> tuple[str, s
 
 
 def make_attention_backend(
-    name: str, device: str, kv_pool: KVPool, num_q_heads: int, head_dim: int, scaling: float
+    name: str,
+    device: str,
+    kv_pool: KVPool,
+    num_q_heads: int,
+    head_dim: int,
+    scaling: float,
+    flashinfer_backend: str = "fa2",
 ) -> AttentionBackend:
     plain = kv_pool.kind == "mha" and not kv_pool.quantized
     if name == "auto":
@@ -81,5 +87,5 @@ def make_attention_backend(
             )
         from common.attention.flashinfer_backend import FlashInferAttention
 
-        return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling)
+        return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling, flashinfer_backend)
     raise ValueError(f"unknown attention_backend {name!r}; choose torch or flashinfer")

@@ -2,6 +2,10 @@
 
 The page-major pool gives each layer as a [num_pages + 1, H, page_size, D] view strided across pages
 and heads (FlashInfer's HND paged layout; its kernels take the strides); page ids come from req_to_token.
+
+The kernel family is pinned (`--flashinfer-backend`, default fa2, as SGLang and mini-sglang pin it):
+FlashInfer's "auto" builds FA3's kernels on Hopper besides FA2's (for the tensor-core decode), several
+ten-file nvcc builds on a first start instead of two.
 """
 
 from __future__ import annotations
@@ -16,15 +20,18 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferAttention(AttentionBackend):
-    def __init__(self, kv_pool, num_q_heads: int, head_dim: int, scaling: float):
+    def __init__(self, kv_pool, num_q_heads: int, head_dim: int, scaling: float, backend: str = "fa2"):
         super().__init__(kv_pool, num_q_heads, head_dim, scaling)
         import flashinfer
 
         device = kv_pool.buffer.device
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
-        group = num_q_heads // kv_pool.kv_heads
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=group >= 4)
+        self.backend = backend
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=backend)
+        self.use_tensor_cores = num_q_heads // kv_pool.kv_heads >= 4
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_tensor_cores=self.use_tensor_cores, backend=backend
+        )
         self.page_size = kv_pool.page_size
 
     def init_forward(self, batch: ForwardBatch) -> None:

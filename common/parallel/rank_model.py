@@ -55,7 +55,13 @@ def build_rank_model(
     log.info("%s", describe_kv_cache(spec, store_dtype, source))
     pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales)
     attn = make_attention_backend(
-        config.attention_backend, config.device, pool, spec.q_heads, spec.head_dim, spec.scaling
+        config.attention_backend,
+        config.device,
+        pool,
+        spec.q_heads,
+        spec.head_dim,
+        spec.scaling,
+        config.flashinfer_backend,
     )
     return RankModel(model, heads, plan, pool, attn)
 
