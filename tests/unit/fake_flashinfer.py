@@ -44,7 +44,12 @@ class _Wrapper:
             n = qi.shape[2]
             mask = torch.arange(seq)[None, :] <= torch.arange(seq - n, seq)[:, None]
             oi = F.scaled_dot_product_attention(
-                qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=p["sm_scale"], enable_gqa=True
+                qi,
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=p["sm_scale"],
+                enable_gqa=True,
             )
             out[qo[i] : qo[i + 1]] = oi[0].transpose(0, 1)
         return out
