@@ -56,15 +56,19 @@ class Engine:
     def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None):
         """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic)."""
         self.config = config
+        self.model_dir: Path = resolve_model_dir(config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        spec = attention_spec(self.hf_config)
         self.attention_backend, warning = choose_attention_backend(
-            config.attention_backend, config.device, config.torch_dtype_name
-        )  # before loading anything: a refusal comes at once
+            config.attention_backend,
+            config.device,
+            config.torch_dtype_name,
+            spec.head_dim if spec.kind == "mha" else None,
+        )  # before loading weights: a refusal comes at once
         if warning:  # "auto" could not take FlashInfer: every rank builds the torch backend
             log.warning("%s", warning)
             self.config = config = config.model_copy(update={"attention_backend": self.attention_backend})
         torch.manual_seed(config.seed)
-        self.model_dir: Path = resolve_model_dir(config.model)
-        self.hf_config = load_hf_config(self.model_dir)
         self.model_id = model_identity(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)

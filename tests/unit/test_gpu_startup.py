@@ -36,6 +36,24 @@ def test_the_attention_backend_for_a_device_and_dtype(name, device, dtype, picke
         assert "--dtype float32" in warning and "--dtype bfloat16" in warning
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 96, 64, 128, 256, None])
+def test_auto_takes_flashinfer_only_for_the_head_dims_it_serves(head_dim):
+    chosen, warning = choose_attention_backend("auto", "cuda", "bfloat16", head_dim)
+    if head_dim in (64, 128, 256, None):  # None: MLA, whose pools get the torch backend anyway
+        assert (chosen, warning) == ("flashinfer", None)
+    else:
+        assert chosen == "torch" and f"head_dim {head_dim}" in warning and "torch" in warning
+        with pytest.raises(AttentionChoiceError, match=f"head_dim is {head_dim}.*--attention-backend torch"):
+            choose_attention_backend("flashinfer", "cuda", "bfloat16", head_dim)
+    assert choose_attention_backend("auto", "cpu", "float32", head_dim) == ("torch", None)
+
+
+def test_a_head_dim_flashinfer_lacks_is_refused_before_the_weights_load(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("common.engine.engine.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses"))
+    with pytest.raises(AttentionChoiceError, match="head_dim is 16"):
+        Engine(ServerConfig(model=str(tiny_model_dir), attention_backend="flashinfer", device="cuda"))
+
+
 @pytest.mark.parametrize(
     "device, dtype, names",
     [
