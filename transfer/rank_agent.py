@@ -43,14 +43,17 @@ class RankAgent:
         host: str,
         secret: str | None,
         serve: bool,
+        device_index: int = 0,
     ):
-        """`buffer`: (pointer, bytes, bytes per page) of this rank's pool; `serve`: a prefill's agent."""
+        """`buffer`: (pointer, bytes, bytes per page) of this rank's pool, on CUDA device `device_index` when
+        `on_device`; `serve`: a prefill's agent."""
         self.backend, self.secret, self.on_device = backend, secret, on_device
+        self.device_index = device_index
         self.ptr, self.nbytes, self.bytes_per_page = buffer
         backend.register(self.ptr, self.nbytes, on_device)
         self.instance_id = f"rank-agent-{uuid.uuid4().hex[:12]}"
         self.counters: Counter[str] = Counter()
-        self.peers: dict[str, bytes] = {}
+        self.peers: dict[str, tuple[bytes, int]] = {}
         self._lock = threading.Lock()
         self.control: ZmqControlPlane | None = None
         if serve:
@@ -66,6 +69,7 @@ class RankAgent:
             "kv_ptr": self.ptr,
             "kv_nbytes": self.nbytes,
             "bytes_per_page": self.bytes_per_page,
+            "device_index": self.device_index,
             "agent_endpoint": self.control.endpoint if self.control else None,
             "agent_id": self.instance_id,
         }
@@ -85,7 +89,7 @@ class RankAgent:
     def _write(self, msg: RankWrite) -> None:
         try:
             self._check_source(msg)
-            self._learn(msg.peer_id, msg.peer_address)
+            self._learn(msg.peer_id, msg.peer_address, msg.peer_device)
             self.backend.write_batch(msg.peer_id, msg.src, msg.dst, msg.nbytes, msg.on_device)
             reply = RankWritten(msg.job, True, "", sum(msg.nbytes))
             self.counters["bytes_sent"] += reply.written
@@ -99,11 +103,11 @@ class RankAgent:
         if any(not self.ptr <= s or s + n > end for s, n in zip(msg.src, msg.nbytes)):
             raise ValueError("a source piece lies outside this rank's registered KV pool")
 
-    def _learn(self, peer_id: str, address: bytes) -> None:
+    def _learn(self, peer_id: str, address: bytes, device: int) -> None:
         with self._lock:
-            if self.peers.get(peer_id) != address:
-                self.backend.add_peer(peer_id, address)
-                self.peers[peer_id] = address
+            if self.peers.get(peer_id) != (address, device):
+                self.backend.add_peer(peer_id, address, device)
+                self.peers[peer_id] = (address, device)
 
     def close(self) -> None:
         if self.control is not None:

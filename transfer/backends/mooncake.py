@@ -95,7 +95,8 @@ class MooncakeBackend(TransferBackend):
     def address(self) -> bytes:
         return self._address
 
-    def add_peer(self, peer_id: str, address: bytes) -> None:
+    def add_peer(self, peer_id: str, address: bytes, device_index: int = 0) -> None:
+        # the segment's own metadata (fetched at the handshake) names its buffers' devices
         self.sessions[peer_id] = address.decode()
 
     def write_batch(
