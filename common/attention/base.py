@@ -76,6 +76,14 @@ def choose_attention_backend(name: str, device: str, dtype: str, head_dim: int |
     return name, None
 
 
+def resolved_backend(name: str, device: str, kind: str, quantized: bool) -> str:
+    """What `--attention-backend name` builds for a pool of `kind` (mha / mla), FP8 or not: "auto" is
+    FlashInfer for a plain MHA pool on CUDA, torch otherwise."""
+    if name != "auto":
+        return name
+    return "flashinfer" if device == "cuda" and kind == "mha" and not quantized else "torch"
+
+
 def make_attention_backend(
     name: str,
     device: str,
@@ -86,8 +94,7 @@ def make_attention_backend(
     flashinfer_backend: str = "fa2",
 ) -> AttentionBackend:
     plain = kv_pool.kind == "mha" and not kv_pool.quantized
-    if name == "auto":
-        name = "flashinfer" if device == "cuda" and plain else "torch"
+    name = resolved_backend(name, device, kv_pool.kind, kv_pool.quantized)
     if name == "torch":
         from common.attention.torch_backend import TorchAttention
 

@@ -36,6 +36,7 @@ from common.memory.hicache import make_prefix_cache
 from common.memory.manager import MemoryManager
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
+from common.memory.static_reserve import REQ_SPARE_ROWS, cap_running_requests
 from common.model.identity import model_identity
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
@@ -89,7 +90,8 @@ class Engine:
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
         num_pages = self.pool_plan.num_pages
-        req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
+        req_rows = config.max_running_requests + REQ_SPARE_ROWS
+        req_pool = ReqToTokenPool(req_rows, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
         self.kv_events = self._kv_event_publisher()
         prefix = make_prefix_cache(config, allocator, self.kv_pool, self.kv_events)
@@ -133,10 +135,21 @@ class Engine:
         """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
         if config.device != "cuda":
             return config
-        derived = gpu_batch_limits(torch.cuda.mem_get_info()[1], self.pool_plan, self.context_len)
+        total = torch.cuda.mem_get_info()[1]
+        derived = gpu_batch_limits(total, self.pool_plan, self.context_len)
         unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
+        running = unset.get("max_running_requests", config.max_running_requests)
+        left = total * (1 - config.mem_fraction_static)  # what the pool's sizing left: the sampler's rows come from it
+        capped, warning = cap_running_requests(
+            running, left, self.hf_config.vocab_size, "max_running_requests" not in unset
+        )
+        if warning:
+            log.warning("%s", warning)
+        unset["max_running_requests"] = capped
         log.info(
-            "batch limits for this GPU and pool: %s (flags override)", ", ".join(f"{k} {v}" for k, v in unset.items())
+            "batch limits for this GPU and pool: %s (flags override; running requests within what the sampler's "
+            "temporaries leave)",
+            ", ".join(f"{k} {v}" for k, v in unset.items()),
         )
         return config.model_copy(update=unset)
 

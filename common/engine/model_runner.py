@@ -12,7 +12,7 @@ from common.core.page_meta import build_page_meta
 from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.kv_ready import KVReady, record_kv_ready
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, flashinfer_sampling
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM
 
@@ -62,7 +62,7 @@ class ModelRunner:
         self.req_to_token = req_to_token
         self.device = device
         self.page_size = attn.kv_pool.page_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(flashinfer_sampling(device))
 
     def run(self, plan: BatchPlan) -> BatchResult:
         if plan.decode is not None:

@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from common.attention.base import AttentionBackend, make_attention_backend
+from common.attention.base import AttentionBackend, make_attention_backend, resolved_backend
 from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.memory.sizing import PoolPlan, plan_kv_pool
+from common.memory.static_reserve import GPU_MAX_RUNNING, StaticReserve, attention_bytes, req_to_token_bytes
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -49,7 +50,10 @@ def build_rank_model(
     store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
     memory = torch.cuda.mem_get_info() if config.device == "cuda" else None  # (free, total) after the weights
     per_token = pool_bytes_per_token(spec, store_dtype)
-    plan = plan_kv_pool(config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static)
+    reserved = static_reserve(config, hf, spec.kind, store_dtype.itemsize == 1) if memory else StaticReserve()
+    plan = plan_kv_pool(
+        config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static, reserved
+    )
     plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
     scales, source = read_kv_scales(model_dir, spec.num_layers)
     log.info("%s", describe_kv_cache(spec, store_dtype, source))
@@ -64,6 +68,17 @@ def build_rank_model(
         config.flashinfer_backend,
     )
     return RankModel(model, heads, plan, pool, attn)
+
+
+def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quantized: bool) -> StaticReserve:
+    """The buffers allocated after the pool (static_reserve.py), at the most the flags allow: every rank
+    counts rank 0's req_to_token, so the pages (the ranks' minimum) leave room for it."""
+    rows = config.max_running_requests if "max_running_requests" in config.model_fields_set else GPU_MAX_RUNNING
+    context = config.context_length or getattr(hf, "max_position_embeddings", 4096)
+    backend = resolved_backend(config.attention_backend, config.device, kind, quantized)
+    return StaticReserve(
+        req_to_token=req_to_token_bytes(rows, context, config.page_size), attention=attention_bytes(backend)
+    )
 
 
 def rank_report(rank: int, built: RankModel) -> dict:
