@@ -100,7 +100,8 @@ class Engine:
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         eos_ids = self._eos_ids()
         model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
-        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
+        check = self.ranks.check_step if self.ranks is not None else (lambda: None)
+        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids), check)
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
         if make_role is not None:

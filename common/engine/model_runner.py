@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,12 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         device: str,
         eos_token_ids: frozenset[int] = frozenset(),
+        check_step: Callable[[], None] = lambda: None,
     ):
-        """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens)."""
+        """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens);
+        `check_step`: called once a step's tokens reached the host, raises if the step cannot be trusted
+        (a TP group that faulted meanwhile: Ranks.check_step)."""
+        self.check_step = check_step
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.attn = attn
@@ -89,6 +94,7 @@ class ModelRunner:
             start, end = logit_spans[i]
             if end - start > 1 or (req.logprob_start_len >= 0 and plan.mode == ForwardMode.EXTEND):
                 result.input_logprobs[i] = self._input_logprobs(req, plan.extend_lens[i], logits[start:end])
+        self.check_step()
         return result
 
     def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
@@ -99,6 +105,7 @@ class ModelRunner:
         if decode.sampling is None:  # the running set changed
             decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
         out = self.sampler.sample(logits, decode.sampling)
+        self.check_step()
         decode.finish_step(out.ids)
         return BatchResult(out.token_ids, out.logprobs, out.top_logprobs, [None] * len(decode.reqs))
 
