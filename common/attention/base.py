@@ -30,6 +30,16 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq, D]."""
 
+    def prepare_graphs(self, max_bs: int, index_slots: int) -> None:
+        """Allocate what decode graphs of up to `max_bs` rows reading up to `index_slots` pages need."""
+
+    def init_graph_forward(self, batch: ForwardBatch, size: int) -> None:
+        """Like init_forward, for a decode step replayed from the graph of `size` rows: `batch` is the
+        padded static batch (common.engine.cuda_graph), and what forward() reads must stay at the same
+        addresses from step to step. Graphs run on FlashInfer; this default serves CPU tests, replayed
+        eagerly."""
+        self.init_forward(batch)
+
 
 FLASHINFER_DTYPES = ("bfloat16", "float16")
 # head dims FlashInfer's prebuilt paths cover (SGLang's checks): others compile, then fail in plan() with

@@ -18,11 +18,13 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.attention.base import choose_attention_backend
+from common.attention.base import choose_attention_backend, resolved_backend
 from common.config import ServerConfig
+from common.core.page_meta import pages_for
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
 from common.engine import host_tier
+from common.engine.cuda_graph import DecodeGraphs, graph_plan
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
@@ -85,7 +87,7 @@ class Engine:
         if self.ranks is not None:
             self.ranks.serving = True
             log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
-        self.pool_plan, self.kv_pool = built.pool_plan, built.kv_pool
+        self.pool_plan, self.kv_pool, self.reserved = built.pool_plan, built.kv_pool, built.reserved
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
@@ -207,6 +209,38 @@ class Engine:
             tokens,
             cache,
         )
+        return seconds + self.capture_graphs()
+
+    def capture_graphs(self) -> float:
+        """The decode CUDA graphs graph_plan allows (after the warm-up built the kernels); the seconds."""
+        c, pool = self.config, self.kv_pool
+        backend = resolved_backend(c.attention_backend, c.device, pool.kind, pool.quantized)
+        sizes, line = graph_plan(c, backend, model_class(self.hf_config).cuda_graph_capturable)
+        log.info("%s", line)
+        if not sizes:
+            return 0.0
+        slots = min(sizes[-1] * pages_for(self.context_len, c.page_size), pool.num_pages + sizes[-1])
+        self.runner.attn.prepare_graphs(sizes[-1], slots)
+        graphs = DecodeGraphs(
+            self.runner.model,
+            self.runner.attn,
+            self.runner.req_to_token,
+            self.memory.req_pool.padding_row,
+            sizes,
+            self.hf_config.vocab_size,
+            c.device,
+        )
+        free = torch.cuda.mem_get_info()[0]
+        seconds = graphs.capture_all()
+        used = free - torch.cuda.mem_get_info()[0]
+        log.info(
+            "CUDA graphs: %d sizes captured in %.1f s, %.0f MiB (%.0f MiB set aside before the KV pool)",
+            len(sizes),
+            seconds,
+            used / 2**20,
+            self.reserved.cuda_graphs / 2**20,
+        )
+        self.runner.graphs = graphs
         return seconds
 
     def start(self) -> None:

@@ -11,6 +11,7 @@ from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.core.page_meta import build_page_meta
 from common.core.request import Req
+from common.engine.cuda_graph import DecodeGraphs
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.kv_ready import KVReady, record_kv_ready
 from common.engine.sampler import Sampler, flashinfer_sampling
@@ -68,6 +69,7 @@ class ModelRunner:
         self.device = device
         self.page_size = attn.kv_pool.page_size
         self.sampler = Sampler(flashinfer_sampling(device))
+        self.graphs: DecodeGraphs | None = None  # captured by the engine's warm-up (common.engine.cuda_graph)
 
     def run(self, plan: BatchPlan) -> BatchResult:
         if plan.decode is not None:
@@ -100,8 +102,11 @@ class ModelRunner:
     def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
         """One token for every running request, from tensors kept across steps: no tensor work per request."""
         batch = decode.forward_batch(out_cache_loc, self.req_to_token)  # its metadata went with the slots
-        self.attn.init_forward(batch)
-        logits = self.model(batch, self.attn)
+        if self.graphs is not None and batch.batch_size <= self.graphs.max_bs:
+            logits = self.graphs.run(batch)
+        else:
+            self.attn.init_forward(batch)
+            logits = self.model(batch, self.attn)
         if decode.sampling is None:  # the running set changed
             decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
         out = self.sampler.sample(logits, decode.sampling)

@@ -45,8 +45,8 @@ class StaticReserve:
 
 
 def req_to_token_bytes(max_running: int, context_len: int, page_size: int) -> int:
-    """The table ReqToTokenPool allocates: (rows + spare) x (context + one page) int32."""
-    return (max_running + REQ_SPARE_ROWS) * (context_len + page_size) * 4
+    """The table ReqToTokenPool allocates: (rows + spare + the padding row) x (context + one page) int32."""
+    return (max_running + REQ_SPARE_ROWS + 1) * (context_len + page_size) * 4
 
 
 def attention_bytes(backend: str, graph_wrappers: int = 0) -> int:

@@ -128,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
     """Subclasses (the MoE and DeepSeek families) change the decoder layer; the rest is shared."""
 
     layer_class: type[DecoderLayer] = DecoderLayer
+    cuda_graph_capturable = True  # its decode forward decides nothing on the host (common.engine.cuda_graph)
 
     @staticmethod
     def tp_divided(config: PretrainedConfig) -> dict[str, int]:

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend, make_attention_backend, resolved_backend
 from common.config import ServerConfig
+from common.engine.cuda_graph import graph_bytes, graph_plan
 from common.memory.kv_pool import KVPool
 from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.memory.sizing import PoolPlan, plan_kv_pool
@@ -23,7 +24,7 @@ from common.memory.static_reserve import GPU_MAX_RUNNING, StaticReserve, attenti
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model.registry import attention_spec
+from common.model.registry import attention_spec, model_class
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
 
@@ -37,6 +38,7 @@ class RankModel:
     pool_plan: PoolPlan
     kv_pool: KVPool
     attn: AttentionBackend
+    reserved: StaticReserve  # what the pool's sizing set aside for the buffers allocated after it
 
 
 def build_rank_model(
@@ -67,7 +69,7 @@ def build_rank_model(
         spec.scaling,
         config.flashinfer_backend,
     )
-    return RankModel(model, heads, plan, pool, attn)
+    return RankModel(model, heads, plan, pool, attn, reserved)
 
 
 def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quantized: bool) -> StaticReserve:
@@ -76,8 +78,17 @@ def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quanti
     rows = config.max_running_requests if "max_running_requests" in config.model_fields_set else GPU_MAX_RUNNING
     context = config.context_length or getattr(hf, "max_position_embeddings", 4096)
     backend = resolved_backend(config.attention_backend, config.device, kind, quantized)
+    at_most = config.model_copy(update={"max_running_requests": rows})
+    sizes, _ = graph_plan(at_most, backend, model_class(hf).cuda_graph_capturable)
+    graphs = 0
+    if sizes:
+        slots = sizes[-1] * -(-context // config.page_size)
+        itemsize = getattr(torch, config.torch_dtype_name).itemsize
+        graphs = graph_bytes(sizes[-1], hf.hidden_size, hf.intermediate_size, hf.vocab_size, itemsize, slots)
     return StaticReserve(
-        req_to_token=req_to_token_bytes(rows, context, config.page_size), attention=attention_bytes(backend)
+        req_to_token=req_to_token_bytes(rows, context, config.page_size),
+        attention=attention_bytes(backend, len(sizes)),
+        cuda_graphs=graphs,
     )
 
 

@@ -100,7 +100,7 @@ def test_the_static_buffers_allocated_after_the_pool_are_counted_before_it():
     reserved = StaticReserve(
         req_to_token=req_to_token_bytes(4096, 131072, 16), attention=attention_bytes("flashinfer", 3), cuda_graphs=GIB
     )
-    assert reserved.req_to_token == 4104 * 131088 * 4 and reserved.attention == (256 + 5 * 8) * 2**20
+    assert reserved.req_to_token == 4105 * 131088 * 4 and reserved.attention == (256 + 5 * 8) * 2**20
     assert attention_bytes("torch", 3) == 0
     bare = plan_kv_pool(16, LLAMA3_8B_BF16, None, (total - used, total), 0.85)
     plan = plan_kv_pool(16, LLAMA3_8B_BF16, None, (total - used, total), 0.85, reserved)
@@ -119,3 +119,25 @@ def test_running_requests_are_capped_to_the_rows_the_sampler_can_hold():
     assert cap_running_requests(64, 12 * GIB, 128256, from_flag=True) == (64, None)
     rows, warning = cap_running_requests(4096, 1 * GIB, 128256, from_flag=True)
     assert rows == 209 and "--max-running-requests 4096 lowered to 209" in warning
+
+
+def test_a_gpu_servers_reserve_counts_its_graphs_and_their_wrappers_unless_they_are_off():
+    """Llama 3 8B's shapes at 4096 rows and 8k context on CUDA: 35 graphs of up to 256 rows (one FlashInfer
+    decode wrapper each, and their memory), nothing for them with --disable-cuda-graph or at TP 2."""
+    from transformers import LlamaConfig
+
+    from common.config import ServerConfig
+    from common.engine.cuda_graph import graph_bytes
+    from common.parallel.rank_model import static_reserve
+
+    hf = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    on = static_reserve(ServerConfig(device="cuda"), hf, "mha", False)
+    assert on.attention == attention_bytes("flashinfer", 35)
+    assert on.cuda_graphs == graph_bytes(256, 4096, 14336, 128256, 2, 256 * 512) > 256 * 128256 * 10
+    assert on.req_to_token == req_to_token_bytes(4096, 8192, 16)
+    for flags in (dict(disable_cuda_graph=True), dict(tp_size=2), dict(attention_backend="torch")):
+        off = static_reserve(ServerConfig(device="cuda", **flags), hf, "mha", False)
+        assert off.cuda_graphs == 0 and off.attention in (attention_bytes("flashinfer"), 0)
