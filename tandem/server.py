@@ -1,5 +1,5 @@
 """Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on node k > 0
-of a TP group spanning hosts (--node-rank), that node's ranks (common.parallel.node)."""
+of a TP group spanning hosts (--node-rank), that node's ranks (common.ranks.node)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from common.model.locate import check_model
 from common.wire.user_error import UserError, config_error, require_free_ports, split_host_port
 
 log = logging.getLogger("tandem")
+RANK_FOLLOWER = "tandem.rank_follower"  # what every follower rank of a server runs (tandem/rank_follower.py)
 
 
 def setup_logging(role: str) -> None:
@@ -38,9 +39,9 @@ def serve_from_args(ns: argparse.Namespace) -> None:
     if config.node_rank > 0:  # another host's share of the TP group: ranks only, no HTTP
         check_model(config.model)
         setup_logging(f"node{config.node_rank}")
-        from common.parallel.node import run_node
+        from common.ranks.node import run_node
 
-        run_node(config)
+        run_node(config, RANK_FOLLOWER)
     check_before_loading(config)
     serve(config)
 
@@ -101,12 +102,12 @@ def build_engine(config: ServerConfig):
     if config.disagg_mode == "prefill":
         from prefill_node.compose import build_prefill_engine
 
-        return build_prefill_engine(config)
+        return build_prefill_engine(config, RANK_FOLLOWER)
     if config.disagg_mode == "decode":
         from decode_node.compose import build_decode_engine
 
-        return build_decode_engine(config)
-    return Engine(config)
+        return build_decode_engine(config, RANK_FOLLOWER)
+    return Engine(config, follower=RANK_FOLLOWER)
 
 
 def serve(config: ServerConfig) -> None:

@@ -12,11 +12,11 @@ from pydantic import ValidationError
 
 from common.config import ServerConfig
 from common.parallel.group import host_store, join_store
-from common.parallel.launch import free_port, local_ranks
-from common.parallel.node import Node, node0_config
-from common.parallel.node_board import NodeBoard
-from common.parallel.progress import Progress
-from common.parallel.remote_nodes import RemoteNodes
+from common.ranks.launch import free_port, local_ranks
+from common.ranks.node import Node, node0_config
+from common.ranks.node_board import NodeBoard
+from common.ranks.progress import Progress
+from common.ranks.remote_nodes import RemoteNodes
 from common.wire.user_error import UserError, config_error
 from tandem.server import check_before_loading
 

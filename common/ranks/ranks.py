@@ -7,7 +7,7 @@ of the whole group: it is named (`fault`, what /health answers with 503), the ot
 rank, and so does every later forward. A follower that exits because a collective failed
 (PEER_GONE_EXIT) is not blamed unless no other rank is named within `grace_s`. A follower that exits
 during start-up ends the server. With
---nnodes > 1 the ranks of other hosts are watched through the node board (common.parallel.remote_nodes),
+--nnodes > 1 the ranks of other hosts are watched through the node board (common.ranks.remote_nodes),
 and a fault is posted there so that every node ends its ranks.
 """
 
@@ -24,11 +24,11 @@ from typing import TypeVar
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardBatch
 from common.parallel.group import PEER_GONE_EXIT, TensorParallel, host_store, init_group
-from common.parallel.launch import end_followers, group_addr, kill, spawn_followers, state_of
-from common.parallel.node_board import NodeBoard
-from common.parallel.progress import Progress
-from common.parallel.remote_nodes import RemoteNodes
-from common.parallel.step import StepChannel
+from common.ranks.launch import end_followers, group_addr, kill, spawn_followers, state_of
+from common.ranks.node_board import NodeBoard
+from common.ranks.progress import Progress
+from common.ranks.remote_nodes import RemoteNodes
+from common.ranks.step import StepChannel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,14 +42,15 @@ class RankFault(RuntimeError):
 
 
 class Ranks:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, follower: str):
+        """`follower`: the module each follower runs (common.ranks.launch)."""
         self.config = config
         self.progress = Progress.create(config.tp_size)
         addr = group_addr(config)
         store = host_store(addr, config.tp_size, GROUP_TIMEOUT_S)
-        self.procs: list[subprocess.Popen] = spawn_followers(config, addr, self.progress.path)
+        self.procs: list[subprocess.Popen] = spawn_followers(config, addr, self.progress.path, follower)
         self.remote = RemoteNodes(config, NodeBoard(store, 0)) if config.nnodes > 1 else None
-        if self.remote is not None:  # the other nodes' ranks run with it (common.parallel.node)
+        if self.remote is not None:  # the other nodes' ranks run with it (common.ranks.node)
             self.remote.board.post_config(config)
         self.fault: str | None = None
         self.serving = self.stopping = False

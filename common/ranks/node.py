@@ -27,10 +27,10 @@ from pydantic import ValidationError
 
 from common.config import ServerConfig
 from common.parallel.group import PEER_GONE_EXIT, join_store
-from common.parallel.launch import end_followers, kill, local_ranks, spawn_followers, state_of
-from common.parallel.node_board import NodeBoard
-from common.parallel.progress import Progress
-from common.parallel.ranks import GROUP_TIMEOUT_S, POLL_S
+from common.ranks.launch import end_followers, kill, local_ranks, spawn_followers, state_of
+from common.ranks.node_board import NodeBoard
+from common.ranks.progress import Progress
+from common.ranks.ranks import GROUP_TIMEOUT_S, POLL_S
 from common.wire.user_error import config_error
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,13 @@ def node0_config(own: ServerConfig, posted: dict) -> ServerConfig:
 
 
 class Node:
-    def __init__(self, config: ServerConfig, board: NodeBoard):
+    def __init__(self, config: ServerConfig, board: NodeBoard, follower: str):
+        """`follower`: the module each rank runs (common.ranks.launch)."""
         self.config, self.addr, self.board = config, config.dist_init_addr, board
         self.window_s = config.heartbeat_interval_s * config.heartbeat_misses
         self.progress = Progress.create(config.tp_size)
         ranks = list(local_ranks(config))
-        self.procs = dict(zip(ranks, spawn_followers(config, self.addr, self.progress.path)))
+        self.procs = dict(zip(ranks, spawn_followers(config, self.addr, self.progress.path, follower)))
         self.problem: str | None = None  # found by the heartbeat thread
         self.node0: tuple[int, float] | None = None  # node 0's last beat since it serves, and when it arrived
         self.deadline: float | None = None  # set by SIGTERM / SIGINT
@@ -149,10 +150,11 @@ class Node:
         return "node 0 did not stop the ranks within --drain-timeout-s + 15 s of this node's SIGTERM"
 
 
-def run_node(own: ServerConfig) -> None:
-    """Wait for node 0's store (node 0 may start later), run this node's ranks with node 0's config, exit."""
+def run_node(own: ServerConfig, follower: str) -> None:
+    """Wait for node 0's store (node 0 may start later), run this node's ranks (each `python -m follower`) with
+    node 0's config, exit."""
     board = NodeBoard(join_store(own.dist_init_addr, GROUP_TIMEOUT_S), own.node_rank)
-    node = Node(node0_config(own, board.config()), board)
+    node = Node(node0_config(own, board.config()), board, follower)
     try:
         code = node.run()
     finally:

@@ -3,11 +3,11 @@ rendezvous store (torch.distributed's TCPStore at --dist-init-addr, which rank 0
 
     tandem/node/<k>   node k's heartbeat: {"beat": n, "serving": bool, "ranks": {rank: [pid, state,
                       progress]}}, rewritten every --heartbeat-interval-s (progress as in
-                      common.parallel.progress; node 0's "serving": its start-up is over)
+                      common.ranks.progress; node 0's "serving": its start-up is over)
     tandem/fault      the first fault of the group, in words naming the rank or node; every node that
                       reads it ends its ranks
     tandem/config     node 0's config (secrets left out), posted before any rank starts: every node's
-                      ranks run with it (common.parallel.node)
+                      ranks run with it (common.ranks.node)
 
 A store call to a stopped host may block for good (a TCPStore get does not honour its timeout when
 the server is frozen), so callers judge a peer by when they last heard from it, not by a call failing.

@@ -1,5 +1,5 @@
 """Rank 0's view of the TP group's other hosts (--nnodes > 1), through the node board
-(common.parallel.node_board): rank 0 cannot poll a process or read a progress file on another host.
+(common.ranks.node_board): rank 0 cannot poll a process or read a progress file on another host.
 
 Rank 0 posts node 0's heartbeat every --heartbeat-interval-s (a node k whose node 0 falls silent once
 serving ends its ranks; during start-up loading and the group's set-up may hold Python's lock for
@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 
 from common.config import ServerConfig
-from common.parallel.node_board import NodeBoard, RankState
-from common.parallel.progress import Progress
+from common.ranks.node_board import NodeBoard, RankState
+from common.ranks.progress import Progress
 
 
 class RemoteNodes:
