@@ -14,9 +14,10 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from common.model.locate import check_model
-from common.wire.user_error import UserError, require_free_ports
+from common.wire.user_error import UserError
 from router.policies import POLICIES
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
+from tandem.ports import require_free_ports
 
 
 @dataclass

@@ -32,8 +32,8 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
-from common.memory.hicache import make_prefix_cache
 from common.memory.manager import MemoryManager
+from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
