@@ -14,7 +14,8 @@ replays the smallest graph of at least n rows:
 - the graph writes every row's logits into one static [largest, vocab] buffer, of which the sampler,
   outside the graph (its work follows the requests' settings), reads the first n rows.
 
-A larger batch runs eagerly. `graph_plan` says when there are graphs at all: on CUDA, with the FlashInfer
+A larger batch runs eagerly. `graph_plan` (common.memory.static_reserve: the sizes decide memory counted
+before the pool) says when there are graphs at all: on CUDA, with the FlashInfer
 backend, at --tp-size 1 (each follower would have to replay its own), on a decode or monolithic server
 (a prefill server decodes nothing), for a model whose forward makes no host-side decision (not the MoE
 families: which experts run is read back per step). Their memory is counted before the KV pool is sized
@@ -34,41 +35,7 @@ from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.core.page_meta import PageMeta
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_BS = 256
-CAPTURE_SLACK = 64 * 1024**2  # cuBLAS workspaces and the allocator's rounding inside the graphs' pool
 Capture = Callable[[Callable[[], torch.Tensor], object], "Replay"]
-
-
-def capture_sizes(max_bs: int) -> list[int]:
-    """The batch sizes that get a graph: 1, 2, 4, 8, then every 8, and `max_bs` itself."""
-    sizes = [s for s in (1, 2, 4, 8, *range(16, max_bs + 1, 8)) if s <= max_bs]
-    return sorted({*sizes, max_bs})
-
-
-def graph_plan(config, attention: str, capturable: bool) -> tuple[list[int], str]:
-    """The batch sizes to capture (empty: no graphs) and a line for the start-up log saying why."""
-    reasons = {
-        "--device cpu": config.device != "cuda",
-        "--disable-cuda-graph": config.disable_cuda_graph,
-        f"--attention-backend {attention} (graphs need flashinfer)": attention != "flashinfer",
-        f"--tp-size {config.tp_size} (graphs need 1)": config.tp_size > 1,
-        "a prefill server decodes nothing": config.disagg_mode == "prefill",
-        "the model's forward reads the device back (MoE expert routing)": not capturable,
-    }
-    off = [why for why, applies in reasons.items() if applies]
-    if off:
-        return [], f"CUDA graphs off: {off[0]}"
-    max_bs = min(config.cuda_graph_max_bs or DEFAULT_MAX_BS, config.max_running_requests)
-    sizes = capture_sizes(max_bs)
-    return sizes, f"CUDA graphs for decode batches of up to {max_bs} ({len(sizes)} sizes; --cuda-graph-max-bs)"
-
-
-def graph_bytes(max_bs: int, hidden: int, intermediate: int, vocab: int, itemsize: int, index_slots: int) -> int:
-    """An estimate of the graphs' memory: the static logits, the largest capture's activations (its
-    lm_head output in the weights' dtype and as float32, a layer's hidden states in float32, its MLP),
-    the page-index buffer, and CAPTURE_SLACK."""
-    per_row = vocab * 4 + vocab * (itemsize + 4) + 16 * hidden * 4 + 4 * intermediate * itemsize
-    return max_bs * per_row + index_slots * 4 + CAPTURE_SLACK
 
 
 class StaticInputs:

@@ -7,8 +7,8 @@ Counted first (they are allocated after the pool, at sizes known at start-up):
   the longest context asked for (`--context-length`, else the model's);
 - the attention workspace: FlashInfer's 256 MiB float workspace and 8 MiB of int workspace per wrapper
   (prefill, decode, and one decode wrapper per CUDA-graph batch size);
-- the decode CUDA graphs' memory pool (common.engine.cuda_graph.graph_pool_bytes: the activations and
-  logits of the largest captured batch).
+- the decode CUDA graphs' memory (`graph_bytes`: the static logits and the largest capture's activations)
+  for the batch sizes `graph_plan` decides (common.engine.cuda_graph captures them).
 
 Bounded by what is left: the sampler works on [rows, vocab] float32 tensors, SAMPLER_ROW_FLOATS of them
 alive at once at most (tests/unit/test_memory_sizing.py counts them on a batch that asks for every
@@ -74,3 +74,39 @@ def cap_running_requests(running: int, left_bytes: float, vocab_size: int, from_
         f"vocabulary needs {running * sampler_bytes_per_row(vocab_size) / GIB:.1f} GiB and --mem-fraction-static "
         f"leaves {left_bytes / GIB:.1f} GiB; lower --mem-fraction-static to raise it"
     )
+
+
+DEFAULT_MAX_BS = 256
+CAPTURE_SLACK = 64 * 1024**2  # cuBLAS workspaces and the allocator's rounding inside the graphs' pool
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """The batch sizes that get a graph: 1, 2, 4, 8, then every 8, and `max_bs` itself."""
+    sizes = [s for s in (1, 2, 4, 8, *range(16, max_bs + 1, 8)) if s <= max_bs]
+    return sorted({*sizes, max_bs})
+
+
+def graph_plan(config, attention: str, capturable: bool) -> tuple[list[int], str]:
+    """The batch sizes to capture (empty: no graphs) and a line for the start-up log saying why."""
+    reasons = {
+        "--device cpu": config.device != "cuda",
+        "--disable-cuda-graph": config.disable_cuda_graph,
+        f"--attention-backend {attention} (graphs need flashinfer)": attention != "flashinfer",
+        f"--tp-size {config.tp_size} (graphs need 1)": config.tp_size > 1,
+        "a prefill server decodes nothing": config.disagg_mode == "prefill",
+        "the model's forward reads the device back (MoE expert routing)": not capturable,
+    }
+    off = [why for why, applies in reasons.items() if applies]
+    if off:
+        return [], f"CUDA graphs off: {off[0]}"
+    max_bs = min(config.cuda_graph_max_bs or DEFAULT_MAX_BS, config.max_running_requests)
+    sizes = capture_sizes(max_bs)
+    return sizes, f"CUDA graphs for decode batches of up to {max_bs} ({len(sizes)} sizes; --cuda-graph-max-bs)"
+
+
+def graph_bytes(max_bs: int, hidden: int, intermediate: int, vocab: int, itemsize: int, index_slots: int) -> int:
+    """An estimate of the graphs' memory: the static logits, the largest capture's activations (its
+    lm_head output in the weights' dtype and as float32, a layer's hidden states in float32, its MLP),
+    the page-index buffer, and CAPTURE_SLACK."""
+    per_row = vocab * 4 + vocab * (itemsize + 4) + 16 * hidden * 4 + 4 * intermediate * itemsize
+    return max_bs * per_row + index_slots * 4 + CAPTURE_SLACK

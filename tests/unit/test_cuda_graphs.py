@@ -12,8 +12,9 @@ import torch
 from common.attention.flashinfer_backend import FlashInferAttention
 from common.config import ServerConfig
 from common.core.request import Req
-from common.engine.cuda_graph import DecodeGraphs, StaticInputs, capture_sizes, graph_plan
+from common.engine.cuda_graph import DecodeGraphs, StaticInputs
 from common.engine.engine import Engine
+from common.memory.static_reserve import capture_sizes, graph_plan
 from common.wire.sampling_params import SamplingParams
 from tests.integration.tiny_model import random_prompts, save_tiny_llama
 from tests.unit import fake_flashinfer

@@ -133,9 +133,9 @@ class Side:
             tp_size=tp,
             kv_heads=kv_heads,
             device_index=(devices or [0])[0],
-            rank_addresses=[r["backend_address"] for r in reports],
-            rank_device_indices=[r["device_index"] for r in reports],
-            rank_agents=[(r["agent_endpoint"], r["agent_id"]) for r in reports if r["agent_endpoint"]],
+            rank_addresses=[r.backend_address for r in reports],
+            rank_device_indices=[r.device_index for r in reports],
+            rank_agents=[(r.agent_endpoint, r.agent_id) for r in reports if r.agent_endpoint],
         )
         self.manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(self.args)
 

@@ -127,8 +127,8 @@ def test_a_gpu_servers_reserve_counts_its_graphs_and_their_wrappers_unless_they_
     from transformers import LlamaConfig
 
     from common.config import ServerConfig
-    from common.engine.cuda_graph import graph_bytes
-    from common.parallel.rank_model import static_reserve
+    from common.memory.static_reserve import graph_bytes
+    from common.ranks.rank_model import static_reserve
 
     hf = LlamaConfig(
         hidden_size=4096, intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,

@@ -3,7 +3,7 @@ the control plane. A process that created a UCX agent can crash at interpreter e
 through os._exit after close().
 
 On CUDA, UCX moves device memory only with its CUDA transports: unless the operator set UCX_TLS, it is
-set to cuda_ipc (GPU to GPU on one node), cuda_copy (staging) and the network transport of
+set to cuda_ipc (GPU to GPU on one host), cuda_copy (staging) and the network transport of
 --transfer-protocol (rc for RDMA, tcp), plus sm and self for the host-memory aux records. A descriptor
 names the device its memory is on: local ones this process's pool (cuda:N, not device 0), remote ones the
 peer's, as its Register said (per-rank engines: a pair of ranks may sit on different GPU indices)."""

@@ -16,11 +16,17 @@ from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend, make_attention_backend, resolved_backend
 from common.config import ServerConfig
-from common.engine.cuda_graph import graph_bytes, graph_plan
 from common.memory.kv_pool import KVPool
 from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.memory.sizing import PoolPlan, plan_kv_pool
-from common.memory.static_reserve import GPU_MAX_RUNNING, StaticReserve, attention_bytes, req_to_token_bytes
+from common.memory.static_reserve import (
+    GPU_MAX_RUNNING,
+    StaticReserve,
+    attention_bytes,
+    graph_bytes,
+    graph_plan,
+    req_to_token_bytes,
+)
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
