@@ -140,3 +140,17 @@ def test_a_failed_kernel_build_runs_the_rest_on_torch_and_the_deadline_skips_wha
         "roofline",
         "pd_ttft",
     ]
+
+
+def test_every_name_the_checks_programs_import_from_the_project_exists():
+    """The probe, parity, roofline and TTFT programs the script writes import the project's modules: a
+    rename in the code fails here, not in a lent GPU's minutes."""
+    import importlib
+
+    imports = re.findall(
+        r"^from ((?:common|benchmarks|transfer|tandem)[\w.]*) import ([\w, ]+)$", SCRIPT.read_text(), re.M
+    )
+    assert len(imports) >= 8
+    for module, names in imports:
+        loaded = importlib.import_module(module)
+        assert all(hasattr(loaded, n.strip()) for n in names.split(",")), (module, names)
