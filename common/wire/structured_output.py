@@ -49,7 +49,8 @@ class GrammarSpec:
 
 
 def canonical_json(value: Any, param: str) -> str:
-    """A JSON schema given as an object or as JSON text, as sorted compact JSON (one cache key per schema)."""
+    """A JSON schema given as an object or as JSON text, as compact JSON (its cache key). Keys keep their
+    order: the output's properties come in the schema's order."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -59,7 +60,7 @@ def canonical_json(value: Any, param: str) -> str:
         raise InvalidRequest(f"{param}: give a JSON schema object", param=param)
     if not isinstance(value, dict):
         raise InvalidRequest(f"{param}: a JSON schema must be an object, got {type(value).__name__}", param=param)
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _text(value: Any, param: str) -> str:
@@ -154,17 +155,17 @@ GENERATE_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 def from_body(data: dict[str, Any], prefix: str = "", fields: tuple[str, ...] = BODY_FIELDS) -> GrammarSpec | None:
     """The one constraint a request body (or /generate's sampling_params, `prefix` "sampling_params.") sets."""
-    found: list[GrammarSpec] = []
+    found: list[tuple[str, GrammarSpec]] = []  # (the field, its spec)
     if "response_format" in data and data["response_format"] is not None:
         spec = from_response_format(data["response_format"])
-        found += [spec] if spec else []
+        found += [("response_format", spec)] if spec else []
     for name in fields:
         if data.get(name) is not None and data.get(name) != []:
             kind, read = FIELD_KINDS[name]
-            found.append(GrammarSpec(kind, read(data[name], prefix + name), prefix + name))
+            found.append((prefix + name, GrammarSpec(kind, read(data[name], prefix + name), prefix + name)))
     spec = _from_structured_outputs(data.get("structured_outputs"))
-    found += [spec] if spec else []
+    found += [("structured_outputs", spec)] if spec else []
     if len(found) > 1:
-        first, second = found[0].param.split(".")[0], found[1].param.split(".")[0]
+        (first, _), (second, _) = found[:2]
         raise InvalidRequest(f"{second}: give only one constraint (this request also sets {first})", param=second)
-    return found[0] if found else None
+    return found[0][1] if found else None
