@@ -124,7 +124,8 @@ class ServerConfig(BaseSettings):
 
     # structured outputs, tool calls, reasoning (docs/structured-output.md)
     grammar_backend: Literal["xgrammar", "none"] = Field(
-        "xgrammar", description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them"
+        "xgrammar",
+        description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them",
     )
     constrained_json_disable_any_whitespace: bool = Field(
         False, description="JSON grammars allow no whitespace but one space after ':' and ','"

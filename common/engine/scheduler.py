@@ -264,7 +264,9 @@ class Scheduler:
 
     def has_work(self) -> bool:
         waiting = self.grammars is not None and self.grammars.waiting
-        return bool(waiting or self.prefill.waiting or self.prefill.chunked or self.decode.running or self.role.requests())
+        return bool(
+            waiting or self.prefill.waiting or self.prefill.chunked or self.decode.running or self.role.requests()
+        )
 
     def check_integrity(self) -> PageCounts:
         """Raises on a leak of rows, pages or role resources; returns the page counts."""

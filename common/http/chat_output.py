@@ -57,7 +57,7 @@ class ChatShape:
             return content, []
         text, calls = self.parser.parse(content)
         calls = calls[:1] if not t.parallel else calls
-        return (text or None) if calls else text, calls
+        return (text if text.strip() else None) if calls else text, calls
 
     def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole message and its finish reason."""

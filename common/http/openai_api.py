@@ -30,9 +30,9 @@ from common.http.serving import (
 )
 from common.http.tool_parsers import PARSERS as TOOL_PARSERS
 from common.wire.api import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
-from common.wire.structured_output import GrammarSpec
 from common.wire.errors import InvalidRequest, NotFound, TandemError
 from common.wire.sse import DONE, sse_event
+from common.wire.structured_output import GrammarSpec
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -128,11 +128,7 @@ def _apply_chat_template(engine: Engine, body: ChatCompletionRequest, shape: Cha
     tools = shape.tools.template_tools()
     try:
         ids = engine.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=True,
-            tokenize=True,
-            **(body.chat_template_kwargs or {}),
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, **(body.chat_template_kwargs or {})
         )
     except Exception as e:  # jinja errors from the model's own template
         raise InvalidRequest(f"messages: the chat template rejected them: {e}", param="messages") from None

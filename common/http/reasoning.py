@@ -25,12 +25,12 @@ class ReasoningParser:
         """(reasoning, content) of `text`, the answer so far. Not `final`: what could still turn out to be
         part of a marker is in neither (a stream sends it once it knows)."""
         body = text.lstrip()
+        if not final and START.startswith(body) and body != START:  # "<thi" may become "<think>"
+            return "", ""
         opened = body.startswith(START)
         if opened:
             body = body[len(START) :]
         elif self.name == "qwen3":
-            if not final and START.startswith(body):  # "<thi" may become "<think>"
-                return "", ""
             return "", text
         end = body.find(END)
         if end >= 0:

@@ -56,7 +56,7 @@ class ToolParser:
             calls = PARSE[self.name](text[i:])
         except (ValueError, SyntaxError, KeyError, TypeError, AttributeError):
             return text, []
-        return (text[:i].strip(), calls) if calls else (text, [])
+        return (text[:i], calls) if calls else (text, [])
 
 
 def _call(obj: dict, args_key: str = "arguments") -> Call:

@@ -68,7 +68,10 @@ class ToolSet(BaseModel):
             items = [
                 {
                     "type": "object",
-                    "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _params(t.function)},
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": _params(t.function),
+                    },
                     "required": ["name", "parameters"],
                 }
                 for t in self.tools

@@ -132,7 +132,11 @@ def test_json_object_streamed_equals_whole(server):
         ("/generate", {"sampling_params": {"regex": r"(yes|no), [a-z]{2,8}\."}}, r"(yes|no), [a-z]{2,8}\."),
         ("/v1/completions", {"guided_regex": r"[0-9]{3}-[0-9]{4}"}, r"[0-9]{3}-[0-9]{4}"),
         ("/v1/completions", {"guided_choice": ["Paris", "London", "Rome"]}, "Paris|London|Rome"),
-        ("/v1/completions", {"guided_grammar": 'root ::= "The answer is " ("yes" | "no") "."'}, "The answer is (yes|no)\\."),
+        (
+            "/v1/completions",
+            {"guided_grammar": 'root ::= "The answer is " ("yes" | "no") "."'},
+            "The answer is (yes|no)\\.",
+        ),
         ("/v1/completions", {"structured_outputs": {"regex": "[A-Z][a-z]{1,8}"}}, "[A-Z][a-z]{1,8}"),
         ("/generate", {"sampling_params": {"ebnf": 'root ::= [a-c] [a-c]? "!"'}}, "[a-c]{1,2}!"),
     ],

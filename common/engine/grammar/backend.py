@@ -38,7 +38,9 @@ def xgrammar_message(e: Exception) -> str:
 
 class GrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: set[int], cache_size: int = 512, any_whitespace=True):
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
+        )
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self.any_whitespace = any_whitespace
@@ -71,7 +73,9 @@ class GrammarBackend:
         if kind == "ebnf":
             return xgr.Grammar.from_ebnf(value)
         if kind == "choice":
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(value)))
+            return xgr.Grammar.from_ebnf(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(value))
+            )
         return _structural_tag(json.loads(value))
 
     def compiled(self, spec: GrammarSpec) -> Future:
