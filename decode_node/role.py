@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from common.config import ServerConfig
 from common.core.request import FinishReason, Req, ReqStatus, queue_position
-from common.engine.prefill_queue import decode_reserve
+from common.engine.decode_batch import decode_reserve
 from common.engine.role import Role, SchedulerView
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous

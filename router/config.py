@@ -9,7 +9,10 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Policy = Literal["random", "round_robin", "power_of_two", "cache_aware", "kv_aware"]
+from router.policies import POLICIES
+
+Policy = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+POLICY_HELP = "; ".join(f"{name}: {spec.summary}" for name, spec in POLICIES.items())
 SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})  # never shown (logs, /get_server_info)
 
 
@@ -47,12 +50,11 @@ class RouterConfig(BaseSettings):
 
     prefill: list[PrefillSpec] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
-    policy: Policy = "cache_aware"
+    policy: Policy = Field("cache_aware", description=f"how the prefill, and the decode, are picked ({POLICY_HELP})")
     decode_policy: Policy | None = Field(
         None,
-        description="how a decode is picked (SGLang's flag): default --policy, and power_of_two for cache_aware; "
-        "cache_aware sends a conversation's next turn to the decode whose prefix cache holds its last one; "
-        "kv_aware picks both halves (--policy kv_aware)",
+        description="how the decode is picked, when not by --policy (SGLang's flag; cache_aware's decode default is "
+        "power_of_two): cache_aware or kv_aware send a conversation's next turn to the decode whose cache holds it",
     )
     host: str = "127.0.0.1"
     kv_load_tokens: int = Field(

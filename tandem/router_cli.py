@@ -13,9 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from common.wire.user_error import UserError, config_error, require_free_ports
+from common.wire.user_error import UserError, config_error
 from router.config import SECRET_FIELDS, PrefillSpec, RouterConfig, split_host_port
 from tandem.flags import FlagParser, add_log_level_flag, add_model_flags
+from tandem.ports import require_free_ports
 
 
 def parse_prefill_args(groups: list[list[str]]) -> list[PrefillSpec]:

@@ -32,8 +32,8 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
-from common.memory.hicache import make_prefix_cache
 from common.memory.manager import MemoryManager
+from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
@@ -41,10 +41,11 @@ from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
-from common.parallel.leader import LeaderModel
 from common.parallel.partition import check_tp_size
-from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
-from common.parallel.ranks import Ranks
+from common.ranks.launch import FOLLOWER
+from common.ranks.leader import LeaderModel
+from common.ranks.rank_model import build_rank_model, describe_rank, rank_report
+from common.ranks.ranks import Ranks
 from common.wire.kv_events import parse_kv_events_config
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ RoleFactory = Callable[["Engine"], Role]
 
 
 class Engine:
-    def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None):
-        """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic)."""
-        self.config = config
+    def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None, follower: str = FOLLOWER):
+        """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic); `follower` is the
+        module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
+        self.config, self.follower = config, follower
         self.attention_backend, warning = choose_attention_backend(
             config.attention_backend, config.device, config.torch_dtype_name
         )  # before loading anything: a refusal comes at once
@@ -126,7 +128,7 @@ class Engine:
         hf, size = self.hf_config, self.config.tp_size
         spec = attention_spec(hf)  # MLA: one latent "KV head", replicated on every rank
         check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
-        return Ranks(self.config) if size > 1 else None
+        return Ranks(self.config, self.follower) if size > 1 else None
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""

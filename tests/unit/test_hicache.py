@@ -8,9 +8,10 @@ import torch
 
 from common.config import ServerConfig
 from common.memory.allocator import PagedAllocator
-from common.memory.hicache import HiRadixCache, make_prefix_cache
+from common.memory.hicache import HiRadixCache
 from common.memory.host_pool import HostPool, page_runs
 from common.memory.kv_pool import KVPool
+from common.memory.prefix_cache import make_prefix_cache
 from common.wire.user_error import UserError
 
 PS = 4

@@ -45,7 +45,7 @@ class PrefillKVManager(KVManager):
     mode = "prefill"
 
     def __init__(self, args: KVArgs, rank_fault: Callable[[], str | None] = lambda: None, **kwargs):
-        """`rank_fault()`: why the TP group is broken, or None (common.parallel.ranks: its followers'
+        """`rank_fault()`: why the TP group is broken, or None (common.ranks.ranks: its followers'
         agents then answer nothing, and what waits on them fails at once)."""
         super().__init__(args, **kwargs)
         self.links = self._rank_links(rank_fault)

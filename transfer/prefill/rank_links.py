@@ -3,7 +3,7 @@ sent to the agent of the rank that holds them, and the wait for its answer.
 
 `write` blocks its caller (a thread of the KV writer) until the agent answers, the group's bound passes
 (`--transfer-timeout-s`, which also bounds the agent's own engine, plus GRACE_S), or the TP group
-faults (`fault()`: a follower exited or hangs, common.parallel.ranks), and raises on anything but an
+faults (`fault()`: a follower exited or hangs, common.ranks.ranks), and raises on anything but an
 ok. An answer comes through rank 0's control plane (PrefillKVManager.handle -> `on_reply`) and counts
 only from the agent the job was sent to.
 """
