@@ -2,7 +2,10 @@
 the same step unconstrained, at several batch sizes (the bitmask: one matcher fill per row on the host, then
 xgrammar's kernel over the logits), and the compile time of a typical tool schema, cold and cached.
 
-    .venv/bin/python benchmarks/grammar_bench.py [--batches 1 16 64] [--steps 20]
+    .venv/bin/python benchmarks/grammar_bench.py [--batches 1 16 64] [--steps 20] [--mask-only]
+
+--mask-only times the bitmask alone (every row's matcher fill and the kernel over [batch, vocab] logits) and
+the compilation, without running the model: what the grammar adds to a step, whatever the step costs.
 
 The built-in model on this machine's device. Each request is held in the decode batch (the schema's array
 of strings never has to end; unconstrained rows ignore EOS), and the steady-state step is timed.
@@ -61,6 +64,32 @@ def step_ms(engine: Engine, batch: int, steps: int, constrained: bool) -> float:
     return 1000 * statistics.median(times)
 
 
+def mask_ms(engine: Engine, batch: int, repeats: int = 30) -> float:
+    """Median ms of GrammarMask.apply over `batch` rows, each matcher inside a JSON string (the common state)."""
+    import torch
+
+    from common.engine.grammar.mask import GrammarMask
+    from common.engine.grammar.req_grammar import ReqGrammar
+
+    spec = GrammarSpec("json_schema", canonical_json(LONG, "schema"), "schema")
+    fut = engine.grammar.compiled(spec)
+    fut.result()
+    ids = engine.tokenizer.encode('{"notes": ["Paris is')
+    grammars = [ReqGrammar(spec, fut, None, engine.tokenizer.decode, engine.grammar.vocab_size) for _ in range(batch)]
+    for g in grammars:
+        for i, t in enumerate(ids):
+            g.accept(t, ids[:i])
+    mask = GrammarMask(grammars, [list(ids)] * batch, "cpu")
+    logits = torch.randn(batch, engine.grammar.vocab_size)
+    times = []
+    for _ in range(repeats):
+        rows = logits.clone()
+        t = time.perf_counter()
+        mask.apply(rows)
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
 def compile_ms(engine: Engine, repeats: int = 5) -> tuple[float, float]:
     """A tool schema compiled cold (a key not seen before) and then from the cache (median ms)."""
     cold, cached = [], []
@@ -81,10 +110,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mask-only", action="store_true", help="time the bitmask and compilation, not model steps")
     a = ap.parse_args()
     engine = Engine(ServerConfig(model="builtin", device=a.device, max_total_tokens=32768, max_running_requests=64))
     rows = []
-    for b in a.batches:
+    for b in a.batches if a.mask_only else ():
+        print(json.dumps({"batch": b, "mask_ms": round(mask_ms(engine, b), 3)}), flush=True)
+    for b in a.batches if not a.mask_only else ():
         plain, constrained = step_ms(engine, b, a.steps, False), step_ms(engine, b, a.steps, True)
         rows.append({"batch": b, "plain_ms": round(plain, 2), "constrained_ms": round(constrained, 2),
                      "overhead": f"{100 * (constrained / plain - 1):+.1f}%"})  # fmt: skip
