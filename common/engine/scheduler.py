@@ -83,6 +83,7 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling round. Returns False when there was nothing to do."""
         self.drain_inbox()
+        self.memory.prefix_cache.poll()
         self.role.poll()
         plan = self._next_plan()
         if plan is None:

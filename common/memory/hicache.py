@@ -119,6 +119,10 @@ class HiRadixCache(PrefixCache):
             end = have + len(pages) * ps
             self.pool.write((slots[have:end:ps] // ps).tolist(), pages)
             self.host.cache_finished_req(tokens[:end], joined(match.slots, page_slots(pages, ps)), None)
+            self._backed_up(tokens[:end], have // ps, pages)
+
+    def _backed_up(self, tokens: list[int], first: int, host_pages: list[int]) -> None:
+        """Pages first.. of `tokens` were just copied into `host_pages` (the store tier writes them out)."""
 
     # -- the device tree's interface -------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> None:
