@@ -123,6 +123,8 @@ class StoreRadixCache(HiRadixCache):
     def store_counts(self) -> dict[str, Any]:
         return {
             **self.tier.counts,
+            "backend": self.tier.backend.describe(),
+            "namespace": self.tier.namespace,
             "available": self.tier.available,
             "hit_tokens": self.store_hit_tokens,
             "waiting": len(self.waiting),

@@ -1,0 +1,83 @@
+"""A Mooncake Store for tests: `mooncake_master` and a memory-holding `mooncake_client`, started as
+`tandem kv-store` starts them (tandem/kv_store.py) but as two processes a test can kill and restart apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tandem.kv_store import answers, client_argv, master_argv
+from tests.ports import free_port
+from tests.tiers import starts_processes
+
+HOST = "127.0.0.1"
+
+
+@starts_processes
+class MooncakeStoreProcs:
+    def __init__(self, size: str = "64MB", lease_ttl_ms: int = 5000, name: str = "kv-store"):
+        self.size, self.lease_ttl_ms = size, lease_ttl_ms
+        self.port, self.metadata_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{self.port}.log"
+        self._log = open(self.log_path, "ab")
+        self.master: subprocess.Popen | None = None
+        self.client: subprocess.Popen | None = None
+        try:
+            self.start_master()
+            self.start_client()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.metrics_port}"
+
+    def extra_config(self, **more: object) -> str:
+        return json.dumps(
+            {
+                "master_server_address": f"{HOST}:{self.port}",
+                "metadata_server": f"http://{HOST}:{self.metadata_port}/metadata",
+                **more,
+            }
+        )
+
+    def start_master(self) -> None:
+        argv = master_argv(HOST, self.port, self.metadata_port, self.metrics_port, self.lease_ttl_ms)
+        self.master = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait(lambda: answers(self.url + "/health"), "the master's /health")
+
+    def start_client(self) -> None:
+        argv = client_argv(HOST, self.port, self.metadata_port, self.client_port, self.size)
+        self.client = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_mounted()
+
+    def wait_mounted(self, timeout: float = 30.0) -> None:
+        """The memory-holding client's segment is mounted (again, after a master restart)."""
+        self._wait(lambda: answers(self.url + "/get_all_segments"), "the client's segment", timeout)
+
+    def kill_master(self) -> None:
+        self.master.send_signal(signal.SIGKILL)
+        self.master.wait(10)
+
+    def _wait(self, ready, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready after {timeout} s; see {self.log_path}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for p in (self.client, self.master):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self._log.close()
