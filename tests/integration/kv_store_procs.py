@@ -60,6 +60,22 @@ class MooncakeStoreProcs:
         """The memory-holding client's segment is mounted (again, after a master restart)."""
         self._wait(lambda: answers(self.url + "/get_all_segments"), "the client's segment", timeout)
 
+    def corrupt(self, key: str) -> None:
+        """Flip one bit of the page stored under `key` (a client of this store rewrites the object)."""
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        metadata = f"http://{HOST}:{self.metadata_port}/metadata"
+        assert client.setup(HOST, metadata, 0, 16 * 2**20, "tcp", "", f"{HOST}:{self.port}") == 0
+        try:
+            data = bytearray(client.get(key))
+            assert data, f"{key} is not in the store"
+            data[-1] ^= 1
+            assert client.remove(key, True) == 0
+            assert client.put(key, bytes(data)) == 0
+        finally:
+            client.close()
+
     def kill_master(self) -> None:
         self.master.send_signal(signal.SIGKILL)
         self.master.wait(10)
