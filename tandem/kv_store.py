@@ -130,3 +130,38 @@ def _wait(ready, procs: list[subprocess.Popen], stopping: list[int], timeout: fl
             return False
         time.sleep(0.2)
     return True
+
+
+def add_up_store_flags(p: argparse.ArgumentParser) -> None:
+    """`tandem up`'s flags for the KV store tier."""
+    p.add_argument(
+        "--hicache-storage-backend",
+        choices=["file", "mooncake"],
+        help="give every server a KV store they share (and the host tier in front of it); mooncake: tandem up "
+        "runs `tandem kv-store` too",
+    )
+    p.add_argument(
+        "--kv-store-port",
+        type=int,
+        default=MASTER_PORT,
+        help="mooncake: the master's port; the next "
+        "three are its metadata server's, its /health's and the memory-holding client's",
+    )
+    p.add_argument("--kv-store-size", default="4GB", help="mooncake: the store's memory")
+
+
+def up_store(ns: argparse.Namespace, py: list[str]) -> tuple[list[str], list[str] | None, dict[str, int]]:
+    """(the flags every server gets, the `tandem kv-store` command to run or None, the ports it listens on)."""
+    if ns.hicache_storage_backend is None:
+        return [], None, {}
+    flags = ["--hicache-storage-backend", ns.hicache_storage_backend]
+    if "--enable-hierarchical-cache" not in ns.extra:
+        flags.insert(0, "--enable-hierarchical-cache")
+    if ns.hicache_storage_backend == "file":
+        return flags, None, {}
+    port = ns.kv_store_port
+    ports = {"--kv-store-port": port, "metadata": port + 1, "metrics": port + 2, "client": port + 3}
+    argv = py + ["kv-store", "--host", ns.host, "--port", str(port), "--metadata-port", str(port + 1)]
+    argv += ["--metrics-port", str(port + 2), "--client-port", str(port + 3), "--size", ns.kv_store_size]
+    flags += ["--hicache-storage-backend-extra-config", server_extra_config(ns.host, port, port + 1)]
+    return flags, argv, {f"{k} (kv-store)": v for k, v in ports.items()}
