@@ -45,9 +45,21 @@ def add_kv_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lease-ttl-ms", type=int, default=10_000, help="how long a page read keeps its object from eviction"
     )
+    p.add_argument(
+        "--eviction-high-watermark-ratio", type=float, default=0.9, help="how full the store gets before it evicts"
+    )
+    p.add_argument("--eviction-ratio", type=float, default=0.05, help="the share of its objects it then evicts")
 
 
-def master_argv(host: str, port: int, metadata_port: int, metrics_port: int, lease_ttl_ms: int) -> list[str]:
+def master_argv(
+    host: str,
+    port: int,
+    metadata_port: int,
+    metrics_port: int,
+    lease_ttl_ms: int,
+    eviction: tuple[float, float] = (0.9, 0.05),
+) -> list[str]:
+    """`eviction`: (high watermark, ratio), Mooncake's defaults."""
     return [
         mooncake_binary("mooncake_master"),
         f"--rpc_address={host}",
@@ -58,6 +70,8 @@ def master_argv(host: str, port: int, metadata_port: int, metrics_port: int, lea
         f"--metrics_host={host}",
         f"--metrics_port={metrics_port}",
         f"--default_kv_lease_ttl={lease_ttl_ms}",
+        f"--eviction_high_watermark_ratio={eviction[0]}",
+        f"--eviction_ratio={eviction[1]}",
     ]
 
 
@@ -94,7 +108,16 @@ def run_kv_store(ns: argparse.Namespace) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
-    master = subprocess.Popen(master_argv(ns.host, ns.port, ns.metadata_port, ns.metrics_port, ns.lease_ttl_ms))
+    master = subprocess.Popen(
+        master_argv(
+            ns.host,
+            ns.port,
+            ns.metadata_port,
+            ns.metrics_port,
+            ns.lease_ttl_ms,
+            (ns.eviction_high_watermark_ratio, ns.eviction_ratio),
+        )
+    )
     procs = [master]
     try:
         base = f"http://{advertise}:{ns.metrics_port}"

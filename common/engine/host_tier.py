@@ -11,7 +11,16 @@ from common.memory.store.store_cache import StoreRadixCache
 
 STATES = ("total", "free", "cached", "locked", "prefetching")
 COPIES = ("written", "loaded", "hit_tokens")
-STORE_COUNTS = ("pages_read", "pages_written", "bytes_read", "bytes_written", "hit_tokens", "corrupt", "skipped")
+STORE_COUNTS = (
+    "pages_read",
+    "pages_written",
+    "bytes_read",
+    "bytes_written",
+    "hit_tokens",
+    "refused",
+    "corrupt",
+    "skipped",
+)
 
 
 def summary(cache: PrefixCache) -> str:
@@ -53,7 +62,8 @@ def register_store_gauges(metrics: EngineMetrics, cache: StoreRadixCache) -> Non
     metrics.labelled_gauges(
         "tandem_kv_store",
         "since start: pages and bytes read from and written to the KV store, prefix tokens it supplied "
-        "(hit_tokens), pages refused by their integrity check (corrupt), jobs skipped while it was unavailable",
+        "(hit_tokens), pages it did not take (refused: full), pages refused by their integrity check (corrupt), jobs "
+        "skipped while it was unavailable",
         "kind",
         lambda: {k: v for k, v in cache.store_counts().items() if k in STORE_COUNTS},
     )

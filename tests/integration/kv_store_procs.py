@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 from tandem.kv_store import answers, client_argv, master_argv
@@ -19,8 +20,15 @@ HOST = "127.0.0.1"
 
 @starts_processes
 class MooncakeStoreProcs:
-    def __init__(self, size: str = "64MB", lease_ttl_ms: int = 5000, name: str = "kv-store"):
-        self.size, self.lease_ttl_ms = size, lease_ttl_ms
+    def __init__(
+        self,
+        size: str = "64MB",
+        lease_ttl_ms: int = 5000,
+        name: str = "kv-store",
+        eviction: tuple[float, float] = (0.9, 0.05),
+    ):
+        """`eviction`: the master's (high watermark, ratio)."""
+        self.size, self.lease_ttl_ms, self.eviction = size, lease_ttl_ms, eviction
         self.port, self.metadata_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{self.port}.log"
         self._log = open(self.log_path, "ab")
@@ -47,7 +55,7 @@ class MooncakeStoreProcs:
         )
 
     def start_master(self) -> None:
-        argv = master_argv(HOST, self.port, self.metadata_port, self.metrics_port, self.lease_ttl_ms)
+        argv = master_argv(HOST, self.port, self.metadata_port, self.metrics_port, self.lease_ttl_ms, self.eviction)
         self.master = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait(lambda: answers(self.url + "/health"), "the master's /health")
 
@@ -76,6 +84,15 @@ class MooncakeStoreProcs:
         finally:
             client.close()
 
+    def free_bytes(self) -> int:
+        """The store's memory not allocated to objects (the master's gauges)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        return int(values["master_total_capacity_bytes"] - values["master_allocated_bytes"])
+
     def kill_master(self) -> None:
         self.master.send_signal(signal.SIGKILL)
         self.master.wait(10)
@@ -83,6 +100,8 @@ class MooncakeStoreProcs:
     def _wait(self, ready, what: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
+            if any(p is not None and p.poll() is not None for p in (self.master, self.client)):
+                raise RuntimeError(f"a Mooncake Store process exited waiting for {what}; see {self.log_path}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} not ready after {timeout} s; see {self.log_path}")
             time.sleep(0.1)

@@ -60,7 +60,17 @@ class StoreTier:
         self.io_timeout_s, self.retry_interval_s, self.wake = io_timeout_s, retry_interval_s, wake
         self.available = False  # read by the scheduler thread; written by both
         self.counts = dict.fromkeys(
-            ("pages_read", "pages_written", "bytes_read", "bytes_written", "corrupt", "skipped", "unavailable"), 0
+            (
+                "pages_read",
+                "pages_written",
+                "bytes_read",
+                "bytes_written",
+                "refused",
+                "corrupt",
+                "skipped",
+                "unavailable",
+            ),
+            0,
         )
         self._jobs: queue.SimpleQueue[StoreJob | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[StoreJob] = queue.SimpleQueue()
@@ -189,9 +199,11 @@ class StoreTier:
             headers = [pack_header(digests[i], p.numpy().data) for i, p in zip(idx, pages, strict=True)]
             for i, ok, page in zip(idx, self.backend.put([keys[i] for i in idx], headers, pages), pages, strict=True):
                 held[i] = ok
-                if ok:
-                    self.counts["pages_written"] += 1
-                    self.counts["bytes_written"] += HEADER_BYTES + page.numel()
+                if not ok:
+                    self.counts["refused"] += 1
+                    continue
+                self.counts["pages_written"] += 1
+                self.counts["bytes_written"] += HEADER_BYTES + page.numel()
         job.pages_ok = next((i for i, h in enumerate(held) if not h), len(held))
 
     def _exists(self, keys: list[str]) -> list[bool]:
