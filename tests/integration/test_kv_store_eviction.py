@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from common.core.request import Req
 from common.memory.allocator import PagedAllocator
 from common.memory.host_pool import HostPool
 from common.memory.kv_pool import KVPool
@@ -18,6 +19,7 @@ from common.memory.store.config import parse_store_config
 from common.memory.store.mooncake import MooncakeStore
 from common.memory.store.store_cache import StoreRadixCache
 from common.memory.store.tier import StoreTier
+from common.wire.sampling_params import SamplingParams
 from tests.integration.kv_store_procs import MooncakeStoreProcs
 
 PS, PAGES = 16, 4
@@ -86,13 +88,13 @@ def test_a_full_store_evicts_the_oldest_pages_and_keeps_taking_new_ones(store):
         write(writer, writer_pool, prompt)
     assert writer.tier.counts["pages_written"] == 10 * PAGES  # more than the store holds at once
     reader, reader_pool = make(store)
-    reader.prefetch("newest", prompts[-1])
+    reader.prefetch(Req("newest", prompts[-1], SamplingParams()), prompts[-1])
     settle(reader)
     match = reader.match_prefix(prompts[-1])
     assert len(match.slots) == PAGES * PS and reader.tier.counts["corrupt"] == 0
     k = reader_pool.k_at(3, reader_pool.locate(match.slots))[:, 5, 7]
     assert k.tolist() == [float(t) for t in prompts[-1]]
-    reader.prefetch("oldest", prompts[0])
+    reader.prefetch(Req("oldest", prompts[0], SamplingParams()), prompts[0])
     settle(reader)
     assert reader.store_hit_tokens == PAGES * PS  # nothing of the oldest prompt was left
     for cache in (writer, reader):

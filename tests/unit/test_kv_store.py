@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.config import ServerConfig
+from common.core.request import Req
 from common.memory.allocator import PagedAllocator
 from common.memory.host_pool import HostPool
 from common.memory.kv_pool import KVPool
@@ -19,6 +20,7 @@ from common.memory.store.config import FileConfig, parse_size, parse_store_confi
 from common.memory.store.objects import HEADER_BYTES, pack_header, verify
 from common.memory.store.store_cache import StoreRadixCache
 from common.memory.store.tier import StoreTier
+from common.wire.sampling_params import SamplingParams
 
 PS = 4
 
@@ -87,16 +89,22 @@ def kv_of(pool, slots):
 PROMPT = list(range(100, 124))  # 6 pages
 
 
+def request(prompt: list[int]) -> Req:
+    return Req("r", prompt, SamplingParams())
+
+
 def test_a_cold_cache_loads_another_caches_pages_from_the_store(tmp_path):
     warm, warm_pool = make(tmp_path)
     finish(warm, warm_pool, PROMPT)
     settle(warm)
     assert warm.tier.counts["pages_written"] == 6 and len(list(tmp_path.iterdir())) == 6
     cold, cold_pool = make(tmp_path)
-    cold.prefetch("req", PROMPT + [1])
-    assert not cold.ready("req")  # wait_complete: not before the pages came
+    req = request(PROMPT + [1])
+    cold.prefetch(req, PROMPT + [1])
+    assert not cold.ready(req)  # wait_complete: not before the pages came
     settle(cold)
-    assert cold.ready("req") and cold.store_hit_tokens == 24 and cold.tier.counts["pages_read"] == 6
+    assert cold.ready(req) and cold.store_hit_tokens == req.store_hit_len == 24
+    assert cold.tier.counts["pages_read"] == 6
     match = cold.match_prefix(PROMPT + [1])
     assert len(match.slots) == 24
     assert kv_of(cold_pool, match.slots).tolist() == [[float(t) for t in PROMPT]] * 2
@@ -114,7 +122,7 @@ def test_a_corrupted_page_and_every_page_after_it_are_never_loaded(tmp_path):
     data = bytearray((tmp_path / third).read_bytes())
     data[HEADER_BYTES + 5] ^= 1  # one bit of the page's bytes
     (tmp_path / third).write_bytes(bytes(data))
-    cold.prefetch("req", PROMPT)
+    cold.prefetch(request(PROMPT), PROMPT)
     settle(cold)
     assert cold.tier.counts["corrupt"] == 1 and cold.store_hit_tokens == 8  # the two pages before it
     assert len(cold.match_prefix(PROMPT).slots) == 8
@@ -131,8 +139,9 @@ def test_an_unavailable_store_is_skipped_and_used_again_when_back(tmp_path):
     settle(cache)
     assert not cache.tier.available and cache.tier.counts["unavailable"] == 1
     assert cache.tier.counts["pages_written"] == 0 and list(tmp_path.iterdir()) == []
-    cache.prefetch("req", list(range(500, 520)))
-    assert cache.ready("req") and not cache.waiting  # nothing to wait for while it is down
+    req = request(list(range(500, 520)))
+    cache.prefetch(req, req.prompt_ids)
+    assert cache.ready(req) and not cache.waiting  # nothing to wait for while it is down
     backend.down = False
     wait_for(lambda: cache.tier.available)
     cache.evict(8)
@@ -151,10 +160,11 @@ def test_the_timeout_policy_admits_a_request_once_its_deadline_passed(tmp_path):
     release = []
     slow = cache.tier.backend.exists
     cache.tier.backend.exists = lambda keys: (wait_for(lambda: release, 5), slow(keys))[1]
-    cache.prefetch("req", PROMPT)
-    assert not cache.ready("req")
+    req = request(PROMPT)
+    cache.prefetch(req, PROMPT)
+    assert not cache.ready(req)
     time.sleep(0.25)
-    assert cache.ready("req")
+    assert cache.ready(req)
     release.append(1)
     settle(cache)
     cache.check_integrity()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from common.core.request import Req
 from common.memory.cache_listener import STORE_MEDIUM
 from common.memory.errors import MemoryIntegrityError
 from common.memory.hicache import HiRadixCache, joined, page_slots
@@ -36,7 +37,7 @@ from common.memory.store.tier import StoreJob, StoreTier
 
 @dataclass
 class Prefetch:
-    req: Any  # the request waiting for it (any hashable owner)
+    req: Req  # the request waiting for it
     node: Any  # the host node of the part already on the host: locked until collected
     slots: torch.Tensor  # that part's host slots
     deadline: float  # --hicache-storage-prefetch-policy timeout: admitted from then on
@@ -48,7 +49,7 @@ class StoreRadixCache(HiRadixCache):
         """`read`: prefetch from the store (prefill and monolithic servers; a decode only writes)."""
         super().__init__(*args, **kwargs)
         self.tier, self.store_config, self.policy, self.read = tier, config, policy, read
-        self.waiting: dict[Any, Prefetch] = {}  # request -> its prefetch in flight
+        self.waiting: dict[Req, Prefetch] = {}  # request -> its prefetch in flight
         self.prefetching = 0  # host pages read jobs hold
         self.store_hit_tokens = 0  # tokens read from the store into the host tier
 
@@ -56,12 +57,14 @@ class StoreRadixCache(HiRadixCache):
     def _backed_up(self, tokens: list[int], first: int, host_pages: list[int]) -> None:
         node = self.host.match_prefix(tokens).last_node
         self.host.inc_lock_ref(node)
-        if self.pool.stream is not None:  # the copies to the host run on the pool's stream
-            self.pool.stream.synchronize()
-        self.tier.submit(StoreJob("write", tokens, first, host_pages, owner=node))
+        copied = None
+        if self.pool.stream is not None:  # the copies to the host run on the pool's stream: the worker waits
+            copied = torch.cuda.Event()
+            copied.record(self.pool.stream)
+        self.tier.submit(StoreJob("write", tokens, first, host_pages, owner=node, copied=copied))
 
     # -- reads -----------------------------------------------------------------------------------
-    def prefetch(self, req: Any, token_ids: list[int]) -> None:
+    def prefetch(self, req: Req, token_ids: list[int]) -> None:
         """Start reading the part of `token_ids` neither tier holds from the store, for `req`."""
         if not self.read or not self.tier.available or req in self.waiting:
             return
@@ -86,7 +89,7 @@ class StoreRadixCache(HiRadixCache):
         end = len(host.slots) + len(pages) * ps
         self.tier.submit(StoreJob("read", token_ids[:end], len(host.slots) // ps, pages, owner=job))
 
-    def ready(self, req: Any) -> bool:
+    def ready(self, req: Req) -> bool:
         """Whether `req` may be admitted now: no prefetch of its own in flight, or the policy lets it go."""
         job = self.waiting.get(req)
         if job is None or self.policy == "best_effort" or not self.tier.available:
@@ -107,6 +110,7 @@ class StoreRadixCache(HiRadixCache):
             tokens = job.tokens[: len(pre.slots) + ok * ps]
             self.host.cache_finished_req(tokens, joined(pre.slots, page_slots(job.host_pages[:ok], ps)), None)
             self.store_hit_tokens += ok * ps
+            pre.req.store_hit_len = ok * ps
         self.pool.allocator.free(job.host_pages[ok:])
         self.host.dec_lock_ref(pre.node)
 

@@ -40,6 +40,7 @@ class StoreJob:
     first: int
     host_pages: list[int]
     owner: object = None  # what the scheduler side needs back (a locked node, a prefetch)
+    copied: object = None  # write, on CUDA: the event after the device-to-host copies of its pages
     pages_ok: int = 0  # read: leading pages loaded and verified; write: leading pages the store holds
     skipped: bool = False  # the store was unavailable: nothing was read or written
     started: float | None = field(default=None, repr=False)
@@ -190,6 +191,8 @@ class StoreTier:
                 self.counts["bytes_read"] += HEADER_BYTES + page.numel()
 
     def _write(self, job: StoreJob) -> None:
+        if job.copied is not None:
+            job.copied.synchronize()
         digests, keys = self._keys(job)
         held = self._exists(keys)
         missing = [i for i, h in enumerate(held) if not h]
