@@ -201,3 +201,28 @@ def test_the_extra_config_names_a_bad_field_and_the_flag():
         ServerConfig(
             enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_backend_extra_config="{"
         )
+
+
+class Events:
+    """A CacheListener that keeps what it hears."""
+
+    def __init__(self):
+        self.heard = []
+
+    def stored(self, tokens, start, medium):
+        self.heard.append(("stored", len(tokens), start, medium))
+
+    def removed(self, tokens, start, medium):
+        self.heard.append(("removed", len(tokens), start, medium))
+
+    def cleared(self):
+        pass
+
+
+def test_pages_written_to_the_store_are_published_with_their_tier(tmp_path):
+    cache, pool = make(tmp_path)
+    cache.host.listener = cache.device.listener = events = Events()
+    finish(cache, pool, PROMPT)
+    settle(cache)
+    assert events.heard == [("stored", 24, 0, "GPU"), ("stored", 24, 0, "CPU"), ("stored", 24, 0, "STORE")]
+    cache.close()
