@@ -47,7 +47,7 @@ def store_bytes(server) -> int:
 
 def settle(server) -> None:
     """Until the server's store writes are done (no host page locked by one)."""
-    while server.info()["host_kv_pages"]["locked"]:
+    while server.info()["host_tier"]["locked"]:
         time.sleep(0.2)
 
 

@@ -1,4 +1,4 @@
-"""What a server shows of its host KV tier (`--enable-hierarchical-cache`) and of the store behind it
+"""What a server shows of its host tier (`--enable-hierarchical-cache`) and of the KV store behind it
 (`--hicache-storage-backend`): the start-up words, the /get_server_info entries and the /metrics gauges. Every
 function is a no-op without the tier."""
 
@@ -24,7 +24,7 @@ STORE_COUNTS = (
 
 
 def summary(cache: PrefixCache) -> str:
-    """Appended to the start-up summary: "; host KV pool: ..." or ""."""
+    """Appended to the start-up summary: "; host tier: ..." or ""."""
     return f"; {cache.pool.describe()}, {cache.write_policy}" if isinstance(cache, HiRadixCache) else ""
 
 
@@ -44,13 +44,13 @@ def register_gauges(metrics: EngineMetrics, cache: PrefixCache) -> None:
     if isinstance(cache, StoreRadixCache):
         register_store_gauges(metrics, cache)
     metrics.labelled_gauges(
-        "tandem_hicache_pages",
-        "host KV tier pages (total = free + cached + locked)",
+        "tandem_host_tier_pages",
+        "host tier pages (total = free + cached + locked + prefetching)",
         "state",
         lambda: {k: v for k, v in cache.host_counts().items() if k in STATES},
     )
     metrics.labelled_gauges(
-        "tandem_hicache_copies",
+        "tandem_host_tier_copies",
         "since start: pages written to the host tier (written), pages loaded back (loaded), prefix tokens "
         "matched there (hit_tokens)",
         "kind",

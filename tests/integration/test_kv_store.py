@@ -87,8 +87,8 @@ def pools_whole_after(servers):
 def tiers_idle(server) -> None:
     """Every store job collected and every pool back to free or cached."""
     server.wait_idle()
-    wait_until(lambda: server.info()["host_kv_pages"]["locked"] == 0, 20, f"{server.name}'s store writes")
-    host = server.info()["host_kv_pages"]
+    wait_until(lambda: server.info()["host_tier"]["locked"] == 0, 20, f"{server.name}'s store writes")
+    host = server.info()["host_tier"]
     assert host["free"] + host["cached"] == host["total"] and host["prefetching"] == 0
 
 
