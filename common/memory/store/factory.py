@@ -17,7 +17,7 @@ from common.memory.store.tier import StoreTier
 log = logging.getLogger(__name__)
 
 
-def make_backend(config: Any, host_pool: HostPool) -> tuple[StoreBackend, Any]:
+def store_backend(config: Any, host_pool: HostPool) -> tuple[StoreBackend, Any]:
     """The backend `--hicache-storage-backend` names, and its parsed extra config."""
     store_config = parse_store_config(config.hicache_storage_backend, config.hicache_storage_backend_extra_config)
     if isinstance(store_config, MooncakeConfig):
@@ -35,7 +35,7 @@ def make_store_cache(
     namespace: str,
     wake: Callable[[], None],
 ) -> StoreRadixCache:
-    backend, store_config = make_backend(config, host_pool)
+    backend, store_config = store_backend(config, host_pool)
     tier = StoreTier(
         backend,
         host_pool.buffer,

@@ -59,7 +59,8 @@ class StoreTier:
     ):
         self.backend, self.host_buffer, self.namespace, self.page_size = backend, host_buffer, namespace, page_size
         self.io_timeout_s, self.retry_interval_s, self.wake = io_timeout_s, retry_interval_s, wake
-        self.available = False  # read by the scheduler thread; written by both
+        self.available = False  # read by the scheduler thread; written by both (under _lock)
+        self._lock = threading.Lock()
         self.counts = dict.fromkeys(
             (
                 "pages_read",
@@ -145,19 +146,25 @@ class StoreTier:
             log.exception("KV store: connecting failed")
             return
         log.info("KV store available: %s", self.backend.describe())
-        self.available = True
+        with self._lock:
+            self.available = True
 
     def _down(self, why: str) -> None:
-        if self.available:
-            self.available = False
-            self.counts["unavailable"] += 1
+        with self._lock:
+            was, self.available = self.available, False
+        if was:
+            self._count("unavailable")
             log.warning(
                 "KV store unavailable (%s): serving without it, trying again every %g s", why, self.retry_interval_s
             )
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:  # both threads count
+            self.counts[key] += n
+
     def _skip(self, job: StoreJob) -> None:
         job.pages_ok, job.skipped = 0, True
-        self.counts["skipped"] += 1
+        self._count("skipped")
         self._finish(job)
 
     def _finish(self, job: StoreJob) -> None:
@@ -183,12 +190,12 @@ class StoreTier:
                     return
                 why = verify(header, digests[start + i], page.numpy().data)
                 if why is not None:
-                    self.counts["corrupt"] += 1
+                    self._count("corrupt")
                     log.warning("KV store: page %s refused: %s", keys[start + i], why)
                     return
                 job.pages_ok += 1
-                self.counts["pages_read"] += 1
-                self.counts["bytes_read"] += HEADER_BYTES + page.numel()
+                self._count("pages_read")
+                self._count("bytes_read", HEADER_BYTES + page.numel())
 
     def _write(self, job: StoreJob) -> None:
         if job.copied is not None:
@@ -203,10 +210,10 @@ class StoreTier:
             for i, ok, page in zip(idx, self.backend.put([keys[i] for i in idx], headers, pages), pages, strict=True):
                 held[i] = ok
                 if not ok:
-                    self.counts["refused"] += 1
+                    self._count("refused")
                     continue
-                self.counts["pages_written"] += 1
-                self.counts["bytes_written"] += HEADER_BYTES + page.numel()
+                self._count("pages_written")
+                self._count("bytes_written", HEADER_BYTES + page.numel())
         job.pages_ok = next((i for i, h in enumerate(held) if not h), len(held))
 
     def _exists(self, keys: list[str]) -> list[bool]:
