@@ -183,8 +183,11 @@ def up_store(ns: argparse.Namespace, py: list[str]) -> tuple[list[str], list[str
     if ns.hicache_storage_backend == "file":
         return flags, None, {}
     port = ns.kv_store_port
-    ports = {"--kv-store-port": port, "metadata": port + 1, "metrics": port + 2, "client": port + 3}
+    ports = {"--kv-store-port": port}
+    ports |= {
+        f"--kv-store-port + {i} (its {what})": port + i for i, what in ((1, "metadata"), (2, "health"), (3, "client"))
+    }
     argv = py + ["kv-store", "--host", ns.host, "--port", str(port), "--metadata-port", str(port + 1)]
     argv += ["--metrics-port", str(port + 2), "--client-port", str(port + 3), "--size", ns.kv_store_size]
     flags += ["--hicache-storage-backend-extra-config", server_extra_config(ns.host, port, port + 1)]
-    return flags, argv, {f"{k} (kv-store)": v for k, v in ports.items()}
+    return flags, argv, ports
