@@ -226,3 +226,23 @@ def test_pages_written_to_the_store_are_published_with_their_tier(tmp_path):
     settle(cache)
     assert events.heard == [("stored", 24, 0, "GPU"), ("stored", 24, 0, "CPU"), ("stored", 24, 0, "STORE")]
     cache.close()
+
+
+def test_a_store_call_past_its_bound_marks_the_store_unavailable_and_frees_the_waiting_request(tmp_path):
+    cache, _ = make(tmp_path, policy="wait_complete")
+    cache.tier.io_timeout_s = 0.2
+    release = []
+    slow = cache.tier.backend.exists
+    cache.tier.backend.exists = lambda keys: (wait_for(lambda: release, 5), slow(keys))[1]
+    req = request(PROMPT)
+    cache.prefetch(req, PROMPT)
+    cache.poll()
+    assert not cache.ready(req)
+    time.sleep(0.3)
+    cache.poll()  # sees the call past its bound
+    assert cache.ready(req) and not cache.tier.available and cache.tier.counts["unavailable"] == 1
+    release.append(1)
+    settle(cache)  # the call returns: its pages are taken back; the probe finds the store again
+    wait_for(lambda: cache.tier.available)
+    cache.check_integrity()
+    cache.close()

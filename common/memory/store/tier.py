@@ -18,7 +18,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +28,7 @@ from common.memory.store.keys import page_key, prefix_digests
 from common.memory.store.objects import HEADER_BYTES, pack_header, verify
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CHUNK = 256  # pages per backend call
 PROBE_KEY = "tandem-probe"
 
@@ -43,7 +45,6 @@ class StoreJob:
     copied: object = None  # write, on CUDA: the event after the device-to-host copies of its pages
     pages_ok: int = 0  # read: leading pages loaded and verified; write: leading pages the store holds
     skipped: bool = False  # the store was unavailable: nothing was read or written
-    started: float | None = field(default=None, repr=False)
 
 
 class StoreTier:
@@ -76,7 +77,7 @@ class StoreTier:
         )
         self._jobs: queue.SimpleQueue[StoreJob | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[StoreJob] = queue.SimpleQueue()
-        self._current: StoreJob | None = None
+        self._call_started: float | None = None  # when the store call running now began
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-store", daemon=True)
         self._thread.start()
@@ -90,8 +91,8 @@ class StoreTier:
 
     def finished(self) -> list[StoreJob]:
         """Jobs done since the last call; marks the store down if the running one is past its bound."""
-        job = self._current
-        if job is not None and job.started is not None and time.monotonic() - job.started > self.io_timeout_s:
+        started = self._call_started
+        if started is not None and time.monotonic() - started > self.io_timeout_s:
             self._down(f"a store call has run for over {self.io_timeout_s:g} s")
         out = []
         while True:
@@ -122,7 +123,6 @@ class StoreTier:
             if not self.available:
                 self._skip(job)
                 continue
-            self._current, job.started = job, time.monotonic()
             try:
                 (self._read if job.kind == "read" else self._write)(job)
             except StoreUnavailable as e:
@@ -131,8 +131,15 @@ class StoreTier:
             except Exception:
                 log.exception("KV store: a %s job failed", job.kind)
                 job.pages_ok = 0
-            self._current = None
             self._finish(job)
+
+    def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """One store call, timed for finished()'s bound."""
+        self._call_started = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._call_started = None
 
     def _reach(self) -> None:
         """Connect, or probe the store after it was unavailable; available again on success."""
@@ -184,7 +191,7 @@ class StoreTier:
         n = next((i for i, p in enumerate(present) if not p), len(present))
         for start in range(0, n, CHUNK):
             pages = [self._page(p) for p in job.host_pages[start : min(n, start + CHUNK)]]
-            headers = self.backend.get(keys[start : start + len(pages)], pages)
+            headers = self._call(self.backend.get, keys[start : start + len(pages)], pages)
             for i, (header, page) in enumerate(zip(headers, pages, strict=True)):
                 if header is None:
                     return
@@ -207,7 +214,9 @@ class StoreTier:
             idx = missing[start : start + CHUNK]
             pages = [self._page(job.host_pages[i]) for i in idx]
             headers = [pack_header(digests[i], p.numpy().data) for i, p in zip(idx, pages, strict=True)]
-            for i, ok, page in zip(idx, self.backend.put([keys[i] for i in idx], headers, pages), pages, strict=True):
+            for i, ok, page in zip(
+                idx, self._call(self.backend.put, [keys[i] for i in idx], headers, pages), pages, strict=True
+            ):
                 held[i] = ok
                 if not ok:
                     self._count("refused")
@@ -219,5 +228,5 @@ class StoreTier:
     def _exists(self, keys: list[str]) -> list[bool]:
         out: list[bool] = []
         for start in range(0, len(keys), CHUNK):
-            out += self.backend.exists(keys[start : start + CHUNK])
+            out += self._call(self.backend.exists, keys[start : start + CHUNK])
         return out
