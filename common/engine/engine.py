@@ -39,7 +39,8 @@ from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.memory.static_reserve import REQ_SPARE_ROWS, cap_running_requests, graph_plan
-from common.model.identity import model_identity
+from common.memory.store.keys import store_namespace
+from common.model.identity import model_identity, weights_fingerprint
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
@@ -98,7 +99,9 @@ class Engine:
         req_pool = ReqToTokenPool(req_rows, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
         self.kv_events = self._kv_event_publisher()
-        prefix = make_prefix_cache(config, allocator, self.kv_pool, self.kv_events)
+        prefix = make_prefix_cache(
+            config, allocator, self.kv_pool, self.kv_events, self._store_namespace(), lambda: self.scheduler.wake()
+        )
         if config.enable_hierarchical_cache:
             log.info("%s", host_tier.summary(prefix).removeprefix("; "))
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
@@ -138,6 +141,20 @@ class Engine:
         spec = attention_spec(hf)  # MLA: one latent "KV head", replicated on every rank
         check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
         return Ranks(self.config, self.follower) if size > 1 else None
+
+    def _store_namespace(self) -> str:
+        """What names this server's pages in a KV store besides their tokens (common/memory/store/keys.py)."""
+        if not self.config.hicache_storage_backend:
+            return ""
+        buffer = self.kv_pool.buffer
+        return store_namespace(
+            model=self.model_id,
+            weights=weights_fingerprint(self.model_dir),
+            dtype=buffer.dtype,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            page=tuple(buffer.shape[1:]),
+            tp=f"0/{self.config.tp_size}",
+        )
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
@@ -269,6 +286,7 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        self.memory.prefix_cache.close()
         if self.grammar is not None:
             self.grammar.close()
         if self.kv_events is not None:
@@ -290,6 +308,7 @@ class Engine:
             "context_length": self.context_len,
             "kv_pages": s.check_integrity().to_dict(),
             "host_tier": host_tier.info(self.memory.prefix_cache),
+            "kv_store": host_tier.store_info(self.memory.prefix_cache),
             "num_running_reqs": len(s.decode.running),
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,

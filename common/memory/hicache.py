@@ -10,6 +10,8 @@ cache in front of a second radix tree whose nodes own pages of the host tier's p
 - `match_prefix` matches both trees; when the host tree matches further, the extra pages are loaded
   into newly allocated device pages (evicting device leaves if needed) and inserted into the device tree
   before the match is returned: the forward that needs them runs after the copy (host_pool's ordering).
+- `_backed_up` hears of every run of pages copied to the host (the KV store tier behind this one writes them
+  out: common/memory/store/store_cache.py).
 - Who frees what: the device tree frees device pages (as RadixCache); the host tree frees host pages
   when it evicts its own LRU leaves to make room for a copy. Both paths of a copy are locked while it
   is made, so neither tier evicts what is being copied.
@@ -139,7 +141,11 @@ class HiRadixCache(PrefixCache):
         end = have + len(pages) * ps
         done = self.pool.write((slots[have:end:ps] // ps).tolist(), pages)
         self.host.cache_finished_req(tokens[:end], joined(match.slots, page_slots(pages, ps)), None)
+        self._backed_up(tokens[:end], have // ps, pages)
         return done
+
+    def _backed_up(self, tokens: list[int], first: int, host_pages: list[int]) -> None:
+        """Pages first.. of `tokens` were just copied into `host_pages` (the store tier writes them out)."""
 
     # -- the device tree's interface -------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> None:
