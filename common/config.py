@@ -29,6 +29,17 @@ class ServerConfig(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    flashinfer_backend: Literal["fa2", "fa3", "auto"] = Field(
+        "fa2",
+        description="FlashInfer's kernel family (as SGLang pins it): fa2 builds two kernels; auto adds FA3's on Hopper "
+        "(several more minutes of first-start compilation)",
+    )
+    disable_cuda_graph: bool = Field(
+        False, description="CUDA: run every decode step eagerly instead of replaying captured CUDA graphs"
+    )
+    cuda_graph_max_bs: int | None = Field(
+        None, ge=1, le=4096, description="CUDA: the largest decode batch replayed from a graph (default 256)"
+    )
     kernel_cache_dir: str | None = Field(
         None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
     )
