@@ -162,6 +162,9 @@ class ServerConfig(BaseSettings):
     constrained_json_disable_any_whitespace: bool = Field(
         False, description="JSON grammars allow no whitespace but one space after ':' and ','"
     )
+    constrained_json_max_whitespace: int = Field(
+        16, ge=1, description="whitespace characters a JSON grammar allows in one run (a model cannot pad forever)"
+    )
     grammar_cache_size: int = Field(512, ge=1, description="compiled grammars kept (LRU)")
     tool_call_parser: Literal["hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic"] | None = Field(
         None, description="how tool_choice auto finds tool calls in the model's text (its family's format)"

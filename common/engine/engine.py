@@ -128,7 +128,12 @@ class Engine:
         c = self.config
         vocab = max(self.hf_config.vocab_size, len(self.tokenizer))
         backend = GrammarBackend(
-            self.tokenizer, vocab, eos_ids, c.grammar_cache_size, not c.constrained_json_disable_any_whitespace
+            self.tokenizer,
+            vocab,
+            eos_ids,
+            c.grammar_cache_size,
+            not c.constrained_json_disable_any_whitespace,
+            c.constrained_json_max_whitespace,
         )
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         end = "</think>" if c.reasoning_parser else None

@@ -3,6 +3,7 @@ each a real process on 127.0.0.1."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -45,10 +46,25 @@ class Cluster:
                 self.router.stop()
                 self.spawn_router()
             self.router.wait_ready()
+            self.wait_all_healthy(timeout)
             return self
         except BaseException:
             self.stop()
             raise
+
+    def wait_all_healthy(self, timeout: float) -> None:
+        """The router ready means one healthy pair; a test of its policy needs every worker seen healthy."""
+        deadline = time.monotonic() + timeout
+        args = list(self.router_args)
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        while True:
+            workers = httpx.get(self.url + "/workers", headers=headers, timeout=10).json()["workers"]
+            if len(workers) == len(self.nodes) and all(w["healthy"] for w in workers):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the router never saw every worker healthy: {workers}")
+            time.sleep(0.1)
 
     def wait_idle(self) -> None:
         for node in self.nodes:

@@ -306,13 +306,15 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     passed to the model's chat template."""
     from types import SimpleNamespace
 
+    from common.http.chat_output import ChatShape
     from common.http.openai_api import _apply_chat_template
     from common.wire.api import ChatCompletionRequest
 
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{% if greet %}Hello! {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     body = ChatCompletionRequest.model_validate({**CHAT, "chat_template_kwargs": {"greet": True}})
-    assert _apply_chat_template(SimpleNamespace(tokenizer=tok), body) == tok.encode(
+    shape = ChatShape(body.tool_set())
+    assert _apply_chat_template(SimpleNamespace(tokenizer=tok), body, shape) == tok.encode(
         "Hello! " + CHAT["messages"][0]["content"]
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,8 +84,11 @@ def wait_index(cluster, timeout: float = 20, url: str | None = None, processes: 
     raise AssertionError(why)
 
 
-def converse(url: str, seed: int, turns: int, history: list[int] | None = None) -> list[tuple[list[int], dict]]:
-    """One conversation: each turn's prompt is the last prompt, its answer and new tokens."""
+def converse(
+    url: str, seed: int, turns: int, history: list[int] | None = None, barrier: threading.Barrier | None = None
+) -> list[tuple[list[int], dict]]:
+    """One conversation: each turn's prompt is the last prompt, its answer and new tokens; with a barrier, the
+    conversations take their turns together (its action lets the router's index catch up between turns)."""
     rng, out = random.Random(seed), []
     prompt = history or []
     for _ in range(turns):
@@ -92,6 +96,8 @@ def converse(url: str, seed: int, turns: int, history: list[int] | None = None) 
         answer = generate(url, prompt, NEW_TOKENS)
         out.append((prompt, answer))
         prompt = prompt + answer["output_ids"]
+        if barrier is not None:
+            barrier.wait()
     return out
 
 
@@ -111,8 +117,9 @@ def check_turns(convs: list[list[tuple[list[int], dict]]], mono) -> int:
 
 def test_turns_land_where_their_pages_are_and_equal_monolithic(cluster, mono):
     wait_index(cluster)
+    turns_taken = threading.Barrier(CONVERSATIONS, action=lambda: wait_index(cluster))  # events arrive async
     with ThreadPoolExecutor(CONVERSATIONS) as pool:
-        convs = list(pool.map(lambda i: converse(cluster.url, i, 3), range(CONVERSATIONS)))
+        convs = list(pool.map(lambda i: converse(cluster.url, i, 3, barrier=turns_taken), range(CONVERSATIONS)))
     kept = check_turns(convs, mono)
     matched = {
         labels["worker_role"]: v for labels, v in router_samples(cluster.url, "tandem_router_kv_matched_tokens_total")

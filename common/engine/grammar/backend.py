@@ -37,13 +37,22 @@ def xgrammar_message(e: Exception) -> str:
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: set[int], cache_size: int = 512, any_whitespace=True):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_ids: set[int],
+        cache_size: int = 512,
+        any_whitespace=True,
+        max_whitespace: int | None = None,
+    ):
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
         )
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self.any_whitespace = any_whitespace
+        self.max_whitespace = max_whitespace if any_whitespace else None
         self.cache_size = cache_size
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -65,9 +74,16 @@ class GrammarBackend:
     def _parse(self, spec: GrammarSpec) -> xgr.Grammar:
         kind, value = spec.kind, spec.value
         if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(value, any_whitespace=self.any_whitespace, strict_mode=spec.strict)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            return xgr.Grammar.from_json_schema(
+                value,
+                any_whitespace=self.any_whitespace,
+                strict_mode=spec.strict,
+                max_whitespace_cnt=self.max_whitespace,
+            )
+        if kind == "json_object":  # any object, as SGLang reads it
+            return xgr.Grammar.from_json_schema(
+                {"type": "object"}, strict_mode=False, max_whitespace_cnt=self.max_whitespace
+            )
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "ebnf":
