@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.wire.addresses import split_host_port
+from common.wire.body import ARRIVAL_TIMEOUT_S
 from common.wire.kv_events import parse_kv_events_config
 
 DisaggMode = Literal["null", "prefill", "decode"]
@@ -126,6 +127,12 @@ class ServerConfig(BaseSettings):
         "certificate or this, bootstrap lookups use https",
     )
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    head_timeout_s: float = Field(
+        ARRIVAL_TIMEOUT_S,
+        gt=0,
+        description="a connection whose whole request head has not arrived this long after it opened, or after "
+        "its previous answer, is closed unanswered (a client sending nothing, or its head slowly, holds no connection)",
+    )
     drain_timeout_s: float = Field(
         30.0,
         ge=0,
