@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.memory.store.config import parse_store_config
 from common.wire.addresses import split_host_port
+from common.wire.body import ARRIVAL_TIMEOUT_S
 from common.wire.kv_events import parse_kv_events_config
 
 DisaggMode = Literal["null", "prefill", "decode"]
@@ -153,6 +154,12 @@ class ServerConfig(BaseSettings):
         "certificate or this, bootstrap lookups use https",
     )
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    head_timeout_s: float = Field(
+        ARRIVAL_TIMEOUT_S,
+        gt=0,
+        description="a connection whose whole request head has not arrived this long after it opened, or after "
+        "its previous answer, is closed unanswered (a client sending nothing, or its head slowly, holds no connection)",
+    )
 
     # structured outputs, tool calls, reasoning (docs/structured-output.md)
     grammar_backend: Literal["xgrammar", "none"] = Field(

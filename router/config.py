@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.wire.addresses import split_host_port
+from common.wire.body import ARRIVAL_TIMEOUT_S
 from router.policies import POLICIES
 
 Policy = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
@@ -77,6 +78,12 @@ class RouterConfig(BaseSettings):
     request_timeout_s: float = Field(1800.0, gt=0, description="the longest one request may take end to end")
     max_concurrent_requests: int = Field(4096, ge=1, description="requests in flight beyond this are answered 429")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies are answered 413")
+    head_timeout_s: float = Field(
+        ARRIVAL_TIMEOUT_S,
+        gt=0,
+        description="a connection whose whole request head has not arrived this long after it opened, or after "
+        "its previous answer, is closed unanswered (a client sending nothing, or its head slowly, holds no connection)",
+    )
     prefill_discovery: str | None = Field(
         None,
         description="HOST:PORT; every address HOST resolves to (e.g. a headless Service's pods) is a prefill server, re-resolved every --discovery-interval-s",

@@ -17,7 +17,6 @@ import time
 from aiohttp import web
 
 from common.edge.tls import behind_tls
-from common.wire.body import ARRIVAL_TIMEOUT_S
 from common.wire.drain import FLUSH_S
 from router.app import create_router_app, router_drain
 from router.config import RouterConfig
@@ -40,7 +39,7 @@ def serve_router(config: RouterConfig, argv: list[str]) -> None:
 
 async def _serve(config: RouterConfig) -> None:
     drain = router_drain(config)
-    # keepalive_timeout is aiohttp's deadline for a complete request head, counted from the connection's start
+    # keepalive_timeout (--head-timeout-s) is aiohttp's deadline for a complete request head, counted from the connection's start
     # and from each answer: a connection that sends nothing, or half a head, is closed then. Bodies are
     # forwarded as sent, never decompressed (a compressed one is refused: common/wire/body.py).
     runner = web.AppRunner(
@@ -48,7 +47,7 @@ async def _serve(config: RouterConfig) -> None:
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=1,
-        keepalive_timeout=ARRIVAL_TIMEOUT_S,
+        keepalive_timeout=config.head_timeout_s,
         auto_decompress=False,
     )
     await runner.setup()

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
-from common.edge.head_deadline import HeadDeadlineProtocol
+from common.edge.head_deadline import with_head_deadline
 from common.edge.tls import behind_tls, server_context
 from common.model.locate import check_model
 from common.wire.addresses import split_host_port
@@ -152,7 +152,7 @@ def serve(config: ServerConfig) -> None:
             log_level="warning",
             timeout_graceful_shutdown=5,
             loop="asyncio",
-            http=behind_tls(HeadDeadlineProtocol, tls),
+            http=behind_tls(with_head_deadline(config.head_timeout_s), tls),
         )
         DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
     finally:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -199,6 +200,43 @@ def reference_servers():
     servers = ReferenceServers()
     yield servers
     servers.stop()
+
+
+@starts_processes
+class SharedClusters:
+    """PD clusters (tests/integration/cluster.py: prefill, decode, router) shared by the modules that ask for the
+    same backend and flags (test_pd runs through one; test_tp_pd pairs its TP 1 servers with its TP 3 ones).
+    Started on first use; stopped once `users` modules said `done` (the modules that share it), else at the
+    session's end. Tests on them generate only: none is killed or drained."""
+
+    def __init__(self) -> None:
+        self.running: dict[tuple, Any] = {}
+        self.done_by: dict[tuple, int] = {}
+
+    def get(self, backend: str, flags: tuple[str, ...]) -> Any:
+        from tests.integration.cluster import start_cluster
+
+        key = (backend, flags)
+        if key not in self.running:
+            self.running[key] = start_cluster(backend, flags=flags)
+        return self.running[key]
+
+    def done(self, backend: str, flags: tuple[str, ...], users: int) -> None:
+        key = (backend, flags)
+        self.done_by[key] = self.done_by.get(key, 0) + 1
+        if self.done_by[key] >= users and key in self.running:
+            self.running.pop(key).stop()
+
+    def stop(self) -> None:
+        for cluster in self.running.values():
+            cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_clusters():
+    clusters = SharedClusters()
+    yield clusters
+    clusters.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """A deadline on the request head for the engine servers' uvicorn: a connection whose complete request head
-has not arrived ARRIVAL_TIMEOUT_S after it opened, or after its previous response, is closed (no answer, as
+has not arrived --head-timeout-s (default ARRIVAL_TIMEOUT_S) after it opened, or after its previous response,
+is closed (no answer, as
 nginx closes an idle connection or a half-sent head), so a client holds no connection for long by sending
 nothing or sending its head slowly. The body has the same deadline (common/wire/body.py).
 
@@ -17,6 +18,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from common.wire.body import ARRIVAL_TIMEOUT_S
 
 log = logging.getLogger("tandem.http")
+
+
+def with_head_deadline(timeout_s: float) -> type[HeadDeadlineProtocol]:
+    """The protocol class with a server's own deadline (`--head-timeout-s`)."""
+    return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"head_timeout_s": timeout_s})
 
 
 class HeadDeadlineProtocol(H11Protocol):

@@ -78,4 +78,4 @@ class HostPool:
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
         if self.buffer.shape[1:] != self.device_buffer.shape[1:]:
-            raise MemoryIntegrityError("the host pool's page shape differs from the device pool's")
+            raise MemoryIntegrityError("the host tier's page shape differs from the device pool's")

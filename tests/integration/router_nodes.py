@@ -1,6 +1,7 @@
 """The workers the router tests share, their fixtures and helpers: `prefill` with a context of 512 tokens,
 `decode` with the model's, and `decode_short` with 256, so a 600-token prompt fails on the prefill half
-only and a 300-token prompt on the decode half only. Each test starts its own router (under a second)
+only and a 300-token prompt on the decode half only; `decode_short` also closes a connection without a
+request head after HEAD_S (`--head-timeout-s`, default 30 s), so the deadline test waits seconds, not 30. Each test starts its own router (under a second)
 with the flags it needs; every surviving node ends each test with no KV page held (`idle_after`)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ OVER_PREFILL = list(range(1000, 1600))  # 600 tokens: more than the prefill's co
 OVER_DECODE_SHORT = list(range(1000, 1300))  # 300 tokens: more than decode_short's context
 LONG_RUN = 400  # new tokens: a request that runs for many seconds on this machine
 NO_HEALTH_CHECKS = ("--health-check-interval-s", "600")  # only the check at start-up
+HEAD_S = 4.0  # decode_short's --head-timeout-s
 FAST_HEALTH = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "0.5", "--health-failure-threshold", "2")
 
 
@@ -55,7 +57,16 @@ def nodes() -> Iterator[Nodes]:
         )
         servers.append(start_server("--disagg-mode", "decode", *FLAGS, name="rf-decode"))
         servers.append(
-            start_server("--disagg-mode", "decode", *FLAGS, "--context-length", "256", name="rf-decode-short")
+            start_server(
+                "--disagg-mode",
+                "decode",
+                *FLAGS,
+                "--context-length",
+                "256",
+                "--head-timeout-s",
+                str(HEAD_S),
+                name="rf-decode-short",
+            )
         )
         for s in servers:
             s.wait_ready()

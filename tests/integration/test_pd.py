@@ -13,13 +13,14 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.integration.cluster import generate, start_cluster
+from tests.integration.cluster import generate
 from tests.integration.test_parity_hf import LONG_TEXT
 
 FLAGS = {
     "mooncake": ("--page-size", "16", "--chunked-prefill-size", "64"),
     "nixl": ("--page-size", "1", "--chunked-prefill-size", "0"),
 }
+CLUSTER_USERS = 2  # modules sharing each backend's cluster (conftest.SharedClusters): this one and test_tp_pd
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +57,11 @@ def expected(mono, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
-def cluster(request):
-    c = start_cluster(request.param, flags=FLAGS[request.param])
+def cluster(request, shared_clusters):
+    """The TP 1 pair of each backend, shared with test_tp_pd (CLUSTER_USERS modules)."""
+    c = shared_clusters.get(request.param, FLAGS[request.param])
     yield c
-    c.stop()
+    shared_clusters.done(request.param, FLAGS[request.param], CLUSTER_USERS)
 
 
 @pytest.fixture(autouse=True)

@@ -16,10 +16,10 @@ from contextlib import ExitStack, closing
 import httpx
 import pytest
 
-from common.wire.body import ARRIVAL_TIMEOUT_S
 from tests.conftest import ServerProcess, free_port, metric
 from tests.integration.faults import wait_until
 from tests.integration.router_nodes import (  # noqa: F401  (fixtures)
+    HEAD_S,
     LONG_RUN,
     PROMPT,
     gen_body,
@@ -190,28 +190,29 @@ def idle_connections(node: ServerProcess) -> list[tuple[str, socket.socket, floa
 
 def seconds_until_closed(sock: socket.socket, since: float) -> float:
     """The server closes without answering: recv gives b"" (never later than the deadline + 10 s)."""
-    sock.settimeout(max(0.1, since + ARRIVAL_TIMEOUT_S + 10 - time.monotonic()))
+    sock.settimeout(max(0.1, since + HEAD_S + 10 - time.monotonic()))
     assert sock.recv(4096) == b""
     return time.monotonic() - since
 
 
 def test_connections_without_a_complete_request_head_are_closed_at_the_deadline(nodes, routers, reference):
-    """On the router (aiohttp) and on an engine server (uvicorn): 30 s from the connection's start, or from
+    """On the router (aiohttp) and on an engine server (uvicorn), both at --head-timeout-s HEAD_S (the default,
+    30 s, is ARRIVAL_TIMEOUT_S: tests/unit/test_head_deadline.py): HEAD_S from the connection's start, or from
     its previous answer, for a whole request head; others are served meanwhile."""
-    router = routers([nodes.decode])
+    router = routers([nodes.decode_short], "--head-timeout-s", str(HEAD_S))
     with ExitStack() as stack:
-        waiting = {node.name: idle_connections(node) for node in (router, nodes.decode)}
+        waiting = {node.name: idle_connections(node) for node in (router, nodes.decode_short)}
         for conns in waiting.values():
             for _, sock, _ in conns:
                 stack.enter_context(closing(sock))
         assert generate(router, PROMPT)["output_ids"] == reference
-        assert httpx.get(nodes.decode.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(nodes.decode_short.url + "/health", timeout=10).status_code == 200
         closed = {
             (name, what): seconds_until_closed(sock, since)
             for name, conns in waiting.items()
             for what, sock, since in conns
         }
-    assert all(ARRIVAL_TIMEOUT_S - 0.5 <= s <= ARRIVAL_TIMEOUT_S + 5 for s in closed.values()), closed
+    assert all(HEAD_S - 0.5 <= s <= HEAD_S + 5 for s in closed.values()), closed
     assert generate(router, PROMPT)["output_ids"] == reference
 
 

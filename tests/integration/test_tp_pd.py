@@ -6,8 +6,9 @@ tiny model; near-ties reported, see test_tensor_parallel), every pool is clean a
 TP > 1 counts bytes written by each of its ranks' own transfer engines. A decode of
 a model with other KV heads is refused at pairing with both layouts named.
 
-One module-scoped set of servers per model and backend; each pair is called directly (the router's
-rendezvous fields, a fresh room per request), so no router is started."""
+One module-scoped set of servers per model and backend (the built-in model's TP 1 pair is test_pd's, the
+same flags: tests/conftest.py's SharedClusters); each pair is called directly (the router's rendezvous
+fields, a fresh room per request)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, free_port, start_server
-from tests.integration.test_pd import FLAGS, expected, mono, prompts  # noqa: F401  (module fixtures)
+from tests.integration.test_pd import CLUSTER_USERS, FLAGS, expected, mono, prompts  # noqa: F401  (fixtures)
 from tests.integration.test_tensor_parallel import assert_same_tokens, greedy_reference
 from tests.integration.tiny_model import random_prompts, save_tiny_llama
 
@@ -29,10 +30,11 @@ NEW_TOKENS = 16
 
 @dataclass
 class Servers:
-    """Prefills and decodes, by TP size."""
+    """Prefills and decodes, by TP size (`shared`: those another module started, which `stop` leaves)."""
 
     prefills: dict[int, ServerProcess] = field(default_factory=dict)
     decodes: dict[int, ServerProcess] = field(default_factory=dict)
+    shared: list[ServerProcess] = field(default_factory=list)
 
     def all(self) -> list[ServerProcess]:
         return [*self.prefills.values(), *self.decodes.values()]
@@ -44,7 +46,8 @@ class Servers:
 
     def stop(self) -> None:
         for s in self.all():
-            s.stop()
+            if s not in self.shared:
+                s.stop()
 
 
 def start_servers(flags: tuple[str, ...], prefill_tps: tuple[int, ...], decode_tps: tuple[int, ...]) -> Servers:
@@ -102,10 +105,16 @@ def pd_generate_all(servers: Servers, prefill_tp: int, decode_tp: int, prompts: 
 
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
-def builtin(request):
-    s = start_servers(("--transfer-backend", request.param, *FLAGS[request.param]), (1, 3), (1, 3))
+def builtin(request, shared_clusters):
+    """The TP 3 servers, and test_pd's TP 1 pair of the same backend and flags (tests/conftest.py)."""
+    flags = FLAGS[request.param]
+    pair = shared_clusters.get(request.param, flags)
+    s = start_servers(("--transfer-backend", request.param, *flags), (3,), (3,))
+    s.prefills[1], s.decodes[1] = pair.prefills[0], pair.decodes[0]
+    s.shared = [pair.prefills[0], pair.decodes[0]]
     yield s
     s.stop()
+    shared_clusters.done(request.param, flags, CLUSTER_USERS)
 
 
 @pytest.mark.timeout(1200)  # eight processes of the built-in model start first

@@ -1,5 +1,6 @@
 """The engine servers' deadline on the request head (common/edge/head_deadline.py), on a real uvicorn server
-in this process with the deadline shortened to DEADLINE_S: what is closed when, and what is left alone."""
+in this process with the deadline shortened to DEADLINE_S (`--head-timeout-s`, as a server's config sets it):
+what is closed when, and what is left alone; the default, 30 s, on the servers and the router."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import time
 
 import uvicorn
 
-from common.edge.head_deadline import HeadDeadlineProtocol
+from common.config import ServerConfig
+from common.edge.head_deadline import with_head_deadline
+from common.wire.body import ARRIVAL_TIMEOUT_S
+from router.config import RouterConfig
 from tests.conftest import free_port
 
 DEADLINE_S = 0.5
@@ -16,8 +20,12 @@ PARTIAL_HEAD = b"POST /generate HTTP/1.1\r\nHost: x\r\n"
 GET = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-class ShortDeadline(HeadDeadlineProtocol):
-    head_timeout_s = DEADLINE_S
+ShortDeadline = with_head_deadline(DEADLINE_S)
+
+
+def test_the_deadline_is_30_s_unless_set():
+    assert ServerConfig().head_timeout_s == RouterConfig().head_timeout_s == ARRIVAL_TIMEOUT_S == 30.0
+    assert ShortDeadline.head_timeout_s == DEADLINE_S and with_head_deadline(30.0).head_timeout_s == 30.0
 
 
 async def app(scope, receive, send) -> None:
