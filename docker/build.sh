@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Builds Tandem's images with buildah: no Docker daemon, no container registry.
+#
+#   docker/build.sh cpu|cuda        (make image / make image-cuda)
+#
+# 1. The base, once: a Debian root file system that debootstrap (--variant=minbase) fetches from this
+#    machine's Debian mirror (/etc/apt/sources.list*), kept as localhost/tandem-base:<suite>.
+# 2. docker/Containerfile.<device> on it: Debian's runtime libraries, then scripts/setup.sh as the README
+#    installs Tandem. The image is named as the Helm chart's defaults: <image.repository>:<appVersion>-<device>.
+#
+# buildah runs as root with the vfs storage driver and chroot isolation (no daemon, no overlay mounts, no
+# user namespaces needed). Each step is a cached layer: a rebuild after a source change re-runs only the
+# last setup step. Environment:
+#   TANDEM_IMAGE_ROOT     buildah's storage directory (default: buildah's own, /var/lib/containers/storage)
+#   TANDEM_DEBIAN_MIRROR  the mirror debootstrap uses (default: the host's, for the host's suite)
+# The CPU build mounts pip's local wheel directories (PIP_FIND_LINKS, the host's pip config) read-only for
+# the length of its RUN steps, so that a torch CPU wheel on this machine is used rather than downloaded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEVICE=${1:-cpu}
+case "$DEVICE" in cpu|cuda) ;; *) echo "usage: docker/build.sh cpu|cuda" >&2; exit 2 ;; esac
+
+need_tools() {
+  command -v buildah >/dev/null && command -v debootstrap >/dev/null && return
+  [ "$(id -u)" -eq 0 ] || { echo "[image] needs buildah and debootstrap (apt-get install buildah debootstrap), as root" >&2; exit 2; }
+  echo "[image] installing Debian packages buildah debootstrap"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends buildah debootstrap >/dev/null
+}
+
+# The URIs of the host's `deb` sources that carry `suite` (one-line and deb822 files), first first.
+apt_uris() {
+  local suite=$1
+  awk -v s="$suite" '$1 == "deb" { for (i = 2; i < NF; i++) if ($i ~ /:\/\//) { if ($(i + 1) == s) print $i; break } }' \
+    /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null || true
+  awk -v s="$suite" 'BEGIN { RS = "" } {
+      uri = ""; deb = 0; has = 0; n = split($0, line, "\n")
+      for (i = 1; i <= n; i++) {
+        m = split(line[i], f, /[ \t]+/)
+        if (f[1] == "Types:") for (j = 2; j <= m; j++) if (f[j] == "deb") deb = 1
+        if (f[1] == "URIs:") uri = f[2]
+        if (f[1] == "Suites:") for (j = 2; j <= m; j++) if (f[j] == s) has = 1
+      }
+      if (deb && has && uri != "") print uri
+    }' /etc/apt/sources.list.d/*.sources 2>/dev/null || true
+}
+
+SUITE=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
+MIRROR=${TANDEM_DEBIAN_MIRROR:-$(apt_uris "$SUITE" | head -1)}
+SECURITY=$(apt_uris "$SUITE-security" | head -1)
+BASE=localhost/tandem-base:$SUITE
+REPO=$(awk '/^image:/ { on = 1 } on && $1 == "repository:" { print $2; exit }' helm/tandem/values.yaml)
+VERSION=$(awk -F'"' '/^appVersion:/ { print $2 }' helm/tandem/Chart.yaml)
+IMAGE=$REPO:$VERSION-$DEVICE
+B=(buildah --storage-driver vfs)
+[ -n "${TANDEM_IMAGE_ROOT:-}" ] && B+=(--root "$TANDEM_IMAGE_ROOT/storage" --runroot "$TANDEM_IMAGE_ROOT/run")
+
+# Debian's sources inside the base: the mirror's suite and its updates, and the security suite where the host has one.
+base_sources() {
+  printf 'Types: deb\nURIs: %s\nSuites: %s %s-updates\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$MIRROR" "$SUITE" "$SUITE"
+  [ -z "$SECURITY" ] || printf '\nTypes: deb\nURIs: %s\nSuites: %s-security\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$SECURITY" "$SUITE"
+}
+
+make_base() {
+  if "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then echo "[image] base $BASE (kept)"; return; fi
+  [ -n "$MIRROR" ] || { echo "[image] no Debian mirror for $SUITE in /etc/apt/sources.list*: set TANDEM_DEBIAN_MIRROR" >&2; exit 2; }
+  echo "[image] base $BASE: debootstrap --variant=minbase $SUITE from $MIRROR"
+  local root
+  ctr=$("${B[@]}" from --name "tandem-base-$SUITE-$$" scratch)
+  trap '"${B[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT  # a failed debootstrap leaves no container
+  root=$("${B[@]}" mount "$ctr")
+  debootstrap --variant=minbase --include=debian-archive-keyring "$SUITE" "$root" "$MIRROR" >/dev/null
+  rm -f "$root/etc/apt/sources.list"
+  base_sources >"$root/etc/apt/sources.list.d/debian.sources"
+  rm -rf "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/var/log/*.log
+  "${B[@]}" config --env LANG=C.UTF-8 --cmd /bin/bash \
+    --created-by "debootstrap --variant=minbase $SUITE $MIRROR" "$ctr"
+  "${B[@]}" commit --quiet --rm "$ctr" "$BASE" >/dev/null
+  trap - EXIT
+}
+
+# `-v dir:/wheels/N:ro` for each local wheel directory pip is told about here, and the PIP_FIND_LINKS
+# that names them inside the build.
+wheel_mounts() {
+  local links dirs=() i=0
+  links="${PIP_FIND_LINKS:-} $(python3 -m pip config get global.find-links 2>/dev/null || true)"
+  for d in $(printf '%s\n' $links | awk '!seen[$0]++'); do [ -d "$d" ] && dirs+=("$d"); done
+  [ ${#dirs[@]} -gt 0 ] || return 0
+  local inside=()
+  for d in "${dirs[@]}"; do echo "-v=$d:/wheels/$i:ro"; inside+=("/wheels/$i"); i=$((i + 1)); done
+  echo "--build-arg=PIP_FIND_LINKS=${inside[*]}"
+}
+
+need_tools
+make_base
+FLAGS=()
+[ "$DEVICE" = cpu ] && mapfile -t FLAGS < <(wheel_mounts)
+echo "[image] $IMAGE from docker/Containerfile.$DEVICE ${FLAGS[*]}"
+start=$(date +%s)
+"${B[@]}" build --isolation chroot --network host --layers --build-arg "BASE=$BASE" "${FLAGS[@]}" \
+  -f "docker/Containerfile.$DEVICE" -t "$IMAGE" .
+size=$("${B[@]}" inspect --type image --format '{{.Size}}' "$IMAGE" 2>/dev/null || echo '?')
+echo "[image] built $IMAGE in $(($(date +%s) - start)) s (base kept apart), $size bytes"
