@@ -4,7 +4,7 @@
 #   docker/build.sh cpu|cuda        (make image / make image-cuda)
 #
 # 1. The base, once: a Debian root file system that debootstrap (--variant=minbase) fetches from this
-#    machine's Debian mirror (/etc/apt/sources.list*), kept as localhost/tandem-base:<suite>.
+#    machine's Debian mirror (/etc/apt/sources.list*), kept as localhost/tandem-base:<suite>-<hash of its sources>.
 # 2. docker/Containerfile.<device> on it: Debian's runtime libraries, then scripts/setup.sh as the README
 #    installs Tandem. The image is named as the Helm chart's defaults: <image.repository>:<appVersion>-<device>.
 #
@@ -13,8 +13,7 @@
 # last setup step. Environment:
 #   TANDEM_IMAGE_ROOT     buildah's storage directory (default: buildah's own, /var/lib/containers/storage)
 #   TANDEM_DEBIAN_MIRROR  the mirror debootstrap uses (default: the host's, for the host's suite)
-# The CPU build mounts pip's local wheel directories (PIP_FIND_LINKS, the host's pip config) read-only for
-# the length of its RUN steps, so that a torch CPU wheel on this machine is used rather than downloaded.
+# pip inside the build uses this machine's CA bundle and (CPU) local wheels: see host_pip_flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${1:-cpu}
@@ -48,7 +47,9 @@ apt_uris() {
 SUITE=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
 MIRROR=${TANDEM_DEBIAN_MIRROR:-$(apt_uris "$SUITE" | head -1)}
 SECURITY=$(apt_uris "$SUITE-security" | head -1)
-BASE=localhost/tandem-base:$SUITE
+BASE_PACKAGES=ca-certificates,debian-archive-keyring  # what a build's first step needs (https, apt's keys)
+BASE=localhost/tandem-base:$SUITE-$(echo "$MIRROR $SECURITY $BASE_PACKAGES" | sha256sum | cut -c1-8)
+IMAGE_CA=/etc/ssl/certs/ca-certificates.crt
 REPO=$(awk '/^image:/ { on = 1 } on && $1 == "repository:" { print $2; exit }' helm/tandem/values.yaml)
 VERSION=$(awk -F'"' '/^appVersion:/ { print $2 }' helm/tandem/Chart.yaml)
 IMAGE=$REPO:$VERSION-$DEVICE
@@ -67,11 +68,12 @@ make_base() {
   if "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then echo "[image] base $BASE (kept)"; return; fi
   [ -n "$MIRROR" ] || { echo "[image] no Debian mirror for $SUITE in /etc/apt/sources.list*: set TANDEM_DEBIAN_MIRROR" >&2; exit 2; }
   echo "[image] base $BASE: debootstrap --variant=minbase $SUITE from $MIRROR"
+  local start=$SECONDS
   local root
   ctr=$("${B[@]}" from --name "tandem-base-$SUITE-$$" scratch)
   trap '"${B[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT  # a failed debootstrap leaves no container
   root=$("${B[@]}" mount "$ctr")
-  debootstrap --variant=minbase --include=debian-archive-keyring "$SUITE" "$root" "$MIRROR" >/dev/null
+  debootstrap --variant=minbase --include="$BASE_PACKAGES" "$SUITE" "$root" "$MIRROR" >/dev/null
   rm -f "$root/etc/apt/sources.list"
   base_sources >"$root/etc/apt/sources.list.d/debian.sources"
   rm -rf "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/var/log/*.log
@@ -79,27 +81,32 @@ make_base() {
     --created-by "debootstrap --variant=minbase $SUITE $MIRROR" "$ctr"
   "${B[@]}" commit --quiet --rm "$ctr" "$BASE" >/dev/null
   trap - EXIT
+  echo "[image] base made in $((SECONDS - start)) s"
 }
 
-# `-v dir:/wheels/N:ro` for each local wheel directory pip is told about here, and the PIP_FIND_LINKS
-# that names them inside the build.
-wheel_mounts() {
-  local links dirs=() i=0
-  links="${PIP_FIND_LINKS:-} $(python3 -m pip config get global.find-links 2>/dev/null || true)"
-  for d in $(printf '%s\n' $links | awk '!seen[$0]++'); do [ -d "$d" ] && dirs+=("$d"); done
-  [ ${#dirs[@]} -gt 0 ] || return 0
-  local inside=()
-  for d in "${dirs[@]}"; do echo "-v=$d:/wheels/$i:ro"; inside+=("/wheels/$i"); i=$((i + 1)); done
-  echo "--build-arg=PIP_FIND_LINKS=${inside[*]}"
+# This machine's pip settings that a build needs, as `buildah build` flags. Each is mounted read-only for
+# the RUN steps over a path the image has anyway, so nothing of it stays in the image: the CA bundle pip
+# trusts (PIP_CERT, pip's global.cert: a proxy's CA) over the image's own, and for the CPU image the first
+# local wheel directory that holds a CPU torch (PIP_FIND_LINKS, global.find-links) at /mnt.
+pip_setting() { printf '%s %s' "${!1:-}" "$(python3 -m pip config get "$2" 2>/dev/null || true)"; }
+host_pip_flags() {
+  local f
+  for f in $(pip_setting PIP_CERT global.cert); do
+    [ -f "$f" ] && printf '%s\n' "-v=$f:$IMAGE_CA:ro" "--build-arg=PIP_CERT=$IMAGE_CA" && break
+  done
+  [ "$DEVICE" = cpu ] || return 0
+  for f in $(pip_setting PIP_FIND_LINKS global.find-links); do
+    compgen -G "$f/torch-*+cpu-*.whl" >/dev/null && printf '%s\n' "-v=$f:/mnt:ro" "--build-arg=PIP_FIND_LINKS=/mnt" && break
+  done
+  return 0
 }
 
 need_tools
 make_base
-FLAGS=()
-[ "$DEVICE" = cpu ] && mapfile -t FLAGS < <(wheel_mounts)
+mapfile -t FLAGS < <(host_pip_flags)
 echo "[image] $IMAGE from docker/Containerfile.$DEVICE ${FLAGS[*]}"
 start=$(date +%s)
 "${B[@]}" build --isolation chroot --network host --layers --build-arg "BASE=$BASE" "${FLAGS[@]}" \
   -f "docker/Containerfile.$DEVICE" -t "$IMAGE" .
-size=$("${B[@]}" inspect --type image --format '{{.Size}}' "$IMAGE" 2>/dev/null || echo '?')
-echo "[image] built $IMAGE in $(($(date +%s) - start)) s (base kept apart), $size bytes"
+"${B[@]}" rmi --prune >/dev/null  # the layers of earlier sources, no longer any image's (the cache stays)
+echo "[image] built $IMAGE in $(($(date +%s) - start)) s: $("${B[@]}" images --format '{{.Size}}' "$IMAGE")"
