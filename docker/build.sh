@@ -8,10 +8,11 @@
 # 2. docker/Containerfile.<device> on it: Debian's runtime libraries, then scripts/setup.sh as the README
 #    installs Tandem. The image is named as the Helm chart's defaults: <image.repository>:<appVersion>-<device>.
 #
-# buildah runs as root with the vfs storage driver and chroot isolation (no daemon, no overlay mounts, no
-# user namespaces needed). Each step is a cached layer: a rebuild after a source change re-runs only the
-# last setup step. Environment:
-#   TANDEM_IMAGE_ROOT     buildah's storage directory (default: buildah's own, /var/lib/containers/storage)
+# buildah runs as root with chroot isolation (no daemon, no user namespaces) and the overlay storage driver
+# where the kernel allows, else vfs. Each step is a cached layer: a rebuild after a source change re-runs
+# only the last setup step. Environment:
+#   TANDEM_IMAGE_ROOT     buildah's storage under it (storage/, run/; default: buildah's, /var/lib/containers)
+#   TANDEM_STORAGE_DRIVER overlay | vfs (default: as above)
 #   TANDEM_DEBIAN_MIRROR  the mirror debootstrap uses (default: the host's, for the host's suite)
 # pip inside the build uses this machine's CA bundle and (CPU) local wheels: see host_pip_flags.
 set -euo pipefail
@@ -53,8 +54,24 @@ IMAGE_CA=/etc/ssl/certs/ca-certificates.crt
 REPO=$(awk '/^image:/ { on = 1 } on && $1 == "repository:" { print $2; exit }' helm/tandem/values.yaml)
 VERSION=$(awk -F'"' '/^appVersion:/ { print $2 }' helm/tandem/Chart.yaml)
 IMAGE=$REPO:$VERSION-$DEVICE
-B=(buildah --storage-driver vfs)
-[ -n "${TANDEM_IMAGE_ROOT:-}" ] && B+=(--root "$TANDEM_IMAGE_ROOT/storage" --runroot "$TANDEM_IMAGE_ROOT/run")
+STORE=${TANDEM_IMAGE_ROOT:+$TANDEM_IMAGE_ROOT/storage}
+
+# overlay where the kernel mounts one here (layers shared, not copied), else vfs (a full copy per layer: about
+# twice the build time); a store keeps the driver it was made with.
+storage_driver() {
+  local root=${STORE:-/var/lib/containers/storage} probe
+  for d in overlay vfs; do [ -d "$root/$d-images" ] && echo "$d" && return; done
+  mkdir -p "$root"
+  probe=$(mktemp -d "$root/.probe.XXXXXX")
+  mkdir "$probe"/{lower,upper,work,merged}
+  if mount -t overlay overlay -o "lowerdir=$probe/lower,upperdir=$probe/upper,workdir=$probe/work" "$probe/merged" 2>/dev/null; then
+    umount "$probe/merged"
+    echo overlay
+  else
+    echo vfs
+  fi
+  rm -rf "$probe"
+}
 
 # Debian's sources inside the base: the mirror's suite and its updates, and the security suite where the host has one.
 base_sources() {
@@ -102,6 +119,8 @@ host_pip_flags() {
 }
 
 need_tools
+B=(buildah --storage-driver "${TANDEM_STORAGE_DRIVER:-$(storage_driver)}")
+[ -z "$STORE" ] || B+=(--root "$STORE" --runroot "$TANDEM_IMAGE_ROOT/run")
 make_base
 mapfile -t FLAGS < <(host_pip_flags)
 echo "[image] $IMAGE from docker/Containerfile.$DEVICE ${FLAGS[*]}"

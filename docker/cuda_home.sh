@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The CUDA image's /usr/local/cuda, for FlashInfer's kernel builds, from NVIDIA's PyPI wheels: nvcc, the
+# headers and the runtime of the CUDA release torch's own CUDA libraries come from (the `cuda-toolkit` torch
+# depends on, at its version), and a link-time stub of the driver, lib64/stubs/libcuda.so, whose soname is the
+# driver's: a built kernel loads the node's libcuda.so.1. Then nvcc builds and links a kernel with it, so a
+# broken toolkit fails the image's build, not a server's first request.
+set -euo pipefail
+PY=/opt/tandem/.venv/bin/python
+CUDA=/usr/local/cuda
+VERSION=$($PY -c "import importlib.metadata as m; print(m.version('cuda-toolkit'))")
+TORCH_MAJOR=$($PY -c "import torch; print(torch.version.cuda.split('.')[0])")
+$PY -m pip install -q "cuda-toolkit[nvcc,cudart,cccl,crt]==$VERSION"
+TOP=$($PY -c "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu$TORCH_MAJOR'))")
+[ -x "$TOP/bin/nvcc" ] || { echo "[cuda] no nvcc in $TOP (cuda-toolkit $VERSION, torch's CUDA $TORCH_MAJOR)" >&2; exit 1; }
+
+mkdir -p "$CUDA/lib64/stubs"
+for d in bin include nvvm; do ln -sfn "$TOP/$d" "$CUDA/$d"; done
+ln -sf "$TOP"/lib/* "$CUDA/lib64/"
+ln -sf "libcudart.so.$TORCH_MAJOR" "$CUDA/lib64/libcudart.so"
+echo 'int cuInit(unsigned int flags) { return 0; }' \
+  | gcc -shared -x c - -Wl,-soname,libcuda.so.1 -o "$CUDA/lib64/stubs/libcuda.so"
+
+NVCC_MAJOR=$("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+[ "$NVCC_MAJOR" = "$TORCH_MAJOR" ] || { echo "[cuda] nvcc is CUDA $NVCC_MAJOR, torch CUDA $TORCH_MAJOR" >&2; exit 1; }
+tmp=$(mktemp -d)
+printf '%s\n' '#include <cuda_fp16.h>' '__global__ void twice(half* x) { x[threadIdx.x] = __hadd(x[threadIdx.x], x[threadIdx.x]); }' \
+  'extern "C" void launch(half* x) { twice<<<1, 32>>>(x); }' >"$tmp/k.cu"
+"$CUDA/bin/nvcc" -shared -Xcompiler -fPIC -gencode=arch=compute_90,code=sm_90 "$tmp/k.cu" -o "$tmp/k.so" \
+  -L"$CUDA/lib64" -L"$CUDA/lib64/stubs" -lcudart -lcuda
+readelf -d "$tmp/k.so" | grep -q 'Shared library: \[libcuda.so.1\]'
+rm -rf "$tmp"
+echo "[cuda] $CUDA: nvcc $("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p') (cuda-toolkit $VERSION), a kernel built and linked"
