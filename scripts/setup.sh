@@ -26,11 +26,11 @@ case "$DEVICE" in
   *) echo "[setup] TANDEM_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2 ;;
 esac
 
-# System libraries the transfer engines load, as library:Debian package. Mooncake needs verbs and NUMA on
-# every build; its CUDA build and NIXL's UCX also load the Mellanox verbs provider (libmlx5, in
-# ibverbs-providers) and libcurl.
-SYSTEM_LIBS=(libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1)
-[ "$DEVICE" = cuda ] && SYSTEM_LIBS+=(libmlx5.so.1:ibverbs-providers libcurl.so.4:libcurl4)
+# System libraries the transfer engines load, as library:Debian package. Mooncake needs verbs, NUMA and
+# libcurl on every build (a Debian without libcurl4 fails `import mooncake.engine`: the CPU image found it);
+# its CUDA build and NIXL's UCX also load the Mellanox verbs provider (libmlx5, in ibverbs-providers).
+SYSTEM_LIBS=(libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4)
+[ "$DEVICE" = cuda ] && SYSTEM_LIBS+=(libmlx5.so.1:ibverbs-providers)
 need_apt=()
 for entry in "${SYSTEM_LIBS[@]}"; do
   ldconfig -p | grep -q "${entry%%:*}" || need_apt+=("${entry##*:}")
