@@ -78,7 +78,8 @@ def test_the_cpu_image_serves_the_cpu_demo_as_the_chart_runs_it(reference_server
             servers.append(process(docs, "router", flags, r_http, health="/readiness", spawn=spawn).wait_ready(60))
             out = chat(servers[-1].url)
             assert out["choices"][0]["message"] == expected["choices"][0]["message"]
-            assert out["usage"] == expected["usage"]
+            counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # PD adds where the cached tokens were
+            assert [out["usage"][k] for k in counts] == [expected["usage"][k] for k in counts]
             got, want = (tokens(o) for o in (out, expected))
             assert [t for t, _ in got] == [t for t, _ in want]
             assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
