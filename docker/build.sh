@@ -129,3 +129,4 @@ start=$(date +%s)
   -f "docker/Containerfile.$DEVICE" -t "$IMAGE" .
 "${B[@]}" rmi --prune >/dev/null  # the layers of earlier sources, no longer any image's (the cache stays)
 echo "[image] built $IMAGE in $(($(date +%s) - start)) s: $("${B[@]}" images --format '{{.Size}}' "$IMAGE")"
+echo "[image] to push it: ${B[*]} push $IMAGE docker://<registry>/tandem:$VERSION-$DEVICE"
