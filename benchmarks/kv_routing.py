@@ -27,12 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from router.policies import POLICIES  # noqa: E402
 from tests.integration.cluster import start_cluster, start_router  # noqa: E402
 
 PAGE, CONVS, TURNS, FIRST, ANSWER, ADDED = 16, 8, 4, 256, 16, 32
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
 FLAGS = ("--page-size", str(PAGE), "--chunked-prefill-size", "512", "--kv-events-config", EVENTS)
-POLICIES = ("kv_aware", "cache_aware", "round_robin")
+COMPARED = ("kv_aware", "cache_aware", "round_robin")
 
 
 def router_sample(url: str, name: str, labels: dict[str, str] | None = None) -> float:
@@ -112,7 +113,7 @@ def one_run(cluster, policy: str, processes: int, seed: int, tmp: Path, load_tok
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(COMPARED))
     ap.add_argument("--kv-load-tokens", type=int, default=64, help="the router flag, for kv_aware")
     ns = ap.parse_args()
     runs = [(p, n) for p in ns.policies for n in (1, 2)]

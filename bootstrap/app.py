@@ -39,7 +39,6 @@ from common.edge.prometheus import render
 from common.edge.tls import behind_tls
 from common.wire.body import ARRIVAL_TIMEOUT_S, load_json_object, read_limited
 from common.wire.errors import BodyTimeout, InvalidRequest, PayloadTooLarge, UnsupportedEncoding, error_body
-from common.wire.user_error import require_free_ports
 
 log = logging.getLogger("tandem.bootstrap")
 
@@ -162,8 +161,7 @@ async def listen(registry: Registry, host: str, port: int, tls: ssl.SSLContext |
 
 
 def run_bootstrap(host: str, port: int, secret: str | None = None, tls: ssl.SSLContext | None = None) -> None:
-    """The standalone registry (`tandem bootstrap`): serves until SIGTERM or SIGINT."""
-    require_free_ports(host, {"--port": port})
+    """The standalone registry (`tandem bootstrap`, which checked the port): serves until SIGTERM or SIGINT."""
     logging.basicConfig(
         level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
         format="%(asctime)s [bootstrap] %(levelname)s %(message)s",

@@ -18,7 +18,10 @@ from transfer.manager import kv_args_from_pool
 log = logging.getLogger(__name__)
 
 
-def build_decode_engine(config: ServerConfig) -> Engine:
+def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
+    """A decode server's engine; `follower`: the module its follower ranks run (one that starts their
+    transfer agents)."""
+
     def make_role(engine: Engine) -> DecodeRole:
         config = engine.config  # with the batch limits derived for the device
         aux = AuxPool(2 * config.max_running_requests + 16)
@@ -37,4 +40,4 @@ def build_decode_engine(config: ServerConfig) -> Engine:
             SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config
         )
 
-    return Engine(config, make_role)
+    return Engine(config, make_role, follower)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from common.config import ServerConfig
 from common.core.request import FinishReason, Req, ReqStatus, queue_position
-from common.engine.prefill_queue import decode_reserve
+from common.engine.decode_batch import decode_reserve
 from common.engine.role import Role, SchedulerView
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
@@ -191,7 +191,9 @@ class DecodeRole(Role):
             return
         inb.committed_ahead = raw
         req.prefix_hit_len = rec.cached_tokens
-        inb.finish_ahead = self.scheduler.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
+        inb.finish_ahead = self.scheduler.commit_token(
+            req, rec.first_token, rec.logprob, rec.top_logprobs, from_peer=True
+        )
 
     def _kv_arrived(self, req: Req, inb: Inbound) -> None:
         raw = self.aux_pool.read(inb.aux_slot)

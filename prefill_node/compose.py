@@ -22,7 +22,10 @@ log = logging.getLogger(__name__)
 REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minute
 
 
-def build_prefill_engine(config: ServerConfig) -> Engine:
+def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
+    """A prefill server's engine; `follower`: the module its follower ranks run (one that starts their
+    transfer agents)."""
+
     def make_role(engine: Engine) -> PrefillRole:
         config = engine.config  # with the batch limits derived for the device
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
@@ -64,7 +67,7 @@ def build_prefill_engine(config: ServerConfig) -> Engine:
         )
         return PrefillRole(SchedulerView(engine.scheduler), manager, config)
 
-    return Engine(config, make_role)
+    return Engine(config, make_role, follower)
 
 
 def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval_s: float, verify: str | bool) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from common.config import ServerConfig
 from common.core.page_meta import pages_for
 from common.core.request import FinishReason, Req, ReqStatus
-from common.engine.prefill_queue import decode_reserve
+from common.engine.decode_batch import decode_reserve
 from common.engine.role import Role, Sampled, SchedulerView
 from common.memory.errors import MemoryIntegrityError
 from transfer.aux_record import AuxRecord

@@ -30,6 +30,7 @@ from router.kv_feeds import KVFeeds
 from router.kv_index import KVIndex
 from router.kv_policy import KVAwarePolicy
 from router.metrics import REFRESH_S, RouterMetrics
+from router.placement import Placer, pair_policy
 from router.processes import shared_dir
 from router.shared_workers import SharedWorkers
 from router.tls import client_context
@@ -61,8 +62,9 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     tls = client_context(config)  # workers are called with the router's key for them, https ones verified
     feeds = metrics.kv_feeds = KVFeeds(workers, KVIndex())  # every policy counts what its pairs held
-    kv_policy = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens, metrics)
-    dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls), kv_policy)
+    kv = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens, metrics)
+    placer = Placer(workers, pair_policy(config.policy, config.decode_policy, kv), kv)
+    dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls), placer)
     app = web.Application(middlewares=[_guard(config.api_key, drain)])
     app["workers"], app["dispatcher"], app["kv_feeds"] = workers, dispatcher, feeds
     app["shared_workers"] = SharedWorkers(shared, workers) if shared else None

@@ -9,7 +9,12 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Policy = Literal["random", "round_robin", "power_of_two", "cache_aware", "kv_aware"]
+from common.wire.addresses import split_host_port
+from router.policies import POLICIES
+
+Policy = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+POLICY_HELP = "; ".join(f"{name}: {spec.summary}" for name, spec in POLICIES.items())
+DISCOVERY_EXAMPLE = "tandem-prefill.default.svc.cluster.local:30000"
 SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})  # never shown (logs, /get_server_info)
 
 
@@ -30,15 +35,6 @@ class WorkerChange(BaseModel):
     bootstrap_host: str | None = Field(None, min_length=1, max_length=255)
 
 
-def split_host_port(value: str) -> tuple[str, int]:
-    """ "HOST:PORT" (or "[IPV6]:PORT") -> (host, port); ValueError naming what is wrong otherwise."""
-    host, sep, port = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{value!r} is not HOST:PORT (e.g. tandem-prefill.default.svc.cluster.local:30000)")
-    return host, int(port)
-
-
 class RouterConfig(BaseSettings):
     """From the environment: `TANDEM_ROUTER_PREFILL='[{"url": "http://p0:30000", "bootstrap_port": 8998}]'`,
     `TANDEM_ROUTER_DECODE='["http://d0:30000"]'`, `TANDEM_ROUTER_HEALTH_FAILURE_THRESHOLD=3`, ..."""
@@ -47,12 +43,11 @@ class RouterConfig(BaseSettings):
 
     prefill: list[PrefillSpec] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
-    policy: Policy = "cache_aware"
+    policy: Policy = Field("cache_aware", description=f"how the prefill, and the decode, are picked ({POLICY_HELP})")
     decode_policy: Policy | None = Field(
         None,
-        description="how a decode is picked (SGLang's flag): default --policy, and power_of_two for cache_aware; "
-        "cache_aware sends a conversation's next turn to the decode whose prefix cache holds its last one; "
-        "kv_aware picks both halves (--policy kv_aware)",
+        description="how the decode is picked, when not by --policy (SGLang's flag; cache_aware's decode default is "
+        "power_of_two): cache_aware or kv_aware send a conversation's next turn to the decode whose cache holds it",
     )
     host: str = "127.0.0.1"
     kv_load_tokens: int = Field(
@@ -132,5 +127,5 @@ class RouterConfig(BaseSettings):
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
         if value is not None:
-            split_host_port(value)
+            split_host_port(value, DISCOVERY_EXAMPLE)
         return value

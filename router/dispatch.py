@@ -20,12 +20,11 @@ from common.wire.errors import TandemError, error_body
 from router.admission import Admission
 from router.config import RouterConfig
 from router.http1 import Pools
-from router.kv_policy import KVAwarePolicy
 from router.logprobs import PromptLogprobs, wants_prompt_logprobs
 from router.metrics import RouterMetrics
 from router.pair_call import Pair, PairCall, with_bootstrap
 from router.pair_stream import PairStream
-from router.policies import make_policy
+from router.placement import Placer
 from router.upstream import CLIENT_DISCONNECTED, UpstreamError, read_all, read_chunk
 from router.workers import WorkerRegistry
 
@@ -63,16 +62,11 @@ class Dispatcher:
         metrics: RouterMetrics,
         admission: Admission,
         pools: Pools,
-        kv_policy: KVAwarePolicy | None = None,
+        placer: Placer,
     ):
-        """`kv_policy`: picks whole pairs under --policy kv_aware; under the others, each side has its own policy
-        and `kv_policy` only counts what the pair held."""
+        """`placer`: picks each try's pair (router/placement.py)."""
         self.config, self.workers, self.metrics, self.admission = config, workers, metrics, admission
-        self.kv_policy = kv_policy
-        self.prefill_policy = make_policy("round_robin" if config.policy == "kv_aware" else config.policy)
-        self.decode_policy = make_policy(
-            config.decode_policy or ("power_of_two" if config.policy in ("cache_aware", "kv_aware") else config.policy)
-        )
+        self.placer = placer
         self.pools = pools  # each worker's keep-alive connections
         self.counters: dict[tuple[str, int], Any] = {}  # (path, status) -> its requests counter
 
@@ -105,11 +99,10 @@ class Dispatcher:
     async def _handle_admitted(
         self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
     ) -> web.StreamResponse:
-        key = _prompt_key(body) if "cache_aware" in (self.config.policy, self.config.decode_policy) else ""
         exclude: set[str] = set()
         error: UpstreamError | None = None
         for attempt in (1, 2):
-            pair = self._pick_pair(key, body, exclude)
+            pair = self.placer.pick(body, exclude)
             if pair is None:
                 return self._no_pair(path, error, start)
             try:
@@ -122,18 +115,6 @@ class Dispatcher:
                 exclude.add(e.worker.url)
                 self.metrics.retries.inc()
         raise AssertionError("unreachable: the second attempt always returns")
-
-    def _pick_pair(self, key: str, body: dict[str, Any], exclude: set[str]) -> Pair | None:
-        prefills = [w for w in self.workers.healthy("prefill") if w.url not in exclude]
-        decodes = [w for w in self.workers.healthy("decode") if w.url not in exclude]
-        if not prefills or not decodes:
-            return None
-        if self.config.policy == "kv_aware":
-            return Pair(*self.kv_policy.pick_pair(prefills, decodes, body))
-        pair = Pair(self.prefill_policy.pick(prefills, key), self.decode_policy.pick(decodes, key))
-        if self.kv_policy is not None:
-            self.kv_policy.observe(pair.prefill, pair.decode, body)
-        return pair
 
     def _no_pair(self, path: str, error: UpstreamError | None, start: float) -> web.Response:
         if error is not None:  # the retry found no other pair: the first failure is the better answer
@@ -227,14 +208,3 @@ class Dispatcher:
             where = f"{pair.prefill.url} + {pair.decode.url}" if pair else "-"
             note = f": {outcome}" if outcome else ""
             log.log(level, "%s -> %d via %s (%.1f ms)%s", path, status, where, 1000 * (time.monotonic() - start), note)
-
-
-def _prompt_key(body: dict) -> str:
-    for key in ("text", "prompt"):
-        if isinstance(body.get(key), str):
-            return body[key]
-    if isinstance(body.get("messages"), list):
-        return json.dumps(body["messages"])[:4096]
-    if isinstance(body.get("input_ids"), list):
-        return ",".join(map(str, body["input_ids"][:1024]))
-    return ""

@@ -6,7 +6,8 @@ One cost, in tokens, for a pair (p, d) and a prompt of n tokens whose chained pa
   + page_size * (len(h) - matched(d, h))     tokens whose KV must cross to the decode (whole pages)
   + load_tokens * (in_flight(p) + in_flight(d))
 
-The terms of p and of d are separate, so the least-cost pair is the least-cost prefill with the least-cost decode;
+The terms of p and of d are separate, so the least-cost pair is the least-cost prefill with the least-cost decode,
+and kv_aware is a policy of one side like the others (`--decode-policy kv_aware` picks only the decode by it);
 ties go to the less loaded worker, then to the first listed. A prompt the router cannot tokenize (chat messages:
 the chat template is the server's) matches nothing and is placed by load alone. Under the other policies the
 router still follows the events and counts what the chosen pair held (`observe`), so policies compare.
@@ -25,41 +26,45 @@ from router.workers import Worker
 
 
 class KVAwarePolicy:
+    """The KV index's costs: `side(role)` picks a worker of that role by them (the policy kv_aware), `observe`
+    counts what a chosen pair held (under every policy)."""
+
     def __init__(self, index: KVIndex, feeds: KVFeeds, load_tokens: int, metrics: RouterMetrics | None = None):
         self.index, self.feeds, self.load_tokens, self.metrics = index, feeds, load_tokens, metrics
         self._tokenizer: Any = None
         self._tokenizer_of: str | None = None
+        self._last: tuple[dict[str, Any], int | None, tuple[int, int, list[int]]] | None = None
 
-    def pick_pair(self, prefills: list[Worker], decodes: list[Worker], body: dict[str, Any]) -> tuple[Worker, Worker]:
+    def side(self, role: str) -> KVSide:
+        return KVSide(self, role)
+
+    def cost(self, role: str, worker: Worker, body: dict[str, Any]) -> tuple[int, int]:
+        """(cost in tokens, requests in flight): a prefill's tokens to compute, a decode's tokens to cross."""
         n, page, hashes = self._pages(body)
-
-        def prefill_cost(w: Worker) -> tuple[int, int]:
-            compute = n - page * self.index.matched(w.url, hashes)
-            return compute + self.load_tokens * w.in_flight, w.in_flight
-
-        def decode_cost(w: Worker) -> tuple[int, int]:
-            cross = page * (len(hashes) - self.index.matched(w.url, hashes))
-            return cross + self.load_tokens * w.in_flight, w.in_flight
-
-        p, d = min(prefills, key=prefill_cost), min(decodes, key=decode_cost)
-        self._count(p, d, n, page, hashes)
-        return p, d
+        matched = page * self.index.matched(worker.url, hashes)
+        tokens = n - matched if role == "prefill" else page * len(hashes) - matched
+        return tokens + self.load_tokens * worker.in_flight, worker.in_flight
 
     def observe(self, prefill: Worker, decode: Worker, body: dict[str, Any]) -> None:
-        """Count what another policy's pair held of the prompt (the same metrics, for comparison)."""
-        if self.feeds.block_size() is not None:
-            self._count(prefill, decode, *self._pages(body))
+        """Count what a chosen pair held of the prompt (the same metrics under every policy, for comparison)."""
+        if self.metrics is None or self.feeds.block_size() is None:
+            return
+        n, page, hashes = self._pages(body)
+        if n:
+            self.metrics.kv_prompt_tokens.inc(n)
+            self.metrics.kv_matched_tokens.labels("prefill").inc(page * self.index.matched(prefill.url, hashes))
+            self.metrics.kv_matched_tokens.labels("decode").inc(page * self.index.matched(decode.url, hashes))
 
     def _pages(self, body: dict[str, Any]) -> tuple[int, int, list[int]]:
-        """(prompt tokens, page size, the chained hashes of its whole pages); no pages when not tokenizable."""
-        ids, page = self.prompt_ids(body), self.feeds.block_size() or 0
-        return len(ids or ()), page, block_hashes(ids, page) if ids and page else []
-
-    def _count(self, p: Worker, d: Worker, n: int, page: int, hashes: list[int]) -> None:
-        if self.metrics is not None and n:
-            self.metrics.kv_prompt_tokens.inc(n)
-            self.metrics.kv_matched_tokens.labels("prefill").inc(page * self.index.matched(p.url, hashes))
-            self.metrics.kv_matched_tokens.labels("decode").inc(page * self.index.matched(d.url, hashes))
+        """(prompt tokens, page size, the chained hashes of its whole pages); no pages when not tokenizable.
+        The last body's are kept: both sides and `observe` ask for the same request's."""
+        block = self.feeds.block_size()
+        if self._last is not None and self._last[0] is body and self._last[1] == block:
+            return self._last[2]
+        ids, page = self.prompt_ids(body), block or 0
+        pages = len(ids or ()), page, block_hashes(ids, page) if ids and page else []
+        self._last = body, block, pages
+        return pages
 
     def prompt_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids: given (input_ids, or a prompt of ids), or the text tokenized as the servers do."""
@@ -84,3 +89,13 @@ class KVAwarePolicy:
 
                 self._tokenizer = Tokenizer.from_file(str(file))
         return self._tokenizer
+
+
+class KVSide:
+    """kv_aware for one role: the worker of least cost; ties go to the less loaded, then to the first listed."""
+
+    def __init__(self, kv: KVAwarePolicy, role: str):
+        self.kv, self.role = kv, role
+
+    def pick(self, workers: list[Worker], body: dict[str, Any]) -> Worker:
+        return min(workers, key=lambda w: self.kv.cost(self.role, w, body))

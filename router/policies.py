@@ -1,20 +1,38 @@
-"""How the router picks a worker of one role for a request."""
+"""The router's policies, and the one registry of their names (`POLICIES`): each picks the worker of one role
+for a request; `--policy` picks the prefill and, unless `--decode-policy` is given, the decode.
+
+`tandem router`'s flags, `tandem up --policy` and the README's table of policies read `POLICIES`: a new policy
+is a class here (or in a file of its own, like kv_aware's) and one entry below. How a pair is made of two
+policies, and which workers are candidates, is router/placement.py.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import random
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from router.workers import Worker
+
+if TYPE_CHECKING:
+    from router.kv_policy import KVAwarePolicy
 
 BLOCK_CHARS = 64
 MAX_BLOCKS = 100_000
 
 
+class SidePolicy(Protocol):
+    def pick(self, workers: list[Worker], body: dict[str, Any]) -> Worker:
+        """One of `workers` (never empty) for the request `body`."""
+
+
 class RandomPolicy:
-    def pick(self, workers: list[Worker], key: str) -> Worker:
+    def pick(self, workers: list[Worker], body: dict[str, Any]) -> Worker:
         return random.choice(workers)
 
 
@@ -22,12 +40,12 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self.counter = itertools.count()
 
-    def pick(self, workers: list[Worker], key: str) -> Worker:
+    def pick(self, workers: list[Worker], body: dict[str, Any]) -> Worker:
         return workers[next(self.counter) % len(workers)]
 
 
 class PowerOfTwoPolicy:
-    def pick(self, workers: list[Worker], key: str) -> Worker:
+    def pick(self, workers: list[Worker], body: dict[str, Any]) -> Worker:
         a, b = random.sample(workers, 2) if len(workers) > 1 else (workers[0], workers[0])
         return a if a.in_flight <= b.in_flight else b
 
@@ -47,10 +65,10 @@ class CacheAwarePolicy:
             out.append(h.hexdigest())
         return out
 
-    def pick(self, workers: list[Worker], key: str) -> Worker:
+    def pick(self, workers: list[Worker], body: dict[str, Any]) -> Worker:
         least = min(workers, key=lambda w: w.in_flight)
         by_url = {w.url: w for w in workers}
-        blocks = self._block_hashes(key)
+        blocks = self._block_hashes(prompt_key(body))
         choice = least
         for h in reversed(blocks):
             w = by_url.get(self.owner.get(h, ""))
@@ -65,10 +83,47 @@ class CacheAwarePolicy:
         return choice
 
 
-def make_policy(name: str):
-    return {
-        "random": RandomPolicy,
-        "round_robin": RoundRobinPolicy,
-        "power_of_two": PowerOfTwoPolicy,
-        "cache_aware": CacheAwarePolicy,
-    }[name]()
+def prompt_key(body: dict[str, Any]) -> str:
+    """The prompt as text, for cache_aware's prefix blocks."""
+    for key in ("text", "prompt"):
+        if isinstance(body.get(key), str):
+            return body[key]
+    if isinstance(body.get("messages"), list):
+        return json.dumps(body["messages"])[:4096]
+    if isinstance(body.get("input_ids"), list):
+        return ",".join(map(str, body["input_ids"][:1024]))
+    return ""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    summary: str  # one line: `--help` and the README's table of policies
+    build: Callable[[str, KVAwarePolicy], SidePolicy]  # (role, the router's KV index policy) -> the role's picker
+    decode_default: str | None = None  # the decode's policy when --decode-policy is not given (None: this one)
+    kv_events: bool = False  # it reads the workers' KV cache events: `tandem up` turns them on
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "random": PolicySpec("a worker at random", lambda role, kv: RandomPolicy()),
+    "round_robin": PolicySpec("each worker in turn", lambda role, kv: RoundRobinPolicy()),
+    "power_of_two": PolicySpec(
+        "the less busy of two workers at random (requests in flight)", lambda role, kv: PowerOfTwoPolicy()
+    ),
+    "cache_aware": PolicySpec(
+        "the worker that served the longest prefix of the prompt's text, unless much busier than the least busy; "
+        "the decode by power_of_two",
+        lambda role, kv: CacheAwarePolicy(),
+        decode_default="power_of_two",
+    ),
+    "kv_aware": PolicySpec(
+        "the worker of least cost in tokens by the exact index of the workers' KV cache events: tokens the prefill "
+        "computes, or whose KV crosses to the decode, plus --kv-load-tokens per request in flight",
+        lambda role, kv: kv.side(role),
+        kv_events=True,
+    ),
+}
+
+
+def decode_policy_name(policy: str, decode_policy: str | None) -> str:
+    """The policy that picks the decode: --decode-policy, else --policy's decode default."""
+    return decode_policy or POLICIES[policy].decode_default or policy

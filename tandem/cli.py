@@ -50,11 +50,13 @@ def run(argv: list[str]) -> None:
     elif ns.command == "bootstrap":
         from bootstrap.app import run_bootstrap
         from common.edge.tls import server_context
+        from tandem.ports import require_free_ports
 
         try:
             tls = server_context(ns.ssl_certfile, ns.ssl_keyfile) if ns.ssl_certfile else None
         except (OSError, ValueError) as e:
             raise UserError(f"--ssl-certfile {ns.ssl_certfile} / --ssl-keyfile {ns.ssl_keyfile}: {e}") from None
+        require_free_ports(ns.host, {"--port": ns.port})
         run_bootstrap(ns.host, ns.port, ns.cluster_secret, tls)
 
 

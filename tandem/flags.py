@@ -24,6 +24,8 @@ def add_model_flags(
         env = field.validation_alias if isinstance(field.validation_alias, str) else prefix + name.upper()
         flag = "--" + name.replace("_", "-")
         kind = field.annotation
+        if type(None) in typing.get_args(kind):  # X | None: the flag is X's
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
         args = typing.get_args(kind)
         help_text = (field.description or "") + f" [env {env}, default {field.default}]"
         if kind is bool:

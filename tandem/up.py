@@ -14,10 +14,10 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from common.model.locate import check_model
-from common.wire.user_error import UserError, require_free_ports
+from common.wire.user_error import UserError
+from router.policies import POLICIES
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
-
-POLICIES = ("random", "round_robin", "power_of_two", "cache_aware", "kv_aware")
+from tandem.ports import require_free_ports
 
 
 @dataclass
@@ -47,10 +47,12 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument(
         "--policy",
-        choices=POLICIES,
+        choices=list(POLICIES),
         default="cache_aware",
-        help="the router's policy; kv_aware also turns on every engine's KV cache events (--kv-events-config)",
+        help="the router's policy (see `tandem router --help`); kv_aware also turns on every engine's KV cache "
+        "events (--kv-events-config)",
     )
+    p.add_argument("--decode-policy", choices=list(POLICIES), help="the router's --decode-policy (default: --policy's)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("TANDEM_API_KEY"),
@@ -78,10 +80,16 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
     return children
 
 
+def kv_policy_flag(ns: argparse.Namespace) -> str | None:
+    """The flag that names a policy reading the engines' KV cache events (kv_aware), if any."""
+    named = (("--policy", ns.policy), ("--decode-policy", ns.decode_policy))
+    return next((f"{flag} {name}" for flag, name in named if name and POLICIES[name].kv_events), None)
+
+
 def kv_events_flags(ns: argparse.Namespace) -> list[str]:
-    """With --policy kv_aware every engine publishes its cache's changes on ports it picks itself; the
-    router learns them from each server's /get_server_info."""
-    if ns.policy != "kv_aware":
+    """With a policy that reads KV cache events (kv_aware) every engine publishes its cache's changes on ports
+    it picks itself; the router learns them from each server's /get_server_info."""
+    if kv_policy_flag(ns) is None:
         return []
     where = f"tcp://{ns.host}:*"
     return ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": where, "replay_endpoint": where})]
@@ -126,6 +134,7 @@ def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> li
         children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health", ports={"--base-port": port}))
         decodes += ["--decode", f"http://{ns.host}:{port}"]
     router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy]
+    router += ["--decode-policy", ns.decode_policy] if ns.decode_policy else []
     children.append(Child("router", router, f"http://{ns.host}:{ns.port}/readiness"))
     return children
 
@@ -171,10 +180,11 @@ UP_SETS = ("--model", "--host", "--port", "--device", "--disagg-mode", "--bootst
 
 
 def _check_policy(ns: argparse.Namespace) -> None:
-    if ns.policy == "kv_aware" and ns.mode != "pd":
-        raise UserError("--policy kv_aware: the router's policy needs --mode pd (a monolithic server has no router)")
-    if ns.policy == "kv_aware" and any(f.split("=")[0] == "--kv-events-config" for f in ns.extra):
-        raise UserError("--kv-events-config after --: --policy kv_aware sets it on every server")
+    kv = kv_policy_flag(ns)
+    if kv and ns.mode != "pd":
+        raise UserError(f"{kv}: the router's policy needs --mode pd (a monolithic server has no router)")
+    if kv and any(f.split("=")[0] == "--kv-events-config" for f in ns.extra):
+        raise UserError(f"--kv-events-config after --: {kv} sets it on every server")
 
 
 def check_up(ns: argparse.Namespace, children: list[Child]) -> None:

@@ -2,21 +2,35 @@
 across steps (DecodeTensors) and slots allocated for the whole batch at once. When the pages their next
 tokens need do not fit, requests are retracted (the lowest priority, then the least progress; their KV
 kept in the prefix cache, and with a host tier behind it copied there rather than dropped when evicted;
-the request queued for prefill again, its KV matched back later) until the rest fit."""
+the request queued for prefill again, its KV matched back later) until the rest fit. `decode_reserve` is what
+a request needs to join them, the one rule of every admission to decoding (the prefill queue's, a PD prefill's,
+a decode's)."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
 from common.core.request import Req, ReqStatus
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.model_runner import BatchPlan
-from common.engine.prefill_queue import PrefillQueue
 from common.memory.manager import MemoryManager
 
+if TYPE_CHECKING:
+    from common.engine.prefill_queue import PrefillQueue
+
 log = logging.getLogger(__name__)
+FIRST_DECODE_STEPS = 16  # token slots kept past a prompt (at most) for its first decode steps
+
+
+def decode_reserve(req: Req) -> int:
+    """The slots a request's first decode steps need beyond its prompt, what admission to decoding asks: the
+    prefill queue keeps them free when it computes a prompt's last chunk, a PD prefill counts them in its bound
+    on computing ahead, and a decode reserves them with the prompt's pages: the deadlock bound of
+    prefill_node/role.py holds only while all three agree, so this is their one definition."""
+    return min(req.params.max_new_tokens, FIRST_DECODE_STEPS)
 
 
 class DecodeBatch:
@@ -65,6 +79,7 @@ class DecodeBatch:
     def retract(self, req: Req) -> None:
         """Give back a running request's KV (kept in the prefix cache) and queue it again."""
         self.running.remove(req)
+        self.tensors.current = False  # they describe a batch with it: a later batch of the same requests rebuilds them
         self.memory.release(req)
         req.status = ReqStatus.WAITING
         self.num_retractions += 1

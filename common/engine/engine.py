@@ -32,8 +32,8 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
-from common.memory.hicache import make_prefix_cache
 from common.memory.manager import MemoryManager
+from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
@@ -41,10 +41,11 @@ from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
-from common.parallel.leader import LeaderModel
 from common.parallel.partition import check_tp_size
-from common.parallel.rank_model import build_rank_model, describe_rank, rank_report
-from common.parallel.ranks import Ranks
+from common.ranks.launch import FOLLOWER
+from common.ranks.leader import LeaderModel
+from common.ranks.rank_model import build_rank_model, describe_rank, rank_report
+from common.ranks.ranks import Ranks
 from common.wire.kv_events import parse_kv_events_config
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ RoleFactory = Callable[["Engine"], Role]
 
 
 class Engine:
-    def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None):
-        """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic)."""
-        self.config = config
+    def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None, follower: str = FOLLOWER):
+        """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic); `follower` is the
+        module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
+        self.config, self.follower = config, follower
         self.attention_backend, warning = choose_attention_backend(
             config.attention_backend, config.device, config.torch_dtype_name
         )  # before loading anything: a refusal comes at once
@@ -97,17 +99,36 @@ class Engine:
         self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
+        self.grammar = self._grammar_backend(eos_ids)
         if make_role is not None:
             self.scheduler.role = make_role(self)
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
+
+    def _grammar_backend(self, eos_ids: set[int]):
+        """xgrammar over this tokenizer (None with --grammar-backend none), and the scheduler's queue of
+        requests waiting for their grammar."""
+        if self.config.grammar_backend == "none":
+            return None
+        from common.engine.grammar.backend import GrammarBackend
+        from common.engine.grammar.queue import GrammarQueue
+
+        c = self.config
+        vocab = max(self.hf_config.vocab_size, len(self.tokenizer))
+        backend = GrammarBackend(
+            self.tokenizer, vocab, eos_ids, c.grammar_cache_size, not c.constrained_json_disable_any_whitespace
+        )
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        end = "</think>" if c.reasoning_parser else None
+        self.scheduler.grammars = GrammarQueue(backend, self.scheduler.wake, decode, end)
+        return backend
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
         hf, size = self.hf_config, self.config.tp_size
         spec = attention_spec(hf)  # MLA: one latent "KV head", replicated on every rank
         check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
-        return Ranks(self.config) if size > 1 else None
+        return Ranks(self.config, self.follower) if size > 1 else None
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
@@ -196,6 +217,8 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        if self.grammar is not None:
+            self.grammar.close()
         if self.kv_events is not None:
             self.kv_events.close()
         if self.ranks is not None:
@@ -214,13 +237,14 @@ class Engine:
             "model_path": str(self.model_dir),
             "context_length": self.context_len,
             "kv_pages": s.check_integrity().to_dict(),
-            "host_kv_pages": host_tier.info(self.memory.prefix_cache),
+            "host_tier": host_tier.info(self.memory.prefix_cache),
             "num_running_reqs": len(s.decode.running),
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
             "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
             "kv_events": self.kv_events.info() if self.kv_events is not None else None,
+            "grammar": self.grammar.info_dict() if self.grammar is not None else None,
         }
 
     def health_problem(self) -> str | None:

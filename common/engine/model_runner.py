@@ -161,4 +161,5 @@ class ModelRunner:
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_logprob=req.return_logprob,
             stop_ids=stop_ids if p.min_new_tokens > len(req.output_ids) else frozenset(),
+            grammar=req.grammar,
         )

@@ -9,18 +9,9 @@ from collections import deque
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
 from common.core.request import Req, queue_position
+from common.engine.decode_batch import decode_reserve
 from common.engine.model_runner import BatchPlan
 from common.memory.manager import MemoryManager
-
-FIRST_DECODE_STEPS = 16  # token slots kept past a prompt (at most) for its first decode steps
-
-
-def decode_reserve(req: Req) -> int:
-    """The slots a request's first decode steps need beyond its prompt. The prefill queue keeps them free
-    when it computes a prompt's last chunk, a PD prefill counts them in its bound on computing ahead, and a
-    decode reserves them with the prompt's pages: the deadlock bound of prefill_node/role.py holds only
-    while all three agree, so this is their one definition."""
-    return min(req.params.max_new_tokens, FIRST_DECODE_STEPS)
 
 
 class PrefillQueue:

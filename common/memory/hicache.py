@@ -1,5 +1,5 @@
-"""The hierarchical prefix cache (`--enable-hierarchical-cache`): the device radix cache in front of a
-host tier, a second radix tree whose nodes own pages of the host pool (common.memory.host_pool).
+"""The host tier of the prefix cache (`--enable-hierarchical-cache`, SGLang's HiCache): the device radix
+cache in front of a second radix tree whose nodes own pages of the host tier's pool (common.memory.host_pool).
 
     device tree   pages of the device pool; what requests lock and read
     host tree     pages of the host pool; never read by a forward, only copied back
@@ -26,7 +26,7 @@ from common.memory.allocator import PagedAllocator
 from common.memory.cache_listener import HOST_MEDIUM, CacheListener
 from common.memory.errors import MemoryIntegrityError
 from common.memory.host_pool import HostPool
-from common.memory.prefix_cache import MatchResult, NoPrefixCache, PrefixCache
+from common.memory.prefix_cache import MatchResult, PrefixCache
 from common.memory.radix_cache import RadixCache, TreeNode
 from common.wire.user_error import UserError
 
@@ -178,20 +178,6 @@ def check_host_memory(nbytes: int) -> None:
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if nbytes > available:
         raise UserError(
-            f"the host KV tier needs {nbytes / 2**30:.1f} GiB and the host has {available / 2**30:.1f} GiB available: "
+            f"the host tier needs {nbytes / 2**30:.1f} GiB and the host has {available / 2**30:.1f} GiB available: "
             "lower --hicache-ratio or --hicache-size"
         )
-
-
-def make_prefix_cache(
-    config: Any, allocator: PagedAllocator, kv_pool: Any, listener: CacheListener | None = None
-) -> PrefixCache:
-    """The server's prefix cache: none, the device radix cache, or both tiers (`config`: a ServerConfig);
-    `listener` (KV cache events) hears of both tiers' pages, each with its medium."""
-    if config.disable_radix_cache:
-        return NoPrefixCache(allocator, config.page_size)
-    if not config.enable_hierarchical_cache:
-        return RadixCache(allocator, config.page_size, listener)
-    pages = host_pool_pages(config, allocator.num_pages, kv_pool.bytes_per_page)
-    check_host_memory(pages * kv_pool.bytes_per_page)
-    return HiRadixCache(allocator, HostPool(kv_pool, pages), config.hicache_write_policy, listener)

@@ -1,4 +1,6 @@
-"""The prefix-cache seam: the radix cache, or NoPrefixCache when --disable-radix-cache is set."""
+"""The prefix-cache seam: `PrefixCache`, and `make_prefix_cache`, which picks the server's: NoPrefixCache when
+--disable-radix-cache is set, else the radix cache (common/memory/radix_cache.py), with a host tier behind it
+under --enable-hierarchical-cache (common/memory/hicache.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import torch
 
 from common.memory.allocator import PagedAllocator
+from common.memory.cache_listener import CacheListener
 
 
 @dataclass
@@ -81,3 +84,21 @@ class NoPrefixCache(PrefixCache):
 
     def check_integrity(self) -> None:
         pass
+
+
+def make_prefix_cache(
+    config: Any, allocator: PagedAllocator, kv_pool: Any, listener: CacheListener | None = None
+) -> PrefixCache:
+    """The server's prefix cache: none, the device radix cache, or both tiers (`config`: a ServerConfig);
+    `listener` (KV cache events) hears of both tiers' pages, each with its medium."""
+    from common.memory.hicache import HiRadixCache, check_host_memory, host_pool_pages  # they derive from this
+    from common.memory.host_pool import HostPool
+    from common.memory.radix_cache import RadixCache
+
+    if config.disable_radix_cache:
+        return NoPrefixCache(allocator, config.page_size)
+    if not config.enable_hierarchical_cache:
+        return RadixCache(allocator, config.page_size, listener)
+    pages = host_pool_pages(config, allocator.num_pages, kv_pool.bytes_per_page)
+    check_host_memory(pages * kv_pool.bytes_per_page)
+    return HiRadixCache(allocator, HostPool(kv_pool, pages), config.hicache_write_policy, listener)

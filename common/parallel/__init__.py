@@ -1,2 +1,3 @@
-"""Tensor parallelism inside one server: the rank processes, their process group, the sharded layers and
-the per-step broadcast from rank 0 (see docs/architecture.md, "Ranks")."""
+"""Tensor parallelism's building blocks, what model code uses: the rank group (`group`), the sharded layers
+(`layers`) and which shard of heads, vocabulary and weights a rank holds (`partition`). The rank processes that
+build and run the model are common/ranks."""

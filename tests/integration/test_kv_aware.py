@@ -1,7 +1,8 @@
 """`--policy kv_aware` over 2 prefills and 2 decodes that publish KV cache events, behind two router processes:
 greedy output equals the monolithic server's, a conversation's later turns land where its pages are (the
 prefill's cached tokens, and the decode pages the router's index matched), each router process's index equals
-what every worker really holds, and a restarted worker's pages are forgotten and relearned."""
+what every worker really holds, and a restarted worker's pages are forgotten and relearned. A third router picks
+only the decode by kv_aware (`--decode-policy kv_aware`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.cluster import generate, start_cluster
+from tests.integration.cluster import generate, start_cluster, start_router
 
 PAGE = 16
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
@@ -38,6 +39,17 @@ def cluster(mono):  # after the monolithic server is up: five servers starting a
     c.stop()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def decode_kv_router(cluster):
+    """`--policy round_robin --decode-policy kv_aware` over the same workers, started before any page is cached:
+    its index is exact too."""
+    pairs = list(zip(cluster.prefills, cluster.prefill_bootstrap_ports))
+    flags = ("--decode-policy", "kv_aware", "--kv-load-tokens", "16", "--health-check-interval-s", "0.5")
+    router = start_router(pairs, cluster.decodes, *flags, policy="round_robin", name="router-kv-decode")
+    yield router
+    router.stop()
+
+
 @pytest.fixture(scope="module")
 def mono(reference_servers):
     return reference_servers.get("--page-size", str(PAGE), "--chunked-prefill-size", "64")  # test_pd.py's
@@ -48,22 +60,23 @@ def router_samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
     return [(s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
 
 
-def index_matches_workers(cluster) -> str:
-    """'' when both router processes' index holds exactly each worker's cached pages, else what differs."""
-    pages = router_samples(cluster.url, "tandem_router_kv_index_pages")
+def index_matches_workers(cluster, url: str, processes: int) -> str:
+    """'' when every router process's index (of the router at `url`) holds exactly each worker's cached pages,
+    else what differs."""
+    pages = router_samples(url, "tandem_router_kv_index_pages")
     for node in cluster.nodes:
         real = node.info()["kv_pages"]["cached"]
         seen = [v for labels, v in pages if labels["worker"] == node.url]
-        if len(seen) != 2 or any(v != real for v in seen):
+        if len(seen) != processes or any(v != real for v in seen):
             return f"{node.name} holds {real} cached pages; the router processes' indexes say {seen}"
     return ""
 
 
-def wait_index(cluster, timeout: float = 20) -> None:
+def wait_index(cluster, timeout: float = 20, url: str | None = None, processes: int = 2) -> None:
     deadline, why = time.monotonic() + timeout, "never checked"
     while time.monotonic() < deadline:
         cluster.wait_idle()
-        why = index_matches_workers(cluster)
+        why = index_matches_workers(cluster, url or cluster.url, processes)
         if not why:
             return
         time.sleep(0.3)
@@ -120,3 +133,21 @@ def test_a_restarted_worker_is_forgotten_and_relearned(cluster, mono):
     for p, a in later:
         assert a["output_ids"] == generate(mono.url, p, NEW_TOKENS)["output_ids"]
     wait_index(cluster)
+
+
+def test_decode_policy_kv_aware_sends_each_turn_to_the_decode_that_holds_the_last(cluster, mono, decode_kv_router):
+    """The decodes in turn would send every other turn to the decode without the conversation; kv_aware's
+    decode half sends each to the one that holds it."""
+    url = decode_kv_router.url
+    wait_index(cluster, url=url, processes=1)
+    prompt, kept = [], 0
+    for turn in range(3):
+        new = TURN_LEN if prompt else FIRST_LEN
+        prompt = prompt + [random.Random(300 + turn).randrange(100, 20000) for _ in range(new)]
+        answer = generate(url, prompt, NEW_TOKENS)
+        assert answer["output_ids"] == generate(mono.url, prompt, NEW_TOKENS)["output_ids"]
+        kept += len(prompt) // PAGE * PAGE if turn < 2 else 0  # what the next turn's decode holds
+        prompt = prompt + answer["output_ids"]
+        wait_index(cluster, url=url, processes=1)
+    matched = {labels["worker_role"]: v for labels, v in router_samples(url, "tandem_router_kv_matched_tokens_total")}
+    assert matched["decode"] >= kept

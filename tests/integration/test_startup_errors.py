@@ -71,6 +71,12 @@ def cases(busy: int, gpt2: Path) -> dict[str, tuple[list[str], int, str]]:
             1,
             "tandem up: --port after --: tandem up sets it for every server; give `tandem up --port` instead",
         ),
+        "up-kv-policy-without-a-router": (
+            [*tandem, "up", "--mode", "monolithic", "--decode-policy", "kv_aware"],
+            1,
+            "tandem up: --decode-policy kv_aware: the router's policy needs --mode pd (a monolithic server has no "
+            "router)",
+        ),
         "up-port-in-use": ([*tandem, "up", "--port", str(busy)], 1, f"tandem up: --port {busy}: {in_use}"),
         "router-port-in-use": ([*tandem, "router", "--port", str(busy)], 1, f"tandem router: --port {busy}: {in_use}"),
         "router-bad-bootstrap": (

@@ -1,43 +1,58 @@
-"""The import rules of docs/architecture.md, enforced: which package may import which, each side of the PD
-protocol apart from the other, no torch in the router, the bootstrap registry, the wire schemas (common.wire) or
-the `tandem bench` client, and no uvicorn or Starlette in the router or common.wire."""
+"""The import rules of docs/architecture.md, enforced per package: which package may import which, each side of
+the PD protocol apart from the other, the tensor-parallel building blocks (common/parallel) apart from the rank
+processes (common/ranks), nothing in common naming a module of the CLI (tandem/), no torch in the router, the
+bootstrap registry, the wire schemas (common.wire) or the `tandem bench` client, and no uvicorn or Starlette in
+the router, the bootstrap registry or common.wire."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = {"common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "tandem"}
-# package (folder) -> the packages it may import besides itself; a package not listed here follows its parent
+# package (folder) -> the packages it may import besides itself; a package not listed here follows its parent.
+# common/config.py, the servers' config, counts as a package of its own.
 ALLOWED = {
     "common": {"common"},
     "common/wire": set(),
     "common/edge": {"common/wire"},
     "common/core": {"common/wire"},
-    "common/memory": {"common/core", "common/wire/user_error"},
-    "common/attention": {"common/core", "common/memory", "common/wire/user_error"},
-    "common/model": {
+    "common/memory": {"common/core", "common/wire"},
+    "common/attention": {"common/core", "common/memory", "common/wire"},
+    "common/parallel": {"common/wire"},  # what models use: never the rank processes
+    "common/model": {"common/core", "common/attention", "common/parallel", "common/wire"},
+    "common/ranks": {
+        "common/config",
         "common/core",
+        "common/memory",
         "common/attention",
-        "common/wire/user_error",
-        *(f"common/parallel/{m}" for m in ("group", "layers", "partition")),
+        "common/model",
+        "common/parallel",
+        "common/wire",
     },
     "transfer": {"common/wire"},
-    "bootstrap": {"common/wire", "common/edge/prometheus", "common/edge/tls"},
+    "bootstrap": {"common/wire", "common/edge"},
     "prefill_node": {"common", "transfer", "bootstrap"},
     "decode_node": {"common", "transfer", "bootstrap"},
-    "router": {"common/wire", "common/edge/prometheus", "common/edge/tls"},
+    "router": {"common/wire", "common/edge"},
     "tandem": TOP,
+}
+# package -> libraries that no module it imports (ours, at any depth, function bodies included) may import
+FORBIDDEN = {
+    "router": {"torch", "uvicorn", "starlette", "fastapi"},
+    "bootstrap": {"torch", "uvicorn", "starlette", "fastapi"},
+    "common/wire": {"torch", "uvicorn", "starlette", "fastapi"},
 }
 # each side's transfer files and role: none imports the other side's (shared transfer files import neither)
 SIDES = {"prefill": ("transfer/prefill", "prefill_node"), "decode": ("transfer/decode", "decode_node")}
 
 
-def imported_modules(path: Path) -> set[str]:
-    """The modules of ours a file imports when it runs (TYPE_CHECKING imports aside)."""
+def imported_modules(path: Path, ours: bool = True) -> set[str]:
+    """The modules of ours (`ours`, else every module) a file imports when it runs (TYPE_CHECKING imports aside)."""
     found, tree = set(), ast.parse(path.read_text())
     for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]:
         block.body = []
@@ -46,7 +61,13 @@ def imported_modules(path: Path) -> set[str]:
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-    return {m for m in found if m.split(".")[0] in TOP}
+    return {m for m in found if not ours or m.split(".")[0] in TOP}
+
+
+def module_file(module: str) -> Path | None:
+    """The file of a module of ours (a package's __init__.py), None when it is a name inside a module."""
+    path = ROOT / module.replace(".", "/")
+    return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
 
 
 def allowed(importer: str, module: str) -> bool:
@@ -66,6 +87,48 @@ def test_packages_import_only_what_the_design_allows():
             if bad:
                 violations.append(f"{path.relative_to(ROOT)} imports {bad}")
     assert violations == []
+
+
+def test_no_package_reaches_a_library_it_must_not_load():
+    """FORBIDDEN, through every module of ours a package's files import, at any depth (function bodies too)."""
+    violations = []
+    for pkg, banned in FORBIDDEN.items():
+        todo, seen = list((ROOT / pkg).rglob("*.py")), set()
+        while todo:
+            path = todo.pop()
+            if path in seen:
+                continue
+            seen.add(path)
+            bad = sorted(m for m in imported_modules(path, ours=False) if m.split(".")[0] in banned)
+            if bad:
+                violations.append(f"{pkg}: {path.relative_to(ROOT)} imports {bad}")
+            todo += [f for f in map(module_file, imported_modules(path)) if f is not None]
+    assert violations == []
+
+
+def test_common_names_no_module_of_the_cli():
+    """No string in common/ (docstrings and logger names aside) names a module of tandem/, such as an entry
+    point to start: whoever starts common's processes passes it in."""
+    cli = {p.stem for p in (ROOT / "tandem").iterdir() if p.suffix == ".py" or p.is_dir()} - {"__init__"}
+    pattern = re.compile(r"\btandem[./](" + "|".join(sorted(cli)) + r")\b")
+    violations = []
+    for path in (ROOT / "common").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        skip = {id(ast.get_docstring(n, clean=False) and n.body[0].value) for n in ast.walk(tree) if _has_body(n)}
+        skip |= {id(a) for n in ast.walk(tree) if _is_get_logger(n) for a in n.args}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+                if pattern.search(node.value):
+                    violations.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert violations == []
+
+
+def _has_body(node: ast.AST) -> bool:
+    return isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+
+
+def _is_get_logger(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and ast.unparse(node.func).endswith("getLogger")
 
 
 def test_each_side_imports_only_its_own_transfer_files():

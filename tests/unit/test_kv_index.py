@@ -17,6 +17,8 @@ from common.wire.kv_events import KVEventsConfig, block_hashes
 from router.kv_feeds import WorkerFeed
 from router.kv_index import KVIndex
 from router.kv_policy import KVAwarePolicy
+from router.pair_call import Pair
+from router.placement import pair_policy
 from router.workers import Worker
 
 PAGE = 4
@@ -139,13 +141,28 @@ def test_kv_aware_cost_weighs_compute_crossing_and_load():
         Worker("http://d0", "decode"),
         Worker("http://d1", "decode"),
     )
-    policy = KVAwarePolicy(index, FakeFeeds(), load_tokens=4)
-    assert policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) == (p1, d0)
+    policy = pair_policy("kv_aware", None, KVAwarePolicy(index, FakeFeeds(), load_tokens=4))
+    assert policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) == Pair(p1, d0)
     p1.in_flight, d0.in_flight = (
         4,
         3,
     )  # p1: 4 to compute + 16 of load > 16 to compute on p0; d0: 12 of load < 16 to cross
-    assert policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) == (p0, d0)
+    assert policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) == Pair(p0, d0)
     d0.in_flight = 5
-    assert policy.pick_pair([p0, p1], [d0, d1], {"prompt": prompt}) == (p0, d1)
-    assert policy.pick_pair([p0, p1], [d0, d1], {"messages": []}) == (p0, d1)  # no ids: load alone
+    assert policy.pick_pair([p0, p1], [d0, d1], {"prompt": prompt}) == Pair(p0, d1)
+    assert policy.pick_pair([p0, p1], [d0, d1], {"messages": []}) == Pair(p0, d1)  # no ids: load alone
+
+
+def test_kv_aware_picks_one_side_under_another_policy():
+    """--policy round_robin --decode-policy kv_aware: prefills in turn, the decode that holds the prompt."""
+    index, prompt = KVIndex(), list(range(16))
+    index.stored("http://d1", block_hashes(prompt, PAGE))
+    p0, p1 = Worker("http://p0", "prefill"), Worker("http://p1", "prefill")
+    d0, d1 = Worker("http://d0", "decode"), Worker("http://d1", "decode")
+    policy = pair_policy("round_robin", "kv_aware", KVAwarePolicy(index, FakeFeeds(), load_tokens=4))
+    picks = [policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) for _ in range(2)]
+    assert picks == [Pair(p0, d1), Pair(p1, d1)]
+    policy = pair_policy("kv_aware", "round_robin", KVAwarePolicy(index, FakeFeeds(), load_tokens=4))
+    index.stored("http://p1", block_hashes(prompt, PAGE)[:1])
+    picks = [policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) for _ in range(2)]
+    assert picks == [Pair(p1, d0), Pair(p1, d1)]

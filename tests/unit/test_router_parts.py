@@ -10,10 +10,14 @@ import pytest
 from common.wire.sse import sse_event
 from router.dispatch import forward_bodies
 from router.logprobs import PromptLogprobs
+from router.pair_call import Pair
 from router.pair_stream import SSEFramer
+from router.placement import Placer, pair_policy
+from router.policies import POLICIES
 from router.upstream import DECODE_FAILED, answered_error
 from router.workers import WorkerRegistry
 from tandem.router_cli import config_from_args
+from tests.conftest import ROOT
 
 
 def test_flags_win_over_environment_and_environment_over_defaults(monkeypatch):
@@ -42,11 +46,35 @@ def test_flags_win_over_environment_and_environment_over_defaults(monkeypatch):
     )
 
 
-def test_decode_policy_is_its_own_flag_and_defaults_to_none():
+def test_decode_policy_is_its_own_flag_and_defaults_to_none(capsys):
     assert config_from_args([]).decode_policy is None
     assert config_from_args(["--decode-policy", "cache_aware"]).decode_policy == "cache_aware"
-    with pytest.raises(ValueError):
+    with pytest.raises(SystemExit):
         config_from_args(["--decode-policy", "fastest"])
+    assert "argument --decode-policy: invalid choice: 'fastest' (choose from 'random', " in capsys.readouterr().err
+
+
+def test_every_policy_is_a_flag_choice_and_a_row_of_the_readme():
+    """router/policies.py's registry is the one list: the flags' choices and the README's table come from it."""
+    readme = (ROOT / "README.md").read_text()
+    for name, spec in POLICIES.items():
+        assert config_from_args(["--policy", name, "--decode-policy", name]).decode_policy == name
+        assert f"| `{name}` | {spec.summary} |" in readme, name
+
+
+def test_the_placer_picks_among_healthy_workers_not_excluded():
+    registry = WorkerRegistry(failure_threshold=1)
+    p0, p1, d0, d1 = (
+        registry.add(f"http://{n}:1", role)
+        for n, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    )
+    for w in (p0, p1, d0, d1):
+        registry.mark(w, True)
+    registry.mark(p0, False)
+    placer = Placer(registry, pair_policy("round_robin", None, kv=None))
+    assert [placer.pick({}) for _ in range(2)] == [Pair(p1, d0), Pair(p1, d1)]
+    assert placer.pick({}, exclude={d0.url}) == Pair(p1, d1)
+    assert placer.pick({}, exclude={p1.url}) is None and placer.pick({}, exclude={d0.url, d1.url}) is None
 
 
 def test_bad_values_are_refused(monkeypatch):

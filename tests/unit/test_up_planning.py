@@ -154,6 +154,9 @@ def test_kv_aware_turns_on_every_engines_events_and_sets_the_routers_policy():
     assert by_name["router"].argv[-2:] == ["--policy", "kv_aware"]
     _, plain, _ = children()
     assert "--kv-events-config" not in plain["decode-0"].argv and plain["router"].argv[-1] == "cache_aware"
+    _, by_name, _ = children("--decode-policy", "kv_aware")
+    assert "--kv-events-config" in by_name["decode-0"].argv
+    assert by_name["router"].argv[-4:] == ["--policy", "cache_aware", "--decode-policy", "kv_aware"]
 
 
 @pytest.mark.parametrize(
@@ -161,6 +164,7 @@ def test_kv_aware_turns_on_every_engines_events_and_sets_the_routers_policy():
     [
         (("--mode", "monolithic", "--policy", "kv_aware"), "needs --mode pd"),
         (("--policy", "kv_aware", "--", "--kv-events-config", "{}"), "sets it on every server"),
+        (("--mode", "monolithic", "--decode-policy", "kv_aware"), "^--decode-policy kv_aware: .* needs --mode pd"),
     ],
 )
 def test_kv_aware_refuses_what_contradicts_it(args, says):

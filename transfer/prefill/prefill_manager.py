@@ -26,7 +26,7 @@ from transfer.messages import (
     Status,
 )
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
-from transfer.prefill.kv_writer import KVWriter, layout_problem, rank_peer
+from transfer.prefill.kv_writer import KVWriter, rank_peer, registration_problem
 from transfer.prefill.prefill_rooms import PrefillRoomState, PrefillRoomTable
 from transfer.prefill.rank_links import Agent, RankLinks
 from transfer.prefill.transfer_worker import Chunk, TransferWorker, WorkerPool
@@ -45,7 +45,7 @@ class PrefillKVManager(KVManager):
     mode = "prefill"
 
     def __init__(self, args: KVArgs, rank_fault: Callable[[], str | None] = lambda: None, **kwargs):
-        """`rank_fault()`: why the TP group is broken, or None (common.parallel.ranks: its followers'
+        """`rank_fault()`: why the TP group is broken, or None (common.ranks.ranks: its followers'
         agents then answer nothing, and what waits on them fails at once)."""
         super().__init__(args, **kwargs)
         self.links = self._rank_links(rank_fault)
@@ -92,7 +92,7 @@ class PrefillKVManager(KVManager):
             self._on_abort(msg, registration)
 
     def _on_register(self, msg: Register, envelope: Envelope) -> None:
-        problem = layout_problem(self.args, msg)
+        problem = registration_problem(self.args, msg)
         if problem is not None:
             self.counters["peers_refused"] += 1
             self.refused[msg.decode_id] = (msg, problem)

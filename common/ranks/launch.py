@@ -1,8 +1,9 @@
-"""Rank 0 (or, with --nnodes > 1, node k's process) starts this host's follower processes
-(`python -m common.parallel.follower`) and ends them.
+"""Rank 0 (or, with --nnodes > 1, host k's process) starts this host's follower processes
+(`python -m ENTRY`: common.ranks.follower, or the entry point its starter names, which adds what else a
+rank runs: `tandem serve`'s adds a PD rank's KV transfer agent) and ends them.
 
 A follower's stdin is a pipe from its starter that is never written: when the starter dies in any way
-(even SIGKILL), the pipe closes and the follower exits (common.parallel.follower). Followers ignore
+(even SIGKILL), the pipe closes and the follower exits (common.ranks.follower). Followers ignore
 SIGINT and SIGTERM: a stop reaches them from rank 0 once it drained.
 """
 
@@ -20,9 +21,7 @@ from pathlib import Path
 from common.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-# a PD server's followers also run their own KV transfer engine (transfer.rank_agent), started by tandem's
-# entry point: common does not import the transfer layer
-FOLLOWER = {False: "common.parallel.follower", True: "tandem.rank_follower"}
+FOLLOWER = "common.ranks.follower"  # a follower that runs the model only
 
 
 def free_port() -> int:
@@ -37,22 +36,19 @@ def group_addr(config: ServerConfig) -> str:
 
 
 def local_ranks(config: ServerConfig) -> range:
-    """The ranks this host runs (--node-rank's share of --tp-size), rank 0 included on node 0."""
-    per = config.ranks_per_node
+    """The ranks this host runs (--node-rank's share of --tp-size), rank 0 included on host 0."""
+    per = config.ranks_per_host
     return range(config.node_rank * per, (config.node_rank + 1) * per)
 
 
-def spawn_followers(config: ServerConfig, addr: str, progress_path: str) -> list[subprocess.Popen]:
-    """This host's ranks but rank 0, each told the group's address, the progress file and the config."""
+def spawn_followers(config: ServerConfig, addr: str, progress_path: str, entry: str) -> list[subprocess.Popen]:
+    """This host's ranks but rank 0, each `python -m entry` told the group's address, the progress file and
+    the config."""
     argv = ["--size", str(config.tp_size), "--addr", addr, "--progress", progress_path]
     argv += ["--config", json.dumps(config.model_dump(mode="json"))]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return [
-        subprocess.Popen(
-            [sys.executable, "-m", FOLLOWER[config.disagg_mode != "null"], "--rank", str(rank), *argv],
-            stdin=subprocess.PIPE,
-            env=env,
-        )
+        subprocess.Popen([sys.executable, "-m", entry, "--rank", str(rank), *argv], stdin=subprocess.PIPE, env=env)
         for rank in local_ranks(config)
         if rank != 0
     ]

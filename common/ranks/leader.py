@@ -8,7 +8,7 @@ import torch
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
 from common.model.llama import LlamaForCausalLM
-from common.parallel.ranks import Ranks
+from common.ranks.ranks import Ranks
 
 
 class LeaderModel:

@@ -4,11 +4,11 @@ then runs every forward rank 0 sends, until rank 0 says stop or goes away.
 It decides nothing: no scheduler, no request table, no sampling. Its logits are dropped (rank 0 samples
 from the all-gathered ones). An error ends the process; rank 0 sees the exit and names this rank,
 unless it was a collective failing (exit code PEER_GONE_EXIT): then another rank is gone, and that one
-is named. A prefill's or decode's follower also runs its own KV transfer engine: its entry point
-(tandem.rank_follower) passes `services`, started once the pool exists, whose report goes to rank 0
-with the rank's (under "transfer").
+is named. A prefill's or decode's follower also runs its own KV transfer engine: the entry point its
+server names (common.ranks.launch) passes `services`, started once the pool exists, whose report goes to
+rank 0 with the rank's (under "transfer").
 
-    python -m common.parallel.follower --rank R --size N --addr HOST:PORT --progress FILE --config JSON
+    python -m common.ranks.follower --rank R --size N --addr HOST:PORT --progress FILE --config JSON
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store
-from common.parallel.progress import Progress
-from common.parallel.rank_model import RankModel, build_rank_model, rank_report
-from common.parallel.ranks import GROUP_TIMEOUT_S
-from common.parallel.step import StepChannel
+from common.ranks.progress import Progress
+from common.ranks.rank_model import RankModel, build_rank_model, rank_report
+from common.ranks.ranks import GROUP_TIMEOUT_S
+from common.ranks.step import StepChannel
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ Services = Callable[[ServerConfig, KVPool], Any]  # starts what else a rank runs
 
 
 def exit_with_rank0(files: list[str]) -> None:
-    """Exit as soon as our starter's end of our stdin closes (rank 0, or node k's process, exited however
+    """Exit as soon as our starter's end of our stdin closes (rank 0, or host k's process, exited however
     it did), removing the shared `files` it may not have removed (it died before)."""
 
     def wait() -> None:
@@ -67,7 +67,7 @@ def serve_steps(rank: int, built: RankModel, channel: StepChannel, progress: Pro
 
 
 def main(argv: list[str] | None = None, services: Services | None = None) -> None:
-    p = argparse.ArgumentParser(prog="common.parallel.follower")
+    p = argparse.ArgumentParser(prog="common.ranks.follower")
     for flag in ("--rank", "--size"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--addr", required=True)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
     exit_with_rank0([ns.progress])
     torch.manual_seed(config.seed)
     store = join_store(ns.addr, GROUP_TIMEOUT_S)
-    tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_node)
+    tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_host)
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp)
