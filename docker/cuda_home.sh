@@ -27,6 +27,7 @@ printf '%s\n' '#include <cuda_fp16.h>' '__global__ void twice(half* x) { x[threa
   'extern "C" void launch(half* x) { twice<<<1, 32>>>(x); }' >"$tmp/k.cu"
 "$CUDA/bin/nvcc" -shared -Xcompiler -fPIC -gencode=arch=compute_90,code=sm_90 "$tmp/k.cu" -o "$tmp/k.so" \
   -L"$CUDA/lib64" -L"$CUDA/lib64/stubs" -lcudart -lcuda
-readelf -d "$tmp/k.so" | grep -q 'Shared library: \[libcuda.so.1\]'
+readelf -d "$tmp/k.so" | grep 'Shared library: \[libcuda.so.1\]' >/dev/null \
+  || { echo "[cuda] a kernel linked against the stub does not load libcuda.so.1" >&2; exit 1; }
 rm -rf "$tmp"
 echo "[cuda] $CUDA: nvcc $("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p') (cuda-toolkit $VERSION), a kernel built and linked"
