@@ -17,17 +17,22 @@ mkdir -p "$CUDA/lib64/stubs"
 for d in bin include nvvm; do ln -sfn "$TOP/$d" "$CUDA/$d"; done
 ln -sf "$TOP"/lib/* "$CUDA/lib64/"
 ln -sf "libcudart.so.$TORCH_MAJOR" "$CUDA/lib64/libcudart.so"
-echo 'int cuInit(unsigned int flags) { return 0; }' \
+# the stub: every function cuda.h declares, under each name its API versions resolve to (cuMemAlloc_v2, the
+# per-thread-stream _ptsz, the old names), in a library with the driver's soname
+for flags in "" -D__CUDA_API_VERSION_INTERNAL -DCUDA_API_PER_THREAD_DEFAULT_STREAM; do
+  gcc -E -P $flags -x c "$CUDA/include/cuda.h"
+done | grep -oE '\bcu[A-Z][A-Za-z0-9_]*[[:space:]]*\(' | tr -d ' (' | sort -u | sed 's/.*/void &(void) {}/' \
   | gcc -shared -x c - -Wl,-soname,libcuda.so.1 -o "$CUDA/lib64/stubs/libcuda.so"
 
 NVCC_MAJOR=$("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
 [ "$NVCC_MAJOR" = "$TORCH_MAJOR" ] || { echo "[cuda] nvcc is CUDA $NVCC_MAJOR, torch CUDA $TORCH_MAJOR" >&2; exit 1; }
 tmp=$(mktemp -d)
-printf '%s\n' '#include <cuda_fp16.h>' '__global__ void twice(half* x) { x[threadIdx.x] = __hadd(x[threadIdx.x], x[threadIdx.x]); }' \
-  'extern "C" void launch(half* x) { twice<<<1, 32>>>(x); }' >"$tmp/k.cu"
+printf '%s\n' '#include <cuda.h>' '#include <cuda_fp16.h>' \
+  '__global__ void twice(half* x) { x[threadIdx.x] = __hadd(x[threadIdx.x], x[threadIdx.x]); }' \
+  'extern "C" int launch(half* x) { int v; cuDriverGetVersion(&v); twice<<<1, 32>>>(x); return v; }' >"$tmp/k.cu"
 "$CUDA/bin/nvcc" -shared -Xcompiler -fPIC -gencode=arch=compute_90,code=sm_90 "$tmp/k.cu" -o "$tmp/k.so" \
   -L"$CUDA/lib64" -L"$CUDA/lib64/stubs" -lcudart -lcuda
 readelf -d "$tmp/k.so" | grep 'Shared library: \[libcuda.so.1\]' >/dev/null \
-  || { echo "[cuda] a kernel linked against the stub does not load libcuda.so.1" >&2; exit 1; }
+  || { echo "[cuda] a kernel calling the driver does not load libcuda.so.1" >&2; exit 1; }
 rm -rf "$tmp"
 echo "[cuda] $CUDA: nvcc $("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p') (cuda-toolkit $VERSION), a kernel built and linked"
