@@ -125,7 +125,7 @@ make_base
 mapfile -t FLAGS < <(host_pip_flags)
 echo "[image] $IMAGE from docker/Containerfile.$DEVICE ${FLAGS[*]}"
 start=$(date +%s)
-"${B[@]}" build --isolation chroot --network host --layers --build-arg "BASE=$BASE" "${FLAGS[@]}" \
+"${B[@]}" build --isolation chroot --network host --layers --force-rm --build-arg "BASE=$BASE" "${FLAGS[@]}" \
   -f "docker/Containerfile.$DEVICE" -t "$IMAGE" .
 "${B[@]}" rmi --prune >/dev/null  # the layers of earlier sources, no longer any image's (the cache stays)
 echo "[image] built $IMAGE in $(($(date +%s) - start)) s: $("${B[@]}" images --format '{{.Size}}' "$IMAGE")"
