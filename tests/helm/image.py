@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -61,7 +60,7 @@ def build(device: str) -> str:
 @contextmanager
 def working_container(image: str) -> Iterator[str]:
     """A working container of `image` (its own copy of the file system), removed after."""
-    name = f"tandem-test-{os.getpid()}"
+    name = "tandem-test"
     buildah("rm", name, timeout=300, check=False)  # one a killed run left
     buildah("from", "--name", name, image, timeout=600)
     try:
@@ -76,28 +75,16 @@ def run_in(ctr: str, *command: str) -> str:
 
 
 class ImageProcess(ServerProcess):
-    """A server in a working container: `tandem <args>` (the image's entry point, as a pod's `command`), with
-    `env` set in the container; on the host's network, so its ports are the host's."""
+    """A server in a working container: `tandem <args>` (the image's entry point, as a pod's `command` runs
+    it) with `env` set in the container, on the host's network (its ports are the host's). Stopping buildah
+    stops the server."""
 
-    def __init__(self, ctr: str, args: list[str], port: int, **kw):
-        self.ctr = ctr
-        super().__init__(args, port, **kw)
+    entry = ("tandem",)
 
-    def _spawn(self) -> subprocess.Popen:
-        self._log_start = self.log_path.stat().st_size
-        env = [f"--env={k}={v}" for k, v in self.env.items()]
-        command = ["run", "--isolation", "chroot", "--network", "host", *env, self.ctr, "--", "tandem", *self.args]
-        return subprocess.Popen(
-            ["buildah", *store_flags(), *command], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def stop(self) -> None:
-        """buildah kills the server when it is stopped; what may be left of its session is killed too."""
-        super().stop()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def __init__(self, ctr: str, args: list[str], port: int, env: dict[str, str] | None = None, **kw):
+        flags = [f"--env={k}={v}" for k, v in (env or {}).items()]
+        prefix = ("buildah", *store_flags(), "run", "--isolation", "chroot", "--network", "host", *flags, ctr, "--")
+        super().__init__(args, port, env=env, prefix=prefix, **kw)
 
 
 def image_size(image: str) -> str:
