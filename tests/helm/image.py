@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -76,15 +77,22 @@ def run_in(ctr: str, *command: str) -> str:
 
 class ImageProcess(ServerProcess):
     """A server in a working container: `tandem <args>` (the image's entry point, as a pod's `command` runs
-    it) with `env` set in the container, on the host's network (its ports are the host's). Stopping buildah
-    stops the server."""
+    it) with `env` set in the container, on the host's network (its ports are the host's). A SIGTERM to buildah
+    stops the server; a SIGKILL would leave it running, so buildah leads a session of its own, killed whole."""
 
     entry = ("tandem",)
 
     def __init__(self, ctr: str, args: list[str], port: int, env: dict[str, str] | None = None, **kw):
         flags = [f"--env={k}={v}" for k, v in (env or {}).items()]
-        prefix = ("buildah", *store_flags(), "run", "--isolation", "chroot", "--network", "host", *flags, ctr, "--")
-        super().__init__(args, port, env=env, prefix=prefix, **kw)
+        run = ("run", "--isolation", "chroot", "--network", "host", *flags, ctr, "--")
+        super().__init__(args, port, env=env, prefix=("setsid", "buildah", *store_flags(), *run), **kw)
+
+    def stop(self) -> None:
+        super().stop()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def image_size(image: str) -> str:
