@@ -19,7 +19,7 @@ run() { if [ "$DRY" = 1 ]; then echo "+ $*"; else "$@"; fi; }
 
 DEVICE=${TANDEM_DEVICE:-}
 if [ -z "$DEVICE" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then DEVICE=cuda; else DEVICE=cpu; fi
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep '^GPU ' >/dev/null; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
 case "$DEVICE" in
   cpu|cuda) echo "[setup] installing the $DEVICE builds (TANDEM_DEVICE=cpu|cuda chooses)" ;;
@@ -31,9 +31,9 @@ esac
 # its CUDA build and NIXL's UCX also load the Mellanox verbs provider (libmlx5, in ibverbs-providers).
 SYSTEM_LIBS=(libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4)
 [ "$DEVICE" = cuda ] && SYSTEM_LIBS+=(libmlx5.so.1:ibverbs-providers)
-need_apt=()
+need_apt=()  # grep without -q: under pipefail, ldconfig killed by SIGPIPE would read as a missing library
 for entry in "${SYSTEM_LIBS[@]}"; do
-  ldconfig -p | grep -q "${entry%%:*}" || need_apt+=("${entry##*:}")
+  ldconfig -p | grep -F "${entry%%:*}" >/dev/null || need_apt+=("${entry##*:}")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "[setup] installing Debian packages ${need_apt[*]} (the transfer engines load them)"
