@@ -20,9 +20,10 @@ cd "$(dirname "$0")/.."
 DEVICE=${1:-cpu}
 case "$DEVICE" in cpu|cuda) ;; *) echo "usage: docker/build.sh cpu|cuda" >&2; exit 2 ;; esac
 
+[ "$(id -u)" -eq 0 ] || { echo "[image] run as root: debootstrap and buildah's chroot isolation need it" >&2; exit 2; }
+
 need_tools() {
   command -v buildah >/dev/null && command -v debootstrap >/dev/null && return
-  [ "$(id -u)" -eq 0 ] || { echo "[image] needs buildah and debootstrap (apt-get install buildah debootstrap), as root" >&2; exit 2; }
   echo "[image] installing Debian packages buildah debootstrap"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends buildah debootstrap >/dev/null
@@ -85,8 +86,7 @@ make_base() {
   if "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then echo "[image] base $BASE (kept)"; return; fi
   [ -n "$MIRROR" ] || { echo "[image] no Debian mirror for $SUITE in /etc/apt/sources.list*: set TANDEM_DEBIAN_MIRROR" >&2; exit 2; }
   echo "[image] base $BASE: debootstrap --variant=minbase $SUITE from $MIRROR"
-  local start=$SECONDS
-  local root
+  local start=$SECONDS root
   ctr=$("${B[@]}" from --name "tandem-base-$SUITE-$$" scratch)
   trap '"${B[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT  # a failed debootstrap leaves no container
   root=$("${B[@]}" mount "$ctr")
@@ -124,9 +124,10 @@ B=(buildah --storage-driver "${TANDEM_STORAGE_DRIVER:-$(storage_driver)}")
 make_base
 mapfile -t FLAGS < <(host_pip_flags)
 echo "[image] $IMAGE from docker/Containerfile.$DEVICE ${FLAGS[*]}"
-start=$(date +%s)
+start=$SECONDS
 "${B[@]}" build --isolation chroot --network host --layers --force-rm --build-arg "BASE=$BASE" "${FLAGS[@]}" \
   -f "docker/Containerfile.$DEVICE" -t "$IMAGE" .
-"${B[@]}" rmi --prune >/dev/null  # the layers of earlier sources, no longer any image's (the cache stays)
-echo "[image] built $IMAGE in $(($(date +%s) - start)) s: $("${B[@]}" images --format '{{.Size}}' "$IMAGE")"
+# in a store of our own (the tests'), the layers of earlier sources that no image uses any more go
+[ -z "$STORE" ] || "${B[@]}" rmi --prune >/dev/null || true
+echo "[image] built $IMAGE in $((SECONDS - start)) s: $("${B[@]}" images --format '{{.Size}}' "$IMAGE")"
 echo "[image] to push it: ${B[*]} push $IMAGE docker://<registry>/tandem:$VERSION-$DEVICE"

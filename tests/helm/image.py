@@ -4,6 +4,7 @@ chroot --network host`, as the image's own user, the way a pod's container runs 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -97,6 +98,11 @@ class ImageProcess(ServerProcess):
 
 def image_size(image: str) -> str:
     return buildah("images", "--format", "{{.Size}}", image).strip()
+
+
+def image_config(image: str) -> dict:
+    """The image's OCI config (User, Entrypoint, Cmd, Env, ...)."""
+    return json.loads(buildah("inspect", "--type", "image", image))["OCIv1"]["config"]
 
 
 def rootfs(ctr: str) -> Path:

@@ -13,7 +13,16 @@ import pytest
 
 from tests.conftest import free_port
 from tests.helm.chart import container, example, render
-from tests.helm.image import ImageProcess, build, cannot_build, image_size, rootfs, run_in, working_container
+from tests.helm.image import (
+    ImageProcess,
+    build,
+    cannot_build,
+    image_config,
+    image_size,
+    rootfs,
+    run_in,
+    working_container,
+)
 from tests.helm.pods import process
 
 CHAT = {
@@ -37,7 +46,7 @@ def tokens(completion: dict) -> list[tuple[str, float]]:
 
 
 def assert_lean(root) -> None:
-    """No compiler, no pip or apt cache, nothing of the build's mounts (the host's wheels and CA) left."""
+    """No compiler, no pip or apt cache, nothing left of the host's wheels mounted at /mnt for the build."""
     assert [c for c in COMPILERS if (root / "usr/bin" / c).exists()] == []
     assert not (root / "root/.cache").exists() and not (root / "home/tandem/.cache").exists()
     assert [p.name for p in (root / "var/lib/apt/lists").glob("*") if p.is_file() and p.name != "lock"] == []
@@ -55,6 +64,8 @@ def test_the_cpu_image_serves_the_cpu_demo_as_the_chart_runs_it(reference_server
     assert {container(docs, r)["image"] for r in ("prefill", "decode", "router")} == {image}
     log = build("cpu")
     assert f"[image] built {image} in " in log and image_size(image), log[-2000:]  # the name the chart runs
+    config = image_config(image)
+    assert config["User"] == "1000" and config["Entrypoint"] == ["tandem"]  # a uid: runAsNonRoot can check it
     expected = chat(reference_servers.get().url)
     p_http, p_boot, d_http, r_http = free_port(), free_port(), free_port(), free_port()
     servers = []
