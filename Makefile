@@ -1,4 +1,4 @@
-.PHONY: up test test-fast lint format setup bench clean
+.PHONY: up test test-fast lint format setup bench clean image image-cuda
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
@@ -33,3 +33,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# the images the Helm chart runs, built with buildah from a debootstrapped Debian (docker/build.sh; as root)
+image:
+	bash docker/build.sh cpu
+
+image-cuda:
+	bash docker/build.sh cuda

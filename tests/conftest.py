@@ -35,6 +35,8 @@ PORT_TAKEN = re.compile(r"(\d+): another process listens on|address \('[^']*', (
 class ServerProcess:
     """A `python -m tandem <args>` child process; stop() kills it and its log is kept for failures."""
 
+    entry: tuple[str, ...] = (sys.executable, "-m", "tandem")  # how `tandem` is run (after `prefix`)
+
     def __init__(
         self,
         args: list[str],
@@ -70,11 +72,7 @@ class ServerProcess:
         self._log_start = self.log_path.stat().st_size  # where this start's output begins
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "tandem", *self.args],
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
+            [*self.prefix, *self.entry, *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
 
     def arg(self, flag: str) -> str | None:

@@ -56,10 +56,11 @@ def test_an_unknown_device_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "device, packages", [("cpu", "libibverbs1 libnuma1"), ("cuda", "libibverbs1 libnuma1 ibverbs-providers libcurl4")]
+    "device, packages",
+    [("cpu", "libibverbs1 libnuma1 libcurl4"), ("cuda", "libibverbs1 libnuma1 libcurl4 ibverbs-providers")],
 )
 def test_the_system_libraries_of_each_build_are_installed_when_missing(tmp_path, device, packages):
-    """A machine without them (ldconfig lists nothing): the CUDA builds also need libmlx5 and libcurl."""
+    """A machine without them (ldconfig lists nothing): the CUDA builds also need libmlx5."""
     ldconfig = tmp_path / "ldconfig"
     ldconfig.write_text("#!/bin/sh\nexit 0\n")
     ldconfig.chmod(0o755)
@@ -74,9 +75,29 @@ def test_the_system_libraries_of_each_build_are_installed_when_missing(tmp_path,
     assert f"apt-get install -y -qq {packages}\n" in out.stdout
 
 
-def test_the_cuda_image_installs_the_same_system_libraries():
-    dockerfile = (ROOT / "docker" / "Dockerfile.cuda").read_text()
-    assert all(p in dockerfile.split() for p in ("libibverbs1", "ibverbs-providers", "libnuma1", "libcurl4"))
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_images_install_the_same_system_libraries(tmp_path, device):
+    """What setup.sh would install on a bare machine is in the image's own apt-get line (it has no sudo there)."""
+    ldconfig = tmp_path / "ldconfig"
+    ldconfig.write_text("#!/bin/sh\nexit 0\n")
+    ldconfig.chmod(0o755)
+    env = os.environ | {
+        "TANDEM_SETUP_DRY_RUN": "1",
+        "TANDEM_DEVICE": device,
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+    }
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    packages = out.stdout.split("apt-get install -y -qq ")[1].split("\n")[0].split()
+    containerfile = (ROOT / "docker" / f"Containerfile.{device}").read_text().split()
+    assert [p for p in packages if p not in containerfile] == []
+
+
+def test_the_images_leave_out_what_only_the_tests_need(tmp_path):
+    env = os.environ | {"TANDEM_SETUP_DRY_RUN": "1", "TANDEM_DEVICE": "cpu", "TANDEM_SETUP_TEST": "0"}
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "+ .venv/bin/python -m pip install -q -e .[cpu]\n" in out.stdout
+    for device in ("cpu", "cuda"):
+        assert "TANDEM_SETUP_TEST=0" in (ROOT / "docker" / f"Containerfile.{device}").read_text()
 
 
 @pytest.mark.parametrize("release, ok", [("13.0", True), ("12.8", False), (None, True)])
@@ -99,8 +120,3 @@ def test_nvcc_must_build_for_torchs_cuda_major(tmp_path, release, ok):
         assert f"{nvcc} is CUDA 12 but torch is built for CUDA 13" in out.stderr and "cu12" in out.stderr
     else:
         assert "warning: no nvcc" in out.stderr and "--attention-backend torch" in out.stderr
-
-
-def test_the_cuda_image_carries_the_toolkit_of_torchs_cuda_major():
-    dockerfile = (ROOT / "docker" / "Dockerfile.cuda").read_text()
-    assert "ARG CUDA_IMAGE=nvidia/cuda:13." in dockerfile and "-devel-" in dockerfile
