@@ -27,6 +27,8 @@ class OutputProcessor:
         p = req.params
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens)
         req.stop_matcher = StopStringMatcher(p.stop or [], include_stop=p.no_stop_trim) if p.stop else None
+        for n, token in enumerate(req.resumed_ids, start=1):
+            self._replay(req, token, n)
         if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
             req.input_logprobs = [None] * len(req.prompt_ids)
             if req.top_logprobs_num > 0:
@@ -72,9 +74,20 @@ class OutputProcessor:
         self._emit(req, OutputEvent(req.rid, [token], text, [logprob], [top], meta=meta))
         return finish
 
+    @staticmethod
+    def _replay(req: Req, token: int, n_out: int) -> None:
+        """A migrated request's `n_out`-th token, which an earlier server showed its client: through the
+        detokenizer and the stop strings as commit_token took it there (it ended nothing), nothing emitted."""
+        delta = req.detokenizer.add([token])
+        if req.stop_matcher is not None:
+            if n_out < req.params.min_new_tokens:
+                req.stop_matcher.pass_through(delta)
+            else:
+                req.stop_matcher.feed(delta)
+
     def _token_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params
-        n_out = len(req.output_ids)
+        n_out = req.generated_len
         if n_out >= p.min_new_tokens:
             if p.stop_token_ids and token in p.stop_token_ids:
                 return FinishReason("stop", matched=token)
@@ -90,7 +103,7 @@ class OutputProcessor:
         delta = req.detokenizer.add(tokens)
         if req.stop_matcher is None:
             return delta, finish
-        if len(req.output_ids) < req.params.min_new_tokens:
+        if req.generated_len < req.params.min_new_tokens:
             return req.stop_matcher.pass_through(delta), finish
         text, matched = req.stop_matcher.feed(delta)
         return text, FinishReason("stop", matched=matched) if matched else finish
@@ -98,8 +111,8 @@ class OutputProcessor:
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
         meta = {
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
+            "prompt_tokens": len(req.prompt_ids) - req.resumed_len,
+            "completion_tokens": req.generated_len,
             "cached_tokens": req.prefix_hit_len,
         }
         if req.decode_hit_len is not None:  # PD: what each side reused (the prefill's compute, the decode's transfer)
@@ -112,9 +125,9 @@ class OutputProcessor:
             req.rid,
             reason.type,
             f" ({reason.message})" if reason.message else "",
-            len(req.prompt_ids),
+            len(req.prompt_ids) - req.resumed_len,
             req.prefix_hit_len,
-            len(req.output_ids),
+            req.generated_len,
             ttft,
             1000 * (now - req.arrival_time),
         )

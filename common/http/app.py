@@ -19,9 +19,11 @@ from common.http.guard import CountingGuard
 from common.http.serving import (
     PD_CACHED,
     Choice,
+    Tracer,
     check_input,
     check_priority,
     collect,
+    initial_choices,
     new_rid,
     raise_if_failed,
     stream_choices,
@@ -124,7 +126,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         raise InvalidRequest("give exactly one of text or input_ids", param="text")
     ids = body.input_ids if body.input_ids is not None else tokenize_text(engine, body.text, "text")
     gen = GenInput(
-        rid=body.rid or new_rid(),
+        rid=body.rid or (body.migration.rid if body.migration else new_rid()),
         prompt_ids=ids,
         params=body.sampling_params,
         return_logprob=body.return_logprob,
@@ -132,6 +134,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
         priority=check_priority(engine, body.priority),
+        migration=body.migration,
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen
@@ -162,12 +165,15 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
 
 
 async def generate_stream(engine: Engine, gen: GenInput, body: GenerateRequest) -> AsyncIterator[bytes]:
-    choices = [Choice(i) for i in range(gen.params.n)]
+    """SGLang's streamed /generate: every event holds its choice's whole output so far (a migrated request's
+    from what its client was shown on earlier servers on: common/wire/migration.py)."""
+    choices, tracer = initial_choices(gen), Tracer(gen)
     try:
         async for i, ev in stream_choices(engine, gen):
             choices[i].add(ev)
             raise_if_failed(ev.finish)
-            yield sse_event(generate_result(gen, choices[i], body) | {"index": i})
+            line = tracer.line(i, ev.token_ids, ev.finish is not None)
+            yield line + sse_event(generate_result(gen, choices[i], body) | {"index": i})
     except TandemError as e:
         yield sse_event(e.to_dict())
     yield DONE

@@ -15,10 +15,12 @@ from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
 from common.http.serving import (
     Choice,
+    Tracer,
     check_input,
     check_priority,
     collect,
     created,
+    initial_choices,
     new_rid,
     raise_if_failed,
     stream_choices,
@@ -96,7 +98,7 @@ def _gen_input(
     if max_tokens is None:
         max_tokens = max(engine.context_len - len(ids), 0)
     gen = GenInput(
-        rid=new_rid(),
+        rid=body.migration.rid if body.migration else new_rid(),
         prompt_ids=ids,
         params=body.sampling_params(max_tokens, max_param),
         return_logprob=top is not None,
@@ -104,6 +106,7 @@ def _gen_input(
         rendezvous=body.rendezvous,
         logprob_start_len=0 if prompt_logprobs else -1,
         priority=check_priority(engine, body.priority),
+        migration=body.migration,
     )
     check_input(engine, gen, param, max_param)
     return gen
@@ -120,7 +123,7 @@ async def _respond(
         {
             "id": rid,
             "object": kind,
-            "created": created(),
+            "created": created(gen),
             "model": engine.model_name,
             "choices": [make_choice(engine, c, gen) for c in choices],
             "usage": usage(choices, len(gen.prompt_ids)),
@@ -188,33 +191,29 @@ def _chat_logprobs(engine: Engine, c: Choice) -> list[dict[str, Any]]:
 async def _stream(
     engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None
 ) -> AsyncIterator[bytes]:
-    """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt."""
+    """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt. A migrated request's
+    choices go on where its client's stream left them (no role event or echo again: common/wire/migration.py)."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
-    base = {"id": rid, "object": chunk_kind, "created": created(), "model": engine.model_name}
-    choices = [Choice(i) for i in range(gen.params.n)]
+    base = {"id": rid, "object": chunk_kind, "created": created(gen), "model": engine.model_name}
+    choices = initial_choices(gen)
     is_chat = kind == "chat.completion"
-    to_echo = [echo] * gen.params.n
+    tracer = Tracer(gen)
+    to_echo = [None if tracer.seen(i) else echo for i in range(gen.params.n)]
     if is_chat:
         for c in choices:
-            yield sse_event(
-                base
-                | {
-                    "choices": [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                }
-            )
+            if tracer.seen(c.index):
+                continue
+            role = {"role": "assistant", "content": ""}
+            choice = {"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}
+            yield tracer.line(c.index) + sse_event(base | {"choices": [choice]})
     try:
         async for i, ev in stream_choices(engine, gen):
             c = choices[i]
             c.add(ev)
             raise_if_failed(ev.finish)
             if not ev.text and ev.finish is None and not gen.return_logprob and to_echo[i] is None:
+                if tracer.on:
+                    yield tracer.alone(i, ev)
                 continue
             finish = FINISH.get(ev.finish.type) if ev.finish else None
             part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
@@ -229,7 +228,7 @@ async def _stream(
             else:
                 choice = _completion_choice(engine, part, gen, to_echo[i]) | {"finish_reason": finish}
                 to_echo[i] = None
-            yield sse_event(base | {"choices": [choice]})
+            yield tracer.line(i, ev.token_ids, ev.finish is not None) + sse_event(base | {"choices": [choice]})
         if body.stream_options and body.stream_options.include_usage:
             yield sse_event(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})
     except TandemError as e:
