@@ -22,6 +22,8 @@ from router.http1 import Pools, Response
 from router.upstream import UpstreamError, answer_error, send, worker_dead
 from router.workers import Worker
 
+ROUTER_FIELDS = frozenset({"prefill_instance_id", "migration"})  # the router's alone: a client's are dropped
+
 
 @dataclass
 class Pair:
@@ -31,7 +33,8 @@ class Pair:
 
 def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     """The body both halves get: where the decode finds this prefill (its registry, and its instance
-    there when the prefill told us), and a fresh room id; whatever the client sent for these is replaced."""
+    there when the prefill told us), and a fresh room id; whatever the client sent for these (and for
+    `migration`, the router's own: router/migration.py) is replaced or dropped."""
     fields = {
         "bootstrap_host": prefill.registry_host,
         "bootstrap_port": prefill.bootstrap_port,
@@ -39,7 +42,7 @@ def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     }
     if prefill.instance_id:
         fields["prefill_instance_id"] = prefill.instance_id
-    return {k: v for k, v in body.items() if k != "prefill_instance_id"} | fields
+    return {k: v for k, v in body.items() if k not in ROUTER_FIELDS} | fields
 
 
 class PairCall:
