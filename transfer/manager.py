@@ -67,6 +67,7 @@ class KVArgs:
     kv_heads: int = 1  # the model's KV heads, as the KV layout says (common.wire.kv_heads splits them)
     rank_addresses: list[bytes] = field(default_factory=list)  # followers' engines (ranks 1..), in rank order
     rank_agents: list[tuple[str, str]] = field(default_factory=list)  # prefill: followers' (endpoint, agent id)
+    kv_checksum: bool = False  # hash every page run (prefill) and verify it before Success (decode)
 
 
 class KVManager(ABC):
@@ -244,4 +245,5 @@ def kv_args_from_pool(
         kv_heads=kv_heads or pool.kv_heads,
         rank_addresses=[f["backend_address"] for f in followers],
         rank_agents=[(f["agent_endpoint"], f["agent_id"]) for f in followers if f["agent_endpoint"]],
+        kv_checksum=config.disaggregation_enable_kv_checksum,
     )

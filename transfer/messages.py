@@ -10,7 +10,8 @@ and counted.
     prefill -> decode  pong         the answer to a ping
     prefill -> decode  first_token  per room: its aux record (first sampled token), once the last chunk is queued,
                                     ahead of the KV
-    prefill -> decode  status       per room: ok or failed(reason), after the last write of that room
+    prefill -> decode  status       per room: ok or failed(reason), after the last write of that room; ok
+                                    carries the page runs' checksums with --disaggregation-enable-kv-checksum
     prefill rank 0 -> its follower's agent  rank_write    one group of a chunk's pieces, written by that rank's
                                                           own engine (transfer.rank_agent)
     agent -> prefill rank 0                 rank_written  ok (bytes written) or failed(reason)
@@ -31,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
@@ -94,6 +95,7 @@ class Status:
     room_id: int
     ok: bool
     reason: str
+    checksums: list = field(default_factory=list)  # [buffer, first dst page, pages, xxh3-64] (transfer/checksum.py)
 
 
 @dataclass
@@ -171,6 +173,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "on_device": (bool,),
     "reply_to": (str,),
     "written": (int,),
+    "checksums": (list,),
 }
 
 
@@ -296,6 +299,10 @@ def _check_ranges(msg: Any) -> None:
         raise BadMessage("room out of range")
     if isinstance(msg, (RankWrite, RankWritten)) and not 0 <= msg.job < 2**63:
         raise BadMessage("job out of range")
+    if isinstance(msg, Status) and not all(
+        isinstance(e, list) and len(e) == 4 and all(type(x) is int and 0 <= x < 2**64 for x in e) for e in msg.checksums
+    ):
+        raise BadMessage("status checksums must be [buffer, page, pages, hash] lists of non-negative ints")
     if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):
             raise BadMessage("dst_pages must be a list of ints")

@@ -36,6 +36,7 @@ CAUSES = (
     "worker_died",  # prefill: the transfer thread died of a bug
     "duplicate",  # a room id another request holds, or asked for twice
     "overrun",  # prefill: a chunk larger than the pages the decode reserved
+    "checksum",  # decode: the pages that arrived differ from the prefill's checksums (transfer/checksum.py)
 )
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from transfer.checksum import mismatch
 from transfer.decode.decode_rooms import DecodeRoomState, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import BadMessage, Envelope, FirstToken, Ping, Pong, Register, Status
@@ -59,9 +60,18 @@ class DecodeKVManager(KVManager):
         self.liveness.seen(room.prefill_endpoint, envelope.sent_at)
         if not msg.ok:
             self.mark_failed(room, msg.reason, "peer_failed")
+        elif self.args.kv_checksum and (problem := self._checksum_problem(room, msg)) is not None:
+            log.warning("room %d: %s; failing it", room.room_id, problem)
+            self.mark_failed(room, problem, "checksum")
         elif room.poll.advance(KVPoll.Success) and room.requested_at is not None:
             self.counters["rooms_succeeded"] += 1
             self.metrics.latency.observe(self.clock() - room.requested_at)
+
+    def _checksum_problem(self, room: DecodeRoomState, msg: Status) -> str | None:
+        """Why the room's pages do not hold what the prefill sent (transfer/checksum.py), or None."""
+        if not msg.checksums and room.dst_pages:
+            return "the prefill sent no KV checksums: give every prefill --disaggregation-enable-kv-checksum too"
+        return mismatch(self.args.kv_ptrs, self.args.bytes_per_page, room.dst_pages, msg.checksums)
 
     # -- rooms (called by KVReceiver on the scheduler thread) ----------------------------------
     def claim(self, room_id: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark) -> DecodeRoomState:

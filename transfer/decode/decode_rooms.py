@@ -31,6 +31,7 @@ class DecodeRoomState:
     status_received: bool = False  # the prefill's final word arrived; nothing more will land
     prefill_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
     first_record: bytes | None = None  # the aux record sent ahead of the KV (FirstToken), if it came
+    dst_pages: list[int] = field(default_factory=list)  # where the prefill writes (what a checksum covers)
     mark: Mark = no_mark  # the request's timeline
 
     def pages_reusable(self, now: float, interval_s: float) -> bool:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from common.wire.kv_heads import describe_sources, head_sources
+from transfer.checksum import page_run_sums
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import (
     Abort,
@@ -211,6 +212,9 @@ class PrefillKVManager(KVManager):
         written = self.writer.write(
             registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
         )
+        if self.args.kv_checksum:  # the source pages, as they were written (they change no more)
+            a = self.args
+            chunk.room.checksums += page_run_sums(a.kv_ptrs, a.bytes_per_page, chunk.src_pages, chunk.dst_pages)
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] += written
 
@@ -230,7 +234,7 @@ class PrefillKVManager(KVManager):
             self.metrics.latency.observe(self.clock() - room.first_chunk_at)
         registration = self.registrations.get(room.room_request.decode_id)
         if registration is not None:
-            self.send(registration.status_endpoint, Status(room.room_id, ok, reason))
+            self.send(registration.status_endpoint, Status(room.room_id, ok, reason, room.checksums if ok else []))
             room.mark("status_sent")
         self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
 
