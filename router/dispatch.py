@@ -27,7 +27,7 @@ from router.logprobs import PromptLogprobs, wants_prompt_logprobs
 from router.metrics import RouterMetrics
 from router.migration import Moves
 from router.pair_call import Pair, PairCall, with_bootstrap
-from router.pair_stream import PairStream
+from router.pair_stream import PREFILL_GRACE_S, PairStream
 from router.placement import Placer
 from router.upstream import CLIENT_DISCONNECTED, UpstreamError, read_all, read_chunk
 from router.workers import WorkerRegistry
@@ -172,9 +172,12 @@ class Dispatcher:
             resp = await call.open_decode()
             if not body.get("stream"):
                 data = await read_all(resp, pair.decode)
-                prefill_answer = await call.prefill_answer
                 if wants_prompt_logprobs(path, body):
-                    data = PromptLogprobs(path, prefill_answer).answer(data)
+                    data = PromptLogprobs(path, await call.prefill_answer).answer(data)
+                else:  # a finished prefill answer keeps its connection for the next request
+                    await asyncio.wait({call.prefill_answer}, timeout=PREFILL_GRACE_S)
+                    if call.error is not None:  # the prefill failed while the decode answered
+                        raise call.error
                 return self._reply(path, json_response(data), pair, reply.start)
             first = await read_chunk(resp, pair.decode)
             if reply.logprobs is None and wants_prompt_logprobs(path, body):  # the first event must carry them

@@ -21,6 +21,7 @@ EVENTS = (
     "writes_fenced",
     "rejected_messages",
     "dropped_sends",
+    "rooms_recomputed",  # decode: rooms whose KV did not arrive, computed here (--kv-load-failure-policy recompute)
 )
 # Why a room failed, as the side that counts it saw it (bounded: these and no other label values).
 CAUSES = (

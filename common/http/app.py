@@ -29,7 +29,7 @@ from common.http.serving import (
     stream_choices,
     tokenize_text,
 )
-from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
+from common.wire.api import INSTANCE_HEADER, RECOMPUTE_HEADER, GenerateRequest, parse_body
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event
@@ -66,7 +66,9 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     async def health() -> Response:
         """Liveness for routers and probes: 503 naming the cause when the scheduler cannot serve.
         The header names this server's transfer instance (PD roles), which routers pass on."""
-        headers = {INSTANCE_HEADER: engine.instance_id} if engine.instance_id else None
+        headers = {INSTANCE_HEADER: engine.instance_id} if engine.instance_id else {}
+        if engine.config.disagg_mode == "decode" and engine.config.kv_load_failure_policy == "recompute":
+            headers[RECOMPUTE_HEADER] = "1"
         problem = engine.health_problem()
         if problem is not None:
             return JSONResponse(error_body(problem, "unhealthy", 503), status_code=503, headers=headers)

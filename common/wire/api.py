@@ -21,6 +21,9 @@ from common.wire.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from common.wire.unsupported import CHAT, COMPLETION, GENERATE, GENERATE_SAMPLING, reject_best_of, reject_unsupported
 
 INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
+# a decode's /health with --kv-load-failure-policy recompute: it computes a prompt whose KV did not arrive itself,
+# so a router lets its requests run on when their prefill fails
+RECOMPUTE_HEADER = "X-Tandem-KV-Recompute"
 
 
 @dataclass(frozen=True)
