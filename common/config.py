@@ -43,7 +43,7 @@ class ServerConfig(BaseSettings):
         0, ge=0, description="this host's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
     )
     dist_init_addr: str | None = Field(
-        None, description="HOST:PORT where node 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
+        None, description="HOST:PORT where host 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
     )
 
     # memory
@@ -147,7 +147,7 @@ class ServerConfig(BaseSettings):
             )
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
-        self._check_nodes()
+        self._check_hosts()
         if self.kv_events_config:
             parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
         if self.enable_hierarchical_cache and (self.disable_radix_cache or self.tp_size > 1):
@@ -164,21 +164,21 @@ class ServerConfig(BaseSettings):
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
 
-    def _check_nodes(self) -> None:
+    def _check_hosts(self) -> None:
         """--nnodes, --node-rank and --dist-init-addr fit together and with --tp-size (SGLang's meanings)."""
         if self.node_rank >= self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}")
         if self.tp_size % self.nnodes:
-            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per node)")
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per host)")
         if self.dist_init_addr is not None:
             split_host_port(self.dist_init_addr)
         if self.nnodes == 1:
             return
         if self.dist_init_addr is None:
-            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (host 0's address)")
 
     @property
-    def ranks_per_node(self) -> int:
+    def ranks_per_host(self) -> int:
         return self.tp_size // self.nnodes
 
     @property

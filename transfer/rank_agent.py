@@ -1,7 +1,7 @@
 """A follower rank's own KV transfer engine (a prefill or decode server at `--tp-size N`, ranks 1..N-1).
 
 Every rank registers its own pool with its own engine (`make_backend` on its own device), so GPU memory
-of one process, or of another node, is never registered by another. Rank 0 stays the only brain: it
+of one process, or of another host, is never registered by another. Rank 0 stays the only brain: it
 learns each follower's engine address and pool from the start-up report (`report`) and keeps every
 room, status and message of the control plane.
 
