@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.integration.kv_faults import inject
+from tests.integration.kv_faults import inject, planned
 from tests.unit.test_transfer_protocol import AUX_BYTES, PAGES, Side, start_room, wait_for
 from transfer.checksum import mismatch, page_run_sums
 from transfer.messages import BadMessage, Status, decode, encode
@@ -54,7 +54,9 @@ def test_a_flipped_byte_or_a_dropped_write_is_caught_every_time(fault):
     prefill, dec = sides()
     rng = random.Random(7)
     rooms = 25
-    log = inject(prefill.manager.backend, {i + 1: fault for i in range(rooms)}, kv_only=lambda n: n > AUX_BYTES)
+    log = inject(
+        prefill.manager.backend, planned({i + 1: fault for i in range(rooms)}), kv_only=lambda n: n > AUX_BYTES
+    )
     for room in range(rooms):  # one batch each: its pages and aux record; the byte and the runs vary
         src, dst = rng.sample(range(1, PAGES + 1), 4), sorted(rng.sample(range(1, PAGES + 1), 4))
         receiver = send_room(prefill, dec, 100 + room, src, dst, chunks=1)
