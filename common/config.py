@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.wire.addresses import split_host_port
 from common.wire.kv_events import parse_kv_events_config
-from common.wire.user_error import split_host_port
 
 DisaggMode = Literal["null", "prefill", "decode"]
 
@@ -97,7 +97,12 @@ class ServerConfig(BaseSettings):
     )
     transfer_timeout_s: float = Field(60.0, gt=0, description="prefill: one batch write to a decode")
     heartbeat_interval_s: float = Field(
-        5.0, gt=0, description="decode pings each prefill it waits on; prefill watches the pings"
+        5.0,
+        gt=0,
+        description="one interval for three clocks: a decode pings each prefill it waits on and the prefill "
+        "watches the pings (a control connection silent this long is dialled again); a prefill re-registers "
+        "with the bootstrap registry (at least every 15 s); the hosts of a TP group spanning machines "
+        "(--nnodes > 1) post their heartbeats",
     )
     heartbeat_misses: int = Field(
         2,
@@ -171,7 +176,10 @@ class ServerConfig(BaseSettings):
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per host)")
         if self.dist_init_addr is not None:
-            split_host_port(self.dist_init_addr)
+            try:
+                split_host_port(self.dist_init_addr)
+            except ValueError as e:
+                raise ValueError(f"--dist-init-addr {e}") from None
         if self.nnodes == 1:
             return
         if self.dist_init_addr is None:

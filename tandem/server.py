@@ -17,7 +17,8 @@ from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
 from common.edge.tls import behind_tls, server_context
 from common.model.locate import check_model
-from common.wire.user_error import UserError, config_error, split_host_port
+from common.wire.addresses import split_host_port
+from common.wire.user_error import UserError, config_error
 from tandem.ports import require_free_ports
 
 log = logging.getLogger("tandem")

@@ -15,8 +15,9 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-import numpy as np
 import xxhash
+
+from common.wire.page_runs import page_runs
 
 Sums = list[list[int]]
 
@@ -25,25 +26,15 @@ def _hash(address: int, nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest((ctypes.c_ubyte * nbytes).from_address(address))
 
 
-def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Starts and lengths of the runs where both page ids advance by one (the writer's pieces)."""
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    return starts, np.diff(np.concatenate((starts, [src.size])))
-
-
 def page_run_sums(
     ptrs: Sequence[int], bytes_per_page: Sequence[int], src_pages: list[int], dst_pages: list[int]
 ) -> Sums:
-    """The entries of one chunk: its source pages hashed, run by run, in every buffer."""
-    if not src_pages:
-        return []
-    src, dst = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
-    starts, lengths = _runs(src, dst)
+    """The entries of one chunk: its source pages hashed, run by run (the writer's pieces), in every buffer."""
+    src, dst, lengths = (x.tolist() for x in page_runs(src_pages, dst_pages))
     return [
-        [b, int(dst[s]), int(n), _hash(ptr + int(src[s]) * bpp, int(n) * bpp)]
+        [b, d, n, _hash(ptr + s * bpp, n * bpp)]
         for b, (ptr, bpp) in enumerate(zip(ptrs, bytes_per_page))
-        for s, n in zip(starts, lengths)
+        for s, d, n in zip(src, dst, lengths)
     ]
 
 

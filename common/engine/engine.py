@@ -216,7 +216,7 @@ class Engine:
             "model_path": str(self.model_dir),
             "context_length": self.context_len,
             "kv_pages": s.check_integrity().to_dict(),
-            "host_kv_pages": host_tier.info(self.memory.prefix_cache),
+            "host_tier": host_tier.info(self.memory.prefix_cache),
             "num_running_reqs": len(s.decode.running),
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,

@@ -106,7 +106,7 @@ class Host:
 
     def _post(self, message: str) -> None:
         """Post a fault for every host to see, waiting at most a second (a frozen host 0 never answers)."""
-        t = threading.Thread(target=self.board.set_fault, args=(message,), daemon=True)
+        t = threading.Thread(target=self.board.set_fault, args=(message,), name="host-fault", daemon=True)
         t.start()
         t.join(1.0)
 
