@@ -105,7 +105,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
             args = ["serve", "--port", str(port), "--disagg-mode", "decode", *PD_FLAGS]
             servers.append(ServerProcess(args, port, name=f"mig-decode{j}"))
         for s in servers:
-            s.wait_ready()
+            s.wait_ready(600)  # four servers load at once
         prefills, decodes = servers[:2], servers[2:]
         pairs = [(p, int(p.arg("--bootstrap-port"))) for p in prefills]
         router = spawn_router(pairs, decodes, *ROUTER_FLAGS, name="mig-router").wait_ready(60)
