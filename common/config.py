@@ -137,6 +137,22 @@ class ServerConfig(BaseSettings):
         "certificate or this, bootstrap lookups use https",
     )
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+    # structured outputs, tool calls, reasoning (docs/structured-output.md)
+    grammar_backend: Literal["xgrammar", "none"] = Field(
+        "xgrammar",
+        description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them",
+    )
+    constrained_json_disable_any_whitespace: bool = Field(
+        False, description="JSON grammars allow no whitespace but one space after ':' and ','"
+    )
+    grammar_cache_size: int = Field(512, ge=1, description="compiled grammars kept (LRU)")
+    tool_call_parser: Literal["hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic"] | None = Field(
+        None, description="how tool_choice auto finds tool calls in the model's text (its family's format)"
+    )
+    reasoning_parser: Literal["deepseek-r1", "qwen3"] | None = Field(
+        None, description="split the thinking part into reasoning_content; grammars apply after it ends"
+    )
     drain_timeout_s: float = Field(
         30.0,
         ge=0,

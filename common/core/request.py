@@ -12,9 +12,11 @@ from common.core.timeline import Timeline
 from common.wire.api import Rendezvous
 from common.wire.migration import Migration
 from common.wire.sampling_params import SamplingParams
+from common.wire.structured_output import GrammarSpec
 
 if TYPE_CHECKING:
     from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+    from common.engine.grammar.req_grammar import ReqGrammar
 
 
 class ReqStatus(enum.Enum):
@@ -66,6 +68,7 @@ class GenInput:
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
     migration: Migration | None = None  # the router may move it to another pair (common/wire/migration.py)
+    grammar_spec: GrammarSpec | None = None  # what the output must match (json_schema, regex, tool_choice...)
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
@@ -100,6 +103,7 @@ class Req(GenInput):
     # runtime helpers, owned by the scheduler
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
+    grammar: ReqGrammar | None = None  # its own matcher over grammar_spec's compilation (common/engine/grammar/)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -162,4 +162,5 @@ class ModelRunner:
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_logprob=req.return_logprob,
             stop_ids=stop_ids if p.min_new_tokens > len(generated) else frozenset(),
+            grammar=req.grammar,
         )

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 from common.core.request import FinishReason, OutputEvent, Req
 from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from common.engine.grammar.req_grammar import GrammarRejected
 from common.engine.metrics import EngineMetrics
+from common.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from common.engine.model_runner import InputLogprobs
@@ -27,8 +29,7 @@ class OutputProcessor:
         p = req.params
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens)
         req.stop_matcher = StopStringMatcher(p.stop or [], include_stop=p.no_stop_trim) if p.stop else None
-        for n, token in enumerate(req.resumed_ids, start=1):
-            self._replay(req, token, n)
+        replay(req.detokenizer, req.stop_matcher, p.min_new_tokens, req.resumed_ids)
         if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
             req.input_logprobs = [None] * len(req.prompt_ids)
             if req.top_logprobs_num > 0:
@@ -48,8 +49,17 @@ class OutputProcessor:
             meta["input_top_logprobs"] = req.input_top_logprobs
         return meta
 
-    def commit_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> FinishReason | None:
-        """Append one sampled token, emit what the client may see now, and say whether `req` is done."""
+    def commit_token(
+        self, req: Req, token: int, logprob: float | None, top: list | None, from_peer: bool = False
+    ) -> FinishReason | None:
+        """Append one sampled token, emit what the client may see now, and say whether `req` is done. A token
+        its grammar forbids is not appended: the request ends with the grammar's error (`from_peer`: the
+        token is a PD prefill's, so the peers disagree)."""
+        if req.grammar is not None:
+            try:
+                req.grammar.accept(token, req.generated_ids, from_peer)
+            except GrammarRejected as e:
+                return FinishReason("abort", message=str(e), status=e.status)
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -63,6 +73,8 @@ class OutputProcessor:
         req.output_logprobs.append(logprob)
         req.output_top_logprobs.append(top)
         finish = self._token_finish(req, token)
+        if finish is None and req.grammar is not None and req.grammar.terminated:
+            finish = FinishReason("stop", matched=token)  # the grammar is complete (without EOS: ignore_eos)
         text = ""
         if not (finish and finish.matched == token):  # a stop token is not rendered
             text, finish = self._render(req, [token], finish)
@@ -73,17 +85,6 @@ class OutputProcessor:
         meta = self.input_meta(req) if len(req.output_ids) == 1 else {}
         self._emit(req, OutputEvent(req.rid, [token], text, [logprob], [top], meta=meta))
         return finish
-
-    @staticmethod
-    def _replay(req: Req, token: int, n_out: int) -> None:
-        """A migrated request's `n_out`-th token, which an earlier server showed its client: through the
-        detokenizer and the stop strings as commit_token took it there (it ended nothing), nothing emitted."""
-        delta = req.detokenizer.add([token])
-        if req.stop_matcher is not None:
-            if n_out < req.params.min_new_tokens:
-                req.stop_matcher.pass_through(delta)
-            else:
-                req.stop_matcher.feed(delta)
 
     def _token_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params
@@ -142,3 +143,25 @@ class OutputProcessor:
     def _emit(req: Req, event: OutputEvent) -> None:
         if req.sink is not None:
             req.sink(event)
+
+
+def replay(
+    detokenizer: IncrementalDetokenizer, stop_matcher: StopStringMatcher | None, min_new_tokens: int, ids: list[int]
+) -> list[str]:
+    """A migrated request's tokens that an earlier server showed its client, through the detokenizer and the
+    stop strings as commit_token took them there (none ended the request): their text pieces, one per token,
+    the state left as it was there. Nothing is emitted."""
+    pieces = []
+    for n, token in enumerate(ids, start=1):
+        piece = detokenizer.add([token])
+        if stop_matcher is not None:
+            piece = stop_matcher.pass_through(piece) if n < min_new_tokens else stop_matcher.feed(piece)[0]
+        pieces.append(piece)
+    return pieces
+
+
+def replayed_text(tokenizer, params: SamplingParams, ids: list[int]) -> list[str]:
+    """The pieces of text an earlier server showed for `ids` (see replay), from a fresh detokenizer."""
+    detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+    matcher = StopStringMatcher(params.stop or [], include_stop=params.no_stop_trim) if params.stop else None
+    return replay(detokenizer, matcher, params.min_new_tokens, ids)

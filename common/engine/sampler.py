@@ -8,8 +8,8 @@ a seeded request draws the same numbers alone, in any batch, after a retraction,
 after a move to another pair (docs/migration.md). Every request from the HTTP edge has a seed (its own, the
 router's, or a fresh one: common/http/serving.py make_reqs); rows without one (warm-up) share torch's generator.
 
-Logprobs are those of the raw model logits (before bias, masking, penalties and temperature), like vLLM's
-default.
+Logprobs are those of the raw model logits (before bias, masking, penalties, grammar and temperature), like
+vLLM's default. A grammar's bitmask (common/engine/grammar/mask.py) comes last: it has the last word.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class Sampler:
             logits = mask_stop_tokens(logits, batch)
         if batch.penalized:
             logits = apply_penalties(logits, batch)
+        if batch.grammar is not None:
+            logits = batch.grammar.apply(logits)
         ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
             ids = torch.where(
