@@ -23,6 +23,7 @@ from tests.integration.cluster import spawn_router
 from tests.integration.faults import wait_until
 from tests.integration.kv_faults import arm, armed_still, site_env
 
+pytestmark = pytest.mark.timeout(1200)  # four servers start first; a test restarts up to four of them
 FLAGS = ("--page-size", "16", "--chunked-prefill-size", "64", "--max-total-tokens", "8192")
 PD_FLAGS = (*FLAGS, "--disaggregation-enable-kv-checksum", "--drain-timeout-s", "2", "--heartbeat-interval-s", "1")
 ROUTER_FLAGS = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--migration-limit", "3")

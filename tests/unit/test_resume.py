@@ -5,6 +5,8 @@ new tokens and a stop string that must not match across the split; greedy; and n
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from common.config import ServerConfig
@@ -29,8 +31,8 @@ def run(engine: Engine, gen: GenInput) -> dict[int, list[OutputEvent]]:
     for i, req in make_reqs(gen):
         req.sink = events.setdefault(i, []).append
         engine.scheduler.add_request(req)
-    while engine.scheduler.step():
-        pass
+    while engine.scheduler.has_work():  # a grammar compiles off the scheduler thread
+        engine.scheduler.step()
     return events
 
 
@@ -102,3 +104,31 @@ def test_a_resumed_request_is_no_longer_than_it_would_have_been(engine):
     assert (req.resumed_len, req.generated_ids, req.prompt_ids[-2:]) == (2, [3, 4], [3, 4])
     rest = run(engine, GenInput("r", prompt, params, migration=migration([ResumedChoice(output_ids=[3, 4])])))[0]
     assert len(tokens_and_text(rest)[0]) == 3
+
+
+@pytest.fixture(scope="module")
+def builtin_engine() -> Engine:
+    e = Engine(ServerConfig(model="builtin", max_total_tokens=4096, page_size=4))
+    yield e
+    e.stop()
+
+
+def test_a_constrained_request_split_goes_on_in_its_grammar(builtin_engine):
+    """The resumed choice's matcher is fed the shown tokens: the rest is what the whole request drew, and the
+    answer still validates."""
+    from common.wire.structured_output import GrammarSpec, canonical_json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["city", "count"], "additionalProperties": False}  # fmt: skip
+    grammar = GrammarSpec("json_schema", canonical_json(schema, "schema"), "schema")
+    e = builtin_engine
+    msgs = [{"role": "user", "content": "A city and a number, in JSON."}]
+    ids = e.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    params = SamplingParams(max_new_tokens=60, temperature=1.0, seed=9)
+    whole = run(e, GenInput("g", prompt, params, migration=migration(None), grammar_spec=grammar))[0]
+    out, text = tokens_and_text(whole)
+    assert whole[-1].finish.type == "stop" and json.loads(text).keys() == {"city", "count"}
+    for k in (1, len(out) // 2, len(out) - 1):
+        resume = [ResumedChoice(output_ids=shown(whole, k)[0])]
+        rest = run(e, GenInput("g", prompt, params, migration=migration(resume), grammar_spec=grammar))[0]
+        assert out[:k] + tokens_and_text(rest)[0] == out, k
