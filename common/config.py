@@ -45,6 +45,12 @@ class ServerConfig(BaseSettings):
     dist_init_addr: str | None = Field(
         None, description="HOST:PORT where host 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
     )
+    dist_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds a TP group's start-up waits for host 0's rendezvous and for every rank to join it "
+        "(SGLang's flag); loading the model comes after, unbounded",
+    )
 
     # memory
     page_size: int = Field(16, ge=1, le=256)

@@ -8,6 +8,7 @@ request still ends with a clear error within its bound."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -219,6 +220,11 @@ class Client(threading.Thread):
         return self.answer
 
 
+def started(clients: dict[str, Client], tokens: int) -> bool:
+    """Every stream has `tokens` tokens of its first choice, or ended (a stop string may end one early)."""
+    return all(c.tokens() >= tokens or c.answer.done for c in clients.values() if c.body.get("stream"))
+
+
 def run_all(url: str) -> dict[str, Client]:
     return {name: Client(url, path, body) for name, (path, body) in REQUESTS.items()}
 
@@ -246,11 +252,23 @@ def no_fault(cluster) -> dict[str, dict]:
     return {name: a.view(REQUESTS[name][0]) for name, a in answers.items()}
 
 
+def same(a, b) -> bool:
+    """Equal, logprobs within 1e-4: tokens after a move run in another batch on another decode, whose float
+    sums may differ in the last bits (the tokens and the text do not)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def assert_as_without_faults(clients: dict[str, Client], no_fault: dict[str, dict]) -> None:
     for name, client in clients.items():
         answer = client.result()
         check_continuous(name, answer)
-        assert answer.view(client.path) == no_fault[name], name
+        assert same(answer.view(client.path), no_fault[name]), (name, answer.view(client.path), no_fault[name])
 
 
 def migrations(cluster: Cluster, reason: str) -> float:
@@ -272,7 +290,7 @@ def busiest(servers: list[ServerProcess]) -> ServerProcess:
 def test_streams_go_on_exactly_when_their_decode_is_killed(cluster, no_fault):
     before = migrations(cluster, "decode_failed")
     clients = run_all(cluster.router.url)
-    wait_until(lambda: min(c.tokens() for c in clients.values() if c.body.get("stream")) >= 8, 120, "8 tokens each")
+    wait_until(lambda: started(clients, 8), 120, "8 tokens each")
     victim = busiest(cluster.decodes)
     killed_at = time.monotonic()
     victim.signal(signal.SIGKILL)
@@ -302,7 +320,7 @@ def test_a_corrupted_transfer_is_caught_and_the_request_moves(cluster, fault):
     clean = Client(cluster.router.url, path, unique).result()
     for answer in (faulted, clean):
         check_continuous("generate n=2 seeded, logprobs", answer)
-    assert faulted.view(path) == clean.view(path)
+    assert same(faulted.view(path), clean.view(path))
     after = sum(metric(d.url, "tandem_kv_transfer_failures_total", cause="checksum") for d in cluster.decodes)
     assert after == failures + 1
     idle(cluster.servers)
@@ -330,7 +348,7 @@ def test_a_rolling_restart_under_long_streams_loses_nothing(cluster, no_fault):
     transfers; each comes back before the next goes."""
     for server in cluster.servers:
         clients = run_all(cluster.router.url)
-        wait_until(lambda: min(c.tokens() for c in clients.values() if c.body.get("stream")) >= 4, 120, "streams")
+        wait_until(lambda: started(clients, 4), 120, "streams")
         sent = time.monotonic()
         server.signal(signal.SIGTERM)
         assert server.proc.wait(15) == 0
