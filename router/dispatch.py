@@ -125,6 +125,7 @@ class Dispatcher:
                 pair = self.placer.pick(body)
             if pair is None:
                 return await self._give_up(reply, moves.error, None)
+            moves.handover = len(self.workers.healthy("decode")) > 1
             try:
                 return await self._serve_on(pair, reply, raw, body, moves)
             except UpstreamError as e:

@@ -75,6 +75,7 @@ class Moves:
         self.last_event_at = 0.0
         self.gap_from: float | None = None  # a move's: when the client's last event before the cut went out
         self.error: UpstreamError | None = None  # the last failure
+        self.handover = False  # the router has another healthy decode: a draining one may hand this back
 
     @property
     def on(self) -> bool:
@@ -84,7 +85,7 @@ class Moves:
         """What both halves' body gets: the `migration` field (nothing when off)."""
         if not self.on:
             return {}
-        migration = dict(self.identity)
+        migration = dict(self.identity) | {"handover": self.handover}
         if self.shown_any:
             migration["resume"] = [c.resume(self.generate) if c.traced else None for c in self.choices]
         return {"migration": migration}

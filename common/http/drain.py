@@ -23,17 +23,17 @@ def engine_drain(engine: Engine) -> Drain:
 
 
 async def hand_over(engine: Engine) -> None:
-    """At the drain's start, a decode ends every request the router may move (it carries `migration`:
-    common/wire/migration.py) with a 503 at once: the router moves it to another pair, which goes on from the
-    tokens shown, so the server exits within seconds whatever its streams' length. Others run on to the
-    deadline. A prefill keeps its requests: they end once their KV is sent."""
+    """At the drain's start, a decode ends every request the router may move elsewhere (its `migration` says
+    the router had another decode: common/wire/migration.py) with a 503 at once: the router moves it to another
+    pair, which goes on from the tokens shown, so the server exits within seconds whatever its streams' length.
+    Others run on to the deadline. A prefill keeps its requests: they end once their KV is sent."""
     if engine.config.disagg_mode != "decode":
         return
     message = "this decode server is shutting down; the router moves the request to another pair"
 
     def end_movable() -> None:
         scheduler = engine.scheduler
-        movable = [req for req in scheduler.tracked_requests() if req.migration is not None]
+        movable = [req for req in scheduler.tracked_requests() if req.migration is not None and req.migration.handover]
         for req in movable:
             scheduler.abort_now(req, message, 503)
         log.info("handed %d requests back to the router to move at once", len(movable))

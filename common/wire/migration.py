@@ -2,7 +2,7 @@
 the `migration` field the router adds to both halves' body, and the token trace a decode's stream then
 carries back. Torch-free: the router and the servers share it.
 
-    router ── body + "migration": {"rid", "created", "seed", "resume"} ──▶ prefill and decode
+    router ── body + "migration": {"rid", "created", "seed", "resume", "handover"} ──▶ prefill and decode
     decode ── each SSE event preceded by  : trace {"i": choice, "ids": [...], "p": prompt, "f": 1}  ──▶ router
 
 The trace names the event's choice, the tokens it adds (an event that shows no text still carries a trace of
@@ -54,6 +54,9 @@ class Migration(BaseModel):
     created: int = Field(ge=0)
     seed: int = Field(ge=INT64_MIN, le=INT64_MAX)
     resume: list[ResumedChoice | None] | None = Field(None, max_length=16)
+    # the router had another healthy decode when it sent this: a draining decode may hand it back at once
+    # (common/http/drain.py); without one it finishes the request within its drain timeout
+    handover: bool = False
 
 
 def trace(choice: int, ids: list[int], prompt_len: int | None = None, finished: bool = False) -> bytes:
