@@ -1,8 +1,10 @@
 """KV checksums (`--disaggregation-enable-kv-checksum`, SGLang's flag): the prefill hashes every page run it
-writes (xxh3-64 of the source bytes, per registered buffer), sends the hashes with the room's final status,
-and the decode hashes the same pages of its own buffers before the room's pages may be read or cached. A
-difference, or a page of the room no hash covers, fails the room: a flipped byte, a write that never landed
-or landed elsewhere is caught, never served, never cached.
+writes (xxh3-64 of the source bytes, per registered buffer, on its `kv-checksum` thread while the write runs)
+and sends the hashes once the write landed: a chunk's in a `checksums` message, the last one's with the
+room's final status. The decode hashes the same pages of its own buffers as each message comes (`PageCheck`:
+so only the last chunk's wait at the end), and the room succeeds only if every page of it was covered and
+equal. A difference, or a page no hash covers, fails the room: a flipped byte, a write that never landed or
+landed elsewhere is caught, never served, never cached.
 
     entry: [buffer index, first destination page, pages, xxh3-64]      one per run and buffer
 
@@ -38,19 +40,40 @@ def page_run_sums(
     ]
 
 
+class PageCheck:
+    """A decode room's pages (`dst_pages`, in every buffer) against the prefill's hashes, as they come."""
+
+    def __init__(self, ptrs: Sequence[int], bytes_per_page: Sequence[int], dst_pages: list[int]):
+        self.ptrs, self.bytes_per_page = ptrs, bytes_per_page
+        self.expected = {(b, p) for b in range(len(ptrs)) for p in dst_pages}
+        self.covered: list[tuple[int, int]] = []
+        self.bad: list[str] = []
+        self.runs = 0
+
+    def add(self, sums: Sums) -> str | None:
+        """Hash the pages of one chunk's entries now (they landed); why they differ, or None."""
+        for b, first, n, digest in sums:
+            if not 0 <= b < len(self.ptrs) or n < 1:
+                return f"a checksum names buffer {b} / {n} pages, outside this decode's layout"
+            self.covered += [(b, p) for p in range(first, first + n)]
+            bpp = self.bytes_per_page[b]
+            if _hash(self.ptrs[b] + first * bpp, n * bpp) != digest:
+                self.bad.append(f"buffer {b} pages {first}-{first + n - 1}")
+        self.runs += len(sums)
+        if self.bad:
+            return f"KV checksum mismatch in {len(self.bad)} of {self.runs} page runs ({', '.join(self.bad[:3])})"
+        return None
+
+    def final(self, sums: Sums) -> str | None:
+        """The last chunk's entries, then whether every page of the room was covered exactly once."""
+        problem = self.add(sums)
+        if problem is None and (len(self.covered) != len(self.expected) or set(self.covered) != self.expected):
+            return (
+                f"the checksums cover {len(set(self.covered) & self.expected)} of the room's {len(self.expected)} pages"
+            )
+        return problem
+
+
 def mismatch(ptrs: Sequence[int], bytes_per_page: Sequence[int], dst_pages: list[int], sums: Sums) -> str | None:
-    """Why the room's pages (`dst_pages`, in every buffer) do not hold what the prefill hashed, or None."""
-    expected = {(b, p) for b in range(len(ptrs)) for p in dst_pages}
-    covered: list[tuple[int, int]] = []
-    bad = []
-    for b, first, n, digest in sums:
-        if not 0 <= b < len(ptrs) or n < 1:
-            return f"a checksum names buffer {b} / {n} pages, outside this decode's layout"
-        covered += [(b, p) for p in range(first, first + n)]
-        if _hash(ptrs[b] + first * bytes_per_page[b], n * bytes_per_page[b]) != digest:
-            bad.append(f"buffer {b} pages {first}-{first + n - 1}")
-    if len(covered) != len(expected) or set(covered) != expected:
-        return f"the checksums cover {len(set(covered) & expected)} of the room's {len(expected)} pages"
-    if bad:
-        return f"KV checksum mismatch in {len(bad)} of {len(sums)} page runs ({', '.join(bad[:3])})"
-    return None
+    """Why the room's pages do not hold what the prefill hashed (all its entries at once), or None."""
+    return PageCheck(ptrs, bytes_per_page, dst_pages).final(sums)

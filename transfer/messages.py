@@ -12,6 +12,7 @@ and counted.
                                     ahead of the KV
     prefill -> decode  status       per room: ok or failed(reason), after the last write of that room; ok
                                     carries the page runs' checksums with --disaggregation-enable-kv-checksum
+    prefill -> decode  checksums    per chunk but the last (with that flag): its page runs' checksums, once it landed
     prefill rank 0 -> its follower's agent  rank_write    one rank slice of a chunk, written by that rank's
                                                           own engine (transfer.rank_agent)
     agent -> prefill rank 0                 rank_written  ok (bytes written) or failed(reason)
@@ -99,6 +100,15 @@ class Status:
 
 
 @dataclass
+class KVChecksums:
+    """A chunk's page-run checksums (transfer/checksum.py), sent once its write landed; the last chunk's
+    ride the room's final status."""
+
+    room_id: int
+    checksums: list
+
+
+@dataclass
 class FirstToken:
     """The room's aux record (first sampled token), sent as soon as it is known, ahead of the KV: the
     decode may stream the token before the pages land; the same record still comes with the KV."""
@@ -140,6 +150,7 @@ KINDS = {
     "pong": Pong,
     "status": Status,
     "first_token": FirstToken,
+    "checksums": KVChecksums,
     "rank_write": RankWrite,
     "rank_written": RankWritten,
 }
@@ -295,11 +306,11 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
 
 
 def _check_ranges(msg: Any) -> None:
-    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room_id < 2**63:
+    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken, KVChecksums)) and not 0 <= msg.room_id < 2**63:
         raise BadMessage("room out of range")
     if isinstance(msg, (RankWrite, RankWritten)) and not 0 <= msg.job < 2**63:
         raise BadMessage("job out of range")
-    if isinstance(msg, Status) and not all(
+    if isinstance(msg, (Status, KVChecksums)) and not all(
         isinstance(e, list) and len(e) == 4 and all(type(x) is int and 0 <= x < 2**64 for x in e) for e in msg.checksums
     ):
         raise BadMessage("status checksums must be [buffer, page, pages, hash] lists of non-negative ints")

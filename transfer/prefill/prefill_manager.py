@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from common.wire.kv_heads import describe_sources, head_sources
 from transfer.checksum import page_run_sums
@@ -19,6 +20,7 @@ from transfer.messages import (
     BadMessage,
     Envelope,
     FirstToken,
+    KVChecksums,
     Ping,
     Pong,
     RankWritten,
@@ -56,6 +58,7 @@ class PrefillKVManager(KVManager):
         self.refused: dict[str, tuple[Register, str]] = {}  # decode instances whose layout does not fit, and why
         self.table = PrefillRoomTable(self.clock)
         self.workers = WorkerPool(self._make_worker)
+        self.hasher = ThreadPoolExecutor(2, "kv-checksum")  # --...-kv-checksum; no thread until first used
         self.start()
 
     def _rank_links(self, fault: Callable[[], str | None]) -> RankLinks | None:
@@ -209,12 +212,17 @@ class PrefillKVManager(KVManager):
         fence = lambda: self._fence(room_request.decode_id, chunk.room)  # noqa: E731
         if chunk.ready is not None:  # the forward that wrote the pages may still run on the device
             chunk.ready.synchronize()
+        a = self.args
+        sums = None  # the source pages change no more: hashed while they are written (xxhash lets go of the GIL)
+        if a.kv_checksum:
+            sums = self.hasher.submit(page_run_sums, a.kv_ptrs, a.bytes_per_page, chunk.src_pages, chunk.dst_pages)
         written = self.writer.write(
             registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
         )
-        if self.args.kv_checksum:  # the source pages, as they were written (they change no more)
-            a = self.args
-            chunk.room.checksums += page_run_sums(a.kv_ptrs, a.bytes_per_page, chunk.src_pages, chunk.dst_pages)
+        if sums is not None and chunk.aux is None:  # landed: the decode checks these pages now
+            self.send(registration.status_endpoint, KVChecksums(chunk.room.room_id, sums.result()))
+        elif sums is not None:  # the last chunk's go with the final status
+            chunk.room.checksums = sums.result()
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] += written
 
@@ -241,6 +249,7 @@ class PrefillKVManager(KVManager):
     def close(self) -> None:
         super().close()
         self.writer.close()
+        self.hasher.shutdown(wait=False, cancel_futures=True)
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> list[str]:
