@@ -63,9 +63,7 @@ class Moves:
     def __init__(self, config: RouterConfig, path: str, body: dict[str, Any]):
         self.limit, self.max_seq_len = config.migration_limit, config.migration_max_seq_len
         self.generate = path == "/generate"
-        self.stream = body.get("stream") is True
-        n = (body.get("sampling_params") or {}).get("n", 1) if self.generate else body.get("n", 1)
-        self.choices = [ChoiceShown() for _ in range(n if isinstance(n, int) and 0 < n <= 16 else 1)]
+        self.choices = [ChoiceShown() for _ in range(choices(path, body))]
         self.identity = {"rid": f"{random.getrandbits(64):016x}", "created": int(time.time())}
         self.identity["seed"] = random.getrandbits(63)
         self.done = 0  # moves made
@@ -109,7 +107,9 @@ class Moves:
         return b"".join(out), error
 
     def _note(self, trace: dict[str, Any], event: bytes) -> None:
-        choice = self.choices[trace["i"]]
+        i = trace["i"]
+        self.choices += [ChoiceShown() for _ in range(i + 1 - len(self.choices))]
+        choice = self.choices[i]
         choice.traced = True
         choice.ids += trace["ids"]
         choice.finished |= bool(trace.get("f"))
@@ -140,6 +140,13 @@ class Moves:
             return None
         gap, self.gap_from = time.monotonic() - self.gap_from, None
         return gap
+
+
+def choices(path: str, body: dict[str, Any]) -> int:
+    """The request's `n` as its workers read it (1 where the body does not say; they refuse a bad one)."""
+    params = body.get("sampling_params") if path == "/generate" else body
+    n = params.get("n", 1) if isinstance(params, dict) else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16 else 1
 
 
 def event_error(event: bytes, decode: Worker) -> UpstreamError:
