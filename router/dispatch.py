@@ -122,7 +122,7 @@ class Dispatcher:
         while True:
             pair = self.placer.pick(body, moves.exclude)
             if pair is None and moves.done:  # what a move avoids may have been the pair's fault, not a worker's
-                pair = self.placer.pick(body)
+                pair = self.placer.pick(body, moves.lost)
             if pair is None:
                 return await self._give_up(reply, moves.error, None)
             moves.handover = len(self.workers.healthy("decode")) > 1

@@ -13,8 +13,8 @@ everything (the last choice ended). A streamed answer moves with what it has sho
 starts over, since the client has nothing yet: with the same seed, it draws the same tokens.
 
 Who is avoided next: the worker that failed (a decode's error event with 502 or 504 is its PD peer's
-failure: the prefill); when that leaves no pair, any healthy pair (the failure may have been the pair's,
-not a worker's: a corrupted transfer).
+failure: the prefill); when that leaves no pair, any healthy pair but those whose connection failed (the
+failure may have been the pair's, not a worker's: a corrupted transfer).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from common.wire.migration import split_trace
 from router.config import RouterConfig
-from router.upstream import CLIENT_ERROR, DECODE_FAILED, PREFILL_FAILED, UpstreamError
+from router.upstream import CLIENT_ERROR, DECODE_FAILED, PREFILL_FAILED, WORKER_DEAD, UpstreamError
 from router.workers import Worker
 
 ERROR_EVENT = b'data: {"error"'
@@ -67,7 +67,8 @@ class Moves:
         self.identity = {"rid": f"{random.getrandbits(64):016x}", "created": int(time.time())}
         self.identity["seed"] = random.getrandbits(63)
         self.done = 0  # moves made
-        self.exclude: set[str] = set()
+        self.exclude: set[str] = set()  # workers that failed this request
+        self.lost: set[str] = set()  # of those, the ones whose connection failed (dead, most likely)
         self.prompt_len = 0
         self.shown_any = False  # an event of this request reached the client
         self.last_event_at = 0.0
@@ -131,6 +132,8 @@ class Moves:
         self.gap_from = self.last_event_at if self.shown_any else None
         blamed = prefill if error.cause == PREFILL_FAILED else error.worker or decode
         self.exclude.add(blamed.url)
+        if error.worker_failed or error.cause == WORKER_DEAD:
+            self.lost.add(blamed.url)
         return error.cause
 
     def gap(self) -> float | None:
