@@ -94,7 +94,7 @@ def bodies(n: int, max_new: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        prompt = [rng.randrange(100, 1000) for _ in range(rng.randrange(24, 160))]
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(24, 160))]  # the tiny model's vocabulary: 512
         sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_k": 50, "seed": 1000 + i}
         out.append(
             {
@@ -142,6 +142,19 @@ def stream(url: str, body: dict) -> dict:
         }
 
 
+def ok(result: dict) -> bool:
+    return result["status"] == 200 and result["error"] is None and result["answer"][0] is not None
+
+
+def same(a: dict, b: dict) -> bool:
+    """The same tokens and text, and logprobs equal to 1e-4 (a moved stream's later tokens run in another
+    batch on another decode: its float sums may differ in the last bits)."""
+    (ids_a, text_a, lp_a), (ids_b, text_b, lp_b) = a["answer"], b["answer"]
+    if ok(b) is False or (ids_a, text_a) != (ids_b, text_b) or len(lp_a or []) != len(lp_b or []):
+        return False
+    return all(abs(x[0] - y[0]) <= 1e-4 for x, y in zip(lp_a or [], lp_b or []))
+
+
 def run_pass(url: str, reqs: list[dict], concurrency: int, progress: list[int]) -> list[dict]:
     def one(body: dict) -> dict:
         out = stream(url, body)
@@ -163,7 +176,8 @@ def busiest(decodes: list[ServerProcess]) -> ServerProcess:
 
 
 def inject_faults(c: Cluster, total: int, progress: list[int], log: list[str], stop: threading.Event) -> None:
-    """The faults, each when its share of the streams has ended (restarts in the background)."""
+    """The faults, each when its share of the streams has ended (restarts in the background); none once the
+    pass is over."""
     rng = random.Random(1)
     restarts = []
 
@@ -171,33 +185,33 @@ def inject_faults(c: Cluster, total: int, progress: list[int], log: list[str], s
         while progress[0] < share * total:
             if stop.wait(0.05):
                 return False
-        return True
+        return not stop.is_set()
+
+    def restart(server: ServerProcess) -> None:
+        restarts.append(threading.Thread(target=c.restart, args=(server,)))
+        restarts[-1].start()
 
     def kill_decode(share: float) -> None:
         if at(share):
             time.sleep(rng.uniform(0, 1.0))  # a random token of the streams running then
-            victim = busiest(c.decodes)
+            victim = busiest([d for d in c.decodes if d.proc.poll() is None])
             victim.signal(signal.SIGKILL)
             log.append(f"SIGKILL {victim.name} after {progress[0]} streams")
-            restarts.append(threading.Thread(target=c.restart, args=(victim,)))
-            restarts[-1].start()
+            restart(victim)
 
-    kill_decode(0.15)
-    for share, fault in ((0.35, "drop"), (0.5, "flip")):
+    kill_decode(0.1)
+    for share, fault in ((0.25, "drop"), (0.4, "flip")):
         if at(share):
             arm(c.faults[0], fault)
             log.append(f"armed {fault} on prefill0 after {progress[0]} streams")
-    if at(0.65):
-        for t in restarts:
-            t.join()
+    if at(0.55):
         victim = c.prefills[0]
         victim.signal(signal.SIGSTOP)
         time.sleep(0.5)  # requests the router gave it wait there: their KV never lands
         victim.signal(signal.SIGKILL)
         log.append(f"SIGKILL prefill0 (frozen 0.5 s) after {progress[0]} streams")
-        restarts.append(threading.Thread(target=c.restart, args=(victim,)))
-        restarts[-1].start()
-    kill_decode(0.8)
+        restart(victim)
+    kill_decode(0.75)
     for t in restarts:
         t.join()
 
@@ -284,8 +298,14 @@ def drill(ns: argparse.Namespace, model: str, prefills: int) -> dict:
                 "topology": f"{prefills}P2D",
                 "streams": ns.streams,
                 "completed": sum(1 for f in faulted if f["status"] == 200 and f["error"] is None),
-                "identical to the no-fault run": sum(1 for a, f in zip(clean, faulted) if a["answer"] == f["answer"]),
-                "no-fault runs identical": sum(1 for a, b in zip(clean, baseline) if a["answer"] == b["answer"]),
+                "identical to the no-fault run": sum(1 for a, f in zip(clean, faulted) if ok(a) and same(a, f)),
+                "identical to one of the no-fault runs": sum(
+                    1 for a, b, f in zip(clean, baseline, faulted) if ok(a) and (same(a, f) or same(b, f))
+                ),
+                "no-fault runs identical": sum(1 for a, b in zip(clean, baseline) if ok(a) and same(a, b)),
+                "tokens and text identical to the no-fault run": sum(
+                    1 for a, f in zip(clean, faulted) if ok(a) and a["answer"][:2] == f["answer"][:2]
+                ),
                 "moves": moves,
                 "corrupted rooms caught": sum(
                     metric(d.url, "tandem_kv_transfer_failures_total", cause="checksum") for d in c.decodes
