@@ -3,7 +3,9 @@ checksums on, a tiny random Llama unless --model says otherwise), once without f
 hit the cluster: a decode killed at a random token (twice, each restarted), a dropped KV write and a flipped
 byte (a fault-injecting transport on prefill0: tests/integration/kv_faults.py), and prefill0 killed while
 requests wait on it (restarted; on 1P2D the decodes run --kv-load-failure-policy recompute: they compute
-the prompts themselves). Half the streams are greedy, half seeded sampling, each with its own prompt.
+the prompts themselves). After a kill no new stream starts until the server is back (those running go on):
+each fault hits a cluster with another healthy pair. Half the streams are greedy, half seeded sampling, each
+with its own prompt.
 
 Prints, per topology: streams completed and byte-identical to the no-fault run (tokens, text and
 logprobs), moves by reason, the resume gap (router histogram, interpolated p50/p99), each stream's longest
@@ -155,8 +157,12 @@ def same(a: dict, b: dict) -> bool:
     return all(abs(x[0] - y[0]) <= 1e-4 for x, y in zip(lp_a or [], lp_b or []))
 
 
-def run_pass(url: str, reqs: list[dict], concurrency: int, progress: list[int]) -> list[dict]:
+def run_pass(url: str, reqs: list[dict], concurrency: int, progress: list[int], gate: threading.Event) -> list[dict]:
+    """Every request, `concurrency` at a time; a new one starts only while `gate` is open (the injector closes
+    it while a killed server restarts: each fault hits a cluster that has another healthy pair)."""
+
     def one(body: dict) -> dict:
+        gate.wait()
         out = stream(url, body)
         progress[0] += 1
         return out
@@ -175,11 +181,12 @@ def busiest(decodes: list[ServerProcess]) -> ServerProcess:
     return max(decodes, key=running)
 
 
-def inject_faults(c: Cluster, total: int, progress: list[int], log: list[str], stop: threading.Event) -> None:
-    """The faults, each when its share of the streams has ended (restarts in the background); none once the
-    pass is over."""
+def inject_faults(
+    c: Cluster, total: int, progress: list[int], log: list[str], stop: threading.Event, gate: threading.Event
+) -> None:
+    """The faults, each when its share of the streams has ended; after a kill no new stream starts until the
+    server is back (the streams running go on); none once the pass is over."""
     rng = random.Random(1)
-    restarts = []
 
     def at(share: float) -> bool:
         while progress[0] < share * total:
@@ -188,8 +195,11 @@ def inject_faults(c: Cluster, total: int, progress: list[int], log: list[str], s
         return not stop.is_set()
 
     def restart(server: ServerProcess) -> None:
-        restarts.append(threading.Thread(target=c.restart, args=(server,)))
-        restarts[-1].start()
+        gate.clear()
+        try:
+            c.restart(server)
+        finally:
+            gate.set()
 
     def kill_decode(share: float) -> None:
         if at(share):
@@ -212,8 +222,6 @@ def inject_faults(c: Cluster, total: int, progress: list[int], log: list[str], s
         log.append(f"SIGKILL prefill0 (frozen 0.5 s) after {progress[0]} streams")
         restart(victim)
     kill_decode(0.75)
-    for t in restarts:
-        t.join()
 
 
 def histogram_quantile(url: str, name: str, q: float) -> float:
@@ -277,15 +285,17 @@ def drill(ns: argparse.Namespace, model: str, prefills: int) -> dict:
         meter = BytesMeter(c)
         try:
             reqs = bodies(ns.streams, ns.max_new)
-            clean = run_pass(c.router.url, reqs, ns.concurrency, [0])
+            gate = threading.Event()
+            gate.set()
+            clean = run_pass(c.router.url, reqs, ns.concurrency, [0], gate)
             start = meter.read()
-            baseline = run_pass(c.router.url, reqs, ns.concurrency, [0])  # caches as warm as the fault pass's
+            baseline = run_pass(c.router.url, reqs, ns.concurrency, [0], gate)  # caches as warm as the fault pass's
             warm = meter.read() - start
             progress, log, stop = [0], [], threading.Event()
-            injector = threading.Thread(target=inject_faults, args=(c, ns.streams, progress, log, stop))
+            injector = threading.Thread(target=inject_faults, args=(c, ns.streams, progress, log, stop, gate))
             injector.start()
             start = meter.read()
-            faulted = run_pass(c.router.url, reqs, ns.concurrency, progress)
+            faulted = run_pass(c.router.url, reqs, ns.concurrency, progress, gate)
             stop.set()
             injector.join()
             fault_bytes = meter.read() - start
