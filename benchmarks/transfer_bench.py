@@ -5,7 +5,7 @@ only: a layer-major room is no one range; "nan"), and one raw write of the room'
 (the backend's own cost per piece, which no caller can remove). ratio = ours / raw.
 
     .venv/bin/python benchmarks/transfer_bench.py [--backends mooncake nixl] [--device cpu|cuda] [--repeat 5]
-        [--layouts page-major layer-major]
+        [--layouts page-major layer-major] [--kv-checksum off|on|both]
 
 Layouts: "page-major" is the pool as it is (`KVPool`: a run of pages is one piece); "layer-major" is the
 pool before it (one buffer per layer and K/V: 2 x layers pieces per run), kept to measure the change.
@@ -119,7 +119,7 @@ def stop_followers(manager) -> None:
         stop.join_thread()
 
 
-def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, tp=1):
+def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, tp=1, checksum=False):
     from transfer.decode.decode_manager import DecodeKVManager
     from transfer.manager import KVArgs
     from transfer.prefill.prefill_manager import PrefillKVManager
@@ -143,6 +143,7 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
         rank_addresses=[f.backend_address for f in followers],
         rank_device_indices=[f.device_index for f in followers],
         rank_agents=[(f.agent_endpoint, f.agent_id) for f in followers if f.agent_endpoint],
+        kv_checksum=checksum,
     )
     manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)
     manager.follower_stops = stops
@@ -151,7 +152,7 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
     return manager, bufs
 
 
-def decode_side(backend, device, layout, case, q_out, q_in):
+def decode_side(backend, device, layout, case, q_out, q_in, checksum=False):
     import torch
 
     from transfer.decode.receiver import KVReceiver
@@ -160,7 +161,7 @@ def decode_side(backend, device, layout, case, q_out, q_in):
     pages = tokens // PAGE
     aux = torch.zeros(1, 64, dtype=torch.uint8)
     room = pages * max(2, src_tp, dst_tp)  # rank 0's buffer takes the raw one-piece write of every rank's bytes
-    manager, bufs = make_manager("decode", backend, device, layout, layers, heads, dim, room, aux, dst_tp)
+    manager, bufs = make_manager("decode", backend, device, layout, layers, heads, dim, room, aux, dst_tp, checksum)
     endpoint, prefill_id, rooms = q_in.get()
     dst = list(range(1, 2 * pages + 1, 2)) if frag else list(range(1, pages + 1))
     q_out.put(manager.instance_id)
@@ -214,13 +215,13 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
+def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results, checksum=False):
     from transfer.prefill.kv_writer import rank_peer
 
     layers, heads, dim, tokens, chunks, _, src_tp, dst_tp = CASES[case]
     pages = tokens // PAGE
     room = pages * max(src_tp, dst_tp)  # rank 0's buffer holds the raw one-piece write's bytes
-    manager, bufs = make_manager("prefill", backend, device, layout, layers, heads, dim, room, None, src_tp)
+    manager, bufs = make_manager("prefill", backend, device, layout, layers, heads, dim, room, None, src_tp, checksum)
     q_out.put((manager.endpoint, manager.instance_id, repeat + 1))
     decode_id = q_in.get()
     a, write, peer = manager.args, manager.backend.write_batch, rank_peer(decode_id, 0)
@@ -256,12 +257,14 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
     os._exit(0)
 
 
-def run_case(backend: str, device: str, layout: str, case: str, repeat: int) -> tuple:
+def run_case(backend: str, device: str, layout: str, case: str, repeat: int, checksum: bool = False) -> tuple:
     ctx = mp.get_context("spawn")
     to_dec, to_pre, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=decode_side, args=(backend, device, layout, case, to_pre, to_dec)),
-        ctx.Process(target=prefill_side, args=(backend, device, layout, case, repeat, to_dec, to_pre, results)),
+        ctx.Process(target=decode_side, args=(backend, device, layout, case, to_pre, to_dec, checksum)),
+        ctx.Process(
+            target=prefill_side, args=(backend, device, layout, case, repeat, to_dec, to_pre, results, checksum)
+        ),
     ]
     for p in procs:
         p.start()
@@ -286,24 +289,33 @@ def main() -> None:
     ap.add_argument(
         "--layouts", nargs="+", choices=["page-major", "layer-major"], default=["page-major", "layer-major"]
     )
+    ap.add_argument(
+        "--kv-checksum",
+        choices=["off", "on", "both"],
+        default="off",
+        help="--disaggregation-enable-kv-checksum on both sides (TP 1 cases): hash every page run, verify it",
+    )
     ns = ap.parse_args()
     # on CUDA the managers choose their transports as servers do (NIXL sets UCX_TLS; Mooncake refuses
     # MC_INTRANODE_NVLINK, whose transport cannot reach the host-memory aux records)
     rows = []
+    checksums = {"off": [False], "on": [True], "both": [False, True]}[ns.kv_checksum]
     for backend in ns.backends:
         for case in ns.cases:
             for layout in ns.layouts:
                 if layout != "page-major" and CASES[case][6:] != (1, 1):
                     continue  # ranks of their own pools: page-major only
-                rows.append((backend, layout, *run_case(backend, ns.device, layout, case, ns.repeat)))
-                print(f"  {backend:9} {case:22} {layout:11} done", flush=True)
+                for checksum in checksums if CASES[case][6:] == (1, 1) else [False]:
+                    out = run_case(backend, ns.device, layout, case, ns.repeat, checksum)
+                    rows.append((backend, layout + (" +sum" if checksum else ""), *out))
+                    print(f"  {backend:9} {case:22} {rows[-1][1]:16} done", flush=True)
     print(
-        f"\n{'backend':9} {'case':22} {'layout':11} {'MiB':>6} {'pieces':>6} {'ours GB/s':>9} {'raw GB/s':>8} {'ratio':>5}"
-        f" {'raw pieces GB/s':>15} {'ratio':>5}"
+        f"\n{'backend':9} {'case':28} {'layout':16} {'MiB':>6} {'pieces':>6} {'ours GB/s':>9} {'raw GB/s':>8}"
+        f" {'ratio':>5} {'raw pieces GB/s':>15} {'ratio':>5}"
     )
     for backend, layout, case, total, pieces, ours, raw, raw_pieces in rows:
         print(
-            f"{backend:9} {case:22} {layout:11} {total / 2**20:6.1f} {pieces:6d} {total / ours / 1e9:9.3f}"
+            f"{backend:9} {case:28} {layout:16} {total / 2**20:6.1f} {pieces:6d} {total / ours / 1e9:9.3f}"
             f" {total / raw / 1e9:8.3f} {raw / ours:5.2f} {total / raw_pieces / 1e9:15.3f} {raw_pieces / ours:5.2f}"
         )
 

@@ -58,6 +58,12 @@ class ServerConfig(BaseSettings):
     dist_init_addr: str | None = Field(
         None, description="HOST:PORT where host 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
     )
+    dist_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds a TP group's start-up waits for host 0's rendezvous and for every rank to join it "
+        "(SGLang's flag); loading the model comes after, unbounded",
+    )
 
     # memory
     page_size: int = Field(16, ge=1, le=256)
@@ -138,6 +144,17 @@ class ServerConfig(BaseSettings):
         description="silent intervals before a peer is declared dead and its rooms fail (>= 2: a pong answers a ping sent up to one interval earlier)",
     )
     cluster_secret: str | None = None
+    disaggregation_enable_kv_checksum: bool = Field(
+        False,
+        description="the prefill hashes every page run it sends, the decode checks the pages before the room's KV "
+        "is read or cached: a mismatch fails the room, which the router retries (SGLang's flag; on both roles)",
+    )
+    kv_load_failure_policy: Literal["fail", "recompute"] = Field(
+        "fail",
+        description="decode: when a room's KV does not arrive whole (its prefill died, the transfer failed or timed "
+        "out, a checksum differed): fail the request, which the router moves to another pair, or compute the "
+        "prompt here (vLLM's kv_load_failure_policy)",
+    )
 
     # serving
     watchdog_timeout_s: float = Field(
@@ -201,6 +218,11 @@ class ServerConfig(BaseSettings):
             raise ValueError(
                 "--enable-hierarchical-cache needs the radix cache and --tp-size 1: "
                 "drop --disable-radix-cache, or run it at --tp-size 1"
+            )
+        if self.disaggregation_enable_kv_checksum and (self.tp_size > 1 or self.device == "cuda"):
+            raise ValueError(
+                "--disaggregation-enable-kv-checksum checks the KV in host memory at --tp-size 1 only: "
+                "drop it, or run this server at --tp-size 1 on the CPU"
             )
         self._check_store()
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":

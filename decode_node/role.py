@@ -21,6 +21,12 @@ prefill's writes finish normally.
 
 A request with max_new_tokens 0 needs nothing from a prefill: it ends at once with no tokens.
 
+A room whose KV does not arrive whole (its prefill declared dead, the transfer failed or timed out, a checksum
+differed) fails its request (502 or 504: the router moves it to another pair), or with
+--kv-load-failure-policy recompute (vLLM's) the request is computed here: a husk takes over the room's row
+and pages (quarantined as above), and the request, with the first token it may have streamed, joins this
+server's prefill queue as a retracted one would.
+
 Who frees what: every exit goes through Scheduler.finish -> release() here. Without a transfer in flight
 the row and pages go back at once (MemoryManager.release caches only KV marked computed, and a transfer
 that never completed marked none); with one, release() keeps them (quarantined) and _poll_quarantined frees
@@ -131,7 +137,7 @@ class DecodeRole(Role):
             )
         elif inb.lookup.done():
             if inb.lookup.exception() is not None:
-                self.scheduler.fail(req, f"prefill peer lookup failed: {inb.lookup.exception()}")
+                self._kv_load_failed(req, inb, f"prefill peer lookup failed: {inb.lookup.exception()}")
             else:
                 return self._try_prealloc(req, inb, inb.lookup.result())
         return True
@@ -146,7 +152,7 @@ class DecodeRole(Role):
                 self.scheduler.fail(req, str(e), 409)
                 return True
         if inb.receiver.failure_reason is not None:  # failed before it was requested: its prefill was declared dead
-            self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
+            self._kv_load_failed(req, inb, f"KV transfer failed: {inb.receiver.failure_reason}")
             return True
         memory, n = self.scheduler.memory, len(req.prompt_ids)
         if (
@@ -179,7 +185,7 @@ class DecodeRole(Role):
         if state == KVPoll.Success:
             self._kv_arrived(req, inb)
         elif state == KVPoll.Failed:
-            self.scheduler.fail(req, f"KV transfer failed: {inb.receiver.failure_reason}")
+            self._kv_load_failed(req, inb, f"KV transfer failed: {inb.receiver.failure_reason}")
         elif inb.committed_ahead is None and inb.receiver.first_record is not None:
             self._commit_first_token(req, inb, inb.receiver.first_record)
 
@@ -213,6 +219,31 @@ class DecodeRole(Role):
             self.scheduler.finish(req, inb.finish_ahead)
         else:
             self.scheduler.join_decode(req)
+
+    def _kv_load_failed(self, req: Req, inb: Inbound, reason: str) -> None:
+        """The room's KV will not arrive: fail the request (502), or compute its prompt here
+        (--kv-load-failure-policy recompute) unless its first token ended it already."""
+        if self.config.kv_load_failure_policy != "recompute":
+            self.scheduler.fail(req, reason)
+        elif inb.finish_ahead is not None:
+            self.scheduler.finish(req, inb.finish_ahead)
+        else:
+            self._recompute(req, inb, reason)
+
+    def _recompute(self, req: Req, inb: Inbound, reason: str) -> None:
+        log.warning("request %s: %s; computing its prompt here (--kv-load-failure-policy recompute)", req.rid, reason)
+        for queue in (self.prealloc, self.transferring):
+            if req in queue:
+                queue.remove(req)
+        husk = Req(f"{req.rid} (failed room)", req.prompt_ids, req.params)  # holds the room's memory
+        self.scheduler.memory.hand_over(req, husk)
+        del self.inbound[req]
+        self.inbound[husk] = inb
+        if self.release(husk, FinishReason("abort", message=reason)):  # else quarantined until no write lands
+            self.scheduler.free(husk)
+        self.kv_manager.counters["rooms_recomputed"] += 1
+        req.status, req.decode_hit_len = ReqStatus.WAITING, None
+        self.scheduler.queue_for_prefill(req)
 
     def _valid_record(self, req: Req, raw: bytes) -> AuxRecord | None:
         """The aux record, or None after failing the request (502) when it is unusable."""

@@ -76,6 +76,15 @@ class RouterConfig(BaseSettings):
     health_check_timeout_s: float = Field(2.0, gt=0, description="a GET /health slower than this is a failure")
     health_failure_threshold: int = Field(2, ge=1, description="failures in a row that take a worker out of rotation")
     request_timeout_s: float = Field(1800.0, gt=0, description="the longest one request may take end to end")
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        description="times one request may move to another pair when its pair fails (Dynamo's flag): a stream goes "
+        "on from the tokens it has shown, a JSON answer starts over; 0 turns migration off",
+    )
+    migration_max_seq_len: int | None = Field(
+        None, ge=1, description="a request whose prompt + tokens shown are longer than this does not move"
+    )
     max_concurrent_requests: int = Field(4096, ge=1, description="requests in flight beyond this are answered 429")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies are answered 413")
     head_timeout_s: float = Field(

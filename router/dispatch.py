@@ -1,5 +1,6 @@
 """Serving one generation request: admission, the body, a (prefill, decode) pair, one retry on another
-pair when a worker refused before anything reached the client, and the reply (plain or streamed).
+pair when a worker refused before anything reached the client, moves to another pair when a pair fails
+(router/migration.py), and the reply (plain or streamed).
 
 The body is parsed once (to check it and read the few fields the router needs) and forwarded as the
 client's own bytes with the bootstrap fields appended: JSON parsers keep the last of duplicate keys.
@@ -11,19 +12,22 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from common.wire.body import parse_json_object, read_limited
 from common.wire.errors import TandemError, error_body
+from common.wire.sse import DONE, sse_event
 from router.admission import Admission
 from router.config import RouterConfig
 from router.http1 import Pools
 from router.logprobs import PromptLogprobs, wants_prompt_logprobs
 from router.metrics import RouterMetrics
+from router.migration import Moves
 from router.pair_call import Pair, PairCall, with_bootstrap
-from router.pair_stream import PairStream
+from router.pair_stream import PREFILL_GRACE_S, PairStream
 from router.placement import Placer
 from router.upstream import CLIENT_DISCONNECTED, UpstreamError, read_all, read_chunk
 from router.workers import WorkerRegistry
@@ -50,6 +54,18 @@ def forward_bodies(raw: bytes, body: dict[str, Any], forwarded: dict[str, Any]) 
             raw[: raw.rindex(b"}")] + (b"," if body else b"") + COMPACT.encode(extra).encode()[1:] if extra else raw
         )
     return (decode[: decode.rindex(b"}")] + b',"stream":false}' if body.get("stream") else decode), decode
+
+
+@dataclass
+class Reply:
+    """The client's side of one request: its stream once a try started it, and the prompt's logprobs once
+    read (a moved stream keeps both)."""
+
+    path: str
+    request: web.Request
+    start: float
+    out: web.StreamResponse | None = None
+    logprobs: PromptLogprobs | None = None
 
 
 class Dispatcher:
@@ -99,86 +115,112 @@ class Dispatcher:
     async def _handle_admitted(
         self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
     ) -> web.StreamResponse:
-        exclude: set[str] = set()
-        error: UpstreamError | None = None
-        for attempt in (1, 2):
-            pair = self.placer.pick(body, exclude)
+        """Tries on pairs until one answers: once more after a worker refused before anything was sent (a
+        retry), and up to --migration-limit more after a pair failed (a move: router/migration.py)."""
+        reply, moves = Reply(path, request, start), Moves(self.config, path, body)
+        retried = False
+        while True:
+            pair = self.placer.pick(body, moves.exclude)
+            if pair is None and moves.done:  # what a move avoids may have been the pair's fault, not a worker's
+                pair = self.placer.pick(body, moves.lost)
             if pair is None:
-                return self._no_pair(path, error, start)
+                return await self._give_up(reply, moves.error, None)
+            moves.handover = len(self.workers.healthy("decode")) > 1
             try:
-                return await self._serve_on(pair, path, request, raw, body, start)
+                return await self._serve_on(pair, reply, raw, body, moves)
             except UpstreamError as e:
-                error = e
-                if not (e.retriable and attempt == 1 and e.worker is not None):
-                    return self._reply(path, json_response(e.body, e.status, e.headers), pair, start, f"{e.cause}: {e}")
-                log.info("retrying on another pair: %s", e)
-                exclude.add(e.worker.url)
-                self.metrics.retries.inc()
-        raise AssertionError("unreachable: the second attempt always returns")
+                moves.error = e
+                if e.retriable and not retried and not moves.shown_any and e.worker is not None:
+                    log.info("retrying on another pair: %s", e)
+                    retried = True
+                    moves.exclude.add(e.worker.url)
+                    self.metrics.retries.inc()
+                    continue
+                reason = moves.again(e, pair.prefill, pair.decode)
+                if reason is None:
+                    return await self._give_up(reply, e, pair)
+                log.info("moving %s to another pair (%s, move %d): %s", path, reason, moves.done, e)
+                self.metrics.migrations.labels(reason).inc()
 
-    def _no_pair(self, path: str, error: UpstreamError | None, start: float) -> web.Response:
-        if error is not None:  # the retry found no other pair: the first failure is the better answer
-            return self._reply(
-                path, json_response(error.body, error.status, error.headers), None, start, f"{error.cause}: {error}"
-            )
-        msg = "no healthy prefill and decode worker pair is available; retry later"
-        return self._reply(
-            path, json_response(error_body(msg, "overloaded_error", 503), 503, {"Retry-After": "1"}), None, start
-        )
+    async def _give_up(self, reply: Reply, error: UpstreamError | None, pair: Pair | None) -> web.StreamResponse:
+        """The request's end when no pair serves it: `error` (the last failure) or 503 when no pair was left,
+        as the answer, or as the last event of the client's stream once that started."""
+        if error is not None:
+            body, status, headers, outcome = error.body, error.status, error.headers, f"{error.cause}: {error}"
+        else:
+            msg = "no healthy prefill and decode worker pair is available; retry later"
+            body, status, headers, outcome = error_body(msg, "overloaded_error", 503), 503, {"Retry-After": "1"}, ""
+        if reply.out is None:
+            return self._reply(reply.path, json_response(body, status, headers), pair, reply.start, outcome)
+        try:
+            await reply.out.write(sse_event(body) + DONE)
+            await reply.out.write_eof()
+        except ConnectionError:
+            pass  # the client went away too
+        self._record(reply.path, 200, pair, reply.start, f"stream ended with an error event: {outcome}")
+        return reply.out
 
     async def _serve_on(
-        self, pair: Pair, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+        self, pair: Pair, reply: Reply, raw: bytes, body: dict[str, Any], moves: Moves
     ) -> web.StreamResponse:
-        """One attempt. An UpstreamError before anything reached the client leaves this with the call closed
-        and the failure counted; once a stream started, failures become its last event."""
-        prefill_body, decode_body = forward_bodies(raw, body, with_bootstrap(body, pair.prefill))
+        """One try. An UpstreamError leaves this with the call closed and the failure counted, before or after
+        events reached the client."""
+        path = reply.path
+        prefill_body, decode_body = forward_bodies(raw, body, with_bootstrap(body, pair.prefill) | moves.fields())
         call = PairCall(self.pools, pair, path, prefill_body, decode_body, self.config.request_timeout_s)
-        logprobs: PromptLogprobs | None = None
         handed_to_stream = False
         try:
             resp = await call.open_decode()
             if not body.get("stream"):
                 data = await read_all(resp, pair.decode)
-                prefill_answer = await call.prefill_answer
                 if wants_prompt_logprobs(path, body):
-                    data = PromptLogprobs(path, prefill_answer).answer(data)
-                return self._reply(path, json_response(data), pair, start)
+                    data = PromptLogprobs(path, await call.prefill_answer).answer(data)
+                else:  # a finished prefill answer keeps its connection for the next request
+                    await asyncio.wait({call.prefill_answer}, timeout=PREFILL_GRACE_S)
+                    if call.error is not None:  # the prefill failed while the decode answered
+                        raise call.error
+                return self._reply(path, json_response(data), pair, reply.start)
             first = await read_chunk(resp, pair.decode)
-            if wants_prompt_logprobs(path, body):  # the first event must already carry them
-                logprobs = PromptLogprobs(path, await call.prefill_answer)
+            if reply.logprobs is None and wants_prompt_logprobs(path, body):  # the first event must carry them
+                reply.logprobs = PromptLogprobs(path, await call.prefill_answer)
             handed_to_stream = True
         except UpstreamError as e:
             call.close()  # first: a worker the failure takes out of rotation has this call no more
             self._count_failure(e)
             raise
         except asyncio.CancelledError:  # the client went away; closing the call aborts both halves
-            self._client_left(path, pair, start, "client disconnected before the response was ready")
+            self._client_left(path, pair, reply.start, "client disconnected before the response was ready")
             raise
         finally:
             if not handed_to_stream:
                 call.close()
-        return await self._stream(request, PairStream(call, resp, first, logprobs), path, start)
+        stream = PairStream(call, resp, first, reply.logprobs, moves if moves.on else None)
+        return await self._stream(reply, stream, moves)
 
-    async def _stream(self, request: web.Request, stream: PairStream, path: str, start: float) -> web.StreamResponse:
-        out = web.StreamResponse(headers=SSE_HEADERS)
+    async def _stream(self, reply: Reply, stream: PairStream, moves: Moves) -> web.StreamResponse:
+        """Relay one try's stream into the client's (started by the first try that has an event for it)."""
+        pair = stream.call.pair
         try:
-            await out.prepare(request)
             async for events in stream.events():
-                await out.write(events)
-            await out.write_eof()
+                if reply.out is None:
+                    reply.out = web.StreamResponse(headers=SSE_HEADERS)
+                    await reply.out.prepare(reply.request)
+                await reply.out.write(events)
+                if (gap := moves.gap()) is not None:
+                    self.metrics.resume_gap.observe(gap)
         except (asyncio.CancelledError, ConnectionError) as e:  # the client went away
-            self._client_left(path, stream.call.pair, start, "client disconnected mid-stream", status=200)
+            self._client_left(reply.path, pair, reply.start, "client disconnected mid-stream", status=200)
             if isinstance(e, asyncio.CancelledError):
                 raise
-            return out
+            return reply.out
         finally:
             stream.call.close()
-        outcome = ""
         if stream.error is not None:
             self._count_failure(stream.error)
-            outcome = f"stream ended with an error event: {stream.error.cause}: {stream.error}"
-        self._record(path, 200, stream.call.pair, start, outcome)
-        return out
+            raise stream.error
+        await reply.out.write_eof()
+        self._record(reply.path, 200, pair, reply.start, f"moved {moves.done} times" if moves.done else "")
+        return reply.out
 
     def _client_left(self, path: str, pair: Pair, start: float, outcome: str, status: int = 499) -> None:
         self.metrics.cancelled.labels(CLIENT_DISCONNECTED).inc()

@@ -39,6 +39,19 @@ class RouterMetrics:
             registry=r,
         )
         self.retries = Counter("tandem_router_retries", "requests retried on another pair", registry=r)
+        self.migrations = Counter(
+            "tandem_router_migrations",
+            "requests moved to another pair after their pair failed (--migration-limit), by the failure "
+            "(prefill_failed, decode_failed, worker_dead)",
+            ["reason"],
+            registry=r,
+        )
+        self.resume_gap = Histogram(
+            "tandem_router_migration_resume_gap_seconds",
+            "a moved stream's gap: its last event before the cut to its first one from the next pair",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r,
+        )
         self.latency = Histogram("tandem_router_request_latency_seconds", "request latency", registry=r)
         self.in_flight = Gauge(
             "tandem_router_in_flight_requests", "generation requests in flight", registry=r, multiprocess_mode="livesum"

@@ -6,7 +6,9 @@
 Both halves start at once: the handler awaits the decode half, the prefill half reports its end by
 itself (a callback, no task). The first failure ends the call (`fail`): the prefill half's own error,
 or either worker taken out of rotation (the prefill only until it has answered: from then on the
-request no longer depends on it). Ending the call makes the decode answer's waits raise that error and
+request no longer depends on it). A decode with --kv-load-failure-policy recompute (`Worker.recomputes`)
+computes the prompt itself when its KV does not come: the prefill's failure then ends only the prefill half
+(`prefill_answer` holds the error), and the decode's answer goes on. Ending the call makes the decode answer's waits raise that error and
 closes both connections, which aborts the request on the workers and frees its KV. A client that goes
 away cancels the handler, whose `close()` does the same. Nothing here polls or runs a task of its own.
 """
@@ -19,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.http1 import Pools, Response
-from router.upstream import UpstreamError, answer_error, send, worker_dead
+from router.upstream import CLIENT_ERROR, UpstreamError, answer_error, send, worker_dead
 from router.workers import Worker
+
+ROUTER_FIELDS = frozenset({"prefill_instance_id", "migration"})  # the router's alone: a client's are dropped
 
 
 @dataclass
@@ -31,7 +35,8 @@ class Pair:
 
 def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     """The body both halves get: where the decode finds this prefill (its registry, and its instance
-    there when the prefill told us), and a fresh room id; whatever the client sent for these is replaced."""
+    there when the prefill told us), and a fresh room id; whatever the client sent for these (and for
+    `migration`, the router's own: router/migration.py) is replaced or dropped."""
     fields = {
         "bootstrap_host": prefill.registry_host,
         "bootstrap_port": prefill.bootstrap_port,
@@ -39,7 +44,7 @@ def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     }
     if prefill.instance_id:
         fields["prefill_instance_id"] = prefill.instance_id
-    return {k: v for k, v in body.items() if k != "prefill_instance_id"} | fields
+    return {k: v for k, v in body.items() if k not in ROUTER_FIELDS} | fields
 
 
 class PairCall:
@@ -65,14 +70,29 @@ class PairCall:
     def _prefill_done(self, resp: Response) -> None:
         error = answer_error(resp, self.pair.prefill)
         if error is not None:
-            self.fail(error)
+            self._prefill_lost(error) if self._decode_goes_on(error) else self.fail(error)
             return
         self.pair.prefill.calls.discard(self)
         if not self.prefill_answer.done():
             self.prefill_answer.set_result(resp.body())
 
     def worker_down(self, worker: Worker) -> None:
-        self.fail(worker_dead(worker))
+        error = worker_dead(worker)
+        if worker is self.pair.prefill and self._decode_goes_on(error):
+            self._prefill_lost(error)
+        else:
+            self.fail(error)
+
+    def _decode_goes_on(self, error: UpstreamError) -> bool:
+        """Whether the decode answers without this prefill failure's KV: it recomputes, and the failure is the
+        prefill's, not the client request's."""
+        return self.pair.decode.recomputes and error.cause != CLIENT_ERROR and not self.closed and self.error is None
+
+    def _prefill_lost(self, error: UpstreamError) -> None:
+        self.pair.prefill.calls.discard(self)
+        if not self.prefill_answer.done():
+            self.prefill_answer.set_exception(error)
+            self.prefill_answer.exception()  # seen: only a client that wants the prompt's logprobs needs it
 
     def fail(self, error: UpstreamError) -> None:
         """End the call with `error` (the first failure wins); the decode answer's waits raise it."""

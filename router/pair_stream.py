@@ -1,8 +1,9 @@
 """Relay a committed decode stream (SSE) to the client, watching the prefill half and both workers.
 
-A stream always ends with either the decode's own `data: [DONE]` or one error event
-`data: {"error": {...}}` followed by `data: [DONE]`; events are relayed whole, so an error event never
-lands in the middle of a half-relayed one.
+Events are relayed whole, so an error event never lands in the middle of a half-relayed one. A stream ends
+with the decode's own `data: [DONE]`, or early with `error` set: the dispatcher then moves the request to
+another pair (router/migration.py, whose Moves also reads and strips the decode's token trace and turns its
+error event into `error`) or ends the client's stream with one error event and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -11,17 +12,14 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from common.wire.errors import error_body
-from common.wire.sse import DONE, sse_event
+from common.wire.sse import DONE
 from router.http1 import Response
 from router.logprobs import PromptLogprobs
+from router.migration import Moves
 from router.pair_call import PairCall
 from router.upstream import DECODE_FAILED, UpstreamError, read_chunk
 
 PREFILL_GRACE_S = 5.0  # after the decode's [DONE], how long the prefill's answer may still take
-
-
-def sse_error(err: UpstreamError) -> bytes:
-    return sse_event(err.body) + DONE
 
 
 class SSEFramer:
@@ -43,19 +41,26 @@ class SSEFramer:
 
 class PairStream:
     """The events of one call's decode stream, from its first bytes on. After they end, `error` holds what
-    ended them early, if anything."""
+    ended them early, if anything. `moves`: the request's migration state, when the decode traces its tokens."""
 
-    def __init__(self, call: PairCall, resp: Response, first: bytes, logprobs: PromptLogprobs | None):
-        self.call, self.resp, self.first, self.logprobs = call, resp, first, logprobs
+    def __init__(
+        self, call: PairCall, resp: Response, first: bytes, logprobs: PromptLogprobs | None, moves: Moves | None
+    ):
+        self.call, self.resp, self.first, self.logprobs, self.moves = call, resp, first, logprobs, moves
         self.error: UpstreamError | None = None
 
     async def events(self) -> AsyncIterator[bytes]:
         try:
             async for whole in self._relay():
-                yield self.logprobs.events(whole) if self.logprobs else whole
+                error = None
+                if self.moves is not None:
+                    whole, error = self.moves.observe(whole, self.call.pair.decode)
+                if whole:
+                    yield self.logprobs.events(whole) if self.logprobs else whole
+                if error is not None:
+                    raise error
         except UpstreamError as e:
             self.error = e
-            yield sse_error(e)
 
     async def _relay(self) -> AsyncIterator[bytes]:
         framer, chunk, decode = SSEFramer(), self.first, self.call.pair.decode

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from common.wire.api import INSTANCE_HEADER
+from common.wire.api import INSTANCE_HEADER, RECOMPUTE_HEADER
 from common.wire.drain import DRAINING_HEADER
 
 log = logging.getLogger("tandem.router")
@@ -41,6 +41,7 @@ class Worker:
     failures: int = 0  # in a row: health checks and connection-level request failures
     in_flight: int = 0
     instance_id: str | None = None  # from its /health answer: which transfer instance it is right now
+    recomputes: bool = False  # a decode that computes a prompt whose KV did not arrive (its /health says so)
     calls: set[Call] = field(default_factory=set)  # requests in flight that end if this worker is taken out
     down_reason: str = ""
 
@@ -131,6 +132,7 @@ class WorkerRegistry:
                 server_hostname=worker.tls_name,
             ) as r:
                 worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
+                worker.recomputes = r.headers.get(RECOMPUTE_HEADER) == "1"
                 if r.status == 503 and r.headers.get(DRAINING_HEADER):
                     self.set_draining(worker)
                     return

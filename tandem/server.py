@@ -125,7 +125,7 @@ def serve(config: ServerConfig) -> None:
     engine.start()
     from common.engine import host_tier
     from common.http.app import create_app
-    from common.http.drain import engine_drain, fail_in_flight
+    from common.http.drain import engine_drain, fail_in_flight, hand_over
 
     drain = engine_drain(engine)
     app = create_app(engine, drain)
@@ -154,7 +154,7 @@ def serve(config: ServerConfig) -> None:
             loop="asyncio",
             http=behind_tls(with_head_deadline(config.head_timeout_s), tls),
         )
-        DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine)).run()
+        DrainingServer(uvicorn_config, drain, lambda: fail_in_flight(engine), lambda: hand_over(engine)).run()
     finally:
         engine.stop()
         log.info("stopped")

@@ -69,6 +69,7 @@ class KVArgs:
     rank_addresses: list[bytes] = field(default_factory=list)  # followers' engines (ranks 1..), in rank order
     rank_device_indices: list[int] = field(default_factory=list)  # followers' CUDA devices (ranks 1..)
     rank_agents: list[tuple[str, str]] = field(default_factory=list)  # prefill: followers' (endpoint, agent id)
+    kv_checksum: bool = False  # hash every page run (prefill) and verify it before Success (decode)
 
 
 class KVManager(ABC):
@@ -247,4 +248,5 @@ def kv_args_from_pool(
         rank_addresses=[f.backend_address for f in followers],
         rank_device_indices=[f.device_index for f in followers],
         rank_agents=[(f.agent_endpoint, f.agent_id) for f in followers if f.agent_endpoint],
+        kv_checksum=config.disaggregation_enable_kv_checksum,
     )

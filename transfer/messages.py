@@ -10,7 +10,9 @@ and counted.
     prefill -> decode  pong         the answer to a ping
     prefill -> decode  first_token  per room: its aux record (first sampled token), once the last chunk is queued,
                                     ahead of the KV
-    prefill -> decode  status       per room: ok or failed(reason), after the last write of that room
+    prefill -> decode  status       per room: ok or failed(reason), after the last write of that room; ok
+                                    carries the page runs' checksums with --disaggregation-enable-kv-checksum
+    prefill -> decode  checksums    per chunk but the last (with that flag): its page runs' checksums, once it landed
     prefill rank 0 -> its follower's agent  rank_write    one rank slice of a chunk, written by that rank's
                                                           own engine (transfer.rank_agent)
     agent -> prefill rank 0                 rank_written  ok (bytes written) or failed(reason)
@@ -96,6 +98,16 @@ class Status:
     room_id: int
     ok: bool
     reason: str
+    checksums: list = field(default_factory=list)  # [buffer, first dst page, pages, xxh3-64] (transfer/checksum.py)
+
+
+@dataclass
+class KVChecksums:
+    """A chunk's page-run checksums (transfer/checksum.py), sent once its write landed; the last chunk's
+    ride the room's final status."""
+
+    room_id: int
+    checksums: list
 
 
 @dataclass
@@ -141,6 +153,7 @@ KINDS = {
     "pong": Pong,
     "status": Status,
     "first_token": FirstToken,
+    "checksums": KVChecksums,
     "rank_write": RankWrite,
     "rank_written": RankWritten,
 }
@@ -176,6 +189,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "on_device": (bool,),
     "reply_to": (str,),
     "written": (int,),
+    "checksums": (list,),
 }
 
 
@@ -297,10 +311,14 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
 
 
 def _check_ranges(msg: Any) -> None:
-    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken)) and not 0 <= msg.room_id < 2**63:
+    if isinstance(msg, (RoomRequest, Abort, Status, FirstToken, KVChecksums)) and not 0 <= msg.room_id < 2**63:
         raise BadMessage("room out of range")
     if isinstance(msg, (RankWrite, RankWritten)) and not 0 <= msg.job < 2**63:
         raise BadMessage("job out of range")
+    if isinstance(msg, (Status, KVChecksums)) and not all(
+        isinstance(e, list) and len(e) == 4 and all(type(x) is int and 0 <= x < 2**64 for x in e) for e in msg.checksums
+    ):
+        raise BadMessage("status checksums must be [buffer, page, pages, hash] lists of non-negative ints")
     if isinstance(msg, RoomRequest):
         if len(msg.dst_pages) > MAX_PAGES_PER_REQUEST or not all(type(p) is int for p in msg.dst_pages):
             raise BadMessage("dst_pages must be a list of ints")

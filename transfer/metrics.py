@@ -21,6 +21,7 @@ EVENTS = (
     "writes_fenced",
     "rejected_messages",
     "dropped_sends",
+    "rooms_recomputed",  # decode: rooms whose KV did not arrive, computed here (--kv-load-failure-policy recompute)
 )
 # Why a room failed, as the side that counts it saw it (bounded: these and no other label values).
 CAUSES = (
@@ -36,6 +37,7 @@ CAUSES = (
     "worker_died",  # prefill: the transfer thread died of a bug
     "duplicate",  # a room id another request holds, or asked for twice
     "overrun",  # prefill: a chunk larger than the pages the decode reserved
+    "checksum",  # decode: the pages that arrived differ from the prefill's checksums (transfer/checksum.py)
 )
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.core.timeline import Timeline
 from common.wire.api import Rendezvous
+from common.wire.migration import Migration
 from common.wire.sampling_params import SamplingParams
 from common.wire.structured_output import GrammarSpec
 
@@ -66,6 +67,7 @@ class GenInput:
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
+    migration: Migration | None = None  # the router may move it to another pair (common/wire/migration.py)
     grammar_spec: GrammarSpec | None = None  # what the output must match (json_schema, regex, tool_choice...)
 
 
@@ -74,6 +76,9 @@ class Req(GenInput):
     """One choice of a client's request as the scheduler, the pools and the output stream carry it."""
 
     sink: Callable[[OutputEvent], None] | None = None
+    # a migrated request: the last resumed_len tokens of prompt_ids are output that an earlier server showed the
+    # client; they count as output (sampling position, penalties, token limits, usage) and are never shown again
+    resumed_len: int = 0
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -109,6 +114,19 @@ class Req(GenInput):
     def fill_ids(self) -> list[int]:
         """Every token whose KV the request needs before it can sample the next one."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def resumed_ids(self) -> list[int]:
+        return self.prompt_ids[len(self.prompt_ids) - self.resumed_len :]
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """Every token generated for this choice: on earlier servers (a migrated request's) and here."""
+        return self.resumed_ids + self.output_ids if self.resumed_len else self.output_ids
+
+    @property
+    def generated_len(self) -> int:
+        return self.resumed_len + len(self.output_ids)
 
     @property
     def finished(self) -> bool:

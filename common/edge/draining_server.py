@@ -16,10 +16,18 @@ from common.wire.drain import Drain
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM drains (see the module docstring) instead of closing the port."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, on_timeout: Callable[[], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Drain,
+        on_timeout: Callable[[], Awaitable[None]] | None = None,
+        on_start: Callable[[], Awaitable[None]] | None = None,
+    ):
+        """`on_start`: run once the drain began (a decode hands its movable requests back); `on_timeout`: at
+        its deadline."""
         super().__init__(config)
         self.drain = drain
-        self.on_timeout = on_timeout
+        self.on_timeout, self.on_start = on_timeout, on_start
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or not self.drain.on_sigterm():
@@ -27,6 +35,9 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain.draining and not self.should_exit:
+            if self.on_start is not None:
+                on_start, self.on_start = self.on_start, None
+                await on_start()
             step = self.drain.next_step(time.monotonic())
             if step == "exit":
                 self.should_exit = True

@@ -166,12 +166,13 @@ class ModelRunner:
     def _sampling_row(self, req: Req) -> SamplingRow:
         p = req.params
         stop_ids = frozenset(p.stop_token_ids or ()) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        generated = req.generated_ids  # a migrated request's earlier output too: its position, its penalties
         return SamplingRow(
             params=p,
             prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids,
+            output_ids=generated,
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_logprob=req.return_logprob,
-            stop_ids=stop_ids if p.min_new_tokens > len(req.output_ids) else frozenset(),
+            stop_ids=stop_ids if p.min_new_tokens > len(generated) else frozenset(),
             grammar=req.grammar,
         )

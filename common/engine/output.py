@@ -10,6 +10,7 @@ from common.core.request import FinishReason, OutputEvent, Req
 from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from common.engine.grammar.req_grammar import GrammarRejected
 from common.engine.metrics import EngineMetrics
+from common.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from common.engine.model_runner import InputLogprobs
@@ -28,6 +29,7 @@ class OutputProcessor:
         p = req.params
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens)
         req.stop_matcher = StopStringMatcher(p.stop or [], include_stop=p.no_stop_trim) if p.stop else None
+        replay(req.detokenizer, req.stop_matcher, p.min_new_tokens, req.resumed_ids)
         if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
             req.input_logprobs = [None] * len(req.prompt_ids)
             if req.top_logprobs_num > 0:
@@ -55,7 +57,7 @@ class OutputProcessor:
         token is a PD prefill's, so the peers disagree)."""
         if req.grammar is not None:
             try:
-                req.grammar.accept(token, req.output_ids, from_peer)
+                req.grammar.accept(token, req.generated_ids, from_peer)
             except GrammarRejected as e:
                 return FinishReason("abort", message=str(e), status=e.status)
         now = time.monotonic()
@@ -86,7 +88,7 @@ class OutputProcessor:
 
     def _token_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params
-        n_out = len(req.output_ids)
+        n_out = req.generated_len
         if n_out >= p.min_new_tokens:
             if p.stop_token_ids and token in p.stop_token_ids:
                 return FinishReason("stop", matched=token)
@@ -102,7 +104,7 @@ class OutputProcessor:
         delta = req.detokenizer.add(tokens)
         if req.stop_matcher is None:
             return delta, finish
-        if len(req.output_ids) < req.params.min_new_tokens:
+        if req.generated_len < req.params.min_new_tokens:
             return req.stop_matcher.pass_through(delta), finish
         text, matched = req.stop_matcher.feed(delta)
         return text, FinishReason("stop", matched=matched) if matched else finish
@@ -110,8 +112,8 @@ class OutputProcessor:
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
         meta = {
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
+            "prompt_tokens": len(req.prompt_ids) - req.resumed_len,
+            "completion_tokens": req.generated_len,
             "cached_tokens": req.prefix_hit_len,
         }
         if req.decode_hit_len is not None:  # PD: what each side reused (the prefill's compute, the decode's transfer)
@@ -124,10 +126,10 @@ class OutputProcessor:
             req.rid,
             reason.type,
             f" ({reason.message})" if reason.message else "",
-            len(req.prompt_ids),
+            len(req.prompt_ids) - req.resumed_len,
             req.prefix_hit_len,
             f" ({req.store_hit_len} from the KV store)" if req.store_hit_len else "",
-            len(req.output_ids),
+            req.generated_len,
             ttft,
             1000 * (now - req.arrival_time),
         )
@@ -142,3 +144,25 @@ class OutputProcessor:
     def _emit(req: Req, event: OutputEvent) -> None:
         if req.sink is not None:
             req.sink(event)
+
+
+def replay(
+    detokenizer: IncrementalDetokenizer, stop_matcher: StopStringMatcher | None, min_new_tokens: int, ids: list[int]
+) -> list[str]:
+    """A migrated request's tokens that an earlier server showed its client, through the detokenizer and the
+    stop strings as commit_token took them there (none ended the request): their text pieces, one per token,
+    the state left as it was there. Nothing is emitted."""
+    pieces = []
+    for n, token in enumerate(ids, start=1):
+        piece = detokenizer.add([token])
+        if stop_matcher is not None:
+            piece = stop_matcher.pass_through(piece) if n < min_new_tokens else stop_matcher.feed(piece)[0]
+        pieces.append(piece)
+    return pieces
+
+
+def replayed_text(tokenizer, params: SamplingParams, ids: list[int]) -> list[str]:
+    """The pieces of text an earlier server showed for `ids` (see replay), from a fresh detokenizer."""
+    detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+    matcher = StopStringMatcher(params.stop or [], include_stop=params.no_stop_trim) if params.stop else None
+    return replay(detokenizer, matcher, params.min_new_tokens, ids)

@@ -4,8 +4,9 @@ min-p, per-request seeds, logprobs.
 Every row is handled by the same few tensor operations whatever its settings, and the results reach the
 host in one transfer per batch. A token is drawn by inverse CDF from one uniform number per row: seeded
 rows take it from their own SplitMix64 stream (the seed and how many tokens the request has sampled), so
-a seeded request draws the same numbers alone, in any batch, after a retraction or across PD roles;
-unseeded rows share torch's generator.
+a seeded request draws the same numbers alone, in any batch, after a retraction, across PD roles or
+after a move to another pair (docs/migration.md). Every request from the HTTP edge has a seed (its own, the
+router's, or a fresh one: common/http/serving.py make_reqs); rows without one (warm-up) share torch's generator.
 
 Logprobs are those of the raw model logits (before bias, masking, penalties, grammar and temperature), like
 vLLM's default. A grammar's bitmask (common/engine/grammar/mask.py) comes last: it has the last word.

@@ -19,16 +19,18 @@ from common.http.guard import CountingGuard
 from common.http.serving import (
     PD_CACHED,
     Choice,
+    Tracer,
     check_grammar,
     check_input,
     check_priority,
     collect,
+    initial_choices,
     new_rid,
     raise_if_failed,
     stream_choices,
     tokenize_text,
 )
-from common.wire.api import INSTANCE_HEADER, GenerateRequest, parse_body
+from common.wire.api import INSTANCE_HEADER, RECOMPUTE_HEADER, GenerateRequest, parse_body
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event
@@ -67,7 +69,9 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     async def health() -> Response:
         """Liveness for routers and probes: 503 naming the cause when the scheduler cannot serve.
         The header names this server's transfer instance (PD roles), which routers pass on."""
-        headers = {INSTANCE_HEADER: engine.instance_id} if engine.instance_id else None
+        headers = {INSTANCE_HEADER: engine.instance_id} if engine.instance_id else {}
+        if engine.config.disagg_mode == "decode" and engine.config.kv_load_failure_policy == "recompute":
+            headers[RECOMPUTE_HEADER] = "1"
         problem = engine.health_problem()
         if problem is not None:
             return JSONResponse(error_body(problem, "unhealthy", 503), status_code=503, headers=headers)
@@ -127,7 +131,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         raise InvalidRequest("give exactly one of text or input_ids", param="text")
     ids = body.input_ids if body.input_ids is not None else tokenize_text(engine, body.text, "text")
     gen = GenInput(
-        rid=body.rid or new_rid(),
+        rid=body.rid or (body.migration.rid if body.migration else new_rid()),
         prompt_ids=ids,
         params=body.sampling_params,
         return_logprob=body.return_logprob,
@@ -135,6 +139,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
         priority=check_priority(engine, body.priority),
+        migration=body.migration,
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen
@@ -165,12 +170,15 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
 
 
 async def generate_stream(engine: Engine, gen: GenInput, body: GenerateRequest) -> AsyncIterator[bytes]:
-    choices = [Choice(i) for i in range(gen.params.n)]
+    """SGLang's streamed /generate: every event holds its choice's whole output so far (a migrated request's
+    from what its client was shown on earlier servers on: common/wire/migration.py)."""
+    choices, tracer = initial_choices(gen), Tracer(gen)
     try:
         async for i, ev in stream_choices(engine, gen):
             choices[i].add(ev)
             raise_if_failed(ev.finish)
-            yield sse_event(generate_result(gen, choices[i], body) | {"index": i})
+            line = tracer.line(i, ev.token_ids, ev.finish is not None)
+            yield line + sse_event(generate_result(gen, choices[i], body) | {"index": i})
     except TandemError as e:
         yield sse_event(e.to_dict())
     yield DONE

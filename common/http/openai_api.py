@@ -13,15 +13,18 @@ from fastapi.responses import JSONResponse, Response
 from common.core.request import GenInput
 from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
+from common.engine.output import replayed_text
 from common.http.chat_output import ChatShape, ChoiceStream
 from common.http.reasoning import PARSERS as REASONING_PARSERS
 from common.http.serving import (
     Choice,
+    Tracer,
     check_grammar,
     check_input,
     check_priority,
     collect,
     created,
+    initial_choices,
     new_rid,
     raise_if_failed,
     stream_choices,
@@ -148,7 +151,7 @@ def _gen_input(
     if max_tokens is None:
         max_tokens = max(engine.context_len - len(ids), 0)
     gen = GenInput(
-        rid=new_rid(),
+        rid=body.migration.rid if body.migration else new_rid(),
         prompt_ids=ids,
         params=body.sampling_params(max_tokens, max_param),
         return_logprob=top is not None,
@@ -156,6 +159,7 @@ def _gen_input(
         rendezvous=body.rendezvous,
         logprob_start_len=0 if prompt_logprobs else -1,
         priority=check_priority(engine, body.priority),
+        migration=body.migration,
     )
     check_input(engine, gen, param, max_param)
     return gen
@@ -179,7 +183,7 @@ async def _respond(
         {
             "id": rid,
             "object": kind,
-            "created": created(),
+            "created": created(gen),
             "model": engine.model_name,
             "choices": [make_choice(engine, c, gen) for c in choices],
             "usage": usage(choices, len(gen.prompt_ids)),
@@ -248,34 +252,33 @@ def _chat_logprobs(engine: Engine, c: Choice) -> list[dict[str, Any]]:
 async def _stream(
     engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None, shape: ChatShape | None
 ) -> AsyncIterator[bytes]:
-    """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt."""
+    """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt. A migrated request's
+    choices go on where its client's stream left them (no role event or echo again: common/wire/migration.py)."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
-    base = {"id": rid, "object": chunk_kind, "created": created(), "model": engine.model_name}
-    choices = [Choice(i) for i in range(gen.params.n)]
+    base = {"id": rid, "object": chunk_kind, "created": created(gen), "model": engine.model_name}
+    choices = initial_choices(gen)
     is_chat = kind == "chat.completion"
-    to_echo = [echo] * gen.params.n
+    tracer = Tracer(gen)
+    to_echo = [None if tracer.seen(i) else echo for i in range(gen.params.n)]
     streams = [ChoiceStream(shape) for _ in choices] if shape is not None else []
+    for i, shown in enumerate(gen.migration.resume or () if gen.migration else ()):
+        for piece in replayed_text(engine.tokenizer, gen.params, shown.output_ids) if streams and shown else ():
+            streams[i].feed(piece)  # as the earlier server fed it: what it sent, what it held back
     if is_chat:
         for c in choices:
-            yield sse_event(
-                base
-                | {
-                    "choices": [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                }
-            )
+            if tracer.seen(c.index):
+                continue
+            role = {"role": "assistant", "content": ""}
+            choice = {"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}
+            yield tracer.line(c.index) + sse_event(base | {"choices": [choice]})
     try:
         async for i, ev in stream_choices(engine, gen):
             c = choices[i]
             c.add(ev)
             raise_if_failed(ev.finish)
             if not ev.text and ev.finish is None and not gen.return_logprob and to_echo[i] is None:
+                if tracer.on:
+                    yield tracer.alone(i, ev)
                 continue
             finish = FINISH.get(ev.finish.type) if ev.finish else None
             part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
@@ -285,8 +288,15 @@ async def _stream(
             else:
                 chunks = [_completion_choice(engine, part, gen, to_echo[i]) | {"finish_reason": finish}]
                 to_echo[i] = None
-            for choice in chunks:
-                yield sse_event(base | {"choices": [choice]})
+            finished = ev.finish is not None
+            line = tracer.line(i, ev.token_ids, finished and len(chunks) <= 1)
+            for k, choice in enumerate(chunks):
+                if finished and k == len(chunks) - 1 and k > 0:  # the choice ended once its last chunk is out
+                    line = tracer.line(i, [], True)
+                yield line + sse_event(base | {"choices": [choice]})
+                line = b""
+            if line:  # every delta held back (a possible tool call): the tokens still go to the router
+                yield line + b"\n"
         if body.stream_options and body.stream_options.include_usage:
             yield sse_event(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})
     except TandemError as e:

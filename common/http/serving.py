@@ -4,6 +4,7 @@ merge the event streams, and accumulate one result per choice."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from common.core.request import FinishReason, GenInput, OutputEvent, Req
 from common.engine.engine import Engine
 from common.wire.api import rendezvous_problem
 from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, error_for_status
+from common.wire.migration import ResumedChoice, trace
 
 
 @dataclass
@@ -25,6 +27,14 @@ class Choice:
     top_logprobs: list[Any] = field(default_factory=list)
     finish: FinishReason | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resumed(cls, index: int, shown: ResumedChoice | None) -> Choice:
+        """Choice `index` as a migrated request's client has it already (common/wire/migration.py)."""
+        if shown is None:
+            return cls(index)
+        logprobs, tops = shown.logprobs()
+        return cls(index, shown.text or "", list(shown.output_ids), logprobs, tops)
 
     def add(self, ev: OutputEvent) -> None:
         self.text += ev.text
@@ -61,6 +71,7 @@ def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str
             f"server is full: {queued} requests queued (limit {engine.config.max_queued_requests}); retry later"
         )
     _check_prompt(engine, gen, param, max_tokens_param)
+    _check_resume(engine, gen)
     vocab = engine.hf_config.vocab_size
     check_token_ids(list(gen.params.logit_bias or ()), vocab, _sibling(max_tokens_param, "logit_bias"))
     check_token_ids(gen.params.stop_token_ids or [], vocab, _sibling(max_tokens_param, "stop_token_ids"))
@@ -103,6 +114,22 @@ def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: s
         )
 
 
+def _check_resume(engine: Engine, gen: GenInput) -> None:
+    """A migrated request's choices as its client has them: one per choice, tokens of the vocabulary, fewer
+    than the maximum unless the choice has ended."""
+    resume = gen.migration.resume if gen.migration else None
+    if resume is None:
+        return
+    if len(resume) != gen.params.n:
+        raise InvalidRequest(f"migration.resume has {len(resume)} choices, n is {gen.params.n}", param="migration")
+    for shown in filter(None, resume):
+        check_token_ids(shown.output_ids, engine.hf_config.vocab_size, "migration.resume.output_ids")
+        if not shown.finished and len(shown.output_ids) >= gen.params.max_new_tokens:
+            raise InvalidRequest(
+                "migration.resume: a choice that has not ended has fewer tokens than the maximum", param="migration"
+            )
+
+
 def check_priority(engine: Engine, priority: int | None) -> int:
     """A request's priority (0 when absent); giving one needs --enable-priority-scheduling, as in SGLang."""
     if priority is not None and not engine.config.enable_priority_scheduling:
@@ -132,29 +159,50 @@ def _sibling(path: str, name: str) -> str:
     return head + dot + name
 
 
-def make_reqs(gen: GenInput) -> list[Req]:
+def make_reqs(gen: GenInput) -> list[tuple[int, Req]]:
+    """(choice index, Req) of each choice still to generate. Every request draws its random numbers from a
+    stream of its own (common/engine/sampler.py): the client's seed, else the router's (`migration.seed`, so
+    that a request moved to another pair draws what it would have), else a fresh one; choice i of n > 1 uses
+    seed + i. A migrated choice starts from the tokens its client was shown (`migration.resume`)."""
+    base = gen.params.seed
+    if base is None:
+        base = gen.migration.seed if gen.migration is not None else random.getrandbits(63)
+    resume = gen.migration.resume if gen.migration is not None else None
     reqs = []
     for i in range(gen.params.n):
-        params = gen.params
-        if params.n > 1 and params.seed is not None:
-            params = params.model_copy(update={"seed": params.seed + i})
+        shown = resume[i] if resume is not None else None
+        if shown is not None and shown.finished:
+            continue
+        params = gen.params.model_copy(update={"seed": base + i if gen.params.n > 1 else base})
         choice = replace(
             gen,
             rid=gen.rid if params.n == 1 else f"{gen.rid}-{i}",
             params=params,
             rendezvous=gen.rendezvous.for_choice(i) if gen.rendezvous else None,
         )
-        reqs.append(Req(**{f.name: getattr(choice, f.name) for f in fields(GenInput)}))
+        req = Req(**{f.name: getattr(choice, f.name) for f in fields(GenInput)})
+        if shown is not None:  # its client has the prompt's logprobs (the router keeps them) and these tokens
+            req.prompt_ids, req.resumed_len = gen.prompt_ids + shown.output_ids, len(shown.output_ids)
+            req.logprob_start_len = -1
+        reqs.append((i, req))
     return reqs
 
 
+def initial_choices(gen: GenInput) -> list[Choice]:
+    """Every choice of `gen` as its client has it before this server's first event: empty, or as an earlier
+    server left it (a migrated request)."""
+    resume = gen.migration.resume if gen.migration is not None else None
+    return [Choice.resumed(i, resume[i] if resume else None) for i in range(gen.params.n)]
+
+
 async def stream_choices(engine: Engine, gen: GenInput, stream: bool = True) -> AsyncIterator[tuple[int, OutputEvent]]:
-    """Run the `n` requests of `gen` concurrently; yield (choice index, event) as they come (with `stream`
+    """Run the requests of `gen`'s choices concurrently; yield (choice index, event) as they come (with `stream`
     False, each request's events once it ended)."""
     reqs = make_reqs(gen)
     if len(reqs) == 1:
-        async for ev in engine.generate(reqs[0], stream):
-            yield 0, ev
+        index, req = reqs[0]
+        async for ev in engine.generate(req, stream):
+            yield index, ev
         return
     merged: asyncio.Queue[tuple[int, OutputEvent | None]] = asyncio.Queue()
 
@@ -163,7 +211,7 @@ async def stream_choices(engine: Engine, gen: GenInput, stream: bool = True) -> 
             await merged.put((i, ev))
         await merged.put((i, None))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in reqs]
     try:
         done = 0
         while done < len(tasks):
@@ -193,7 +241,7 @@ async def collect(engine: Engine, gen: GenInput, request: Any = None) -> list[Ch
 
 
 async def _collect(engine: Engine, gen: GenInput) -> list[Choice]:
-    choices = [Choice(i) for i in range(gen.params.n)]
+    choices = initial_choices(gen)
     async for i, ev in stream_choices(engine, gen, stream=False):
         choices[i].add(ev)
     for c in choices:
@@ -221,5 +269,33 @@ def usage(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
     }
 
 
-def created() -> int:
-    return int(time.time())
+def created(gen: GenInput | None = None) -> int:
+    """The answer's creation time: a migrated request's first server's (the router passes it on)."""
+    return gen.migration.created if gen is not None and gen.migration is not None else int(time.time())
+
+
+class Tracer:
+    """The token trace of a stream the router may move (common/wire/migration.py); nothing without `migration`."""
+
+    def __init__(self, gen: GenInput):
+        self.on = gen.migration is not None
+        resume = gen.migration.resume if self.on else None
+        self.shown = {i for i, c in enumerate(resume or ()) if c is not None}  # choices the client saw before
+        self.traced: set[int] = set()
+        self.prompt_len = len(gen.prompt_ids)
+
+    def seen(self, i: int) -> bool:
+        """Whether choice `i`'s client saw anything of it on an earlier server (no role event, no echo again)."""
+        return i in self.shown
+
+    def line(self, i: int, ids: list[int] = (), finished: bool = False) -> bytes:
+        """The trace line of choice `i`'s next event (b"" when off)."""
+        if not self.on:
+            return b""
+        first = i not in self.traced
+        self.traced.add(i)
+        return trace(i, list(ids), self.prompt_len if first else None, finished)
+
+    def alone(self, i: int, ev: OutputEvent) -> bytes:
+        """An event of its own for tokens that show nothing yet."""
+        return self.line(i, ev.token_ids) + b"\n"

@@ -137,6 +137,21 @@ class MemoryManager:
         if self.allocator.available_pages() < pages:
             raise RuntimeError(f"KV cache exhausted: need {pages} pages, {self.allocator.available_pages()} free")
 
+    def hand_over(self, req: Req, to: Req) -> None:
+        """Everything `req` holds (row, pages, locked prefix) now held by `to`, `req` holding nothing: a decode
+        whose room failed keeps the pages a late write may land in quarantined while the request goes on."""
+        row = req.req_pool_idx
+        to.req_pool_idx, to.last_node, to.kv_len, to.cached_len, to.kv_computed_len = (
+            row,
+            req.last_node,
+            req.kv_len,
+            req.cached_len,
+            req.kv_computed_len,
+        )
+        if row is not None:
+            self.live[row] = to
+        req.req_pool_idx, req.last_node, req.kv_len, req.cached_len, req.kv_computed_len = None, None, 0, 0, 0
+
     # -- release -----------------------------------------------------------------------------
     def release(self, req: Req) -> None:
         """Return everything `req` holds; whole pages of computed KV stay in the prefix cache."""

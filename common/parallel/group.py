@@ -17,7 +17,9 @@ communicators are aborted, the spinning kernels end, the waiting read returns, a
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -25,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from common.wire.addresses import split_host_port
+from common.wire.user_error import UserError
 
+log = logging.getLogger(__name__)
 PEER_GONE_EXIT = 3  # a follower's exit code after a collective failed: a consequence of a fault elsewhere
 
 
@@ -119,11 +123,14 @@ def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("0.0.0.0", port, size, True, timeout, wait_for_workers=False)
 
 
-def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
-    """Any other rank or host: a client of rank 0's store at `addr`, waiting up to `timeout_s` for it to
-    listen, tried every few seconds (one long try backs off ever longer between its attempts)."""
+def join_store(addr: str, timeout_s: float, start_s: float | None = None, waiting: str | None = None) -> dist.TCPStore:
+    """Any other rank or host: a client of rank 0's store at `addr`; its calls wait up to `timeout_s`. Until
+    the store listens (host 0 may start later) it waits quietly, polling with plain connections (a TCPStore
+    client's own failed tries log a stack trace each), up to `start_s` (default `timeout_s`): `waiting`, if
+    given, is logged once, and past the bound a UserError says what to do."""
     host, port = split_host_port(addr)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if start_s is None else start_s)
+    _wait_listening(host, port, deadline, waiting, addr)
     while True:
         try_s = max(0.1, min(CONNECT_TRY_S, deadline - time.monotonic()))
         try:
@@ -134,6 +141,41 @@ def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
             continue
         store.set_timeout(datetime.timedelta(seconds=timeout_s))  # how long a rank waits for the others
         return store
+
+
+def _wait_listening(host: str, port: int, deadline: float, waiting: str | None, addr: str) -> None:
+    said = False
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            raise UserError(
+                f"nothing listens at --dist-init-addr {addr} after --dist-timeout: start host 0 (--node-rank 0) of "
+                "the TP group with the same --dist-init-addr, or check that this host reaches it"
+            )
+        if waiting and not said:
+            log.info("%s", waiting)
+            said = True
+        time.sleep(0.5)
+
+
+def start_barrier(store: dist.Store, rank: int, size: int, timeout_s: float, per_host: int) -> None:
+    """Every rank of the group has joined `store`, waited for at most `timeout_s` (--dist-timeout): past it a
+    UserError names the ranks (and hosts) that did not join. Loading the model comes after, unbounded."""
+    keys = [f"tandem/joined/{r}" for r in range(size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, TimeoutError):  # torch.distributed.DistStoreError
+        missing = [r for r in range(size) if not store.check([keys[r]])]
+        hosts = sorted({r // per_host for r in missing})
+        raise UserError(
+            f"tp ranks {missing} (host {', '.join(map(str, hosts))}) did not join the TP group within --dist-timeout "
+            f"{timeout_s:g} s: start every host (--node-rank 0..) with the same --tp-size, --nnodes and --dist-init-addr"
+        ) from None
 
 
 def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_host: int) -> TensorParallel:

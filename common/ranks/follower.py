@@ -29,13 +29,15 @@ import torch
 from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from common.model.loader import load_hf_config, resolve_model_dir
-from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store
+from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store, start_barrier
 from common.ranks.progress import Progress
 from common.ranks.rank_model import RankModel, build_rank_model, rank_report
 from common.ranks.ranks import GROUP_TIMEOUT_S
 from common.ranks.step import StepChannel
+from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
+STARTUP_MARGIN_S = 5.0
 
 
 Services = Callable[[ServerConfig, KVPool], Any]  # starts what else a rank runs; returns it (with `report()`)
@@ -85,6 +87,12 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
     exit_with_rank0([ns.progress])
     torch.manual_seed(config.seed)
     store = join_store(ns.addr, GROUP_TIMEOUT_S)
+    try:  # rank 0 decides first (its bound is the same, counted earlier) and names the ranks missing
+        start_barrier(store, ns.rank, ns.size, config.dist_timeout + STARTUP_MARGIN_S, config.ranks_per_host)
+    except (UserError, RuntimeError) as e:
+        log.error("%s", str(e).splitlines()[0])
+        logging.shutdown()
+        os._exit(1)
     tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_host)
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)

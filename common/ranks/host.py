@@ -153,7 +153,9 @@ class Host:
 def run_host(own: ServerConfig, follower: str) -> None:
     """Wait for host 0's store (host 0 may start later), run this host's ranks (each `python -m follower`) with
     host 0's config, exit."""
-    board = HostBoard(join_store(own.dist_init_addr, GROUP_TIMEOUT_S), own.node_rank)
+    addr, k = own.dist_init_addr, own.node_rank
+    waiting = f"host {k}: waiting for host 0's rendezvous at {addr} (up to --dist-timeout {own.dist_timeout:g} s)"
+    board = HostBoard(join_store(addr, GROUP_TIMEOUT_S, own.dist_timeout, waiting), k)
     host = Host(host0_config(own, board.config()), board, follower)
     try:
         code = host.run()

@@ -25,7 +25,14 @@ from typing import TypeVar
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardBatch
-from common.parallel.group import PEER_GONE_EXIT, TensorParallel, abort_collectives, host_store, init_group
+from common.parallel.group import (
+    PEER_GONE_EXIT,
+    TensorParallel,
+    abort_collectives,
+    host_store,
+    init_group,
+    start_barrier,
+)
 from common.ranks.host_board import HostBoard
 from common.ranks.launch import end_followers, group_addr, kill, spawn_followers, state_of
 from common.ranks.progress import Progress
@@ -64,6 +71,7 @@ class Ranks:
         self._lost: dict[int, float] = {}  # follower -> when it was seen exited with PEER_GONE_EXIT
         threading.Thread(target=self._watch, name="tp-ranks", daemon=True).start()
         per_host = config.ranks_per_host
+        start_barrier(store, 0, config.tp_size, config.dist_timeout, per_host)  # a missing host: one clear line
         self.tp: TensorParallel = init_group(0, config.tp_size, store, config.device, GROUP_TIMEOUT_S, per_host)
         self.channel = StepChannel(self.tp, config.device, config.page_size)
 

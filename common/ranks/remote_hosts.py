@@ -27,6 +27,7 @@ class RemoteHosts:
         self.interval_s = config.heartbeat_interval_s
         self.window_s = config.heartbeat_interval_s * config.heartbeat_misses
         self.heard: dict[int, tuple[int, float]] = {}  # host -> (its last beat, when that beat arrived)
+        self.serving_since: float | None = None  # when every host had loaded: silences count from then on
         self.ranks: RankState = {}
         self.next_beat = 0.0
 
@@ -42,8 +43,9 @@ class RemoteHosts:
         return next(filter(None, (self._check(host, now, serving, progress) for host in range(1, self.nnodes))), None)
 
     def _check(self, host: int, now: float, serving: bool, progress: Progress) -> str | None:
-        """Host `host`'s silence, if too long once serving (during start-up a host's death shows as the
-        group's set-up or a collective failing on rank 0, which ends the server)."""
+        """Host `host`'s silence, if too long once serving, counted from then at the earliest: loading a
+        large model's shard takes minutes, and a host's process may be starved meanwhile (during start-up a
+        host's death shows as the group's set-up or a collective failing on rank 0, which ends the server)."""
         seen = self.board.read(host)
         if seen is not None:
             if self.heard.get(host, (None,))[0] != seen.number:
@@ -53,7 +55,9 @@ class RemoteHosts:
                 progress.values[rank] = value
         if not serving:
             return None
-        silent = now - self.heard.setdefault(host, (0, now))[1]
+        if self.serving_since is None:  # a beat that came before every host loaded is not held against it
+            self.serving_since = now
+        silent = now - max(self.heard.setdefault(host, (0, now))[1], self.serving_since)
         if silent <= self.window_s:
             return None
         first = host * self.per_host

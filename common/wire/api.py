@@ -17,12 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.wire.body import dotted_path, parse_json_object
 from common.wire.errors import InvalidRequest
+from common.wire.migration import Migration
 from common.wire.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from common.wire.structured_output import GENERATE_FIELDS, GrammarSpec, from_body
 from common.wire.tools import ToolSet, parse_tools
 from common.wire.unsupported import CHAT, COMPLETION, GENERATE, GENERATE_SAMPLING, reject_best_of, reject_unsupported
 
 INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
+# a decode's /health with --kv-load-failure-policy recompute: it computes a prompt whose KV did not arrive itself,
+# so a router lets its requests run on when their prefill fails
+RECOMPUTE_HEADER = "X-Tandem-KV-Recompute"
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,15 @@ def rendezvous_problem(mode: str, rendezvous: Rendezvous | None) -> str | None:
 
 
 class PDFields(BaseModel):
-    """Injected by the router (SGLang's PD convention, plus the prefill's instance id); absent in
-    monolithic use."""
+    """Injected by the router (SGLang's PD convention, plus the prefill's instance id, and `migration` when it
+    may move the request to another pair: common/wire/migration.py); absent in monolithic use."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     bootstrap_host: str | None = Field(None, max_length=255)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
     prefill_instance_id: str | None = Field(None, min_length=1, max_length=128)
+    migration: Migration | None = None
 
     @property
     def rendezvous(self) -> Rendezvous | None:

@@ -21,13 +21,17 @@ LAYOUT_KEYS = (
     "kv_scales",
     "page_size",
     "transfer_backend",
+    "kv_checksum",
 )
 
 
-def kv_layout(pool: Any, backend: str, model_id: str = "", tp_size: int = 1, kv_heads: int = 0) -> dict[str, Any]:
+def kv_layout(
+    pool: Any, backend: str, model_id: str = "", tp_size: int = 1, kv_heads: int = 0, checksum: bool = False
+) -> dict[str, Any]:
     """The layout of a KV pool (anything with the pool's attributes; with `tp_size` ranks, each rank's
     pool) moved by `backend`. `kv_heads`: the model's KV heads, which the ranks split or replicate
-    (common.wire.kv_heads; default: the pool's, as at TP 1)."""
+    (common.wire.kv_heads; default: the pool's, as at TP 1); `checksum`: page runs carry checksums
+    (--disaggregation-enable-kv-checksum: both sides or neither)."""
     return {
         "model_id": model_id,
         "tp_size": tp_size,
@@ -39,6 +43,7 @@ def kv_layout(pool: Any, backend: str, model_id: str = "", tp_size: int = 1, kv_
         "dtype": str(pool.dtype).removeprefix("torch."),
         "page_size": pool.page_size,
         "transfer_backend": backend,
+        "kv_checksum": checksum,
     }
 
 

@@ -84,13 +84,23 @@ def test_services_probes_and_ports_line_up(values_file):
 
 @pytest.mark.parametrize("values_file", EXAMPLES, ids=lambda p: p.name)
 def test_a_stopping_pod_has_time_to_drain(values_file):
+    """The router sleeps while its address leaves the Service, then drains; an engine pod drains at once (its
+    preStop sends the server SIGTERM and waits for its exit: a decode's streams move to other decodes), and an
+    engine Deployment rolls a new pod in before an old one goes."""
     docs = render(example(values_file.name))
     for name in ("router", "prefill", "decode"):
-        spec = component(docs, "Deployment", name)["spec"]["template"]["spec"]
+        dep = component(docs, "Deployment", name)["spec"]
+        spec = dep["template"]["spec"]
         c = spec["containers"][0]
-        sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-        assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
-        assert spec["terminationGracePeriodSeconds"] >= sleep + float(flag(c["args"], "--drain-timeout-s")) + 10
+        command = c["lifecycle"]["preStop"]["exec"]["command"]
+        drain = float(flag(c["args"], "--drain-timeout-s"))
+        if name == "router":
+            assert command[0] == "sleep" and spec["terminationGracePeriodSeconds"] >= int(command[1]) + drain + 10
+            assert int(flag(c["args"], "--migration-limit")) >= 1
+        else:
+            assert command[:2] == ["sh", "-c"] and command[2].startswith("kill -TERM 1;")
+            assert spec["terminationGracePeriodSeconds"] >= drain + 10
+            assert dep["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
         pdb = component(docs, "PodDisruptionBudget", name)["spec"]
         assert pdb["maxUnavailable"] == 1 and pdb["selector"]["matchLabels"].items() <= spec_labels(docs, name)
 

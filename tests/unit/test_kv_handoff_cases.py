@@ -9,7 +9,7 @@ import pytest
 from common.core.request import ReqStatus
 from common.wire.api import Rendezvous
 from tests.unit.kv_handoff_sim import SECRET
-from tests.unit.test_kv_handoff_model import KVHandoff, Pair
+from tests.unit.test_kv_handoff_model import KVHandoff, Pair, monolithic_answer
 from transfer.messages import FirstToken, open_frame
 from transfer.prefill.sender import KVSender
 
@@ -189,3 +189,25 @@ def test_a_starved_decode_waits_for_rooms_whose_kv_is_arriving_then_retracts_ins
     assert [p.decode.finish.type for p in m.pairs] == ["length"] * 3
     m.successful_requests_have_the_monolithic_tokens()
     assert m.decode.sched.decode.num_retractions >= 1
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_room_whose_kv_fails_ends_its_request_or_is_computed_by_the_decode(policy):
+    """The decode wants KV checksums and the prefill sends none, so the room fails at its status, after the
+    first token went ahead of the KV. --kv-load-failure-policy fail: the request ends with a 502 naming the
+    cause (the router moves it). recompute: a husk keeps the room's pages until no write can land and the
+    request is computed on the decode, its tokens exact; every pool back to idle either way."""
+    m = KVHandoff()
+    role = m.decode.sched.role
+    role.config = role.config.model_copy(update={"kv_load_failure_policy": policy})
+    m.decode.manager.args.kv_checksum = True
+    m.new_request(prompt_len=30, max_new=4, stream_first=False)
+    m.teardown()
+    req = m.pairs[0].decode
+    if policy == "fail":
+        assert req.finish.status == 502 and "--disaggregation-enable-kv-checksum" in req.finish.message
+        assert m.decode.manager.counters["rooms_recomputed"] == 0
+    else:
+        assert req.finish.type == "length" and req.output_ids == monolithic_answer(req.prompt_ids, 4)
+        assert m.decode.manager.counters["rooms_recomputed"] == 1
+    assert m.decode.manager.metrics.failures.labels("checksum")._value.get() == 1

@@ -1,17 +1,20 @@
 """A TP group across hosts without starting processes: the flags' refusals as `tandem serve` prints them,
 and the host board over a real TCPStore in this process: heartbeats, the silence window on both sides,
-a posted fault (the first stays), remote progress copied for the step watchdog."""
+a posted fault (the first stays), remote progress copied for the step watchdog; start-up: a host waits
+for host 0 quietly (one line) and within --dist-timeout, and ranks that never join are named."""
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 import time
 
 import pytest
 from pydantic import ValidationError
 
 from common.config import ServerConfig
-from common.parallel.group import host_store, join_store
+from common.parallel.group import host_store, join_store, start_barrier
 from common.ranks.host import Host, host0_config
 from common.ranks.host_board import HostBoard
 from common.ranks.launch import free_port, local_ranks
@@ -128,3 +131,57 @@ def test_host_k_runs_its_ranks_with_host0s_config_but_its_own_place(board_pair):
     lost = ServerConfig(tp_size=6, nnodes=3, node_rank=2, dist_init_addr=addr)
     with pytest.raises(UserError, match="--node-rank 2 must be below --nnodes 2"):
         host0_config(lost, host1.config())
+
+
+def test_a_host_started_first_waits_quietly_with_one_line_then_joins(caplog, capfd):
+    """Hosts start at once (as a LeaderWorkerSet starts them): host 1 polls host 0's port with plain
+    connections, says so once, and joins once host 0's store listens: no c10d stack trace."""
+    addr = f"127.0.0.1:{free_port()}"
+    stores = []
+    threading.Timer(1.5, lambda: stores.append(host_store(addr, 2, 30))).start()
+    with caplog.at_level(logging.INFO):
+        store = join_store(addr, 30, start_s=20, waiting="host 1: waiting for host 0")
+    store.set("k", "v")
+    assert stores[0].get("k") == b"v"
+    assert [r.message for r in caplog.records] == ["host 1: waiting for host 0"]
+    assert "c10d" not in capfd.readouterr().err
+
+
+def test_a_host_whose_host0_never_comes_stops_with_one_clear_line(caplog, capfd):
+    addr = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO), pytest.raises(UserError) as e:
+        join_store(addr, 30, start_s=1.0, waiting="host 2: waiting for host 0")
+    assert 1.0 <= time.monotonic() - t0 < 3
+    assert f"nothing listens at --dist-init-addr {addr} after --dist-timeout" in str(e.value)
+    assert len(caplog.records) == 1 and "c10d" not in capfd.readouterr().err
+
+
+def test_ranks_that_never_join_are_named_within_the_start_up_bound():
+    """Host 0's rank 0 and host 1's rank 1 joined; host 2 never started: rank 0 names rank 2 (host 2)."""
+    addr = f"127.0.0.1:{free_port()}"
+    store = host_store(addr, 3, 30)
+    rank1 = threading.Thread(target=start_barrier, args=(join_store(addr, 30), 1, 3, 10.0, 1))
+    rank1.start()
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        start_barrier(store, 0, 3, 1.0, 1)
+    assert time.monotonic() - t0 < 3
+    assert str(e.value).startswith("tp ranks [2] (host 2) did not join the TP group within --dist-timeout 1 s")
+    store.set("tandem/joined/2", "1")  # a late host 2 lets rank 1's wait end before the store goes
+    rank1.join(5)
+
+
+def test_a_silence_counts_only_from_when_every_host_had_loaded(board_pair):
+    """Host 1 beat long before loading ended (host 0's watcher starved meanwhile): not held against it."""
+    addr, host0, host1 = board_pair
+    remote, progress = remote_view(addr, host0, 0.4)
+    try:
+        host1.publish({})
+        assert remote.poll(serving=False, progress=progress) is None
+        time.sleep(0.6)  # loading: longer than the window, and no beat read
+        assert remote.poll(serving=True, progress=progress) is None
+        time.sleep(0.5)
+        assert remote.poll(serving=True, progress=progress).startswith("host 1 (tp ranks 2-3) has sent no heartbeat")
+    finally:
+        progress.remove()

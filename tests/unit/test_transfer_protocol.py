@@ -98,11 +98,11 @@ def frame(fields: dict) -> bytes:
 
 def test_wrong_field_types_are_rejected():
     with pytest.raises(BadMessage, match="room"):
-        decode(frame({"type": "status", "room_id": "5", "ok": True, "reason": ""}), None)
+        decode(frame({"type": "status", "room_id": "5", "ok": True, "reason": "", "checksums": []}), None)
     with pytest.raises(BadMessage, match="room"):
-        decode(frame({"type": "status", "room_id": True, "ok": True, "reason": ""}), None)
+        decode(frame({"type": "status", "room_id": True, "ok": True, "reason": "", "checksums": []}), None)
     with pytest.raises(BadMessage, match="room out of range"):
-        decode(frame({"type": "status", "room_id": -1, "ok": True, "reason": ""}), None)
+        decode(frame({"type": "status", "room_id": -1, "ok": True, "reason": "", "checksums": []}), None)
 
 
 class Side:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from transfer.checksum import PageCheck
 from transfer.decode.decode_rooms import DecodeRoomState, DecodeRoomTable
 from transfer.manager import KVArgs, KVManager
-from transfer.messages import BadMessage, Envelope, FirstToken, Ping, Pong, Register, Status
+from transfer.messages import BadMessage, Envelope, FirstToken, KVChecksums, Ping, Pong, Register, Status
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class DecodeKVManager(KVManager):
     def handle(self, msg: object, envelope: Envelope) -> None:
         if isinstance(msg, Status):
             self._on_status(msg, envelope)
+        elif isinstance(msg, KVChecksums):
+            self._on_checksums(msg, envelope)
         elif isinstance(msg, FirstToken):
             self._room_of(msg.room_id, envelope, "first token").first_record = msg.record
         elif isinstance(msg, Pong):
@@ -59,9 +62,34 @@ class DecodeKVManager(KVManager):
         self.liveness.seen(room.prefill_endpoint, envelope.sent_at)
         if not msg.ok:
             self.mark_failed(room, msg.reason, "peer_failed")
+        elif self.args.kv_checksum and (problem := self._checksum_problem(room, msg)) is not None:
+            self._checksum_failed(room, problem)
         elif room.poll.advance(KVPoll.Success) and room.requested_at is not None:
             self.counters["rooms_succeeded"] += 1
             self.metrics.latency.observe(self.clock() - room.requested_at)
+
+    def _page_check(self, room: DecodeRoomState) -> PageCheck:
+        if room.check is None:
+            room.check = PageCheck(self.args.kv_ptrs, self.args.bytes_per_page, room.dst_pages)
+        return room.check
+
+    def _on_checksums(self, msg: KVChecksums, envelope: Envelope) -> None:
+        """A chunk landed: its pages are checked now, so only the last chunk's wait for the final status."""
+        room = self._room_of(msg.room_id, envelope, "checksums")
+        if self.args.kv_checksum and not room.poll.done:
+            problem = self._page_check(room).add(msg.checksums)
+            if problem is not None:
+                self._checksum_failed(room, problem)
+
+    def _checksum_problem(self, room: DecodeRoomState, msg: Status) -> str | None:
+        """Why the room's pages do not hold what the prefill sent (transfer/checksum.py), or None."""
+        if not msg.checksums and room.dst_pages:
+            return "the prefill sent no KV checksums: give every prefill --disaggregation-enable-kv-checksum too"
+        return self._page_check(room).final(msg.checksums)
+
+    def _checksum_failed(self, room: DecodeRoomState, problem: str) -> None:
+        log.warning("room %d: %s; failing it", room.room_id, problem)
+        self.mark_failed(room, problem, "checksum")
 
     # -- rooms (called by KVReceiver on the scheduler thread) ----------------------------------
     def claim(self, room_id: int, prefill_endpoint: str, prefill_id: str, mark: Mark = no_mark) -> DecodeRoomState:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from transfer.liveness import CLOCK_SLACK_S
 from transfer.poll import DuplicateRoom, Mark, PollState, no_mark
@@ -31,6 +32,8 @@ class DecodeRoomState:
     status_received: bool = False  # the prefill's final word arrived; nothing more will land
     prefill_dead_at: float | None = None  # when the prefill was declared dead while this room waited on it
     first_record: bytes | None = None  # the aux record sent ahead of the KV (FirstToken), if it came
+    dst_pages: list[int] = field(default_factory=list)  # where the prefill writes (what a checksum covers)
+    check: Any = None  # its PageCheck (transfer/checksum.py), from the first checksums that came
     mark: Mark = no_mark  # the request's timeline
 
     def pages_reusable(self, now: float, interval_s: float) -> bool:

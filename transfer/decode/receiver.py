@@ -35,6 +35,7 @@ class KVReceiver:
         m.register_with(self.prefill_endpoint, self.prefill_id)
         m.send(self.prefill_endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot, cached_prefix_len))
         self.room.mark("room_request_sent")
+        self.room.dst_pages = dst_pages
         self.room.requested, self.room.requested_at = True, m.clock()
         self.room.poll.advance(KVPoll.WaitingForInput)
         self.deadline = m.clock() + m.args.kv_wait_timeout_s

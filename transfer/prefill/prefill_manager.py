@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from common.wire.kv_heads import describe_sources, head_sources
+from transfer.checksum import page_run_sums
 from transfer.manager import KVArgs, KVManager
 from transfer.messages import (
     Abort,
     BadMessage,
     Envelope,
     FirstToken,
+    KVChecksums,
     Ping,
     Pong,
     RankWritten,
@@ -55,6 +58,7 @@ class PrefillKVManager(KVManager):
         self.refused: dict[str, tuple[Register, str]] = {}  # decode instances whose layout does not fit, and why
         self.table = PrefillRoomTable(self.clock)
         self.workers = WorkerPool(self._make_worker)
+        self.hasher = ThreadPoolExecutor(2, "kv-checksum")  # --...-kv-checksum; no thread until first used
         self.start()
 
     def _rank_links(self, fault: Callable[[], str | None]) -> RankLinks | None:
@@ -208,9 +212,17 @@ class PrefillKVManager(KVManager):
         fence = lambda: self._fence(room_request.decode_id, chunk.room)  # noqa: E731
         if chunk.ready is not None:  # the forward that wrote the pages may still run on the device
             chunk.ready.synchronize()
+        a = self.args
+        sums = None  # the source pages change no more: hashed while they are written (xxhash lets go of the GIL)
+        if a.kv_checksum:
+            sums = self.hasher.submit(page_run_sums, a.kv_ptrs, a.bytes_per_page, chunk.src_pages, chunk.dst_pages)
         written = self.writer.write(
             registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
         )
+        if sums is not None and chunk.aux is None:  # landed: the decode checks these pages now
+            self.send(registration.status_endpoint, KVChecksums(chunk.room.room_id, sums.result()))
+        elif sums is not None:  # the last chunk's go with the final status
+            chunk.room.checksums = sums.result()
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] += written
 
@@ -230,13 +242,14 @@ class PrefillKVManager(KVManager):
             self.metrics.latency.observe(self.clock() - room.first_chunk_at)
         registration = self.registrations.get(room.room_request.decode_id)
         if registration is not None:
-            self.send(registration.status_endpoint, Status(room.room_id, ok, reason))
+            self.send(registration.status_endpoint, Status(room.room_id, ok, reason, room.checksums if ok else []))
             room.mark("status_sent")
         self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
 
     def close(self) -> None:
         super().close()
         self.writer.close()
+        self.hasher.shutdown(wait=False, cancel_futures=True)
 
     # -- heartbeat -----------------------------------------------------------------------------
     def watched_peers(self) -> list[str]:

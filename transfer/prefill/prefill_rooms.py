@@ -31,6 +31,7 @@ class PrefillRoomState:
     requested_at: float | None = None  # when the decode's request arrived (the clock of the table)
     owned: bool = False  # a KVSender of this process holds the room
     mark: Mark = no_mark  # the owning request's timeline
+    checksums: list[list[int]] = field(default_factory=list)  # the last chunk's page runs (--...-kv-checksum)
 
 
 class PrefillRoomTable:

@@ -122,9 +122,11 @@ class GrammarBackend:
         """Give `req` its own grammar state (a matcher per choice), bound to the cached compilation."""
         spec = req.grammar_spec
         gate = reasoning_end if spec.after_reasoning else None
-        if gate is not None and _thinking_closed(decode(req.prompt_ids[-16:]), gate):
+        prompt = req.prompt_ids[: len(req.prompt_ids) - req.resumed_len]  # a migrated request's shown tokens are output
+        if gate is not None and _thinking_closed(decode(prompt[-16:]), gate):
             gate = None  # the chat template closed the thinking itself (e.g. enable_thinking false)
         req.grammar = ReqGrammar(spec, self.compiled(spec), gate, decode, self.vocab_size)
+        req.grammar.resume(req.resumed_ids)
 
     def info_dict(self) -> dict:
         return {"backend": "xgrammar", "cached": len(self._cache), "compiles": self.compiles, "cache_hits": self.hits}

@@ -10,6 +10,8 @@ questions: is it ready (`ready`, `error`), which tokens may come next (`fill`), 
   compilation finished late, or the thinking just ended) is first fed the tokens so far (`_catch_up`).
 - Reasoning (`gate`, the end of thinking such as "</think>"): until the output's text contains it the
   grammar does not apply; the tokens after it are the constrained answer.
+- Migration (docs/migration.md): a moved request's shown tokens are output, the thinking's end found among
+  them (`resume`), and the matcher fed them as it catches up.
 - PD: the prefill samples the first token under the grammar; the decode builds the same state and
   `accept`s that token like any other: one the grammar forbids fails the request (502: the peers disagree).
 """
@@ -85,6 +87,14 @@ class ReqGrammar:
             "allows (min_tokens or stop_token_ids may forbid the only ones it admits)",
             400,
         )
+
+    def resume(self, shown: list[int]) -> None:
+        """A migrated request's tokens shown by an earlier server: where among them the thinking ended, as
+        `_watch_gate` would have found it token by token (the matcher is fed them when it catches up)."""
+        for k in range(len(shown)):
+            if self.start is not None:
+                return
+            self._watch_gate(shown[: k + 1])
 
     def _watch_gate(self, output_ids: list[int]) -> None:
         """Open the gate once the thinking's end marker is in the output: constrained from the next token."""

@@ -142,7 +142,7 @@ imagePullSecrets:
 hostNetwork: true
 dnsPolicy: ClusterFirstWithHostNet
 {{- end }}
-terminationGracePeriodSeconds: {{ include "tandem.terminationGrace" .root }}
+terminationGracePeriodSeconds: {{ include "tandem.engine.terminationGrace" .root }}
 {{- with $role.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
@@ -178,7 +178,7 @@ containers:
         containerPort: {{ $v.engine.distInitPort }}
       {{- end }}
     {{- include "tandem.engine.probes" .root | nindent 4 }}
-    {{- include "tandem.preStop" .root | nindent 4 }}
+    {{- include "tandem.engine.preStop" .root | nindent 4 }}
     {{- end }}
     {{- with (fromYaml (include "tandem.engine.resources" .)) }}
     resources:

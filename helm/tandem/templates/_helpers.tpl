@@ -75,6 +75,23 @@ the ended requests' answers and the process exit (common/wire/drain.py). */}}
 {{- add .Values.drain.preStopSleepSeconds .Values.drain.timeoutSeconds 15 -}}
 {{- end -}}
 
+{{/* An engine pod's: its preStop hook drains at once (no sleep), then the drain bound and 15 s. */}}
+{{- define "tandem.engine.terminationGrace" -}}
+{{- add .Values.drain.timeoutSeconds 15 -}}
+{{- end -}}
+
+{{/* An engine pod's preStop: SIGTERM to the server at once, then wait for it to exit. Draining, it refuses new
+requests (the router retries them on another pair), a decode hands its streams back to the router, which moves
+them to another decode going on from the tokens shown (--migration-limit), and a prefill finishes the transfers
+it has; so a decode exits within seconds whatever its streams' length (docs/migration.md). The kubelet's own
+SIGTERM then finds nothing left to stop. */}}
+{{- define "tandem.engine.preStop" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sh", "-c", "kill -TERM 1; while kill -0 1 2>/dev/null; do sleep 0.5; done"]
+{{- end -}}
+
 {{- define "tandem.preStop" -}}
 lifecycle:
   preStop:

@@ -1,0 +1,18 @@
+"""Loaded by a test server process whose PYTHONPATH starts here (tests/integration/kv_faults.py): its
+transfer backends' KV writes suffer the faults the test writes into TANDEM_TEST_KV_FAULTS_FILE."""
+
+import os
+
+if os.environ.get("TANDEM_TEST_KV_FAULTS_FILE"):
+    import transfer.backends.base as base
+    from tests.integration.kv_faults import ENV_FILE, armed, inject
+
+    make = base.make_backend
+    AUX_RECORD_MAX = 4096  # an aux record's piece is smaller than any page run
+
+    def make_backend(*args, **kwargs):
+        backend = make(*args, **kwargs)
+        inject(backend, armed(os.environ[ENV_FILE]), kv_only=lambda nbytes: nbytes > AUX_RECORD_MAX)
+        return backend
+
+    base.make_backend = make_backend
