@@ -30,6 +30,9 @@ from common.engine.output import OutputProcessor
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
+from common.engine.spec.commit import SpecStats
+from common.engine.spec.factory import make_drafter
+from common.engine.spec.plan import SpecPlanner
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
@@ -96,13 +99,26 @@ class Engine:
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         eos_ids = self._eos_ids()
         model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
-        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
+        self.drafter = make_drafter(config, built.draft, req_pool.req_to_token)
+        self.runner = ModelRunner(
+            model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids), self.drafter
+        )
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
+        if self.drafter is not None:
+            self._start_speculative()
         if make_role is not None:
             self.scheduler.role = make_role(self)
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
+
+    def _start_speculative(self) -> None:
+        """Decode steps verify drafts (common/engine/spec/): the planner, the metrics, the answers' meta."""
+        k = self.config.speculative_draft_len
+        self.scheduler.decode.spec = SpecPlanner(self.drafter, k, self.memory, self.context_len)
+        self.scheduler.spec_stats = SpecStats(self.metrics, k)
+        self.output.speculative = True
+        log.info("speculative decoding: %s, %d draft tokens per verify", self.drafter.describe(), k)
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""

@@ -1,0 +1,22 @@
+"""The drafter `--speculative-algorithm` asks for (None without it)."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import ServerConfig
+from common.engine.spec.draft_model import DraftModel
+from common.engine.spec.drafter import Drafter
+from common.engine.spec.ngram import NgramDrafter
+from common.ranks.rank_model import DraftWeights
+
+
+def make_drafter(config: ServerConfig, draft: DraftWeights | None, req_to_token: torch.Tensor) -> Drafter | None:
+    algo = config.speculative_algorithm
+    if algo == "NGRAM":
+        return NgramDrafter(
+            config.speculative_ngram_min_match_window_size, config.speculative_ngram_max_match_window_size
+        )
+    if algo == "STANDALONE":
+        return DraftModel(draft.model, draft.attn, draft.shares_attn, req_to_token, config.device, draft.model_dir.name)
+    return None  # the config refuses what is not implemented
