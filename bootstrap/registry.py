@@ -37,8 +37,9 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "model_id": (str,),
     "attention": (str,),
     "kv_scales": (str,),
+    "speculative": (str,),
 }
-DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": ""}
+DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "speculative": "none"}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024

@@ -89,7 +89,10 @@ class ServerConfig(BaseSettings):
     speculative_num_steps: int | None = Field(None, ge=1, le=32, description="draft steps per verify (default 3)")
     speculative_eagle_topk: int = Field(1, ge=1, description="draft branches per step: 1 (a chain) is implemented")
     speculative_num_draft_tokens: int | None = Field(
-        None, ge=2, le=64, description="tokens one verify scores per request: the last one and the drafts (default steps + 1)"
+        None,
+        ge=2,
+        le=64,
+        description="tokens one verify scores per request: the last one and the drafts (default steps + 1)",
     )
     speculative_draft_model_path: str | None = Field(
         None, description="STANDALONE: the draft model (same tokenizer and attention shape as --model)"
@@ -191,9 +194,13 @@ class ServerConfig(BaseSettings):
                 "--speculative-algorithm STANDALONE needs --speculative-draft-model-path, and only it takes one"
             )
         if algo == "STANDALONE" and self.tp_size > 1:
-            raise ValueError("--speculative-algorithm STANDALONE runs its draft on one rank: use --tp-size 1 (or NGRAM)")
+            raise ValueError(
+                "--speculative-algorithm STANDALONE runs its draft on one rank: use --tp-size 1 (or NGRAM)"
+            )
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
-            raise ValueError("--speculative-ngram-min-match-window-size is above --speculative-ngram-max-match-window-size")
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size is above --speculative-ngram-max-match-window-size"
+            )
 
     @property
     def speculative_draft_len(self) -> int:

@@ -32,7 +32,9 @@ def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
         manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        layout = kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size, kv_heads)
+        layout = kv_layout(
+            engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size, kv_heads, engine.speculative
+        )
         log.info("KV layout: %s", layout)
         peers = PeerDirectory(layout, config.cluster_secret, tls=config.peer_tls)
         manager.on_peer_dead.append(peers.invalidate)

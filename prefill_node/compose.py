@@ -52,7 +52,9 @@ def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
             "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size, kv_heads),
+            **kv_layout(
+                engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size, kv_heads, engine.speculative
+            ),
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
         verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain

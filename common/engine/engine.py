@@ -31,7 +31,7 @@ from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.spec.commit import SpecStats
-from common.engine.spec.factory import make_drafter
+from common.engine.spec.factory import make_drafter, speculative_descriptor
 from common.engine.spec.plan import SpecPlanner
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
@@ -100,6 +100,7 @@ class Engine:
         eos_ids = self._eos_ids()
         model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
         self.drafter = make_drafter(config, built.draft, req_pool.req_to_token)
+        self.speculative = speculative_descriptor(config, built.draft)  # in the KV layout a PD peer must match
         self.runner = ModelRunner(
             model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids), self.drafter
         )

@@ -61,7 +61,9 @@ class DraftModel(Drafter):
             for i, token in zip(active, self._step(rows)):
                 drafts[i].append(token)
             active = [i for i in active if len(drafts[i]) < limits[i]]
-            rows = [ExtendRow(reqs[i].req_pool_idx, [drafts[i][-1]], reqs[i].seq_len + len(drafts[i]) - 1) for i in active]
+            rows = [
+                ExtendRow(reqs[i].req_pool_idx, [drafts[i][-1]], reqs[i].seq_len + len(drafts[i]) - 1) for i in active
+            ]
         return drafts
 
     @torch.inference_mode()

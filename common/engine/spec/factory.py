@@ -8,6 +8,7 @@ from common.config import ServerConfig
 from common.engine.spec.draft_model import DraftModel
 from common.engine.spec.drafter import Drafter
 from common.engine.spec.ngram import NgramDrafter
+from common.model.identity import model_identity
 from common.ranks.rank_model import DraftWeights
 
 
@@ -20,3 +21,11 @@ def make_drafter(config: ServerConfig, draft: DraftWeights | None, req_to_token:
     if algo == "STANDALONE":
         return DraftModel(draft.model, draft.attn, draft.shares_attn, req_to_token, config.device, draft.model_dir.name)
     return None  # the config refuses what is not implemented
+
+
+def speculative_descriptor(config: ServerConfig, draft: DraftWeights | None) -> str:
+    """The KV layout's `speculative` field: the algorithm, and the identity of a draft whose KV the pages hold."""
+    algo = config.speculative_algorithm
+    if draft is None:
+        return algo or "none"
+    return f"{algo} draft={model_identity(draft.model_dir)} layers={len(draft.model.model.layers)}"

@@ -45,4 +45,6 @@ class SpecPlanner:
             return None
         slots = [self.memory.extend(r, 1 + k) for r, k in zip(running, limits)]
         n = len(running)
-        return BatchPlan(ForwardMode.DECODE, list(running), [1] * n, slots, [True] * n, verify=VerifyPlan(limits, drafts))
+        return BatchPlan(
+            ForwardMode.DECODE, list(running), [1] * n, slots, [True] * n, verify=VerifyPlan(limits, drafts)
+        )
