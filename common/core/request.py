@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 from common.core.timeline import Timeline
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
+from common.wire.structured_output import GrammarSpec
 
 if TYPE_CHECKING:
     from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+    from common.engine.grammar.req_grammar import ReqGrammar
 
 
 class ReqStatus(enum.Enum):
@@ -64,6 +66,7 @@ class GenInput:
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
+    grammar_spec: GrammarSpec | None = None  # what the output must match (json_schema, regex, tool_choice...)
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
@@ -98,6 +101,7 @@ class Req(GenInput):
     # runtime helpers, owned by the scheduler
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
+    grammar: ReqGrammar | None = None  # its own matcher over grammar_spec's compilation (common/engine/grammar/)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -108,6 +108,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
         if self.drafter is not None:
             self._start_speculative()
+        self.grammar = self._grammar_backend(eos_ids)
         if make_role is not None:
             self.scheduler.role = make_role(self)
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
@@ -120,6 +121,24 @@ class Engine:
         self.scheduler.spec_stats = SpecStats(self.metrics, k)
         self.output.speculative = True
         log.info("speculative decoding: %s, %d draft tokens per verify", self.drafter.describe(), k)
+
+    def _grammar_backend(self, eos_ids: set[int]):
+        """xgrammar over this tokenizer (None with --grammar-backend none), and the scheduler's queue of
+        requests waiting for their grammar."""
+        if self.config.grammar_backend == "none":
+            return None
+        from common.engine.grammar.backend import GrammarBackend
+        from common.engine.grammar.queue import GrammarQueue
+
+        c = self.config
+        vocab = max(self.hf_config.vocab_size, len(self.tokenizer))
+        backend = GrammarBackend(
+            self.tokenizer, vocab, eos_ids, c.grammar_cache_size, not c.constrained_json_disable_any_whitespace
+        )
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        end = "</think>" if c.reasoning_parser else None
+        self.scheduler.grammars = GrammarQueue(backend, self.scheduler.wake, decode, end)
+        return backend
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
@@ -215,6 +234,8 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        if self.grammar is not None:
+            self.grammar.close()
         if self.kv_events is not None:
             self.kv_events.close()
         if self.ranks is not None:
@@ -233,13 +254,14 @@ class Engine:
             "model_path": str(self.model_dir),
             "context_length": self.context_len,
             "kv_pages": s.check_integrity().to_dict(),
-            "host_kv_pages": host_tier.info(self.memory.prefix_cache),
+            "host_tier": host_tier.info(self.memory.prefix_cache),
             "num_running_reqs": len(s.decode.running),
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,
             "role": s.role.info(),
             "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
             "kv_events": self.kv_events.info() if self.kv_events is not None else None,
+            "grammar": self.grammar.info_dict() if self.grammar is not None else None,
         }
 
     def health_problem(self) -> str | None:

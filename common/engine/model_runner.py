@@ -171,4 +171,5 @@ class ModelRunner:
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_logprob=req.return_logprob,
             stop_ids=stop_ids if p.min_new_tokens > len(output_ids) else frozenset(),
+            grammar=req.grammar,
         )

