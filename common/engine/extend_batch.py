@@ -27,9 +27,14 @@ class ExtendRow:
 
 
 def build_extend_batch(
-    rows: list[ExtendRow], page_size: int, device: str, req_to_token: torch.Tensor
+    rows: list[ExtendRow],
+    page_size: int,
+    device: str,
+    req_to_token: torch.Tensor,
+    mode: ForwardMode = ForwardMode.EXTEND,
 ) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-    """The batch, and per row the span of logits rows it got (its last token's alone, or all of them)."""
+    """The batch, and per row the span of logits rows it got (its last token's alone, or all of them);
+    `mode` VERIFY for a few tokens per request (attention may batch them)."""
     ids, positions, rope_lens, logits_idx, spans = [], [], [], [], []
     token_start = 0
     for r in rows:
@@ -47,7 +52,7 @@ def build_extend_batch(
     )
     slots = [req_to_token[r.row, r.start : r.end] for r in rows]
     batch = ForwardBatch(
-        mode=ForwardMode.EXTEND,
+        mode=mode,
         input_ids=ids_d.long(),
         positions=positions_d.long(),
         out_cache_loc=torch.cat(slots).to(device=device, dtype=torch.int64),

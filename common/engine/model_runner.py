@@ -122,11 +122,12 @@ class ModelRunner:
         drafts = plan.verify.drafts
         if drafts is None:
             drafts = self.drafter.propose(reqs, plan.verify.limits)
-        batch, _ = build_extend_batch(verify_rows(reqs, drafts), self.page_size, self.device, self.req_to_token)
+        rows = verify_rows(reqs, drafts)
+        batch, _ = build_extend_batch(rows, self.page_size, self.device, self.req_to_token, ForwardMode.VERIFY)
         self.attn.init_forward(batch)
         logits = self.model(batch, self.attn)
-        rows = position_rows(reqs, drafts, self._sampling_row)
-        out = self.sampler.sample(logits, SamplingBatch(rows, logits.shape[-1], self.device))
+        sampling = SamplingBatch(position_rows(reqs, drafts, self._sampling_row), logits.shape[-1], self.device)
+        out = self.sampler.sample(logits, sampling)
         return BatchResult([None] * n, [None] * n, [None] * n, [None] * n, verified=accept(out, drafts))
 
     def _build(self, plan: BatchPlan) -> tuple[ForwardBatch, list[tuple[int, int]]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from common.attention.base import AttentionBackend
-from common.core.forward_batch import ForwardBatch
+from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.core.request import Req
 from common.engine.extend_batch import ExtendRow, build_extend_batch
 from common.engine.spec.drafter import Drafter
@@ -69,7 +69,7 @@ class DraftModel(Drafter):
     @torch.inference_mode()
     def _step(self, rows: list[ExtendRow]) -> list[int]:
         """One draft forward: each row's greedy next token."""
-        batch, _ = build_extend_batch(rows, self.page_size, self.device, self.req_to_token)
+        batch, _ = build_extend_batch(rows, self.page_size, self.device, self.req_to_token, ForwardMode.VERIFY)
         self.attn.init_forward(batch)
         return self.model(batch, self.attn).argmax(dim=-1).tolist()
 

@@ -24,7 +24,7 @@ class SpecPlanner:
 
     def limit(self, req: Req) -> int:
         """The most drafts `req` may get this step: all of them may be committed, with the target's token."""
-        if getattr(req, "grammar", None) is not None:
+        if req.grammar is not None:
             return 0
         left = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
         return max(0, min(self.draft_len, left - 1))
