@@ -153,3 +153,20 @@ def test_a_decode_without_the_draft_refuses_the_prefill_naming_both(servers):
     assert metric(prefill.url, "tandem_kv_transfer_events_total", event="bytes_sent") == sent  # no KV moved
     servers["plain"].wait_idle()
     servers["draft_pd"].wait_idle()
+
+
+def test_a_constrained_request_decodes_as_without_speculation(servers, reference_servers):
+    """A request under a grammar gets no drafts (its matcher sees committed tokens only): the same JSON."""
+    schema = {"type": "object", "properties": {"days": {"type": "array", "items": {"type": "string"}}}}
+    body = {
+        "messages": [{"role": "user", "content": "List the days of the week as JSON."}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "days", "schema": schema}},
+    }
+    answers = [
+        httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300).json()
+        for s in (reference_servers.get(*BUILTIN), servers["mono"])
+    ]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    servers["mono"].wait_idle()
