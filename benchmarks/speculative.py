@@ -55,29 +55,38 @@ def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[list[Req], 
     return reqs, time.perf_counter() - start
 
 
-def single_stream(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, list[Req]]:
-    """Decode tokens per second, one request at a time: tokens after the first over the time after it."""
-    tokens = seconds = 0.0
-    done = []
-    for p in prompts:
-        [r], _ = run(engine, [p], new)
-        tokens += len(r.output_ids) - 1
-        seconds += r.last_token_time - r.first_token_time
-        done.append(r)
-    return tokens / seconds, done
-
-
 def per_verify(reqs: list[Req]) -> str:
     verifies = sum(r.spec_verify_ct for r in reqs)
     if not verifies:
         return "-"
-    return f"{sum(r.spec_accepted for r in reqs) / verifies:.2f} drafts ({verifies} verifies)"
+    return f"{sum(r.spec_accepted for r in reqs) / verifies:.2f}"
+
+
+class Tally:
+    """One configuration's totals over the rounds: single-stream decode tokens and seconds (after each
+    request's first token), batch tokens and seconds, and the requests (for accepted drafts per verify)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = self.batch_tokens = self.batch_seconds = 0.0
+        self.single: list[Req] = []
+        self.batch: list[Req] = []
+
+    def add_single(self, r: Req) -> None:
+        self.tokens += len(r.output_ids) - 1
+        self.seconds += r.last_token_time - r.first_token_time
+        self.single.append(r)
+
+    def add_batch(self, reqs: list[Req], seconds: float) -> None:
+        self.batch_tokens += sum(len(r.output_ids) for r in reqs)
+        self.batch_seconds += seconds
+        self.batch += reqs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--new", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--rounds", type=int, default=2, help="each measurement repeated, configs interleaved")
     parser.add_argument("--draft-layers", type=int, default=6)
     parser.add_argument("--pd", action="store_true", help="also NGRAM through a PD pair")
     ns = parser.parse_args()
@@ -93,34 +102,37 @@ def main() -> None:
             "speculative_num_steps": 3,
         },
     }
-    print(f"torch threads {ns.threads}, {ns.new} new tokens per request, greedy")
-    print(
-        f"{'config':<32} {'text':<11} {'1 stream tok/s':>14} {'x':>6} {'16 at once tok/s':>17} {'x':>6}  accepted/verify"
-    )
-    base: dict[str, tuple[float, float]] = {}
-    mono_ngram: list[Req] = []
-    for name, flags in configs.items():
-        engine = Engine(ServerConfig(model="builtin", page_size=16, max_total_tokens=32768, **flags))
-        tok = engine.tokenizer
-        for kind, texts in (("repetitive", REPETITIVE), ("chat", CHAT)):
-            prompts = [tok(t)["input_ids"] for t in texts]
-            run(engine, prompts[:1], 4)  # warm
-            single, done = single_stream(engine, prompts, ns.new)
+    engines = {
+        n: Engine(ServerConfig(model="builtin", page_size=16, max_total_tokens=32768, **f)) for n, f in configs.items()
+    }
+    tok = engines["off"].tokenizer
+    texts = {"repetitive": REPETITIVE, "chat": CHAT}
+    tallies = {(n, kind): Tally() for n in configs for kind in texts}
+    for e in engines.values():
+        run(e, [tok("warm up")["input_ids"]], 4)
+    for _ in range(ns.rounds):  # every measurement runs each config back to back: a drifting load hits all alike
+        for kind, batch_texts in texts.items():
+            prompts = [tok(t)["input_ids"] for t in batch_texts]
+            for p in prompts:
+                for name, e in engines.items():
+                    tallies[name, kind].add_single(run(e, [p], ns.new)[0][0])
             batch = [prompts[i % len(prompts)] for i in range(16)]
-            reqs, wall = run(engine, batch, ns.new)
-            throughput = sum(len(r.output_ids) for r in reqs) / wall
-            if name == "off":
-                base[kind] = (single, throughput)
-            b1, b16 = base[kind]
-            print(
-                f"{name:<32} {kind:<11} {single:>14.1f} {single / b1:>6.2f} {throughput:>17.1f} {throughput / b16:>6.2f}"
-                f"  {per_verify(done)} | batch: {per_verify(reqs)}"
-            )
-            if name == "NGRAM k=6" and kind == "repetitive":
-                mono_ngram = done
-        del engine
+            for name, e in engines.items():
+                tallies[name, kind].add_batch(*run(e, batch, ns.new))
+    print(f"torch threads {ns.threads}, {ns.new} new tokens per request, greedy, {ns.rounds} rounds interleaved")
+    print(
+        f"{'config':<32} {'text':<11} {'1 stream tok/s':>14} {'x':>6} {'16 at once tok/s':>17} {'x':>6}  accepted/verify (1, 16)"
+    )
+    for (name, kind), t in tallies.items():
+        base = tallies["off", kind]
+        single, batch = t.tokens / t.seconds, t.batch_tokens / t.batch_seconds
+        b1, b16 = base.tokens / base.seconds, base.batch_tokens / base.batch_seconds
+        print(
+            f"{name:<32} {kind:<11} {single:>14.1f} {single / b1:>6.2f} {batch:>17.1f} {batch / b16:>6.2f}"
+            f"  {per_verify(t.single)}, {per_verify(t.batch)}"
+        )
     if ns.pd:
-        pd_accepts(mono_ngram, ns.new)
+        pd_accepts(tallies["NGRAM k=6", "repetitive"].single[: len(REPETITIVE)], ns.new)
 
 
 def pd_accepts(mono: list[Req], new: int) -> None:

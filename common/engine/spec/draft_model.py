@@ -45,8 +45,8 @@ class DraftModel(Drafter):
         self.page_size = attn.kv_pool.page_size
 
     @torch.inference_mode()
-    def follow(self, batch: ForwardBatch) -> None:
-        if not self.shares_attn:
+    def follow(self, batch: ForwardBatch, planned: bool = True) -> None:
+        if not (self.shares_attn and planned):
             self.attn.init_forward(batch)
         self.model.model(batch, self.attn)  # its layers write their KV; no logits needed
 

@@ -23,8 +23,9 @@ class Drafter(ABC):
     def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
         """Per request at most `limits[i]` draft tokens (possibly none)."""
 
-    def follow(self, batch: ForwardBatch) -> None:
-        """The target just ran `batch` (a prefill chunk or a decode step): write the draft's KV for it too."""
+    def follow(self, batch: ForwardBatch, planned: bool = True) -> None:
+        """The target just ran `batch` (a prefill chunk or a decode step): write the draft's KV for it too.
+        `planned`: the target's attention backend is planned for `batch` (not when a CUDA graph replayed it)."""
 
     def describe(self) -> str:
         return type(self).__name__

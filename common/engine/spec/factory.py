@@ -8,8 +8,8 @@ from common.config import ServerConfig
 from common.engine.spec.draft_model import DraftModel
 from common.engine.spec.drafter import Drafter
 from common.engine.spec.ngram import NgramDrafter
+from common.model.draft import DraftWeights
 from common.model.identity import model_identity
-from common.ranks.rank_model import DraftWeights
 
 
 def make_drafter(config: ServerConfig, draft: DraftWeights | None, req_to_token: torch.Tensor) -> Drafter | None:
