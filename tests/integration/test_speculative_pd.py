@@ -5,7 +5,8 @@
   drafts as the monolithic server (within 2%), and both count them in meta_info and /metrics;
 - a tiny Llama with a STANDALONE draft (its first two layers) on both PD sides: the draft's KV for the prompt
   travels in the target's pages, tokens equal transformers', drafts accepted as in one engine;
-- a decode without the draft refuses that prefill before any KV moves, naming both sides' `speculative`.
+- a decode without the draft refuses that prefill before any KV moves, naming both sides' `speculative`;
+- NGRAM at --tp-size 2: the verify forward runs on both ranks, tokens equal transformers'.
 """
 
 from __future__ import annotations
@@ -53,13 +54,22 @@ def servers(tiny, reference_servers):
         started.append(draft_pd)
         plain = start_server("--disagg-mode", "decode", "--transfer-backend", "mooncake", *flags, name="decode-plain")
         started.append(plain)
-        for s in (mono, plain):
+        tp = start_server(*flags, "--tp-size", "2", *NGRAM, name="ngram-tp2")
+        started.append(tp)
+        for s in (mono, plain, tp):
             s.wait_ready(600)
         ngram_pd.wait_ready(600), draft_pd.wait_ready(600)
         prefill = [(draft_pd.prefills[0], draft_pd.prefill_bootstrap_ports[0])]
         mismatched = start_router(prefill, [plain], name="router-mismatch")
         started.append(mismatched)
-        yield {"mono": mono, "ngram_pd": ngram_pd, "draft_pd": draft_pd, "plain": plain, "mismatched": mismatched}
+        yield {
+            "mono": mono,
+            "ngram_pd": ngram_pd,
+            "draft_pd": draft_pd,
+            "plain": plain,
+            "mismatched": mismatched,
+            "tp": tp,
+        }
     finally:
         for s in reversed(started):
             s.stop()
@@ -170,3 +180,17 @@ def test_a_constrained_request_decodes_as_without_speculation(servers, reference
     ]
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
     servers["mono"].wait_idle()
+
+
+def test_ngram_at_tp_2_verifies_on_every_rank(servers, tiny):
+    target = tiny[0]
+    phrases = random_prompts(2, 6, 10, seed=33)
+    prompts = random_prompts(2, 5, 40, seed=32) + [p * 4 for p in phrases]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    verified = 0
+    for ids, want in zip(prompts, hf_greedy(hf, prompts, TINY_NEW)):
+        out = generate(servers["tp"].url, ids, TINY_NEW, sampling={"ignore_eos": True})
+        assert out["output_ids"] == want
+        verified += out["meta_info"]["spec_verify_ct"]
+    assert verified > 0
+    servers["tp"].wait_idle()
