@@ -103,7 +103,7 @@ def main() -> None:
         },
     }
     engines = {
-        n: Engine(ServerConfig(model="builtin", page_size=16, max_total_tokens=32768, **f)) for n, f in configs.items()
+        n: Engine(ServerConfig(model="builtin", page_size=16, max_total_tokens=8192, **f)) for n, f in configs.items()
     }
     tok = engines["off"].tokenizer
     texts = {"repetitive": REPETITIVE, "chat": CHAT}
@@ -116,6 +116,7 @@ def main() -> None:
             for p in prompts:
                 for name, e in engines.items():
                     tallies[name, kind].add_single(run(e, [p], ns.new)[0][0])
+            print(f"round done: {kind} single streams", flush=True)
             batch = [prompts[i % len(prompts)] for i in range(16)]
             for name, e in engines.items():
                 tallies[name, kind].add_batch(*run(e, batch, ns.new))
@@ -139,7 +140,7 @@ def pd_accepts(mono: list[Req], new: int) -> None:
     """The same prompts through a PD pair whose decode runs NGRAM k=6: drafts accepted, against one engine."""
     from tests.integration.cluster import generate, start_cluster
 
-    flags = ("--page-size", "16", "--max-total-tokens", "32768")
+    flags = ("--page-size", "16", "--max-total-tokens", "8192")
     ngram = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "7")
     cluster = start_cluster("mooncake", flags=flags, decode_flags=ngram)
     try:
