@@ -38,8 +38,9 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "attention": (str,),
     "kv_scales": (str,),
     "kv_checksum": (bool,),
+    "speculative": (str,),
 }
-DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "kv_checksum": False}
+DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "kv_checksum": False, "speculative": "none"}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024

@@ -116,6 +116,24 @@ class ServerConfig(BaseSettings):
         False, description="honour requests' priority field (higher first): admission order and who is retracted"
     )
 
+    # speculative decoding (SGLang's flags; docs/speculative.md)
+    speculative_algorithm: Literal["NGRAM", "STANDALONE", "NEXTN", "EAGLE", "EAGLE3"] | None = Field(
+        None, description="draft tokens and verify them in one forward: NGRAM (the request's own tokens) or STANDALONE"
+    )
+    speculative_num_steps: int | None = Field(None, ge=1, le=32, description="draft steps per verify (default 3)")
+    speculative_eagle_topk: int = Field(1, ge=1, description="draft branches per step: 1 (a chain) is implemented")
+    speculative_num_draft_tokens: int | None = Field(
+        None,
+        ge=2,
+        le=64,
+        description="tokens one verify scores per request: the last one and the drafts (default steps + 1)",
+    )
+    speculative_draft_model_path: str | None = Field(
+        None, description="STANDALONE: the draft model (same tokenizer and attention shape as --model)"
+    )
+    speculative_ngram_min_match_window_size: int = Field(1, ge=1, description="NGRAM: shortest suffix matched")
+    speculative_ngram_max_match_window_size: int = Field(12, ge=1, description="NGRAM: longest suffix matched")
+
     # PD disaggregation
     transfer_backend: Literal["mooncake", "nixl", "loopback"] = "mooncake"
     transfer_protocol: Literal["tcp", "rdma"] = "tcp"
@@ -224,10 +242,55 @@ class ServerConfig(BaseSettings):
                 "--disaggregation-enable-kv-checksum checks the KV in host memory at --tp-size 1 only: "
                 "drop it, or run this server at --tp-size 1 on the CPU"
             )
+        self._check_speculative()
         self._check_store()
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
+
+    def _check_speculative(self) -> None:
+        """The speculative flags fit together; what is not implemented is refused naming it."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            if self.speculative_draft_model_path:
+                raise ValueError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE")
+            return
+        if algo in ("NEXTN", "EAGLE", "EAGLE3"):
+            raise ValueError(
+                f"--speculative-algorithm {algo} is not implemented (it needs the target's hidden states fed to an "
+                "MTP layer or EAGLE head, and those in the PD aux record): use NGRAM or STANDALONE"
+            )
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(
+                f"--speculative-eagle-topk {self.speculative_eagle_topk}: tree verification is not implemented, use 1"
+            )
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and tokens is not None and tokens != steps + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {tokens} with --speculative-num-steps {steps}: a chain (topk 1) "
+                f"verifies the last token and one draft per step, so give {steps + 1} or only one of the two"
+            )
+        if (algo == "STANDALONE") != bool(self.speculative_draft_model_path):
+            raise ValueError(
+                "--speculative-algorithm STANDALONE needs --speculative-draft-model-path, and only it takes one"
+            )
+        if algo == "STANDALONE" and self.tp_size > 1:
+            raise ValueError(
+                "--speculative-algorithm STANDALONE runs its draft on one rank: use --tp-size 1 (or NGRAM)"
+            )
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size is above --speculative-ngram-max-match-window-size"
+            )
+
+    @property
+    def speculative_draft_len(self) -> int:
+        """Draft tokens proposed per request and verify (0: no speculative decoding)."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return self.speculative_num_steps or 3
 
     def _check_store(self) -> None:
         if self.hicache_storage_backend is None:

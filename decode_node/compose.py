@@ -39,6 +39,7 @@ def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
             config.tp_size,
             kv_heads,
             config.disaggregation_enable_kv_checksum,
+            engine.speculative,
         )
         log.info("KV layout: %s", layout)
         peers = PeerDirectory(layout, config.cluster_secret, tls=config.peer_tls)

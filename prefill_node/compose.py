@@ -59,6 +59,7 @@ def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
                 config.tp_size,
                 kv_heads,
                 config.disaggregation_enable_kv_checksum,
+                engine.speculative,
             ),
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})

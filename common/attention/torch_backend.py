@@ -30,6 +30,9 @@ class TorchAttention(AttentionBackend):
             # no mask when every row is full length: the same SDPA kernel as transformers' (bit-equal outputs)
             self._decode_mask = None if meta.min_len == meta.max_len else valid[:, None, None, :]  # [B, 1, 1, S]
             return
+        if batch.mode == ForwardMode.VERIFY:
+            self._init_verify(batch)
+            return
         self._extend = []
         start = 0
         for i, (seq_len, ext) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
@@ -42,11 +45,45 @@ class TorchAttention(AttentionBackend):
             self._extend.append((start, ext, pool.locate(kv_index), mask))
             start += ext
 
+    def _init_verify(self, batch: ForwardBatch) -> None:
+        """A few new tokens per request (a speculative verify, a draft step): one padded SDPA for the whole
+        batch, as a decode step with E queries per request, instead of one call per request."""
+        meta, device = batch.pages, batch.req_to_token.device
+        ext = batch.extend_lens.to(device)
+        e, s = int(batch.extend_lens.max()), meta.max_len
+        table = batch.req_to_token[batch.req_pool_indices, :s].long()
+        keys = torch.arange(s, device=device)
+        valid = keys[None, :] < meta.seq_lens[:, None]  # [B, S]
+        q_pos = (meta.seq_lens - ext)[:, None] + torch.arange(e, device=device)[None, :]  # [B, E]
+        mask = valid[:, None, :] & (keys[None, None, :] <= q_pos[:, :, None])  # [B, E, S]
+        if self.fold_heads:  # rows are (head, position)
+            mask = mask.repeat(1, self.num_q_heads, 1)
+        self._kv_at = pool_at = self.kv_pool.locate(torch.where(valid, table, 0))
+        self._verify = (pool_at, mask[:, None], e)
+        in_req = torch.arange(int(ext.sum()), device=device) - torch.repeat_interleave(ext.cumsum(0) - ext, ext)
+        self._verify_rows = torch.repeat_interleave(torch.arange(len(ext), device=device), ext) * e + in_req
+
+    def _verify_attention(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q [T, H, D] of the batch's tokens -> [T, H, Dv], through the padded [B, H, E, D] layout."""
+        pool, (kv_at, mask, e) = self.kv_pool, self._verify
+        b, h = mask.shape[0], self.num_q_heads
+        keys = pool.k_at(layer_id, kv_at).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+        vals = pool.v_at(layer_id, kv_at).transpose(1, 2).to(q.dtype)
+        padded = q.new_zeros(b * e, h, q.shape[-1]).index_copy_(0, self._verify_rows, q)
+        padded = padded.view(b, e, h, -1).transpose(1, 2)  # [B, H, E, D]
+        if self.fold_heads:
+            padded = padded.reshape(b, 1, h * e, -1)
+        out = F.scaled_dot_product_attention(padded, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        out = out.reshape(b, h, e, -1).transpose(1, 2).reshape(b * e, h, -1)
+        return out[self._verify_rows]
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         pool = self.kv_pool
         pool.set_kv(layer_id, self._out, k, v)
+        if batch.mode == ForwardMode.VERIFY:
+            return self._verify_attention(q, layer_id)
         if batch.mode == ForwardMode.DECODE:
             keys = pool.k_at(layer_id, self._kv_at).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
             vals = pool.v_at(layer_id, self._kv_at).transpose(1, 2).to(q.dtype)

@@ -13,6 +13,8 @@ from common.core.page_meta import PageMeta
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill: new tokens of each request on top of its cached prefix
     DECODE = "decode"  # one new token per request
+    VERIFY = "verify"  # a few new tokens per request on top of its KV (speculative verify, draft steps): an
+    #                    EXTEND whose attention may batch the requests (common/attention/torch_backend.py)
 
 
 @dataclass

@@ -90,7 +90,8 @@ class Req(GenInput):
 
     # memory: tokens [0, cached_len) sit in locked radix-tree pages, [cached_len, kv_len) in pages this
     # request owns; req_to_token[req_pool_idx, :kv_len] holds their KV slots, of which the first
-    # kv_computed_len hold KV a forward (or a transfer) wrote: only those may enter the prefix cache.
+    # kv_computed_len hold KV a forward (or a transfer) wrote, of the target and of a draft model if the server
+    # runs one (common/engine/spec/): only those may enter the prefix cache.
     req_pool_idx: int | None = None
     kv_len: int = 0
     cached_len: int = 0
@@ -100,6 +101,8 @@ class Req(GenInput):
     decode_hit_len: int | None = None  # a decode server's: prompt tokens its own prefix cache had (not sent)
     store_hit_len: int = 0  # prompt tokens read from the KV store for it (--hicache-storage-backend)
     kv_ready: Any = None  # KVReady of the last forward that wrote this request's KV (the transfer waits on it)
+    spec_verify_ct: int = 0  # speculative decoding: verify forwards this request took part in (SGLang's meta)
+    spec_accepted: int = 0  # draft tokens they accepted
 
     # runtime helpers, owned by the scheduler
     detokenizer: IncrementalDetokenizer | None = None

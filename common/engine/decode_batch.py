@@ -20,6 +20,7 @@ from common.memory.manager import MemoryManager
 
 if TYPE_CHECKING:
     from common.engine.prefill_queue import PrefillQueue
+    from common.engine.spec.plan import SpecPlanner
 
 log = logging.getLogger(__name__)
 FIRST_DECODE_STEPS = 16  # token slots kept past a prompt (at most) for its first decode steps
@@ -39,6 +40,7 @@ class DecodeBatch:
         self.running: list[Req] = []
         self.tensors = DecodeTensors(config.device)
         self.num_retractions = 0
+        self.spec: SpecPlanner | None = None  # speculative decoding: asked first every step (common/engine/spec/)
 
     def add(self, req: Req) -> None:
         req.status = ReqStatus.RUNNING
@@ -53,6 +55,11 @@ class DecodeBatch:
         caller then ends `running[0]`)."""
         if not self.running:
             return None
+        if self.spec is not None:
+            plan = self.spec.plan(self.running)
+            if plan is not None:
+                self.tensors.current = False  # the requests moved on by several tokens: rebuilt next time
+                return plan
         batch = self.tensors.prepare(self.running)
         while not self._fits(batch):
             if len(self.running) == 1:

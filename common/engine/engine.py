@@ -32,6 +32,9 @@ from common.engine.output import OutputProcessor
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
+from common.engine.spec.commit import SpecStats
+from common.engine.spec.factory import make_drafter, speculative_descriptor
+from common.engine.spec.plan import SpecPlanner
 from common.engine.warmup import use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
@@ -107,15 +110,29 @@ class Engine:
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         eos_ids = self._eos_ids()
         model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
+        self.drafter = make_drafter(config, built.draft, req_pool.req_to_token)
+        self.speculative = speculative_descriptor(config, built.draft)  # in the KV layout a PD peer must match
         check = self.ranks.check_step if self.ranks is not None else (lambda: None)
-        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids), check)
+        self.runner = ModelRunner(
+            model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids), self.drafter, check
+        )
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
+        if self.drafter is not None:
+            self._start_speculative()
         self.grammar = self._grammar_backend(eos_ids)
         if make_role is not None:
             self.scheduler.role = make_role(self)
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
+
+    def _start_speculative(self) -> None:
+        """Decode steps verify drafts (common/engine/spec/): the planner, the metrics, the answers' meta."""
+        k = self.config.speculative_draft_len
+        self.scheduler.decode.spec = SpecPlanner(self.drafter, k, self.memory, self.context_len)
+        self.scheduler.spec_stats = SpecStats(self.metrics, k)
+        self.output.speculative = True
+        log.info("speculative decoding: %s, %d draft tokens per verify", self.drafter.describe(), k)
 
     def _grammar_backend(self, eos_ids: set[int]):
         """xgrammar over this tokenizer (None with --grammar-backend none), and the scheduler's queue of
@@ -186,8 +203,9 @@ class Engine:
         unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
         running = unset.get("max_running_requests", config.max_running_requests)
         left = total * (1 - config.mem_fraction_static)  # what the pool's sizing left: the sampler's rows come from it
+        rows = 1 + config.speculative_draft_len  # a verify samples every position
         capped, warning = cap_running_requests(
-            running, left, self.hf_config.vocab_size, "max_running_requests" not in unset
+            running, left, self.hf_config.vocab_size, "max_running_requests" not in unset, rows
         )
         if warning:
             log.warning("%s", warning)

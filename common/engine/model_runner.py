@@ -9,13 +9,15 @@ import torch
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
-from common.core.page_meta import build_page_meta
 from common.core.request import Req
 from common.engine.cuda_graph import DecodeGraphs
 from common.engine.decode_tensors import DecodeTensors
+from common.engine.extend_batch import ExtendRow, build_extend_batch
 from common.engine.kv_ready import KVReady, record_kv_ready
 from common.engine.sampler import Sampler, flashinfer_sampling
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
+from common.engine.spec.drafter import Drafter
+from common.engine.spec.verify import Verified, VerifyPlan, accept, position_rows, verify_rows
 from common.model.llama import LlamaForCausalLM
 
 
@@ -29,6 +31,7 @@ class BatchPlan:
     out_cache_locs: list[torch.Tensor]  # KV slots of the new tokens: concatenated, they follow reqs in order
     sample: list[bool]  # False for a prefill chunk that is not the request's last
     decode: DecodeTensors | None = None  # DECODE: the kept batch tensors (out_cache_locs holds its one slot tensor)
+    verify: VerifyPlan | None = None  # DECODE with speculative drafts: verified in one EXTEND forward
 
 
 @dataclass
@@ -46,6 +49,7 @@ class BatchResult:
     top_logprobs: list[list[tuple[int, float]] | None]
     input_logprobs: list[InputLogprobs | None]  # per request
     kv_ready: KVReady | None = None  # EXTEND: recorded after the forward that wrote the batch's KV
+    verified: list[Verified] | None = None  # a verify plan's: each request's accepted tokens
 
 
 class ModelRunner:
@@ -56,9 +60,11 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         device: str,
         eos_token_ids: frozenset[int] = frozenset(),
+        drafter: Drafter | None = None,
         check_step: Callable[[], None] = lambda: None,
     ):
         """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens);
+        `drafter`: speculative decoding's (common/engine/spec/), which follows every forward of the target;
         `check_step`: called once a step's tokens reached the host, raises if the step cannot be trusted
         (a TP group that faulted meanwhile: Ranks.check_step)."""
         self.check_step = check_step
@@ -70,13 +76,18 @@ class ModelRunner:
         self.page_size = attn.kv_pool.page_size
         self.sampler = Sampler(flashinfer_sampling(device))
         self.graphs: DecodeGraphs | None = None  # captured by the engine's warm-up (common.engine.cuda_graph)
+        self.drafter = drafter
 
     def run(self, plan: BatchPlan) -> BatchResult:
+        if plan.verify is not None:
+            return self._run_verify(plan)
         if plan.decode is not None:
             return self._run_decode(plan.decode, plan.out_cache_locs[0])
         batch, logit_spans = self._build(plan)
         self.attn.init_forward(batch)
         logits = self.model(batch, self.attn)
+        if self.drafter is not None:
+            self.drafter.follow(batch)  # the draft model's KV of the same tokens (its layers of the same pages)
         kv_ready = record_kv_ready(self.device)  # before sampling: the transfer need not wait for it
         last_rows = torch.tensor([end - 1 for _, end in logit_spans], device=logits.device)
         sample_idx = [i for i, s in enumerate(plan.sample) if s]
@@ -102,11 +113,14 @@ class ModelRunner:
     def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
         """One token for every running request, from tensors kept across steps: no tensor work per request."""
         batch = decode.forward_batch(out_cache_loc, self.req_to_token)  # its metadata went with the slots
-        if self.graphs is not None and batch.batch_size <= self.graphs.max_bs:
+        replayed = self.graphs is not None and batch.batch_size <= self.graphs.max_bs
+        if replayed:
             logits = self.graphs.run(batch)
         else:
             self.attn.init_forward(batch)
             logits = self.model(batch, self.attn)
+        if self.drafter is not None:
+            self.drafter.follow(batch, planned=not replayed)  # a graph planned its own attention, not self.attn
         if decode.sampling is None:  # the running set changed
             decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
         out = self.sampler.sample(logits, decode.sampling)
@@ -114,39 +128,36 @@ class ModelRunner:
         decode.finish_step(out.ids)
         return BatchResult(out.token_ids, out.logprobs, out.top_logprobs, [None] * len(decode.reqs))
 
+    def _run_verify(self, plan: BatchPlan) -> BatchResult:
+        """Drafts (the plan's, or the drafter's now that their slots exist), then one forward over every
+        request's last token and drafts, every position sampled, each request's accepted tokens."""
+        reqs, n = plan.reqs, len(plan.reqs)
+        drafts = plan.verify.drafts
+        if drafts is None:
+            drafts = self.drafter.propose(reqs, plan.verify.limits)
+        rows = verify_rows(reqs, drafts)
+        batch, _ = build_extend_batch(rows, self.page_size, self.device, self.req_to_token, ForwardMode.VERIFY)
+        self.attn.init_forward(batch)
+        logits = self.model(batch, self.attn)
+        sampling = SamplingBatch(position_rows(reqs, drafts, self._sampling_row), logits.shape[-1], self.device)
+        out = self.sampler.sample(logits, sampling)
+        self.check_step()
+        return BatchResult([None] * n, [None] * n, [None] * n, [None] * n, verified=accept(out, drafts))
+
     def _build(self, plan: BatchPlan) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-        """The batch's tensors, built on the host and sent in one copy (see page_meta.py)."""
-        ids, positions, rope_lens, logits_idx, spans = [], [], [], [], []
-        token_start = 0
-        for req, ext in zip(plan.reqs, plan.extend_lens):
-            prefix = req.kv_len - ext
-            ids.extend(req.fill_ids[prefix : req.kv_len])
-            positions.extend(range(prefix, req.kv_len))
-            rope_lens.extend([len(req.fill_ids)] * ext)
-            want_all = plan.mode == ForwardMode.EXTEND and req.logprob_start_len >= 0
-            first = token_start if want_all else token_start + ext - 1
-            spans.append((len(logits_idx), len(logits_idx) + token_start + ext - first))
-            logits_idx.extend(range(first, token_start + ext))
-            token_start += ext
-        seq_lens = [r.kv_len for r in plan.reqs]
-        rows = [r.req_pool_idx for r in plan.reqs]
-        pages, (ids_d, positions_d, rope_lens_d, rows_d, logits_d) = build_page_meta(
-            seq_lens, plan.extend_lens, self.page_size, self.device, [ids, positions, rope_lens, rows, logits_idx]
-        )
-        batch = ForwardBatch(
-            mode=plan.mode,
-            input_ids=ids_d.long(),
-            positions=positions_d.long(),
-            out_cache_loc=torch.cat(plan.out_cache_locs).to(self.device),
-            req_pool_indices=rows_d.long(),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            extend_lens=torch.tensor(plan.extend_lens, dtype=torch.int64),
-            logits_indices=logits_d.long(),
-            req_to_token=self.req_to_token,
-            pages=pages,
-            rope_lens=rope_lens_d.long(),
-        )
-        return batch, spans
+        """A prefill batch: each request's new tokens on top of what it holds, every logit when it wants the
+        prompt's logprobs; length-dependent RoPE sees the whole prompt's length, whatever the chunking."""
+        rows = [
+            ExtendRow(
+                req.req_pool_idx,
+                req.fill_ids[req.kv_len - ext : req.kv_len],
+                req.kv_len - ext,
+                rope_len=len(req.fill_ids),
+                all_logits=req.logprob_start_len >= 0,
+            )
+            for req, ext in zip(plan.reqs, plan.extend_lens)
+        ]
+        return build_extend_batch(rows, self.page_size, self.device, self.req_to_token)
 
     @staticmethod
     def _input_logprobs(req: Req, ext: int, logits: torch.Tensor) -> InputLogprobs:
@@ -163,10 +174,12 @@ class ModelRunner:
         top_vals, top_ids = logp.topk(req.top_logprobs_num, dim=-1)
         return InputLogprobs(values, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())])
 
-    def _sampling_row(self, req: Req) -> SamplingRow:
+    def _sampling_row(self, req: Req, output_ids: list[int] | None = None) -> SamplingRow:
+        """`output_ids`: every token generated before the one sampled (a verify position's: with the drafts before it)."""
         p = req.params
         stop_ids = frozenset(p.stop_token_ids or ()) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-        generated = req.generated_ids  # a migrated request's earlier output too: its position, its penalties
+        # a migrated request's earlier output too: its position, its penalties
+        generated = req.generated_ids if output_ids is None else output_ids
         return SamplingRow(
             params=p,
             prompt_ids=req.prompt_ids,

@@ -24,6 +24,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
         self.metrics = metrics
+        self.speculative = False  # the server verifies drafts: every answer's meta counts its verify steps
 
     def prepare(self, req: Req) -> None:
         p = req.params
@@ -116,6 +117,8 @@ class OutputProcessor:
             "completion_tokens": req.generated_len,
             "cached_tokens": req.prefix_hit_len,
         }
+        if self.speculative:  # SGLang's name; and how many drafts those verifies accepted
+            meta |= {"spec_verify_ct": req.spec_verify_ct, "spec_accepted_tokens": req.spec_accepted}
         if req.decode_hit_len is not None:  # PD: what each side reused (the prefill's compute, the decode's transfer)
             meta |= {"prefill_cached_tokens": req.prefix_hit_len, "decode_cached_tokens": req.decode_hit_len}
         meta |= self.input_meta(req)

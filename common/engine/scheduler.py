@@ -28,6 +28,8 @@ from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.engine.output import OutputProcessor
 from common.engine.prefill_queue import PrefillQueue
 from common.engine.role import Role
+from common.engine.spec.commit import SpecStats, commit_verified
+from common.engine.spec.verify import Verified
 from common.memory.errors import MemoryIntegrityError
 from common.memory.manager import MemoryManager, PageCounts
 from common.wire.api import rendezvous_problem
@@ -59,6 +61,7 @@ class Scheduler:
         self.starved_since: float | None = None  # since when no running request fits the pool (None: they fit)
         self._live = 0  # requests submitted and not finished (any thread reads it: see num_queued)
         self._live_lock = threading.Lock()
+        self.spec_stats: SpecStats | None = None  # speculative decoding's metrics (set with DecodeBatch.spec)
         self.grammars: GrammarQueue | None = None  # requests waiting for their grammar (None: --grammar-backend none)
 
     # -- called from other threads -------------------------------------------------------------
@@ -200,7 +203,13 @@ class Scheduler:
 
     def _commit(self, plan: BatchPlan, result: BatchResult, i: int) -> None:
         req = plan.reqs[i]
-        self.memory.mark_computed(req)
+        if result.verified is not None:
+            self._commit_verified(req, result.verified[i])
+            return
+        if plan.mode == ForwardMode.EXTEND or req.kv_computed_len == req.kv_len - 1:
+            # a decode step wrote its token's KV for every model; with a draft model lagging behind (a verify
+            # accepted all its drafts), what the draft lacks stays uncomputed until its next catch-up
+            self.memory.mark_computed(req)
         req.kv_ready = result.kv_ready
         if result.input_logprobs[i] is not None:
             self.output.add_input_logprobs(req, plan.extend_lens[i], result.input_logprobs[i])
@@ -218,6 +227,16 @@ class Scheduler:
             self.finish(req, finish)
         elif req.status != ReqStatus.RUNNING:
             self.decode.add(req)
+
+    def _commit_verified(self, req: Req, verified: Verified) -> None:
+        if req.finished:
+            return
+        spec = self.decode.spec
+        finish = commit_verified(self.output, self.memory, spec.drafter.writes_kv, req, verified)
+        if self.spec_stats is not None:
+            self.spec_stats.observe(verified)
+        if finish is not None:
+            self.finish(req, finish)
 
     # -- the one exit --------------------------------------------------------------------------
     def fail(self, req: Req, message: str, status: int = 502) -> None:

@@ -18,6 +18,7 @@ from common.http import openai_api
 from common.http.guard import CountingGuard
 from common.http.serving import (
     PD_CACHED,
+    SPEC_COUNTS,
     Choice,
     Tracer,
     check_grammar,
@@ -152,7 +153,7 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
         "prompt_tokens": len(gen.prompt_ids),
         "completion_tokens": len(c.output_ids),
         "cached_tokens": c.meta.get("cached_tokens", 0),
-    } | {k: c.meta[k] for k in PD_CACHED if k in c.meta}
+    } | {k: c.meta[k] for k in (*PD_CACHED, *SPEC_COUNTS) if k in c.meta}
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
         if body.top_logprobs_num:

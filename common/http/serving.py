@@ -48,6 +48,7 @@ class Choice:
 
 
 PD_CACHED = ("prefill_cached_tokens", "decode_cached_tokens")  # a decode's meta: what each side's cache reused
+SPEC_COUNTS = ("spec_verify_ct", "spec_accepted_tokens")  # a speculative server's: verifies, drafts they kept
 
 
 def new_rid(prefix: str = "") -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.core.page_meta import pages_for
 from common.core.request import Req
 from common.memory.allocator import PagedAllocator
 from common.memory.errors import MemoryIntegrityError
@@ -129,6 +130,18 @@ class MemoryManager:
         slots = torch.where(first_slots >= 0, first_slots, after_last)
         table[rows, positions] = slots.to(torch.int32)
         return slots
+
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Drop the slots of tokens [kv_len, req.kv_len) (a verify's rejected drafts: their KV is never
+        cached): the pages wholly past `kv_len` are freed, the one it ends in is kept (its tail is
+        written again by the next step)."""
+        if not max(req.cached_len, req.kv_computed_len) <= kv_len <= req.kv_len:
+            raise ValueError(f"truncate to {kv_len}: outside [computed {req.kv_computed_len}, kv_len {req.kv_len}]")
+        first_freed = pages_for(kv_len, self.page_size) * self.page_size
+        if first_freed < req.kv_len:
+            slots = self.req_pool.req_to_token[req.req_pool_idx, first_freed : req.kv_len]
+            self.allocator.free_slots(slots.to(torch.int64))
+        req.kv_len = kv_len
 
     def _evict_for(self, pages: int) -> None:
         short = pages - self.allocator.available_pages()

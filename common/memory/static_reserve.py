@@ -61,17 +61,20 @@ def sampler_bytes_per_row(vocab_size: int) -> int:
     return SAMPLER_ROW_FLOATS * vocab_size * 4
 
 
-def cap_running_requests(running: int, left_bytes: float, vocab_size: int, from_flag: bool) -> tuple[int, str | None]:
+def cap_running_requests(
+    running: int, left_bytes: float, vocab_size: int, from_flag: bool, rows_per_request: int = 1
+) -> tuple[int, str | None]:
     """`running` capped to the rows whose sampler temporaries `left_bytes` hold, and a warning when a
-    flag's value was lowered."""
-    fits = max(1, int(left_bytes // sampler_bytes_per_row(vocab_size)))
+    flag's value was lowered. `rows_per_request`: a speculative verify samples the last token and k drafts."""
+    per_request = sampler_bytes_per_row(vocab_size) * rows_per_request
+    fits = max(1, int(left_bytes // per_request))
     if running <= fits:
         return running, None
     if not from_flag:
         return fits, None
     return fits, (
-        f"--max-running-requests {running} lowered to {fits}: sampling {running} rows of a {vocab_size}-token "
-        f"vocabulary needs {running * sampler_bytes_per_row(vocab_size) / GIB:.1f} GiB and --mem-fraction-static "
+        f"--max-running-requests {running} lowered to {fits}: sampling {running * rows_per_request} rows of a "
+        f"{vocab_size}-token vocabulary needs {running * per_request / GIB:.1f} GiB and --mem-fraction-static "
         f"leaves {left_bytes / GIB:.1f} GiB; lower --mem-fraction-static to raise it"
     )
 

@@ -27,6 +27,7 @@ from common.memory.static_reserve import (
     graph_plan,
     req_to_token_bytes,
 )
+from common.model.draft import DraftWeights, draft_config, load_draft, with_draft_layers
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -45,14 +46,17 @@ class RankModel:
     kv_pool: KVPool
     attn: AttentionBackend
     reserved: StaticReserve  # what the pool's sizing set aside for the buffers allocated after it
+    draft: DraftWeights | None = None  # STANDALONE's draft model (TP 1), its KV the pool's last layers
 
 
 def build_rank_model(
     config: ServerConfig, model_dir: Path, hf: PretrainedConfig, dtype: torch.dtype, tp: TensorParallel
 ) -> RankModel:
     """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
+    found = draft_config(config.speculative_draft_model_path, hf)  # refused before anything loads
     model = load_model(model_dir, hf, dtype, config.device, tp)
-    whole = attention_spec(hf)
+    draft = load_draft(found, dtype, config.device, hf.num_hidden_layers) if found else None
+    whole = with_draft_layers(attention_spec(hf), draft)
     heads = head_partition(whole.q_heads, whole.kv_heads, tp)
     spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's
     store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
@@ -63,19 +67,17 @@ def build_rank_model(
         config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static, reserved
     )
     plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
-    scales, source = read_kv_scales(model_dir, spec.num_layers)
+    scales, source = read_kv_scales(model_dir, hf.num_hidden_layers)
+    scales += [(1.0, 1.0)] * (spec.num_layers - len(scales))  # a draft's layers: unscaled
     log.info("%s", describe_kv_cache(spec, store_dtype, source))
     pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales)
-    attn = make_attention_backend(
-        config.attention_backend,
-        config.device,
-        pool,
-        spec.q_heads,
-        spec.head_dim,
-        spec.scaling,
-        config.flashinfer_backend,
-    )
-    return RankModel(model, heads, plan, pool, attn, reserved)
+    backend = (config.attention_backend, config.device, pool)
+    attn = make_attention_backend(*backend, spec.q_heads, spec.head_dim, spec.scaling, config.flashinfer_backend)
+    if draft is not None:  # its own backend over the same pool only when its query heads differ
+        draft.shares_attn = draft.heads() == (spec.q_heads, spec.head_dim, spec.scaling)
+        own = None if draft.shares_attn else make_attention_backend(*backend, *draft.heads(), config.flashinfer_backend)
+        draft.attn = own or attn
+    return RankModel(model, heads, plan, pool, attn, reserved, draft)
 
 
 def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quantized: bool) -> StaticReserve:

@@ -21,7 +21,7 @@ from common.parallel.group import TensorParallel
 
 HEADER = 7
 OP_STOP, OP_FORWARD = 0, 1
-MODES = [ForwardMode.EXTEND, ForwardMode.DECODE]
+MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.VERIFY]
 
 
 class StepChannel:

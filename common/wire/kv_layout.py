@@ -3,7 +3,9 @@ its bootstrap registration, checked by the decode before it pairs (torch-free).
 
 model_id: common.model.identity (config and weights' names and shapes); attention: mha | mla; kv_scales:
 the FP8 cache's per-layer scales ("none" unquantized, "k=S,v=S" when every layer shares them, else a
-hash of the list)."""
+hash of the list); speculative: the speculative algorithm and its draft's identity ("none", "NGRAM",
+"STANDALONE draft=<model id> layers=<n>"): a draft model's KV is part of every page, so its identity must
+match; NGRAM keeps no state beyond the tokens and pairs with a prefill that runs no speculation."""
 
 from __future__ import annotations
 
@@ -22,11 +24,19 @@ LAYOUT_KEYS = (
     "page_size",
     "transfer_backend",
     "kv_checksum",
+    "speculative",
 )
+NO_DRAFT_STATE = ("none", "NGRAM")  # what crosses is the same as without speculation
 
 
 def kv_layout(
-    pool: Any, backend: str, model_id: str = "", tp_size: int = 1, kv_heads: int = 0, checksum: bool = False
+    pool: Any,
+    backend: str,
+    model_id: str = "",
+    tp_size: int = 1,
+    kv_heads: int = 0,
+    checksum: bool = False,
+    speculative: str = "none",
 ) -> dict[str, Any]:
     """The layout of a KV pool (anything with the pool's attributes; with `tp_size` ranks, each rank's
     pool) moved by `backend`. `kv_heads`: the model's KV heads, which the ranks split or replicate
@@ -44,6 +54,7 @@ def kv_layout(
         "page_size": pool.page_size,
         "transfer_backend": backend,
         "kv_checksum": checksum,
+        "speculative": speculative,
     }
 
 
@@ -66,11 +77,18 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     diffs = [
         f"{k}: decode has {mine.get(k)!r}, prefill has {theirs.get(k)!r}"
         for k in LAYOUT_KEYS
-        if k != "tp_size" and mine.get(k) != theirs.get(k)
+        if k != "tp_size" and _differs(k, mine.get(k), theirs.get(k))
     ]
     if not diffs:
         return None
     return f"KV layout mismatch: {'; '.join(diffs)} (decode layout: {describe_layout(mine)}; prefill layout: {describe_layout(theirs)})"
+
+
+def _differs(key: str, mine: Any, theirs: Any) -> bool:
+    if key == "speculative":  # a prefill registered before the field existed runs none
+        mine, theirs = mine or "none", theirs or "none"
+        return mine != theirs and not (mine in NO_DRAFT_STATE and theirs in NO_DRAFT_STATE)
+    return mine != theirs
 
 
 def describe_layout(layout: dict[str, Any]) -> str:

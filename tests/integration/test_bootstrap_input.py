@@ -37,8 +37,9 @@ VALID = {
     "model_id": "0123456789abcdef",
     "attention": "mla",
     "kv_scales": "k=1,v=1",
+    "speculative": "none",
 }
-REQUIRED = [f for f in VALID if f not in ("instance_id", "dp_size", "dp_rank")]
+REQUIRED = [f for f in VALID if f not in ("instance_id", "dp_size", "dp_rank", "speculative")]
 INT_FIELDS = [f for f, v in VALID.items() if isinstance(v, int)]
 STR_FIELDS = [f for f, v in VALID.items() if isinstance(v, str)]
 

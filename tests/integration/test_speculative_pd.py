@@ -1,0 +1,196 @@
+"""Speculative decoding as a user runs it, over HTTP and across PD (Mooncake):
+
+- the built-in SmolLM2 with NGRAM: a monolithic server and a PD pair (a plain prefill, an NGRAM decode) give
+  the reference server's greedy tokens and logprobs on code, lists and chat; the PD pair accepts as many
+  drafts as the monolithic server (within 2%), and both count them in meta_info and /metrics;
+- a tiny Llama with a STANDALONE draft (its first two layers) on both PD sides: the draft's KV for the prompt
+  travels in the target's pages, tokens equal transformers', drafts accepted as in one engine;
+- a decode without the draft refuses that prefill before any KV moves, naming both sides' `speculative`;
+- NGRAM at --tp-size 2: the verify forward runs on both ranks, tokens equal transformers'.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import ServerConfig
+from common.core.request import Req
+from common.engine.engine import Engine
+from common.wire.sampling_params import SamplingParams
+from tests.conftest import metric, start_server
+from tests.integration.cluster import generate, spawn_cluster, start_router
+from tests.integration.spec_models import save_target_and_draft
+from tests.integration.tiny_model import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.timeout(900)  # three servers of the built-in model (and the shared reference) start first
+BUILTIN = ("--page-size", "16", "--chunked-prefill-size", "64")  # test_pd.py's reference server
+NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6")
+TINY_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    target, draft = save_target_and_draft(tmp_path_factory.mktemp("spec-pd"))
+    flags = ("--model", str(target), "--page-size", "4", "--chunked-prefill-size", "32")
+    standalone = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft))
+    return target, draft, flags, (*standalone, "--speculative-num-steps", "3")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, reference_servers):
+    """Started at once: the NGRAM monolithic server, the built-in PD pair, the tiny STANDALONE PD pair and a
+    tiny decode without a draft (behind its own router, with the STANDALONE prefill)."""
+    _, _, flags, standalone = tiny
+    started = []
+    try:
+        mono = start_server(*BUILTIN, *NGRAM, name="mono-ngram")
+        started.append(mono)
+        ngram_pd = spawn_cluster("mooncake", flags=BUILTIN, decode_flags=NGRAM)
+        started.append(ngram_pd)
+        draft_pd = spawn_cluster("mooncake", flags=(*flags, *standalone))
+        started.append(draft_pd)
+        plain = start_server("--disagg-mode", "decode", "--transfer-backend", "mooncake", *flags, name="decode-plain")
+        started.append(plain)
+        tp = start_server(*flags, "--tp-size", "2", *NGRAM, name="ngram-tp2")
+        started.append(tp)
+        for s in (mono, plain, tp):
+            s.wait_ready(600)
+        ngram_pd.wait_ready(600), draft_pd.wait_ready(600)
+        prefill = [(draft_pd.prefills[0], draft_pd.prefill_bootstrap_ports[0])]
+        mismatched = start_router(prefill, [plain], name="router-mismatch")
+        started.append(mismatched)
+        yield {
+            "mono": mono,
+            "ngram_pd": ngram_pd,
+            "draft_pd": draft_pd,
+            "plain": plain,
+            "mismatched": mismatched,
+            "tp": tp,
+        }
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def builtin_prompts(builtin_model_dir) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(builtin_model_dir)
+
+    def chat(content: str) -> list[int]:
+        messages = [{"role": "user", "content": content}]
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    return [
+        tok.encode("def add_1(x):\n    return x + 1\n\ndef add_2(x):\n    return x + 2\n\ndef add_3(x):\n"),
+        tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"),
+        chat("List the days of the week, each on its own line, as 'Day N: name'."),
+    ]
+
+
+def accepted(out: dict) -> int:
+    return out["meta_info"]["spec_accepted_tokens"]
+
+
+def test_ngram_monolithic_and_pd_equal_the_reference_and_accept_alike(servers, reference_servers, builtin_prompts):
+    ref = reference_servers.get(*BUILTIN)
+    totals = {"mono": 0, "pd": 0}
+    for ids in builtin_prompts:
+        want = generate(ref.url, ids, 48, return_logprob=True)
+        mono = generate(servers["mono"].url, ids, 48, return_logprob=True)
+        pd = generate(servers["ngram_pd"].url, ids, 48)
+        assert mono["output_ids"] == want["output_ids"] == pd["output_ids"]
+        lp = [x[0] for x in want["meta_info"]["output_token_logprobs"]]
+        got = [x[0] for x in mono["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(lp, got)) < 1e-4
+        assert mono["meta_info"]["spec_verify_ct"] > 0 and pd["meta_info"]["spec_verify_ct"] > 0
+        totals["mono"] += accepted(mono)
+        totals["pd"] += accepted(pd)
+    assert totals["mono"] > 40  # code and lists repeat themselves
+    assert abs(totals["pd"] - totals["mono"]) <= 0.02 * totals["mono"]
+    decode = servers["ngram_pd"].decodes[0]
+    assert metric(decode.url, "tandem_spec_accept_length_sum") == totals["pd"]
+    assert metric(decode.url, "tandem_spec_accept_length_count") == metric(decode.url, "tandem_spec_verify_total") > 0
+    servers["ngram_pd"].wait_idle()
+    servers["mono"].wait_idle()
+
+
+def test_standalone_pd_carries_the_draft_kv_and_equals_transformers(servers, tiny):
+    target, draft, _, _ = tiny
+    prompts = random_prompts(3, 5, 70, seed=31)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    want = hf_greedy(hf, prompts, TINY_NEW)
+    engine = Engine(
+        ServerConfig(
+            model=str(target),
+            page_size=4,
+            chunked_prefill_size=32,
+            max_total_tokens=4096,
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(draft),
+            speculative_num_steps=3,
+        )
+    )
+    reqs = [
+        Req(f"r{i}", p, SamplingParams(max_new_tokens=TINY_NEW, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    for r in reqs:
+        engine.scheduler.add_request(r)
+    while engine.scheduler.step():
+        pass
+    for ids, expected, mono in zip(prompts, want, reqs):
+        out = generate(servers["draft_pd"].url, ids, TINY_NEW, sampling={"ignore_eos": True})
+        assert out["output_ids"] == expected == mono.output_ids
+        assert accepted(out) == mono.spec_accepted > 0  # the draft's KV of the prompt arrived with the target's
+    servers["draft_pd"].wait_idle()
+
+
+def test_a_decode_without_the_draft_refuses_the_prefill_naming_both(servers):
+    prefill = servers["draft_pd"].prefills[0]
+    sent = metric(prefill.url, "tandem_kv_transfer_events_total", event="bytes_sent")
+    r = httpx.post(
+        servers["mismatched"].url + "/generate",
+        json={"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        timeout=120,
+    )
+    assert r.status_code == 502, r.text
+    message = r.json()["error"]["message"]
+    assert "speculative: decode has 'none', prefill has 'STANDALONE draft=" in message, message
+    assert "layers=2'" in message
+    assert metric(prefill.url, "tandem_kv_transfer_events_total", event="bytes_sent") == sent  # no KV moved
+    servers["plain"].wait_idle()
+    servers["draft_pd"].wait_idle()
+
+
+def test_a_constrained_request_decodes_as_without_speculation(servers, reference_servers):
+    """A request under a grammar gets no drafts (its matcher sees committed tokens only): the same JSON."""
+    schema = {"type": "object", "properties": {"days": {"type": "array", "items": {"type": "string"}}}}
+    body = {
+        "messages": [{"role": "user", "content": "List the days of the week as JSON."}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "days", "schema": schema}},
+    }
+    answers = [
+        httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300).json()
+        for s in (reference_servers.get(*BUILTIN), servers["mono"])
+    ]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    servers["mono"].wait_idle()
+
+
+def test_ngram_at_tp_2_verifies_on_every_rank(servers, tiny):
+    target = tiny[0]
+    phrases = random_prompts(2, 6, 10, seed=33)
+    prompts = random_prompts(2, 5, 40, seed=32) + [p * 4 for p in phrases]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    verified = 0
+    for ids, want in zip(prompts, hf_greedy(hf, prompts, TINY_NEW)):
+        out = generate(servers["tp"].url, ids, TINY_NEW, sampling={"ignore_eos": True})
+        assert out["output_ids"] == want
+        verified += out["meta_info"]["spec_verify_ct"]
+    assert verified > 0
+    servers["tp"].wait_idle()
