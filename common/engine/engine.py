@@ -41,7 +41,7 @@ from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
-from common.parallel.partition import check_tp_size
+from common.parallel.partition import check_parallel
 from common.ranks.launch import FOLLOWER
 from common.ranks.leader import LeaderModel
 from common.ranks.rank_model import build_rank_model, describe_rank, rank_report
@@ -106,10 +106,18 @@ class Engine:
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
-        hf, size = self.hf_config, self.config.tp_size
-        spec = attention_spec(hf)  # MLA: one latent "KV head", replicated on every rank
-        check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
-        return Ranks(self.config, self.follower) if size > 1 else None
+        hf, c = self.hf_config, self.config
+        spec, model = attention_spec(hf), model_class(hf)  # MLA: one latent "KV head", replicated on every rank
+        check_parallel(
+            c.tp_size,
+            c.ep_size,
+            c.enable_dp_attention,
+            c.ep_num_redundant_experts,
+            (spec.q_heads, spec.kv_heads),
+            model.tp_divided(hf),
+            model.experts_of(hf),
+        )
+        return Ranks(c, self.follower) if c.tp_size > 1 else None
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
