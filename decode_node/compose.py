@@ -22,7 +22,7 @@ def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
     """A decode server's engine; `follower`: the module its follower ranks run (one that starts their
     transfer agents)."""
 
-    def make_role(engine: Engine) -> DecodeRole:
+    def make_role(engine: Engine) -> list[DecodeRole]:
         config = engine.config  # with the batch limits derived for the device
         aux = AuxPool(2 * config.max_running_requests + 16)
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
@@ -36,8 +36,7 @@ def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
         log.info("KV layout: %s", layout)
         peers = PeerDirectory(layout, config.cluster_secret, tls=config.peer_tls)
         manager.on_peer_dead.append(peers.invalidate)
-        return DecodeRole(
-            SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config
-        )
+        vocab = engine.hf_config.vocab_size
+        return [DecodeRole(SchedulerView(s), manager, aux, peers.find, vocab, config) for s in engine.schedulers]
 
     return Engine(config, make_role, follower)

@@ -26,7 +26,7 @@ def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
     """A prefill server's engine; `follower`: the module its follower ranks run (one that starts their
     transfer agents)."""
 
-    def make_role(engine: Engine) -> PrefillRole:
+    def make_role(engine: Engine) -> list[PrefillRole]:
         config = engine.config  # with the batch limits derived for the device
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         followers = engine.followers_transfer
@@ -65,7 +65,7 @@ def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
             manager.instance_id,
             manager.endpoint,
         )
-        return PrefillRole(SchedulerView(engine.scheduler), manager, config)
+        return [PrefillRole(SchedulerView(s), manager, config) for s in engine.schedulers]
 
     return Engine(config, make_role, follower)
 

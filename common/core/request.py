@@ -64,6 +64,7 @@ class GenInput:
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
+    data_parallel_rank: int | None = None  # the DP rank asked for (SGLang's field; DP attention), else balanced
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
@@ -73,6 +74,7 @@ class Req(GenInput):
     sink: Callable[[OutputEvent], None] | None = None
 
     status: ReqStatus = ReqStatus.WAITING
+    dp_rank: int = 0  # the DP rank whose scheduler, pool and batch run it (DP attention), chosen once
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)

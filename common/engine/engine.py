@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,6 +25,7 @@ from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
 from common.engine import host_tier
+from common.engine.dp_scheduler import DPScheduler
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
@@ -39,23 +42,24 @@ from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
+from common.model.moe import expert_placement
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
 from common.parallel.partition import check_parallel
 from common.ranks.launch import FOLLOWER
-from common.ranks.leader import LeaderModel
-from common.ranks.rank_model import build_rank_model, describe_rank, rank_report
+from common.ranks.leader import DPForward, ExpertRebalancer, LeaderModel, idle_batch
+from common.ranks.rank_model import RankModel, build_rank_model, describe_rank, rank_report
 from common.ranks.ranks import Ranks
 from common.wire.kv_events import parse_kv_events_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RoleFactory = Callable[["Engine"], Role]
+RoleFactory = Callable[["Engine"], list[Role]]  # one role per DP rank's scheduler (engine.schedulers)
 
 
 class Engine:
     def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None, follower: str = FOLLOWER):
-        """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic); `follower` is the
+        """`make_role(engine)` builds the PD roles once the schedulers exist (None: monolithic); `follower` is the
         module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
         self.config, self.follower = config, follower
         self.attention_backend, warning = choose_attention_backend(
@@ -82,25 +86,31 @@ class Engine:
         if self.ranks is not None:
             self.ranks.serving = True
             log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
-        self.pool_plan, self.kv_pool = built.pool_plan, built.kv_pool
+        self.pool_plan, self.kv_pool, self.model = built.pool_plan, built.kv_pool, built.model
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
-        num_pages = self.pool_plan.num_pages
-        req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
-        allocator = PagedAllocator(num_pages, config.page_size, config.device)
         self.kv_events = self._kv_event_publisher()
-        prefix = make_prefix_cache(config, allocator, self.kv_pool, self.kv_events)
+        self.dp_size = config.tp_size if config.enable_dp_attention else 1
+        self.memories = [self._make_memory() for _ in range(self.dp_size)]  # DP attention: one per DP rank
+        self.memory = self.memories[0]
         if config.enable_hierarchical_cache:
-            log.info("%s", host_tier.summary(prefix).removeprefix("; "))
-        self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
+            log.info("%s", host_tier.summary(self.memory.prefix_cache).removeprefix("; "))
         eos_ids = self._eos_ids()
-        model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
-        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
-        self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
-        if make_role is not None:
-            self.scheduler.role = make_role(self)
+        runners = self._runners(built, frozenset(eos_ids))
+        self.runner = runners[0]
+        woken = threading.Event()
+        self.schedulers = [
+            Scheduler(config, runner, memory, self.output, woken=woken, dp_rank=d)
+            for d, (runner, memory) in enumerate(zip(runners, self.memories))
+        ]
+        self.scheduler = (
+            self.schedulers[0] if self.dp is None else DPScheduler(self.schedulers, self.dp, config.lb_method)
+        )
+        if make_role is not None:  # one role per DP rank's scheduler
+            for scheduler, role in zip(self.schedulers, make_role(self)):
+                scheduler.role = role
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         self._register_gauges()
 
@@ -118,6 +128,34 @@ class Engine:
             model.experts_of(hf),
         )
         return Ranks(c, self.follower) if c.tp_size > 1 else None
+
+    def _make_memory(self) -> MemoryManager:
+        """Request rows, page allocator and prefix cache over the pool's pages (a DP rank's, under DP attention)."""
+        c = self.config
+        req_pool = ReqToTokenPool(c.max_running_requests + 8, self.context_len + c.page_size, c.device)
+        allocator = PagedAllocator(self.pool_plan.num_pages, c.page_size, c.device)
+        prefix = make_prefix_cache(c, allocator, self.kv_pool, self.kv_events)
+        return MemoryManager(req_pool, allocator, prefix, c.page_size)
+
+    def _runners(self, built: RankModel, eos_ids: frozenset[int]) -> list[ModelRunner]:
+        """The model runner (rank 0's model sends each batch to the other ranks first), or one per DP rank,
+        whose batches run together (DPForward); `dp`: that forward, or None."""
+        c, device = self.config, self.config.device
+        self.rebalancer = None
+        if c.enable_eplb:
+            self.rebalancer = ExpertRebalancer(self.ranks, built.model, c.eplb_rebalance_num_iterations)
+        self.dp: DPForward | None = None
+        if self.dp_size == 1:
+            model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks, self.rebalancer)
+            return [ModelRunner(model, built.attn, self.memory.req_pool.req_to_token, device, eos_ids)]
+        idle = idle_batch(self.memory.req_pool.req_to_token, c.page_size, device)
+        self.dp = DPForward(built.model, built.attn, self.ranks, idle, self.rebalancer)
+        return [
+            ModelRunner(
+                built.model, built.attn, m.req_pool.req_to_token, device, eos_ids, partial(self.dp.forward_one, d)
+            )
+            for d, m in enumerate(self.memories)
+        ]
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
@@ -165,17 +203,22 @@ class Engine:
         return ids
 
     def _register_gauges(self) -> None:
-        m, s = self.metrics, self.scheduler
-        m.gauge("tandem_num_running_reqs", "requests decoding", lambda: len(s.decode.running))
-        m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.prefill.waiting))
-        m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.pool_plan.num_pages)
-        m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
-        cached = self.memory.prefix_cache.evictable_pages
+        """Summed over the DP ranks under DP attention (/get_server_info's `dp` has each rank's)."""
+        m, ss, ms = self.metrics, self.schedulers, self.memories
+        m.gauge("tandem_num_running_reqs", "requests decoding", lambda: sum(len(s.decode.running) for s in ss))
+        m.gauge(
+            "tandem_num_queue_reqs", "requests waiting for prefill", lambda: sum(len(s.prefill.waiting) for s in ss)
+        )
+        total = self.pool_plan.num_pages * len(ms)
+        m.gauge("tandem_kv_pages_total", "KV pages", lambda: total)
+        free = lambda: sum(x.allocator.available_pages() for x in ms)  # noqa: E731
+        cached = lambda: sum(x.prefix_cache.evictable_pages() for x in ms)  # noqa: E731
+        m.gauge("tandem_kv_pages_free", "KV pages free", free)
         m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
         m.gauge(
             "tandem_kv_pages_used",
             "KV pages requests hold (total = free + cached + used)",
-            lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached(),
+            lambda: total - free() - cached(),
         )
         host_tier.register_gauges(m, self.memory.prefix_cache)
         m.labelled_gauges(
@@ -183,15 +226,23 @@ class Engine:
             "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
             "inflight; decode: prealloc, transferring, quarantined)",
             "queue",
-            lambda: s.role.queue_depths(),
+            self.queue_depths,
         )
+
+    def queue_depths(self) -> dict[str, int]:
+        """The PD roles' queues, summed over the DP ranks."""
+        out: dict[str, int] = {}
+        for s in self.schedulers:
+            for k, v in s.role.queue_depths().items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     # -- lifecycle -----------------------------------------------------------------------------
     def warm_up(self) -> float:
         """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
         c = self.config
         tokens = min(2 * c.page_size + 1, self.context_len - 2)  # whole pages and a partial one
-        seconds = warm_up(self.runner, self.memory, tokens, c.device)
+        seconds = sum(warm_up(s.runner, s.memory, tokens, c.device) for s in self.schedulers)  # every DP rank
         cache = c.kernel_cache_dir or "the default location"
         log.info(
             "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
@@ -212,31 +263,49 @@ class Engine:
             self.ranks.stop()
 
     @property
+    def role(self) -> Role:
+        """DP rank 0's role: every DP rank's shares its transfer engine and instance."""
+        return self.schedulers[0].role
+
+    @property
     def instance_id(self) -> str | None:
         """The PD role's transfer instance id (what a router passes to decodes), or None."""
-        return self.scheduler.role.instance_id
+        return self.role.instance_id
 
     def server_info(self) -> dict:
         """What /get_server_info reports; runs on the scheduler thread and raises on a leak."""
-        s = self.scheduler
+        ss = self.schedulers
         return {
             "config": self.config.model_dump(exclude={"api_key", "cluster_secret"}),
             "model_path": str(self.model_dir),
             "context_length": self.context_len,
-            "kv_pages": s.check_integrity().to_dict(),
+            "kv_pages": self.scheduler.check_integrity().to_dict(),
             "host_kv_pages": host_tier.info(self.memory.prefix_cache),
-            "num_running_reqs": len(s.decode.running),
-            "num_waiting_reqs": len(s.prefill.waiting),
-            "num_retractions": s.decode.num_retractions,
-            "role": s.role.info(),
+            "num_running_reqs": sum(len(s.decode.running) for s in ss),
+            "num_waiting_reqs": sum(len(s.prefill.waiting) for s in ss),
+            "num_retractions": sum(s.decode.num_retractions for s in ss),
+            "role": self.role.info() | self.queue_depths(),
             "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
+            "dp": self._dp_info(),
+            "ep": self._ep_info(),
             "kv_events": self.kv_events.info() if self.kv_events is not None else None,
         }
+
+    def _dp_info(self) -> dict | None:
+        if self.dp is None:
+            return None
+        return {"size": self.dp_size, "load_balance_method": self.config.lb_method, "ranks": self.scheduler.info()}
+
+    def _ep_info(self) -> dict | None:
+        if self.config.ep_size == 1:
+            return None
+        eplb = self.rebalancer.info() if self.rebalancer is not None else None
+        return {"size": self.config.ep_size, "placement": expert_placement(self.model), "eplb": eplb}
 
     def health_problem(self) -> str | None:
         """Why this server cannot serve right now (/health answers 503 with it), or None."""
         rank_fault = self.ranks.fault if self.ranks is not None else None
-        return rank_fault or self.thread.health_problem() or self.scheduler.role.health_problem()
+        return rank_fault or self.thread.health_problem() or self.role.health_problem()
 
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:

@@ -1,7 +1,13 @@
-"""Turns a scheduled batch into one model forward and one sampling call."""
+"""Turns a scheduled batch into one model forward and one sampling call.
+
+`run(plan)` = `prepare(plan)` (the ForwardBatch, and how its logits become a BatchResult), the forward,
+then `Prepared.finish(logits)`. Under DP attention the DP schedulers' batches run in one forward on all
+ranks (common.ranks.dp_forward), each runner preparing and finishing its own.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +52,15 @@ class BatchResult:
     kv_ready: KVReady | None = None  # EXTEND: recorded after the forward that wrote the batch's KV
 
 
+@dataclass
+class Prepared:
+    batch: ForwardBatch
+    finish: Callable[[torch.Tensor], BatchResult]  # the forward's logits -> the sampled results
+
+
+Forward = Callable[[ForwardBatch], torch.Tensor]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -54,8 +69,10 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         device: str,
         eos_token_ids: frozenset[int] = frozenset(),
+        forward: Forward | None = None,
     ):
-        """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens)."""
+        """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens);
+        `forward`: how a batch runs, if not by `model` on `attn` here (a DP rank's, with the other ranks idle)."""
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.attn = attn
@@ -63,13 +80,25 @@ class ModelRunner:
         self.device = device
         self.page_size = attn.kv_pool.page_size
         self.sampler = Sampler()
+        self.forward: Forward = forward or self._forward_here
+
+    def _forward_here(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn.init_forward(batch)
+        return self.model(batch, self.attn)
 
     def run(self, plan: BatchPlan) -> BatchResult:
+        prepared = self.prepare(plan)
+        return prepared.finish(self.forward(prepared.batch))
+
+    def prepare(self, plan: BatchPlan) -> Prepared:
         if plan.decode is not None:
-            return self._run_decode(plan.decode, plan.out_cache_locs[0])
+            decode = plan.decode
+            batch = decode.forward_batch(plan.out_cache_locs[0], self.req_to_token)  # its metadata went with the slots
+            return Prepared(batch, lambda logits: self._sample_decode(decode, logits))
         batch, logit_spans = self._build(plan)
-        self.attn.init_forward(batch)
-        logits = self.model(batch, self.attn)
+        return Prepared(batch, lambda logits: self._sample_extend(plan, logit_spans, logits))
+
+    def _sample_extend(self, plan: BatchPlan, logit_spans: list[tuple[int, int]], logits: torch.Tensor) -> BatchResult:
         kv_ready = record_kv_ready(self.device)  # before sampling: the transfer need not wait for it
         last_rows = torch.tensor([end - 1 for _, end in logit_spans], device=logits.device)
         sample_idx = [i for i, s in enumerate(plan.sample) if s]
@@ -91,11 +120,8 @@ class ModelRunner:
                 result.input_logprobs[i] = self._input_logprobs(req, plan.extend_lens[i], logits[start:end])
         return result
 
-    def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
+    def _sample_decode(self, decode: DecodeTensors, logits: torch.Tensor) -> BatchResult:
         """One token for every running request, from tensors kept across steps: no tensor work per request."""
-        batch = decode.forward_batch(out_cache_loc, self.req_to_token)  # its metadata went with the slots
-        self.attn.init_forward(batch)
-        logits = self.model(batch, self.attn)
         if decode.sampling is None:  # the running set changed
             decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
         out = self.sampler.sample(logits, decode.sampling)

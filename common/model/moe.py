@@ -151,6 +151,10 @@ class SparseMoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, back)
 
 
+def moe_layers(model: nn.Module) -> list[SparseMoE]:
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
 def expert_placement(model: nn.Module) -> dict[int, list[list[int]]]:
     """Each MoE layer's experts held by each rank (every rank computes the same placement), by layer."""
     return {
