@@ -74,7 +74,7 @@ class Req(GenInput):
     sink: Callable[[OutputEvent], None] | None = None
 
     status: ReqStatus = ReqStatus.WAITING
-    dp_rank: int = 0  # the DP rank whose scheduler, pool and batch run it (DP attention), chosen once
+    dp_rank: int | None = None  # the DP rank whose scheduler, pool and batch run it (DP attention), chosen once
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)

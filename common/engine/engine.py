@@ -51,6 +51,7 @@ from common.ranks.leader import DPForward, ExpertRebalancer, LeaderModel, idle_b
 from common.ranks.rank_model import RankModel, build_rank_model, describe_rank, rank_report
 from common.ranks.ranks import Ranks
 from common.wire.kv_events import parse_kv_events_config
+from common.wire.kv_layout import experts_layout, kv_layout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -295,6 +296,12 @@ class Engine:
         if self.dp is None:
             return None
         return {"size": self.dp_size, "load_balance_method": self.config.lb_method, "ranks": self.scheduler.info()}
+
+    def kv_layout(self, kv_heads: int) -> dict:
+        """This server's KV layout (common.wire.kv_layout) for a model of `kv_heads` as the layout counts them."""
+        c, experts = self.config, model_class(self.hf_config).experts_of(self.hf_config)
+        moe = experts_layout(experts[0] if experts else 0, c.ep_size, c.ep_num_redundant_experts)
+        return kv_layout(self.kv_pool, c.transfer_backend, self.model_id, c.tp_size, kv_heads, self.dp_size, moe)
 
     def _ep_info(self) -> dict | None:
         if self.config.ep_size == 1:

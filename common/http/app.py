@@ -19,6 +19,7 @@ from common.http.guard import CountingGuard
 from common.http.serving import (
     PD_CACHED,
     Choice,
+    check_dp_rank,
     check_input,
     check_priority,
     collect,
@@ -132,6 +133,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
         priority=check_priority(engine, body.priority),
+        data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen
@@ -144,7 +146,7 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
         "prompt_tokens": len(gen.prompt_ids),
         "completion_tokens": len(c.output_ids),
         "cached_tokens": c.meta.get("cached_tokens", 0),
-    } | {k: c.meta[k] for k in PD_CACHED if k in c.meta}
+    } | {k: c.meta[k] for k in (*PD_CACHED, "dp_rank") if k in c.meta}
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
         if body.top_logprobs_num:

@@ -15,6 +15,7 @@ from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
 from common.http.serving import (
     Choice,
+    check_dp_rank,
     check_input,
     check_priority,
     collect,
@@ -104,6 +105,7 @@ def _gen_input(
         rendezvous=body.rendezvous,
         logprob_start_len=0 if prompt_logprobs else -1,
         priority=check_priority(engine, body.priority),
+        data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),
     )
     check_input(engine, gen, param, max_param)
     return gen

@@ -79,9 +79,15 @@ class AuxStaging:
             self._available.release()
 
 
+def attention_tp(tp_size: int, dp_size: int) -> int:
+    """The ranks one attention group splits the KV heads over: all of them, or tp / dp under DP attention."""
+    return tp_size // dp_size
+
+
 def layout_problem(mine: KVArgs, registration: Register) -> str | None:
     """Why we must never write into what `registration` registered (naming the field), or None when it
-    fits: the same page size and KV heads, and one buffer per decode rank holding exactly its heads."""
+    fits: the same page size and KV heads, and one buffer per decode rank holding exactly its heads (every
+    head under DP attention: its attention group is one rank)."""
     if registration.page_size != mine.page_size:
         return f"page_size: decode has {registration.page_size}, prefill has {mine.page_size}"
     if registration.kv_heads != mine.kv_heads:
@@ -89,13 +95,12 @@ def layout_problem(mine: KVArgs, registration: Register) -> str | None:
             f"kv_heads: decode has {registration.kv_heads}, prefill has {mine.kv_heads} "
             "(another model, or a Tandem before heads-first pages, which sends 1: run one version on both)"
         )
-    problem = kv_heads_problem(registration.kv_heads, registration.tp_size)
+    decode_attn = attention_tp(registration.tp_size, registration.dp_size)
+    problem = kv_heads_problem(registration.kv_heads, decode_attn)
     if problem is not None:
-        return f"decode layout: {problem}"
-    expected = mine.bytes_per_page
-    if registration.tp_size != mine.tp_size:  # a page of the decode's ranks: its share of the heads
-        head_bytes = head_bytes_of(mine)
-        expected = [head_bytes * len(rank_heads(mine.kv_heads, registration.tp_size, 0))] * registration.tp_size
+        return f"decode layout (tp_size {registration.tp_size}, dp_size {registration.dp_size}): {problem}"
+    per_rank = head_bytes_of(mine) * len(rank_heads(mine.kv_heads, decode_attn, 0))  # a decode rank's page
+    expected = [per_rank] * registration.tp_size
     if len(registration.kv_ptrs) != len(expected):
         return (
             f"kv_ptrs: decode registered {len(registration.kv_ptrs)} KV buffers, prefill expects {len(expected)} "
@@ -110,7 +115,7 @@ def layout_problem(mine: KVArgs, registration: Register) -> str | None:
 
 def head_bytes_of(args: KVArgs) -> int:
     """One KV head of one page (a prefill rank's page holds its heads one after another)."""
-    return args.bytes_per_page[0] // len(rank_heads(args.kv_heads, args.tp_size, 0))
+    return args.bytes_per_page[0] // len(rank_heads(args.kv_heads, attention_tp(args.tp_size, args.dp_size), 0))
 
 
 class KVWriter:
@@ -123,23 +128,24 @@ class KVWriter:
         self._lock = threading.Lock()
         self._group_writers = ThreadPoolExecutor(GROUP_WRITERS, "kv-rank-write", initializer=lower_this_thread)
 
-    def groups(self, registration: Register, src_pages: list[int], dst_pages: list[int]) -> dict[tuple, Triples]:
-        """{(prefill rank, decode rank): (src, dst, nbytes)} of a chunk: buffers paired by index at equal TP
-        size, else each decode rank's heads sliced out of the prefill ranks' pages (common.wire.kv_heads)."""
+    def groups(
+        self, registration: Register, src_pages: list[int], dst_pages: list[int], src_dp: int = 0, dst_dp: int = 0
+    ) -> dict[tuple, Triples]:
+        """{(prefill rank, decode rank): (src, dst, nbytes)} of a chunk, from the attention group of DP rank
+        `src_dp` (the prefill's ranks: all of them, or that rank under DP attention) to that of decode DP
+        rank `dst_dp`: buffers paired by index at equal attention TP size, else each decode rank's heads
+        sliced out of the prefill ranks' pages (common.wire.kv_heads)."""
         a = self.args
-        if registration.tp_size == a.tp_size:
-            return paired_groups(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, a.tp_size, src_pages, dst_pages)
-        plan = head_sources(a.kv_heads, a.tp_size, registration.tp_size)
-        return rank_groups(
-            a.kv_ptrs,
-            registration.kv_ptrs,
-            a.bytes_per_page[0],
-            registration.bytes_per_page[0],
-            head_bytes_of(a),
-            plan,
-            src_pages,
-            dst_pages,
-        )
+        src_tp, dst_tp = attention_tp(a.tp_size, a.dp_size), attention_tp(registration.tp_size, registration.dp_size)
+        s0, d0 = src_dp * src_tp, dst_dp * dst_tp
+        src_ptrs, dst_ptrs = a.kv_ptrs[s0 : s0 + src_tp], registration.kv_ptrs[d0 : d0 + dst_tp]
+        if src_tp == dst_tp:
+            groups = paired_groups(src_ptrs, dst_ptrs, a.bytes_per_page[s0 : s0 + src_tp], src_tp, src_pages, dst_pages)
+        else:
+            plan = head_sources(a.kv_heads, src_tp, dst_tp)
+            src_page, dst_page = a.bytes_per_page[s0], registration.bytes_per_page[d0]
+            groups = rank_groups(src_ptrs, dst_ptrs, src_page, dst_page, head_bytes_of(a), plan, src_pages, dst_pages)
+        return {(s + s0, d + d0): triples for (s, d), triples in groups.items()}
 
     def write(
         self,
@@ -150,16 +156,18 @@ class KVWriter:
         aux: bytes | None,
         fence: Callable[[], None],
         mark: Mark = no_mark,
+        src_dp: int = 0,
     ) -> int:
-        """The pages and, on the last chunk, the aux record; returns the KV bytes written, raises on any
+        """The pages (of DP rank `src_dp`'s pool under DP attention) and, on the last chunk, the aux record
+        (always into decode rank 0's aux buffer); returns the KV bytes written, raises on any
         failure of a group (after every group ended). The prefill ranks at once (each its groups in turn),
         then the record; one group
         alone (TP 1 on both sides) goes with the record in one batch when on the host (one round trip:
         the decode reads the record only after the status, sent once the whole batch landed); device KV
         and the host record take a batch each. `fence()` runs before each round of backend calls and raises when the
         decode may no longer be written to; `mark` records the writes on the request's timeline."""
-        groups = self.groups(registration, src_pages, dst_pages)
-        src, dst, nbytes = groups.pop((0, 0)) if len(groups) == 1 else ([], [], [])
+        groups = self.groups(registration, src_pages, dst_pages, src_dp, room_request.dp_rank)
+        src, dst, nbytes = groups.pop((0, 0)) if list(groups) == [(0, 0)] else ([], [], [])
         written = self._write_groups(registration, room_request.decode_id, groups, fence) + sum(nbytes)
         peer = rank_peer(room_request.decode_id, 0)
         if aux is not None and not self.on_cuda:
