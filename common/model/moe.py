@@ -74,7 +74,7 @@ class SparseMoE(nn.Module):
         self.shared_experts: MLP | None = None
         self.shared_reduced = not (tp.ep or tp.dp_attention)  # sliced and in the all-reduce, else whole
         self.count_loads = False
-        self.loads = torch.zeros(num_experts, dtype=torch.int64)
+        self.loads = torch.zeros(num_experts, dtype=torch.int64, device="cpu")  # not on the meta device of loading
 
     def expert(self, hidden: int, intermediate: int) -> MLP:
         """An expert of this rank: whole (EP), or its intermediate slice, reduced by forward."""

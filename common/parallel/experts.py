@@ -11,7 +11,8 @@ expert's tokens and no pair is computed twice.
 `rebalance(loads)` (EPLB) gives the K extra copies to the experts of most tokens per copy, then packs
 every copy, heaviest first, on the least loaded rank with a free slot that does not hold that expert yet
 (greedy, deterministic: every rank computes the same placement from the same loads). It keeps the old
-placement when packing fails, which the greedy order makes rare.
+placement unless the new one lowers the busiest rank's tokens (no churn for nothing), and when packing
+fails, which the greedy order makes rare.
 """
 
 from __future__ import annotations
@@ -78,4 +79,5 @@ class ExpertPlacement:
             r = min(free, key=lambda r: (work[r], r))
             held[r].append(e)
             work[r] += load
-        return ExpertPlacement(self.num_experts, [sorted(h) for h in held])
+        new = ExpertPlacement(self.num_experts, [sorted(h) for h in held])
+        return new if max(new.rank_loads(loads)) < max(self.rank_loads(loads)) else self

@@ -22,7 +22,7 @@ from common.memory.sizing import PoolPlan, plan_kv_pool
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model.moe import expert_placement
+from common.model.moe import expert_placement, moe_layers
 from common.model.registry import attention_spec
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
@@ -45,6 +45,8 @@ def build_rank_model(
     """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
     tp = model_layout(tp, config)
     model = load_model(model_dir, hf, dtype, config.device, tp)
+    for moe in moe_layers(model):
+        moe.count_loads = config.enable_eplb  # EPLB's measurement (common.model.eplb)
     whole = attention_spec(hf)
     heads = head_partition(whole.q_heads, whole.kv_heads, tp.attn)
     spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's

@@ -99,8 +99,9 @@ def layout_problem(mine: KVArgs, registration: Register) -> str | None:
     problem = kv_heads_problem(registration.kv_heads, decode_attn)
     if problem is not None:
         return f"decode layout (tp_size {registration.tp_size}, dp_size {registration.dp_size}): {problem}"
-    per_rank = head_bytes_of(mine) * len(rank_heads(mine.kv_heads, decode_attn, 0))  # a decode rank's page
-    expected = [per_rank] * registration.tp_size
+    expected = mine.bytes_per_page
+    if (registration.tp_size, registration.dp_size) != (mine.tp_size, mine.dp_size):  # a decode rank's page
+        expected = [head_bytes_of(mine) * len(rank_heads(mine.kv_heads, decode_attn, 0))] * registration.tp_size
     if len(registration.kv_ptrs) != len(expected):
         return (
             f"kv_ptrs: decode registered {len(registration.kv_ptrs)} KV buffers, prefill expects {len(expected)} "
@@ -138,9 +139,12 @@ class KVWriter:
         a = self.args
         src_tp, dst_tp = attention_tp(a.tp_size, a.dp_size), attention_tp(registration.tp_size, registration.dp_size)
         s0, d0 = src_dp * src_tp, dst_dp * dst_tp
-        src_ptrs, dst_ptrs = a.kv_ptrs[s0 : s0 + src_tp], registration.kv_ptrs[d0 : d0 + dst_tp]
+        sp, dp = len(a.kv_ptrs) // a.tp_size, len(registration.kv_ptrs) // registration.tp_size  # buffers per rank
+        src_ptrs = a.kv_ptrs[s0 * sp : (s0 + src_tp) * sp]
+        dst_ptrs = registration.kv_ptrs[d0 * dp : (d0 + dst_tp) * dp]
         if src_tp == dst_tp:
-            groups = paired_groups(src_ptrs, dst_ptrs, a.bytes_per_page[s0 : s0 + src_tp], src_tp, src_pages, dst_pages)
+            bytes_per_page = a.bytes_per_page[s0 * sp : (s0 + src_tp) * sp]
+            groups = paired_groups(src_ptrs, dst_ptrs, bytes_per_page, src_tp, src_pages, dst_pages)
         else:
             plan = head_sources(a.kv_heads, src_tp, dst_tp)
             src_page, dst_page = a.bytes_per_page[s0], registration.bytes_per_page[d0]
