@@ -16,7 +16,7 @@ up: $(STAMP)
 test: lint
 	TANDEM_HYPOTHESIS_PROFILE=full $(PY) -m pytest -q -ra --durations=25 $(ARGS)
 
-# every package in minutes: units, Helm render, the smoke tests (docs/architecture.md, section 8)
+# every package in minutes: units, Helm render, the smoke tests (docs/testing.md)
 test-fast: lint
 	TANDEM_HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q -ra -m "not slow or smoke" --durations=10 $(ARGS)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tandem.bench.client import send  # noqa: E402
+from tandem.bench.client import timed_request  # noqa: E402
 from tandem.bench.endpoint import Endpoint  # noqa: E402
 from tandem.bench.multiturn import answer_ids, build_conversations  # noqa: E402
 from tandem.bench.runner import make_session  # noqa: E402
@@ -51,7 +51,9 @@ async def lockstep(cluster, ns: argparse.Namespace, w: Workload) -> list[dict]:
     async with make_session(None, 600) as session:
         for turn in range(1, ns.mt_num_turns + 1):
             before = bytes_sent(cluster)
-            outs = await asyncio.gather(*(send(session, endpoint, w.request(p, ns.random_output_len)) for p in prompts))
+            outs = await asyncio.gather(
+                *(timed_request(session, endpoint, w.request(p, ns.random_output_len)) for p in prompts)
+            )
             failed = [o.error for o in outs if not o.success]
             if failed:
                 raise SystemExit(f"turn {turn}: {len(failed)} requests failed: {failed[0]}")

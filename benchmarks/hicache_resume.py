@@ -1,4 +1,4 @@
-"""The overload drill in process, with and without the host KV tier: `--requests` requests whose final
+"""The overload drill in process, with and without the host tier: `--requests` requests whose final
 lengths need three times the pool, all submitted at once, the scheduler stepped until they end.
 
 Per run: retractions, the time a retracted request takes to resume (from its retraction to its next

@@ -16,7 +16,7 @@ synthetic pool (256 MiB) in 8 chunks. "TP a->b" (page-major only): the fragmente
 prefill at TP a to a decode at TP b, each decode rank's heads sliced out of the prefill's heads-first
 pages (one piece per page and head group), every rank in its own process with its own transfer engine
 as in a server: ranks 1.. of each side run `transfer.rank_agent` (a prefill's serving rank 0's
-groups); rank 0 is the manager. Their "raw pieces" column is "nan": the pieces lie in several
+rank slices); rank 0 is the manager. Their "raw pieces" column is "nan": the pieces lie in several
 processes, which no single backend call reaches.
 """
 
@@ -97,7 +97,7 @@ def follower_rank(backend, device, layers, heads, dim, pages, tp, rank, serve, q
     os._exit(0)
 
 
-def start_followers(backend, device, layers, heads, dim, pages, tp, serve) -> tuple[list[dict], list]:
+def start_followers(backend, device, layers, heads, dim, pages, tp, serve) -> tuple[list, list]:
     """Ranks 1..tp-1, each in its own process: their reports, and what ends them (put anything)."""
     ctx = mp.get_context("spawn")
     reports, stops = [], []
@@ -126,9 +126,9 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
     bufs, infos = make_buffers(layout, device, layers, heads, dim, pages, tp)
     followers, stops = start_followers(backend, device, layers, heads, dim, pages, tp, mode == "prefill")
     args = KVArgs(
-        [*(i.data_ptr for i in infos), *(f["kv_ptr"] for f in followers)],
-        [*(i.nbytes for i in infos), *(f["kv_nbytes"] for f in followers)],
-        [*(i.bytes_per_page for i in infos), *(f["bytes_per_page"] for f in followers)],
+        [*(i.data_ptr for i in infos), *(f.kv_ptr for f in followers)],
+        [*(i.nbytes for i in infos), *(f.kv_nbytes for f in followers)],
+        [*(i.bytes_per_page for i in infos), *(f.bytes_per_page for f in followers)],
         pages,
         PAGE,
         backend=backend,
@@ -139,8 +139,8 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
         aux_slots=1 if aux is not None else 0,
         tp_size=tp,
         kv_heads=heads,
-        rank_addresses=[f["backend_address"] for f in followers],
-        rank_agents=[(f["agent_endpoint"], f["agent_id"]) for f in followers if f["agent_endpoint"]],
+        rank_addresses=[f.backend_address for f in followers],
+        rank_agents=[(f.agent_endpoint, f.agent_id) for f in followers if f.agent_endpoint],
     )
     manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)
     manager.follower_stops = stops
@@ -228,8 +228,8 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
         for room in range(repeat + 1):  # the three alternate, so load from other processes hits them alike
             elapsed, dst_pages = send_room(manager, room, pages, chunks)
             registration = manager.registrations[decode_id]
-            groups = manager.writer.groups(registration, list(range(1, pages + 1)), dst_pages)
-            pieces = [x for g in groups.values() for x in g[0]]
+            slices = manager.writer.rank_slices(registration, list(range(1, pages + 1)), dst_pages)
+            pieces = [x for s in slices.values() for x in s[0]]
             raw = raw_pieces = nan
             if layout == "page-major":  # pages 1.. of one pool into pages 1.. of the other, one piece
                 one = (
@@ -238,8 +238,8 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results):
                     [total],
                 )
                 raw = timed(write, peer, *one, a.on_cuda)
-            if list(groups) == [(0, 0)]:  # one rank on each side: the room's pieces in one call
-                raw_pieces = timed(write, peer, *groups[0, 0], a.on_cuda)
+            if list(slices) == [(0, 0)]:  # one rank on each side: the room's pieces in one call
+                raw_pieces = timed(write, peer, *slices[0, 0], a.on_cuda)
             if room:  # the first round warms up connections
                 times.append((elapsed, raw, raw_pieces))
         medians = [statistics.median(col) for col in zip(*times)]

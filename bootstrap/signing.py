@@ -31,7 +31,7 @@ class SignatureError(ValueError):
     """A request whose signature is refused; the message says why."""
 
 
-def _mac(secret: str, method: str, raw_path: str, ts: str, nonce: str, body: bytes) -> str:
+def _request_mac(secret: str, method: str, raw_path: str, ts: str, nonce: str, body: bytes) -> str:
     head = f"v1\n{method.upper()}\n{raw_path}\n{ts}\n{nonce}\n".encode("utf-8", "surrogatepass")
     return hmac.new(secret.encode(), head + body, hashlib.sha256).hexdigest()
 
@@ -40,7 +40,7 @@ def sign(secret: str, method: str, raw_path: str, body: bytes = b"", now: float 
     """The X-Tandem-Signature value of one request (`raw_path`: path and query exactly as sent)."""
     ts = f"{time.time() if now is None else now:.6f}"
     nonce = secrets.token_hex(16)
-    return f"v1 ts={ts} nonce={nonce} mac={_mac(secret, method, raw_path, ts, nonce, body)}"
+    return f"v1 ts={ts} nonce={nonce} mac={_request_mac(secret, method, raw_path, ts, nonce, body)}"
 
 
 class SignatureGuard:
@@ -60,7 +60,7 @@ class SignatureGuard:
         if m is None:
             raise SignatureError(f"malformed {SIGNATURE_HEADER} header (want 'v1 ts=... nonce=... mac=...')")
         ts, nonce, mac = m.groups()
-        if not hmac.compare_digest(mac, _mac(self.secret, method, raw_path, ts, nonce, body)):
+        if not hmac.compare_digest(mac, _request_mac(self.secret, method, raw_path, ts, nonce, body)):
             raise SignatureError("signature does not match (wrong cluster secret, or the request was altered)")
         sent_at, now = float(ts), self.clock()
         if abs(now - sent_at) > self.window_s:

@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.wire.addresses import split_host_port
 from common.wire.kv_events import parse_kv_events_config
-from common.wire.user_error import split_host_port
 
 DisaggMode = Literal["null", "prefill", "decode"]
 
@@ -43,7 +43,7 @@ class ServerConfig(BaseSettings):
         0, ge=0, description="this host's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
     )
     dist_init_addr: str | None = Field(
-        None, description="HOST:PORT where node 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
+        None, description="HOST:PORT where host 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
     )
     # expert parallelism and DP attention over the --tp-size ranks (SGLang's flags; docs/dp-attention.md)
     ep_size: int = Field(
@@ -115,7 +115,12 @@ class ServerConfig(BaseSettings):
     )
     transfer_timeout_s: float = Field(60.0, gt=0, description="prefill: one batch write to a decode")
     heartbeat_interval_s: float = Field(
-        5.0, gt=0, description="decode pings each prefill it waits on; prefill watches the pings"
+        5.0,
+        gt=0,
+        description="one interval for three clocks: a decode pings each prefill it waits on and the prefill "
+        "watches the pings (a control connection silent this long is dialled again); a prefill re-registers "
+        "with the bootstrap registry (at least every 15 s); the hosts of a TP group spanning machines "
+        "(--nnodes > 1) post their heartbeats",
     )
     heartbeat_misses: int = Field(
         2,
@@ -154,7 +159,7 @@ class ServerConfig(BaseSettings):
             )
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
-        self._check_nodes()
+        self._check_hosts()
         self._check_dp_ep()
         if self.kv_events_config:
             parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
@@ -167,18 +172,21 @@ class ServerConfig(BaseSettings):
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
 
-    def _check_nodes(self) -> None:
+    def _check_hosts(self) -> None:
         """--nnodes, --node-rank and --dist-init-addr fit together and with --tp-size (SGLang's meanings)."""
         if self.node_rank >= self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}")
         if self.tp_size % self.nnodes:
-            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per node)")
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per host)")
         if self.dist_init_addr is not None:
-            split_host_port(self.dist_init_addr)
+            try:
+                split_host_port(self.dist_init_addr)
+            except ValueError as e:
+                raise ValueError(f"--dist-init-addr {e}") from None
         if self.nnodes == 1:
             return
         if self.dist_init_addr is None:
-            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (host 0's address)")
 
     def _check_dp_ep(self) -> None:
         """--ep-size, --enable-dp-attention / --dp-size and EPLB fit together and with --tp-size."""
@@ -213,7 +221,7 @@ class ServerConfig(BaseSettings):
         return "follow_bootstrap_room" if self.disagg_mode == "decode" else "round_robin"
 
     @property
-    def ranks_per_node(self) -> int:
+    def ranks_per_host(self) -> int:
         return self.tp_size // self.nnodes
 
     @property

@@ -9,10 +9,12 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.wire.addresses import split_host_port
 from router.policies import POLICIES
 
 Policy = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
 POLICY_HELP = "; ".join(f"{name}: {spec.summary}" for name, spec in POLICIES.items())
+DISCOVERY_EXAMPLE = "tandem-prefill.default.svc.cluster.local:30000"
 SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})  # never shown (logs, /get_server_info)
 
 
@@ -31,15 +33,6 @@ class WorkerChange(BaseModel):
     role: Literal["prefill", "decode"] | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_host: str | None = Field(None, min_length=1, max_length=255)
-
-
-def split_host_port(value: str) -> tuple[str, int]:
-    """ "HOST:PORT" (or "[IPV6]:PORT") -> (host, port); ValueError naming what is wrong otherwise."""
-    host, sep, port = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{value!r} is not HOST:PORT (e.g. tandem-prefill.default.svc.cluster.local:30000)")
-    return host, int(port)
 
 
 class RouterConfig(BaseSettings):
@@ -134,5 +127,5 @@ class RouterConfig(BaseSettings):
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
         if value is not None:
-            split_host_port(value)
+            split_host_port(value, DISCOVERY_EXAMPLE)
         return value

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from router.config import RouterConfig, split_host_port
+from common.wire.addresses import split_host_port
+from router.config import RouterConfig
 from router.workers import WorkerRegistry
 
 log = logging.getLogger("tandem.router")

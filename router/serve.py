@@ -22,7 +22,7 @@ from common.wire.drain import FLUSH_S
 from router.app import create_router_app, router_drain
 from router.config import RouterConfig
 from router.processes import shared_dir, supervise
-from router.tls import server_context
+from router.tls import listener_context
 
 TICK_S = 0.1
 
@@ -69,7 +69,7 @@ async def _serve(config: RouterConfig) -> None:
 async def _listen(runner: web.AppRunner, config: RouterConfig) -> asyncio.Server | None:
     """Plain HTTP through aiohttp's site (None: the runner closes it); with --ssl-certfile, a listener that
     hands TLS connections to the app and answers plain HTTP with a 400 naming `scheme` (common/edge/tls.py)."""
-    tls = server_context(config)
+    tls = listener_context(config)
     if tls is None:
         await web.TCPSite(runner, config.host, config.port, reuse_port=bool(shared_dir())).start()
         return None

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import ssl
 
-from common.edge.tls import server_context as listener_context
+from common.edge.tls import server_context
 from router.config import RouterConfig
 
 
-def server_context(config: RouterConfig) -> ssl.SSLContext | None:
+def listener_context(config: RouterConfig) -> ssl.SSLContext | None:
     """The listener's context, or None for plain HTTP; ssl.SSLError / OSError when the files do not load."""
-    return listener_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
+    return server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
 
 
 def client_context(config: RouterConfig) -> ssl.SSLContext:

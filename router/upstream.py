@@ -63,7 +63,7 @@ def half_cause(worker: Worker) -> str:
     return PREFILL_FAILED if worker.role == "prefill" else DECODE_FAILED
 
 
-def describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -100,7 +100,7 @@ def connection_failed(worker: Worker, exc: BaseException, when: str) -> Upstream
     refused = isinstance(exc, ConnectFailed)
     timed_out = isinstance(exc, asyncio.TimeoutError)
     what = "refused the connection" if refused else f"failed {when}"
-    message = f"{worker.role} worker {worker.url} {what}: {describe(exc)}"
+    message = f"{worker.role} worker {worker.url} {what}: {describe_error(exc)}"
     return UpstreamError(
         502,
         error_body(message, "upstream_error", 502),

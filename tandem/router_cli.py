@@ -13,8 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from common.wire.addresses import split_host_port
 from common.wire.user_error import UserError, config_error
-from router.config import SECRET_FIELDS, PrefillSpec, RouterConfig, split_host_port
+from router.config import SECRET_FIELDS, PrefillSpec, RouterConfig
 from tandem.flags import FlagParser, add_log_level_flag, add_model_flags
 from tandem.ports import require_free_ports
 
@@ -47,7 +48,7 @@ def parse_bootstrap(arg: str | None) -> tuple[str | None, int | None]:
     return None, int(arg)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def router_parser() -> argparse.ArgumentParser:
     # flags not given stay absent (SUPPRESS), so the TANDEM_ROUTER_* environment can fill them
     p = FlagParser(prog="tandem router", argument_default=argparse.SUPPRESS)
     p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none]")
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: list[str]) -> RouterConfig:
     """The router's config from flags, then the environment, then the defaults."""
-    given: dict[str, Any] = vars(build_parser().parse_args(argv))
+    given: dict[str, Any] = vars(router_parser().parse_args(argv))
     if "prefill" in given:
         given["prefill"] = parse_prefill_args(given["prefill"])
     if "decode" in given:
@@ -79,10 +80,10 @@ def run_router_cli(argv: list[str]) -> None:
         raise config_error(e) from None
     from router.processes import shared_dir
     from router.serve import serve_router
-    from router.tls import client_context, server_context
+    from router.tls import client_context, listener_context
 
     try:  # the files are checked at once: a bad one is one line here, not a traceback in every process
-        server_context(config)
+        listener_context(config)
         client_context(config)
     except (ssl.SSLError, OSError) as e:
         raise UserError(f"--ssl-certfile, --ssl-keyfile or --ssl-ca-certs do not load ({e}): give PEM files") from None

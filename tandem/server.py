@@ -1,5 +1,5 @@
-"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on node k > 0
-of a TP group spanning hosts (--node-rank), that node's ranks (common.ranks.node)."""
+"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on host k > 0
+of a TP group spanning hosts (--node-rank), that host's ranks (common.ranks.host)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import HeadDeadlineProtocol
 from common.edge.tls import behind_tls, server_context
 from common.model.locate import check_model
-from common.wire.user_error import UserError, config_error, split_host_port
+from common.wire.addresses import split_host_port
+from common.wire.user_error import UserError, config_error
 from tandem.ports import require_free_ports
 
 log = logging.getLogger("tandem")
@@ -39,10 +40,10 @@ def serve_from_args(ns: argparse.Namespace) -> None:
     config = server_config(ns)
     if config.node_rank > 0:  # another host's share of the TP group: ranks only, no HTTP
         check_model(config.model)
-        setup_logging(f"node{config.node_rank}")
-        from common.ranks.node import run_node
+        setup_logging(f"host{config.node_rank}")
+        from common.ranks.host import run_host
 
-        run_node(config, RANK_FOLLOWER)
+        run_host(config, RANK_FOLLOWER)
     check_before_loading(config)
     serve(config)
 
@@ -77,7 +78,7 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
             f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
             "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
             "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
-            "value on every node."
+            "value on every host."
         )
     if config.api_key is None:
         out.append(

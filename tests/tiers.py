@@ -1,4 +1,4 @@
-"""The two test tiers (docs/architecture.md, section 8).
+"""The two test tiers (docs/testing.md).
 
 `make test` runs everything; `make test-fast` runs `-m "not slow or smoke"`. A test is `slow` by one rule:
 it reaches a helper marked `@starts_processes` (ServerProcess, whose subclasses and callers such as

@@ -8,8 +8,8 @@ stay open, which no TCP error would reveal.
 The write fence: a prefill writes into a decode only while that decode's freshest message was *sent*
 (the signed envelope's wall-clock time) less than one heartbeat interval ago. A decode stops pinging a
 prefill it declared dead and reuses that prefill's pages one interval (plus CLOCK_SLACK_S) later, so a
-prefill that was frozen and wakes up finds only stale pings in its socket and writes nothing: see the
-faults section of docs/architecture.md for what this does not cover.
+prefill that was frozen and wakes up finds only stale pings in its socket and writes nothing: see
+docs/faults.md for what this does not cover.
 """
 
 from __future__ import annotations

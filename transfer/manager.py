@@ -28,6 +28,7 @@ from transfer.liveness import Liveness
 from transfer.messages import BadMessage, Envelope, ReplayGuard, open_frame
 from transfer.metrics import TransferMetrics
 from transfer.poll import PollState
+from transfer.rank_agent import RankTransferReport
 
 log = logging.getLogger(__name__)
 ControlFactory = Callable[[str, Counter], Any]
@@ -216,15 +217,15 @@ def kv_args_from_pool(
     aux_record_bytes: int = 0,
     aux_slots: int = 0,
     kv_heads: int | None = None,
-    followers: list[dict] = (),
+    followers: list[RankTransferReport] = (),
 ) -> KVArgs:
     """The transfer args of rank 0's pool and its `followers`' (their agents' reports, ranks 1..:
     transfer.rank_agent) of a model with `kv_heads` (default: the pool's, right at TP 1)."""
     (own,) = pool.buffer_infos()
     return KVArgs(
-        kv_ptrs=[own.data_ptr, *(f["kv_ptr"] for f in followers)],
-        kv_nbytes=[own.nbytes, *(f["kv_nbytes"] for f in followers)],
-        bytes_per_page=[own.bytes_per_page, *(f["bytes_per_page"] for f in followers)],
+        kv_ptrs=[own.data_ptr, *(f.kv_ptr for f in followers)],
+        kv_nbytes=[own.nbytes, *(f.kv_nbytes for f in followers)],
+        bytes_per_page=[own.bytes_per_page, *(f.bytes_per_page for f in followers)],
         num_pages=pool.num_pages,
         page_size=pool.page_size,
         host=config.public_host,
@@ -244,6 +245,6 @@ def kv_args_from_pool(
         tp_size=config.tp_size,
         kv_heads=kv_heads or pool.kv_heads,
         dp_size=config.dp_size,
-        rank_addresses=[f["backend_address"] for f in followers],
-        rank_agents=[(f["agent_endpoint"], f["agent_id"]) for f in followers if f["agent_endpoint"]],
+        rank_addresses=[f.backend_address for f in followers],
+        rank_agents=[(f.agent_endpoint, f.agent_id) for f in followers if f.agent_endpoint],
     )

@@ -11,7 +11,7 @@ and counted.
     prefill -> decode  first_token  per room: its aux record (first sampled token), once the last chunk is queued,
                                     ahead of the KV
     prefill -> decode  status       per room: ok or failed(reason), after the last write of that room
-    prefill rank 0 -> its follower's agent  rank_write    one group of a chunk's pieces, written by that rank's
+    prefill rank 0 -> its follower's agent  rank_write    one rank slice of a chunk, written by that rank's
                                                           own engine (transfer.rank_agent)
     agent -> prefill rank 0                 rank_written  ok (bytes written) or failed(reason)
 
@@ -124,7 +124,7 @@ class RankWrite:
 
 @dataclass
 class RankWritten:
-    """A follower's agent to prefill rank 0: the group `job` landed (`written` bytes), or why not."""
+    """A follower's agent to prefill rank 0: the rank slice `job` landed (`written` bytes), or why not."""
 
     job: int
     ok: bool
@@ -178,7 +178,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _mac(body: bytes, secret: str | None) -> bytes:
+def _frame_mac(body: bytes, secret: str | None) -> bytes:
     return hmac.new(secret.encode(), body, hashlib.sha256).digest() if secret else b""
 
 
@@ -206,7 +206,7 @@ def encode(
         "sent_at": time.time() if sent_at is None else sent_at,
     }
     body = msgpack.packb({"type": kind, **asdict(msg), **envelope}, use_bin_type=True)
-    return msgpack.packb([body, _mac(body, secret)], use_bin_type=True)
+    return msgpack.packb([body, _frame_mac(body, secret)], use_bin_type=True)
 
 
 def next_seq() -> int:
@@ -290,7 +290,7 @@ def _verified_body(raw: bytes, secret: str | None) -> bytes:
     if not (isinstance(frame, list) and len(frame) == 2 and all(isinstance(x, bytes) for x in frame)):
         raise BadMessage("not a [body, mac] frame")
     body, mac = frame
-    if secret is not None and not hmac.compare_digest(mac, _mac(body, secret)):
+    if secret is not None and not hmac.compare_digest(mac, _frame_mac(body, secret)):
         raise BadMessage("wrong or missing cluster secret")
     return body
 

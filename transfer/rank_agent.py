@@ -1,8 +1,8 @@
 """A follower rank's own KV transfer engine (a prefill or decode server at `--tp-size N`, ranks 1..N-1).
 
 Every rank registers its own pool with its own engine (`make_backend` on its own device), so GPU memory
-of one process, or of another node, is never registered by another. Rank 0 stays the only brain: it
-learns each follower's engine address and pool from the start-up report (`report`) and keeps every
+of one process, or of another host, is never registered by another. Rank 0 stays the only brain: it
+learns each follower's engine address and pool from the start-up report (`RankTransferReport`) and keeps every
 room, status and message of the control plane.
 
 - On a decode, the agent is passive: the prefill writes into the pool it registered, one-sided.
@@ -24,6 +24,7 @@ import threading
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from transfer.backends.base import TransferBackend
 from transfer.bulk_priority import lower_this_thread
@@ -31,7 +32,20 @@ from transfer.control_plane import ZmqControlPlane
 from transfer.messages import BadMessage, RankWrite, RankWritten, ReplayGuard, open_frame
 
 log = logging.getLogger(__name__)
-WRITERS = 4  # groups of different decodes written at once (one slow decode does not hold the others)
+WRITERS = 4  # rank slices of different decodes written at once (one slow decode does not hold the others)
+
+
+@dataclass(frozen=True)
+class RankTransferReport:
+    """What rank 0's KV manager needs of a follower rank (sent in its start-up report): its engine's
+    address, its pool, and, on a prefill, where its agent listens."""
+
+    backend_address: bytes
+    kv_ptr: int
+    kv_nbytes: int
+    bytes_per_page: int
+    agent_endpoint: str | None  # None on a decode: its agent only registers the pool
+    agent_id: str
 
 
 class RankAgent:
@@ -59,16 +73,11 @@ class RankAgent:
             self.control = ZmqControlPlane(host, self.instance_id, secret, self.counters)
             self.control.start(self.on_frame)
 
-    def report(self) -> dict:
-        """What rank 0 needs of this rank: its engine's address, its pool, and where its agent listens."""
-        return {
-            "backend_address": self.backend.address(),
-            "kv_ptr": self.ptr,
-            "kv_nbytes": self.nbytes,
-            "bytes_per_page": self.bytes_per_page,
-            "agent_endpoint": self.control.endpoint if self.control else None,
-            "agent_id": self.instance_id,
-        }
+    def report(self) -> RankTransferReport:
+        endpoint = self.control.endpoint if self.control else None
+        return RankTransferReport(
+            self.backend.address(), self.ptr, self.nbytes, self.bytes_per_page, endpoint, self.instance_id
+        )
 
     def on_frame(self, raw: bytes) -> None:
         try:

@@ -281,7 +281,7 @@ class Engine:
             "model_path": str(self.model_dir),
             "context_length": self.context_len,
             "kv_pages": self.scheduler.check_integrity().to_dict(),
-            "host_kv_pages": host_tier.info(self.memory.prefix_cache),
+            "host_tier": host_tier.info(self.memory.prefix_cache),
             "num_running_reqs": sum(len(s.decode.running) for s in ss),
             "num_waiting_reqs": sum(len(s.prefill.waiting) for s in ss),
             "num_retractions": sum(s.decode.num_retractions for s in ss),

@@ -1,4 +1,4 @@
-"""What a server shows of its host KV tier (`--enable-hierarchical-cache`): the start-up words, the
+"""What a server shows of its host tier (`--enable-hierarchical-cache`): the start-up words, the
 /get_server_info entry and the /metrics gauges. Every function is a no-op without the tier."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ COPIES = ("written", "loaded", "hit_tokens")
 
 
 def summary(cache: PrefixCache) -> str:
-    """Appended to the start-up summary: "; host KV pool: ..." or ""."""
+    """Appended to the start-up summary: "; host tier: ..." or ""."""
     return f"; {cache.pool.describe()}, {cache.write_policy}" if isinstance(cache, HiRadixCache) else ""
 
 
@@ -25,13 +25,13 @@ def register_gauges(metrics: EngineMetrics, cache: PrefixCache) -> None:
     if not isinstance(cache, HiRadixCache):
         return
     metrics.labelled_gauges(
-        "tandem_hicache_pages",
-        "host KV tier pages (total = free + cached + locked)",
+        "tandem_host_tier_pages",
+        "host tier pages (total = free + cached + locked)",
         "state",
         lambda: {k: v for k, v in cache.host_counts().items() if k in STATES},
     )
     metrics.labelled_gauges(
-        "tandem_hicache_copies",
+        "tandem_host_tier_copies",
         "since start: pages written to the host tier (written), pages loaded back (loaded), prefix tokens "
         "matched there (hit_tokens)",
         "kind",

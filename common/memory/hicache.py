@@ -1,5 +1,5 @@
-"""The hierarchical prefix cache (`--enable-hierarchical-cache`): the device radix cache in front of a
-host tier, a second radix tree whose nodes own pages of the host pool (common.memory.host_pool).
+"""The host tier of the prefix cache (`--enable-hierarchical-cache`, SGLang's HiCache): the device radix
+cache in front of a second radix tree whose nodes own pages of the host tier's pool (common.memory.host_pool).
 
     device tree   pages of the device pool; what requests lock and read
     host tree     pages of the host pool; never read by a forward, only copied back
@@ -178,6 +178,6 @@ def check_host_memory(nbytes: int) -> None:
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if nbytes > available:
         raise UserError(
-            f"the host KV tier needs {nbytes / 2**30:.1f} GiB and the host has {available / 2**30:.1f} GiB available: "
+            f"the host tier needs {nbytes / 2**30:.1f} GiB and the host has {available / 2**30:.1f} GiB available: "
             "lower --hicache-ratio or --hicache-size"
         )

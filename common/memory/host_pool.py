@@ -18,25 +18,13 @@ import torch
 from common.memory.allocator import PagedAllocator
 from common.memory.errors import MemoryIntegrityError
 from common.memory.kv_pool import KVPool
-
-
-def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) runs where both page lists go up by one together."""
-    if len(src) != len(dst):
-        raise ValueError(f"{len(src)} source pages for {len(dst)} destination pages")
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+from common.wire.page_runs import page_runs
 
 
 class HostPool:
     def __init__(self, device_pool: KVPool, num_pages: int):
         if num_pages < 1:
-            raise ValueError(f"the host KV pool needs at least one page, got {num_pages}")
+            raise ValueError(f"the host tier needs at least one page, got {num_pages}")
         dev = device_pool.buffer
         self.device_buffer, self.page_size = dev, device_pool.page_size
         self.pinned = dev.is_cuda
@@ -65,7 +53,7 @@ class HostPool:
         self.pages_loaded += len(host_pages)
 
     def _copy(self, dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int]) -> None:
-        runs = page_runs(src_pages, dst_pages)
+        runs = list(zip(*(x.tolist() for x in page_runs(src_pages, dst_pages))))
         if self.stream is None:
             for s, d, n in runs:
                 dst[d : d + n].copy_(src[s : s + n])
@@ -82,7 +70,7 @@ class HostPool:
     def describe(self) -> str:
         mib = (self.num_pages + 1) * self.bytes_per_page / 2**20
         where = "pinned host memory" if self.pinned else "host memory"
-        return f"host KV pool: {self.num_pages} pages x {self.page_size} tokens, {mib:.1f} MiB in {where}"
+        return f"host tier: {self.num_pages} pages x {self.page_size} tokens, {mib:.1f} MiB in {where}"
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.wire.user_error import split_host_port
+from common.wire.addresses import split_host_port
 
 PEER_GONE_EXIT = 3  # a follower's exit code after a collective failed: a consequence of a fault elsewhere
 
@@ -146,7 +146,7 @@ def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
 
 
 def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
-    """Any other rank or node: a client of rank 0's store at `addr`, waiting up to `timeout_s` for it to
+    """Any other rank or host: a client of rank 0's store at `addr`, waiting up to `timeout_s` for it to
     listen, tried every few seconds (one long try backs off ever longer between its attempts)."""
     host, port = split_host_port(addr)
     deadline = time.monotonic() + timeout_s
@@ -162,13 +162,13 @@ def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
         return store
 
 
-def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_node: int) -> TensorParallel:
-    """Join the group of `size` ranks that meet in `store` (see host_store / join_store); `per_node`
-    ranks share this host: on CUDA the rank's index on its node picks its GPU."""
+def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_host: int) -> TensorParallel:
+    """Join the group of `size` ranks that meet in `store` (see host_store / join_store); `per_host`
+    ranks share this host: on CUDA the rank's index on its host picks its GPU."""
     if device == "cuda":
-        torch.cuda.set_device(rank % per_node)
+        torch.cuda.set_device(rank % per_host)
     else:  # the ranks share the cores: more threads each would spin against each other in every collective
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
     dist.init_process_group(
         backend="nccl" if device == "cuda" else "gloo",
         store=store,

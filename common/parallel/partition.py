@@ -1,8 +1,8 @@
 """Which slice of a model each rank owns, and the start-up check that `--tp-size` can split it.
 
-Attention heads are split evenly; each rank's query heads use one contiguous group of KV heads. With
-more ranks than KV heads the KV heads are replicated (as SGLang does): `size / kv_heads` consecutive
-ranks share one KV head, each holding a copy of its projection and its own KV cache. The vocabulary is
+Attention heads are split evenly; each rank's query heads use the KV heads common.wire.kv_heads says the
+rank holds (one contiguous run; with more ranks than KV heads, `size / kv_heads` consecutive ranks share
+one KV head, each holding a copy of its projection and its own KV cache, as SGLang). The vocabulary is
 padded up to a multiple of the TP size, so it always divides.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.wire.kv_heads import rank_heads, split_problem
 from common.wire.user_error import UserError
 
 if TYPE_CHECKING:  # torch-free: `tandem serve` checks the flag before importing torch
@@ -37,10 +38,8 @@ def split(total: int, tp: TensorParallel) -> tuple[int, int]:
 
 def head_partition(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadPartition:
     start, stop = split(num_heads, tp)
-    if tp.size <= num_kv_heads:
-        kv_start, kv_stop = split(num_kv_heads, tp)
-        return HeadPartition(stop - start, kv_stop - kv_start, start, kv_start)
-    return HeadPartition(stop - start, 1, start, tp.rank * num_kv_heads // tp.size)
+    kv = rank_heads(num_kv_heads, tp.size, tp.rank)
+    return HeadPartition(stop - start, len(kv), start, kv.start)
 
 
 def padded_vocab(vocab: int, tp_size: int) -> int:
@@ -53,10 +52,9 @@ def check_tp_size(tp_size: int, num_heads: int, num_kv_heads: int, divided: dict
     problems = []
     if num_heads % tp_size:
         problems.append(f"num_attention_heads {num_heads}")
-    if tp_size <= num_kv_heads and num_kv_heads % tp_size:
-        problems.append(f"num_key_value_heads {num_kv_heads}")
-    if tp_size > num_kv_heads and tp_size % num_kv_heads:
-        problems.append(f"num_key_value_heads {num_kv_heads} (to replicate them, --tp-size must be their multiple)")
+    if split_problem(num_kv_heads, tp_size) is not None:
+        replicated = " (to replicate them, --tp-size must be their multiple)" if tp_size > num_kv_heads else ""
+        problems.append(f"num_key_value_heads {num_kv_heads}{replicated}")
     problems += [f"{name} {value}" for name, value in divided.items() if value % tp_size]
     if problems:
         raise TPSizeError(f"--tp-size {tp_size} does not divide the model's {', '.join(problems)}")

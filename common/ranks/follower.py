@@ -43,7 +43,7 @@ Services = Callable[[ServerConfig, KVPool], Any]  # starts what else a rank runs
 
 
 def exit_with_rank0(files: list[str]) -> None:
-    """Exit as soon as our starter's end of our stdin closes (rank 0, or node k's process, exited however
+    """Exit as soon as our starter's end of our stdin closes (rank 0, or host k's process, exited however
     it did), removing the shared `files` it may not have removed (it died before)."""
 
     def wait() -> None:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
     torch.manual_seed(config.seed)
     store = join_store(ns.addr, GROUP_TIMEOUT_S)
     tp = model_layout(
-        init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_node), config
+        init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_host), config
     )
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)

@@ -1,4 +1,4 @@
-"""Rank 0 (or, with --nnodes > 1, node k's process) starts this host's follower processes
+"""Rank 0 (or, with --nnodes > 1, host k's process) starts this host's follower processes
 (`python -m ENTRY`: common.ranks.follower, or the entry point its starter names, which adds what else a
 rank runs: `tandem serve`'s adds a PD rank's KV transfer agent) and ends them.
 
@@ -36,8 +36,8 @@ def group_addr(config: ServerConfig) -> str:
 
 
 def local_ranks(config: ServerConfig) -> range:
-    """The ranks this host runs (--node-rank's share of --tp-size), rank 0 included on node 0."""
-    per = config.ranks_per_node
+    """The ranks this host runs (--node-rank's share of --tp-size), rank 0 included on host 0."""
+    per = config.ranks_per_host
     return range(config.node_rank * per, (config.node_rank + 1) * per)
 
 

@@ -1,8 +1,11 @@
 """Which KV heads each tensor-parallel rank holds, and where a decode rank's heads come from when the
 prefill runs at another TP size (torch-free: the prefill's writer and the decode's pairing check share it).
 
-A rank of `tp_size` holds `kv_heads / tp_size` consecutive heads; with more ranks than heads each head
-is replicated on `tp_size / kv_heads` consecutive ranks (common.parallel.partition, as SGLang). A decode
+The one definition of both rules, which the model's partition (common.parallel.partition) and the
+transfer (the prefill's writer, the decode's pairing check) share: a rank of `tp_size` holds
+`kv_heads / tp_size` consecutive heads; with more ranks than heads each head is replicated on
+`tp_size / kv_heads` consecutive ranks (as SGLang), so `tp_size` must divide the heads or be their
+multiple (`split_problem`). A decode
 rank's heads are copied from the prefill rank(s) holding them: one `Segment` per run of heads that one
 prefill rank holds consecutively. Among a head's replicas the prefill uses replica `decode rank % replicas`,
 so at equal TP size decode rank r reads prefill rank r.
@@ -32,7 +35,7 @@ def rank_heads(kv_heads: int, tp_size: int, rank: int) -> range:
     return range(first, first + 1)
 
 
-def layout_problem(kv_heads: int, tp_size: int) -> str | None:
+def split_problem(kv_heads: int, tp_size: int) -> str | None:
     """Why `tp_size` ranks cannot split `kv_heads` heads evenly (nor replicate them), or None."""
     if kv_heads < 1 or tp_size < 1:
         return f"kv_heads {kv_heads} and tp_size {tp_size} must be >= 1"

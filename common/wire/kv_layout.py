@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from common.wire.kv_heads import layout_problem as kv_heads_problem
+from common.wire.kv_heads import split_problem
 
 LAYOUT_KEYS = (
     "model_id",
@@ -87,7 +87,7 @@ def attention_problem(layout: dict[str, Any]) -> str | None:
     tp, dp = layout.get("tp_size", 1), layout.get("dp_size", 1)
     if not isinstance(tp, int) or not isinstance(dp, int) or dp < 1 or tp % dp:
         return f"dp_size {dp} does not divide tp_size {tp}"
-    return kv_heads_problem(layout.get("kv_heads", 1), tp // dp)
+    return split_problem(layout.get("kv_heads", 1), tp // dp)
 
 
 def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
@@ -108,10 +108,8 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
             )
     if not diffs:
         return None
-    return (
-        f"KV layout mismatch: {'; '.join(diffs)} (decode layout: {describe(mine)}; prefill layout: {describe(theirs)})"
-    )
+    return f"KV layout mismatch: {'; '.join(diffs)} (decode layout: {describe_layout(mine)}; prefill layout: {describe_layout(theirs)})"
 
 
-def describe(layout: dict[str, Any]) -> str:
+def describe_layout(layout: dict[str, Any]) -> str:
     return ", ".join(f"{k}={layout.get(k)}" for k in LAYOUT_KEYS if k != "model_id")

@@ -24,12 +24,3 @@ def config_error(e: ValidationError) -> UserError:
         return UserError(message)
     flag = "--" + ".".join(str(x) for x in err["loc"]).replace("_", "-")
     return UserError(f"{flag} {err.get('input')}: {message}")
-
-
-def split_host_port(addr: str) -> tuple[str, int]:
-    """`HOST:PORT` (`[v6]:PORT` too) as (host, port); a ValueError naming --dist-init-addr otherwise."""
-    host, _, port = addr.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"--dist-init-addr {addr!r} is not HOST:PORT (e.g. 10.0.0.1:5000)")
-    return host, int(port)

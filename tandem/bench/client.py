@@ -112,7 +112,7 @@ async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str
         yield json.loads(data)
 
 
-async def send(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestOutput:
+async def timed_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: BenchRequest) -> RequestOutput:
     """Send `req` streaming and time it; failures come back as RequestOutput(success=False, error=...)."""
     out = RequestOutput(prompt_len=len(req.prompt_ids))
     start = time.perf_counter()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
-from tandem.bench.client import RequestOutput, send
+from tandem.bench.client import RequestOutput, timed_request
 from tandem.bench.endpoint import Endpoint
 from tandem.bench.stats import distribution
 from tandem.bench.workload import Workload
@@ -73,7 +73,7 @@ async def converse(
             await asyncio.sleep(think_time_s)
             ids = ids + answer_ids(w, outputs[-1]) + conv.additions[turn - 2]
         async with limit:
-            out = await send(session, endpoint, w.request(ids, conv.output_len))
+            out = await timed_request(session, endpoint, w.request(ids, conv.output_len))
         out.turn = turn
         outputs.append(out)
         bar.update(1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
-from tandem.bench.client import RequestOutput, send
+from tandem.bench.client import RequestOutput, timed_request
 from tandem.bench.endpoint import Endpoint
 from tandem.bench.multiturn import Conversation, per_turn, run_conversations
 from tandem.bench.stats import summarize
@@ -61,9 +61,9 @@ def make_session(api_key: str | None, request_timeout_s: float) -> aiohttp.Clien
     )
 
 
-async def warm_up(session: aiohttp.ClientSession, endpoint: Endpoint, requests: list[BenchRequest]) -> None:
+async def warm_up_endpoint(session: aiohttp.ClientSession, endpoint: Endpoint, requests: list[BenchRequest]) -> None:
     """Unmeasured requests (prompts not in the workload, so no cache hit is planted); all failing ends the bench."""
-    outputs = await asyncio.gather(*(send(session, endpoint, r) for r in requests))
+    outputs = await asyncio.gather(*(timed_request(session, endpoint, r) for r in requests))
     if outputs and not any(o.success for o in outputs):
         raise SystemExit(f"{endpoint.url}: every warm-up request failed: {outputs[0].error}")
 
@@ -83,7 +83,7 @@ async def run_once(
     async def one(req: BenchRequest, at: float) -> RequestOutput:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with limit:
-            out = await send(session, endpoint, req)
+            out = await timed_request(session, endpoint, req)
         bar.update(1)
         return out
 
@@ -120,7 +120,7 @@ async def sweep(
     results = []
     for plan in plans:
         for endpoint in endpoints:
-            await warm_up(session, endpoint, plan.warmup)
+            await warm_up_endpoint(session, endpoint, plan.warmup)
             label = f"{endpoint.base_url} @ {'inf' if math.isinf(plan.request_rate) else plan.request_rate} req/s"
             with tqdm(total=plan.total, desc=label, unit="req", disable=not show_progress) as bar:
                 outputs, duration = await run_plan(session, endpoint, plan, workload, max_concurrency, bar)

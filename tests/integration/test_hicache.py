@@ -1,4 +1,4 @@
-"""The host KV tier with a real server (tiny model): one monolithic server whose device pool holds 32
+"""The host tier with a real server (tiny model): one monolithic server whose device pool holds 32
 pages of 16 tokens and whose host tier holds 8x that (write-back).
 
 - shared prefixes that need twice the device pool come back from the host tier: exact hit counts, the
@@ -67,18 +67,18 @@ def idle_after(server):
 
 def host_tier_idle(server) -> None:
     server.wait_idle()
-    host = server.info()["host_kv_pages"]
+    host = server.info()["host_tier"]
     assert host["free"] + host["cached"] == host["total"] and host["locked"] == 0
 
 
 def host_hits(server) -> int:
-    return server.info()["host_kv_pages"]["hit_tokens"]
+    return server.info()["host_tier"]["hit_tokens"]
 
 
 def test_shared_prefixes_larger_than_the_device_pool_hit_in_the_host_tier(server):
     first = [generate(server.url, p + SUFFIX, 8) for p in PREFIXES]
     assert [r["meta_info"]["cached_tokens"] for r in first] == [0] * 4
-    written = server.info()["host_kv_pages"]["written"]
+    written = server.info()["host_tier"]["written"]
     assert written >= 2 * 16  # the first two prefixes left the device for the host
     for i, p in enumerate(PREFIXES):
         before = host_hits(server)
@@ -92,13 +92,13 @@ def test_shared_prefixes_larger_than_the_device_pool_hit_in_the_host_tier(server
 def test_overload_drill_retracts_and_resumes_from_the_host_tier(server):
     alone = [generate(server.url, p, 80, sampling={"ignore_eos": True})["output_ids"] for p in DRILL]
     info = server.info()
-    retractions, loaded = info["num_retractions"], info["host_kv_pages"]["loaded"]
+    retractions, loaded = info["num_retractions"], info["host_tier"]["loaded"]
     with concurrent.futures.ThreadPoolExecutor(len(DRILL)) as pool:
         results = list(pool.map(lambda p: generate(server.url, p, 80, sampling={"ignore_eos": True}), DRILL))
     assert [r["output_ids"] for r in results] == alone
     info = server.info()
     assert info["num_retractions"] > retractions
-    assert info["host_kv_pages"]["loaded"] > loaded
+    assert info["host_tier"]["loaded"] > loaded
 
 
 def test_a_high_priority_request_overtakes_the_waiting_queue(server):

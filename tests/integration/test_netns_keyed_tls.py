@@ -10,7 +10,7 @@ that speaks HTTP or ZMQ, enumerated from the router's /get_server_info (its conf
 and control endpoint) and checked against what listens in each namespace, refuses every unauthenticated
 call: 401 on each HTTP route but the open probes, 401 on the bootstrap's routes unsigned or forged, a 400
 naming the scheme for plain HTTP, forged frames on the control ports dropped and counted. What else listens
-is the transfer engines' data ports, which authenticate nothing (docs/architecture.md: close them with the
+is the transfer engines' data ports, which authenticate nothing (docs/wire.md: close them with the
 network)."""
 
 from __future__ import annotations

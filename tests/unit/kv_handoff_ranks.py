@@ -1,7 +1,7 @@
 """The decode's TP ranks in the simulated KV handoff (kv_handoff_sim.py): a page of the simulated pool is
 KV_HEADS heads of one slot (8 bytes) each, and a decode of R ranks (1, 2 or 4: the heads must split evenly)
 holds each rank's heads as its own slice of every page. Each KV write batch of a room goes out as its
-ranks' slices, cut by the real `transfer.prefill.runs.rank_groups` over `common.wire.kv_heads.head_sources`
+ranks' slices, cut by the real `transfer.prefill.runs.head_slices` over `common.wire.kv_heads.head_sources`
 (the R rank buffers are interleaved views of the decode's one buffer per layer). One rank's slice can be
 made to fail: every other rank's slices (and the aux record) land, then the batch raises, as a backend
 whose batch failed part way does."""
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from common.wire.kv_heads import head_sources, rank_heads
 from tests.unit.kv_handoff_sim import CONFIG
-from transfer.prefill.runs import rank_groups
+from transfer.prefill.runs import head_slices
 
 
 def slice_triples(*args) -> tuple[list[int], list[int], list[int]]:
-    """Every (prefill rank, decode rank) group of `rank_groups(*args)` in one (src, dst, nbytes) list."""
+    """Every rank slice of `head_slices(*args)` in one (src, dst, nbytes) list."""
     out: tuple[list[int], list[int], list[int]] = ([], [], [])
-    for part in rank_groups(*args).values():
+    for part in head_slices(*args).values():
         for acc, new in zip(out, part):
             acc.extend(new)
     return out

@@ -1,8 +1,8 @@
-"""docs/architecture.md names files and code that exist: every backquoted path (from the repository root; a
-module's path may leave out .py)
-and every backquoted `Class.member` (a method, property, field, attribute its methods set or enum member of
+"""docs/architecture.md and the design pages it links (docs/*.md; performance.md, the measurements, aside)
+name files and code that exist: every backquoted path (from the repository root; a module's path may leave
+out .py) and every backquoted `Class.member` (a method, property, field, attribute its methods set or enum member of
 a class of ours, or of a class it derives from, found in the source by ast) is checked, so a move or a rename cannot leave the
-design page pointing at nothing."""
+design pointing at nothing."""
 
 from __future__ import annotations
 
@@ -12,9 +12,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
+MEASUREMENTS = {"performance.md"}
 PACKAGES = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "tandem")
 PATH = re.compile(r"[A-Za-z_][\w.-]*(/[\w.-]*)+")
 MEMBER = re.compile(r"([A-Z]\w*)\.([A-Za-z_]\w*)")
+
+
+def design_pages() -> list[Path]:
+    """architecture.md and every page of docs/ it links to, but the measurements."""
+    linked = set(re.findall(r"\]\(([\w-]+\.md)\)", DOC.read_text())) - MEASUREMENTS
+    return [DOC, *(ROOT / "docs" / name for name in sorted(linked))]
+
+
+def design_text() -> str:
+    return "\n".join(p.read_text() for p in design_pages())
 
 
 def backquoted(text: str) -> list[str]:
@@ -62,14 +73,14 @@ def has_member(cls: str, name: str, members: dict[str, set[str]], bases: dict[st
 
 
 def test_every_backquoted_path_exists():
-    paths = [t for t in backquoted(DOC.read_text()) if PATH.fullmatch(t)]
+    paths = [t for t in backquoted(design_text()) if PATH.fullmatch(t)]
     assert len(paths) > 20  # the doc still names its files
     assert [p for p in paths if not (ROOT / p).exists() and not (ROOT / f"{p}.py").exists()] == []  # a module
 
 
 def test_every_backquoted_class_member_exists():
     members, bases = class_members()
-    names = [t for t in backquoted(DOC.read_text()) if MEMBER.fullmatch(t)]
+    names = [t for t in backquoted(design_text()) if MEMBER.fullmatch(t)]
     assert len(names) > 10
     missing = [n for n in names if not has_member(*MEMBER.fullmatch(n).groups(), members, bases)]
     assert missing == []
@@ -82,3 +93,8 @@ def test_the_checks_catch_a_wrong_name():
     assert not has_member("DecodeRole", "lock", members, bases)
     assert not has_member("NoSuchClass", "run", members, bases)
     assert PATH.fullmatch("transfer/prefill/sender.py") and not (ROOT / "transfer/sender.py").exists()
+
+
+def test_every_linked_design_page_exists():
+    pages = design_pages()
+    assert len(pages) > 5 and [p.name for p in pages if not p.exists()] == []

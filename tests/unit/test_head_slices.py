@@ -130,8 +130,8 @@ class Side:
             kv_wait_timeout_s=3.0,
             tp_size=tp,
             kv_heads=kv_heads,
-            rank_addresses=[r["backend_address"] for r in reports],
-            rank_agents=[(r["agent_endpoint"], r["agent_id"]) for r in reports if r["agent_endpoint"]],
+            rank_addresses=[r.backend_address for r in reports],
+            rank_agents=[(r.agent_endpoint, r.agent_id) for r in reports if r.agent_endpoint],
         )
         self.manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(self.args)
 

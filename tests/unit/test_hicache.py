@@ -1,4 +1,4 @@
-"""The host KV tier without a model: pages evicted from the device tree are copied to the host pool and
+"""The host tier without a model: pages evicted from the device tree are copied to the host pool and
 loaded back, byte for byte, by a later match; both tiers keep their books."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import torch
 from common.config import ServerConfig
 from common.memory.allocator import PagedAllocator
 from common.memory.hicache import HiRadixCache
-from common.memory.host_pool import HostPool, page_runs
+from common.memory.host_pool import HostPool
 from common.memory.kv_pool import KVPool
 from common.memory.prefix_cache import make_prefix_cache
+from common.wire.page_runs import page_runs
 from common.wire.user_error import UserError
 
 PS = 4
@@ -39,8 +40,8 @@ def kv_of(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
 
 
 def test_page_runs_join_pages_that_go_up_together():
-    assert page_runs([3, 4, 5, 9], [1, 2, 3, 4]) == [(3, 1, 3), (9, 4, 1)]
-    assert page_runs([], []) == []
+    assert [x.tolist() for x in page_runs([3, 4, 5, 9], [1, 2, 3, 4])] == [[3, 9], [1, 4], [3, 1]]
+    assert [x.tolist() for x in page_runs([], [])] == [[], [], []]
     with pytest.raises(ValueError):
         page_runs([1], [])
 

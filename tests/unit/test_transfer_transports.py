@@ -31,7 +31,7 @@ def test_mooncake_topology_lists_its_rdma_devices():
         ("tcp", NO_HCA, {}, "tcp"),
         ("tcp", TWO_HCAS, {"MC_FORCE_TCP": "1"}, "tcp"),
         ("rdma", TWO_HCAS, {}, "rdma over mlx5_0,mlx5_1"),
-        ("tcp", NO_HCA, {"MC_INTRANODE_NVLINK": "true"}, "nvlink (intra-node, device memory only)"),
+        ("tcp", NO_HCA, {"MC_INTRANODE_NVLINK": "true"}, "nvlink (within one host, device memory only)"),
     ],
 )
 def test_mooncake_transport_described(protocol, topology, env, described):

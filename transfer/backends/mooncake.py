@@ -45,7 +45,7 @@ def check_transport(protocol: str, hcas: list[str], env: Mapping[str, str]) -> s
     """The transport the engine uses after initialize, described; TransportUnavailable when it is not the
     one asked for."""
     if nvlink_requested(env):
-        return "nvlink (intra-node, device memory only)"
+        return "nvlink (within one host, device memory only)"
     if protocol == "rdma" and env.get("MC_FORCE_TCP"):
         raise TransportUnavailable(
             "--transfer-protocol rdma, but MC_FORCE_TCP is set in the environment (Mooncake would use TCP): "

@@ -3,7 +3,7 @@ the control plane. A process that created a UCX agent can crash at interpreter e
 through os._exit after close().
 
 On CUDA, UCX moves device memory only with its CUDA transports: unless the operator set UCX_TLS, it is
-set to cuda_ipc (GPU to GPU on one node), cuda_copy (staging) and the network transport of
+set to cuda_ipc (GPU to GPU on one host), cuda_copy (staging) and the network transport of
 --transfer-protocol (rc for RDMA, tcp), plus sm and self for the host-memory aux records. Descriptors name
 the KV pool's own device (cuda:N), not device 0."""
 

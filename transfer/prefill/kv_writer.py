@@ -3,19 +3,18 @@ written into the decode's registered memory through the transfer backend.
 
 Every write is checked against what the decode registered: page ids inside its pool (the control plane
 already refused requests outside it) and a layout that fits ours (checked once, at registration: see
-`layout_problem`), so a decode's claim can never make us write out of bounds. A decode at another TP
-size receives, in each of its ranks' buffers, exactly that rank's KV heads (`KVWriter.groups`).
+`registration_problem`), so a decode's claim can never make us write out of bounds. A decode at another
+TP size receives, in each of its ranks' buffers, exactly that rank's KV heads (`KVWriter.rank_slices`).
 
-Per-rank engines: a chunk's pieces are grouped by (prefill rank, decode rank). Rank 0 writes its own
-groups with its own engine, and each follower's group goes to that follower's agent
+Per-rank engines: a chunk's pieces are cut into rank slices, one per (prefill rank, decode rank). Rank 0
+writes its own slices with its own engine, and each follower's slice goes to that follower's agent
 (transfer.prefill.rank_links), which writes it with the follower's engine; the ranks at once, each
-rank's groups one after another (one engine writing to several decode ranks at once was 3x slower with
-NIXL). The aux record
-goes last, once every group landed (at TP 1 on both sides, the one group and the record are one batch
-on the host), so the record lands only after every rank's slice, and any failure fails the chunk only
-after every group finished or failed: nothing of the room lands after its status.
+rank's slices one after another (one engine writing to several decode ranks at once was 3x slower with
+NIXL). The aux record goes last, once every slice landed (at TP 1 on both sides, the one slice and the
+record are one batch on the host), so the record lands only after every rank's slice, and any failure
+fails the chunk only after every slice finished or failed: nothing of the room lands after its status.
 
-Ordering: rank 0 waits on the chunk's `ready` event (recorded after its forward) before any group is
+Ordering: rank 0 waits on the chunk's `ready` event (recorded after its forward) before any slice is
 issued. A follower's pages of that forward are written by then: each layer's attention writes the
 rank's KV before its row-parallel o_proj all-reduce, which rank 0's forward waited on (on the CPU,
 gloo returns only once every rank contributed; on CUDA, NCCL's kernel on the follower's stream runs
@@ -31,17 +30,16 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
-from common.wire.kv_heads import head_sources, rank_heads
-from common.wire.kv_heads import layout_problem as kv_heads_problem
+from common.wire.kv_heads import head_sources, rank_heads, split_problem
 from transfer.backends.base import TransferBackend
 from transfer.bulk_priority import lower_this_thread
 from transfer.manager import KVArgs
 from transfer.messages import Register, RoomRequest
 from transfer.poll import Mark, no_mark
 from transfer.prefill.rank_links import RankLinks
-from transfer.prefill.runs import Triples, paired_groups, rank_groups
+from transfer.prefill.runs import RankSlices, head_slices, paired_slices
 
-GROUP_WRITERS = 16  # prefill ranks writing at once, over every decode (a chunk's groups: tp per rank)
+SLICE_WRITERS = 16  # prefill ranks writing at once, over every decode (a chunk's slices: one thread per rank)
 
 
 def rank_peer(decode_id: str, rank: int) -> str:
@@ -84,7 +82,7 @@ def attention_tp(tp_size: int, dp_size: int) -> int:
     return tp_size // dp_size
 
 
-def layout_problem(mine: KVArgs, registration: Register) -> str | None:
+def registration_problem(mine: KVArgs, registration: Register) -> str | None:
     """Why we must never write into what `registration` registered (naming the field), or None when it
     fits: the same page size and KV heads, and one buffer per decode rank holding exactly its heads (every
     head under DP attention: its attention group is one rank)."""
@@ -96,7 +94,7 @@ def layout_problem(mine: KVArgs, registration: Register) -> str | None:
             "(another model, or a Tandem before heads-first pages, which sends 1: run one version on both)"
         )
     decode_attn = attention_tp(registration.tp_size, registration.dp_size)
-    problem = kv_heads_problem(registration.kv_heads, decode_attn)
+    problem = split_problem(registration.kv_heads, decode_attn)
     if problem is not None:
         return f"decode layout (tp_size {registration.tp_size}, dp_size {registration.dp_size}): {problem}"
     expected = mine.bytes_per_page
@@ -127,15 +125,15 @@ class KVWriter:
         self.page_bytes = sum(args.bytes_per_page)  # one page across every rank's buffer: what a page sends
         self.rank_bytes: Counter[int] = Counter()  # bytes each prefill rank's own engine wrote
         self._lock = threading.Lock()
-        self._group_writers = ThreadPoolExecutor(GROUP_WRITERS, "kv-rank-write", initializer=lower_this_thread)
+        self._slice_writers = ThreadPoolExecutor(SLICE_WRITERS, "kv-rank-write", initializer=lower_this_thread)
 
-    def groups(
+    def rank_slices(
         self, registration: Register, src_pages: list[int], dst_pages: list[int], src_dp: int = 0, dst_dp: int = 0
-    ) -> dict[tuple, Triples]:
+    ) -> RankSlices:
         """{(prefill rank, decode rank): (src, dst, nbytes)} of a chunk, from the attention group of DP rank
         `src_dp` (the prefill's ranks: all of them, or that rank under DP attention) to that of decode DP
-        rank `dst_dp`: buffers paired by index at equal attention TP size, else each decode rank's heads
-        sliced out of the prefill ranks' pages (common.wire.kv_heads)."""
+        rank `dst_dp`: buffers paired by index at equal attention TP size, else each decode rank's heads cut
+        out of the prefill ranks' pages (common.wire.kv_heads)."""
         a = self.args
         src_tp, dst_tp = attention_tp(a.tp_size, a.dp_size), attention_tp(registration.tp_size, registration.dp_size)
         s0, d0 = src_dp * src_tp, dst_dp * dst_tp
@@ -144,12 +142,12 @@ class KVWriter:
         dst_ptrs = registration.kv_ptrs[d0 * dp : (d0 + dst_tp) * dp]
         if src_tp == dst_tp:
             bytes_per_page = a.bytes_per_page[s0 * sp : (s0 + src_tp) * sp]
-            groups = paired_groups(src_ptrs, dst_ptrs, bytes_per_page, src_tp, src_pages, dst_pages)
+            slices = paired_slices(src_ptrs, dst_ptrs, bytes_per_page, src_tp, src_pages, dst_pages)
         else:
             plan = head_sources(a.kv_heads, src_tp, dst_tp)
             src_page, dst_page = a.bytes_per_page[s0], registration.bytes_per_page[d0]
-            groups = rank_groups(src_ptrs, dst_ptrs, src_page, dst_page, head_bytes_of(a), plan, src_pages, dst_pages)
-        return {(s + s0, d + d0): triples for (s, d), triples in groups.items()}
+            slices = head_slices(src_ptrs, dst_ptrs, src_page, dst_page, head_bytes_of(a), plan, src_pages, dst_pages)
+        return {(s + s0, d + d0): triples for (s, d), triples in slices.items()}
 
     def write(
         self,
@@ -164,15 +162,14 @@ class KVWriter:
     ) -> int:
         """The pages (of DP rank `src_dp`'s pool under DP attention) and, on the last chunk, the aux record
         (always into decode rank 0's aux buffer); returns the KV bytes written, raises on any
-        failure of a group (after every group ended). The prefill ranks at once (each its groups in turn),
-        then the record; one group
-        alone (TP 1 on both sides) goes with the record in one batch when on the host (one round trip:
+        failure of a slice (after every slice ended). The prefill ranks at once (each its slices in turn),
+        then the record; one slice alone (TP 1 on both sides) goes with the record in one batch when on the host (one round trip:
         the decode reads the record only after the status, sent once the whole batch landed); device KV
         and the host record take a batch each. `fence()` runs before each round of backend calls and raises when the
         decode may no longer be written to; `mark` records the writes on the request's timeline."""
-        groups = self.groups(registration, src_pages, dst_pages, src_dp, room_request.dp_rank)
-        src, dst, nbytes = groups.pop((0, 0)) if list(groups) == [(0, 0)] else ([], [], [])
-        written = self._write_groups(registration, room_request.decode_id, groups, fence) + sum(nbytes)
+        slices = self.rank_slices(registration, src_pages, dst_pages, src_dp, room_request.dp_rank)
+        src, dst, nbytes = slices.pop((0, 0)) if list(slices) == [(0, 0)] else ([], [], [])
+        written = self._write_slices(registration, room_request.decode_id, slices, fence) + sum(nbytes)
         peer = rank_peer(room_request.decode_id, 0)
         if aux is not None and not self.on_cuda:
             self._write_with_aux(registration, room_request, aux, src, dst, nbytes, fence)
@@ -190,19 +187,19 @@ class KVWriter:
             mark("aux_written")
         return written
 
-    def _write_groups(self, registration: Register, decode_id: str, groups: dict, fence: Callable[[], None]) -> int:
-        """Each prefill rank's groups in decode-rank order by its own engine, the ranks at once; waits
+    def _write_slices(self, registration: Register, decode_id: str, slices: RankSlices, fence: Callable) -> int:
+        """Each prefill rank's slices in decode-rank order by its own engine, the ranks at once; waits
         for all, then raises the first failure (in rank order) or returns the bytes written. (One engine
         writing to several decode ranks at once ran 3x slower with NIXL: `docs/performance.md`.)"""
-        if not groups:
+        if not slices:
             return 0
         fence()
         by_source: dict[int, list] = {}
-        for (src_rank, dst_rank), triples in sorted(groups.items()):
+        for (src_rank, dst_rank), triples in sorted(slices.items()):
             by_source.setdefault(src_rank, []).append((dst_rank, triples))
         futures = [
-            self._group_writers.submit(self._write_rank_groups, registration, decode_id, src_rank, rank_groups)
-            for src_rank, rank_groups in by_source.items()
+            self._slice_writers.submit(self._write_rank_slices, registration, decode_id, src_rank, own)
+            for src_rank, own in by_source.items()
         ]
         wait(futures)
         for f in futures:
@@ -210,10 +207,10 @@ class KVWriter:
                 raise f.exception()
         return sum(f.result() for f in futures)
 
-    def _write_rank_groups(self, registration: Register, decode_id: str, src_rank: int, groups: list) -> int:
-        return sum(self._write_group(registration, decode_id, src_rank, dst, triples) for dst, triples in groups)
+    def _write_rank_slices(self, registration: Register, decode_id: str, src_rank: int, slices: list) -> int:
+        return sum(self._write_slice(registration, decode_id, src_rank, dst, triples) for dst, triples in slices)
 
-    def _write_group(self, registration: Register, decode_id: str, src_rank: int, dst_rank: int, triples) -> int:
+    def _write_slice(self, registration: Register, decode_id: str, src_rank: int, dst_rank: int, triples) -> int:
         peer, n = rank_peer(decode_id, dst_rank), sum(triples[2])
         if src_rank == 0:
             self.backend.write_batch(peer, *triples, self.on_cuda)
@@ -250,4 +247,4 @@ class KVWriter:
             )
 
     def close(self) -> None:
-        self._group_writers.shutdown(wait=False, cancel_futures=True)
+        self._slice_writers.shutdown(wait=False, cancel_futures=True)

@@ -26,7 +26,7 @@ from transfer.messages import (
     Status,
 )
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
-from transfer.prefill.kv_writer import KVWriter, attention_tp, layout_problem, rank_peer
+from transfer.prefill.kv_writer import KVWriter, attention_tp, rank_peer, registration_problem
 from transfer.prefill.prefill_rooms import PrefillRoomState, PrefillRoomTable
 from transfer.prefill.rank_links import Agent, RankLinks
 from transfer.prefill.transfer_worker import Chunk, TransferWorker, WorkerPool
@@ -92,7 +92,7 @@ class PrefillKVManager(KVManager):
             self._on_abort(msg, registration)
 
     def _on_register(self, msg: Register, envelope: Envelope) -> None:
-        problem = layout_problem(self.args, msg)
+        problem = registration_problem(self.args, msg)
         if problem is not None:
             self.counters["peers_refused"] += 1
             self.refused[msg.decode_id] = (msg, problem)

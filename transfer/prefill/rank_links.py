@@ -1,7 +1,7 @@
-"""Prefill rank 0's side of its followers' agents (transfer.rank_agent): one group of a chunk's pieces
-sent to the agent of the rank that holds them, and the wait for its answer.
+"""Prefill rank 0's side of its followers' agents (transfer.rank_agent): one rank slice of a chunk
+sent to the agent of the rank that holds its pages, and the wait for its answer.
 
-`write` blocks its caller (a thread of the KV writer) until the agent answers, the group's bound passes
+`write` blocks its caller (a thread of the KV writer) until the agent answers, the slice's bound passes
 (`--transfer-timeout-s`, which also bounds the agent's own engine, plus GRACE_S), or the TP group
 faults (`fault()`: a follower exited or hangs, common.ranks.ranks), and raises on anything but an
 ok. An answer comes through rank 0's control plane (PrefillKVManager.handle -> `on_reply`) and counts
@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ POLL_S = 0.1
 
 
 class RankWriteFailed(RuntimeError):
-    """A follower's group did not land; the message names the rank."""
+    """A follower's rank slice did not land; the message names the rank."""
 
     cause = "transfer_error"
 
@@ -58,8 +57,6 @@ class RankLinks:
         self.timeout_s = timeout_s + GRACE_S
         self.jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self.rank_bytes: Counter[int] = Counter()  # bytes each follower's own engine wrote (its answers)
 
     def write(self, rank: int, peer_id: str, address: bytes, src, dst, nbytes, on_device: bool) -> int:
         """Have rank `rank`'s engine write the pieces into `peer_id`; the bytes written, or raise."""
@@ -73,8 +70,6 @@ class RankLinks:
             self.jobs.pop(job_id, None)
         if not reply.ok:
             raise RankWriteFailed(f"tp rank {rank}'s transfer engine failed: {reply.reason}")
-        with self._lock:
-            self.rank_bytes[rank] += reply.written
         return reply.written
 
     def _wait(self, job: _Job, rank: int) -> RankWritten:

@@ -1,5 +1,5 @@
-"""A TP group across nodes without starting processes: the flags' refusals as `tandem serve` prints them,
-and the node board over a real TCPStore in this process: heartbeats, the silence window on both sides,
+"""A TP group across hosts without starting processes: the flags' refusals as `tandem serve` prints them,
+and the host board over a real TCPStore in this process: heartbeats, the silence window on both sides,
 a posted fault (the first stays), remote progress copied for the step watchdog."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pydantic import ValidationError
 
 from common.config import ServerConfig
 from common.parallel.group import host_store, join_store
+from common.ranks.host import Host, host0_config
+from common.ranks.host_board import HostBoard
 from common.ranks.launch import free_port, local_ranks
-from common.ranks.node import Node, node0_config
-from common.ranks.node_board import NodeBoard
 from common.ranks.progress import Progress
-from common.ranks.remote_nodes import RemoteNodes
+from common.ranks.remote_hosts import RemoteHosts
 from common.wire.user_error import UserError, config_error
 from tandem.server import check_before_loading
 
@@ -32,13 +32,13 @@ ADDR = "10.0.0.1:5000"
         (dict(tp_size=2, nnodes=2, dist_init_addr="10.0.0.1"), "--dist-init-addr '10.0.0.1' is not HOST:PORT"),
     ],
 )
-def test_bad_node_flags_are_refused_naming_them(flags, message):
+def test_bad_host_flags_are_refused_naming_them(flags, message):
     with pytest.raises(ValidationError) as e:
         ServerConfig(**flags)
     assert message in str(config_error(e.value))
 
 
-def test_node0_checks_that_its_rendezvous_port_is_free():
+def test_host0_checks_that_its_rendezvous_port_is_free():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -48,7 +48,7 @@ def test_node0_checks_that_its_rendezvous_port_is_free():
             check_before_loading(config)
 
 
-def test_each_node_runs_an_even_share_of_the_ranks():
+def test_each_host_runs_an_even_share_of_the_ranks():
     config = dict(tp_size=4, nnodes=2, dist_init_addr=ADDR)
     assert [local_ranks(ServerConfig(**config, node_rank=k)) for k in (0, 1)] == [range(0, 2), range(2, 4)]
     assert local_ranks(ServerConfig(tp_size=3)) == range(0, 3)
@@ -56,75 +56,75 @@ def test_each_node_runs_an_even_share_of_the_ranks():
 
 @pytest.fixture
 def board_pair():
-    """Node 0's board (hosting the store, as rank 0 does) and node 1's, joined to it."""
+    """Host 0's board (hosting the store, as rank 0 does) and host 1's, joined to it."""
     addr = f"127.0.0.1:{free_port()}"
-    node0 = NodeBoard(host_store(addr, 4, 30), 0)
-    yield addr, node0, NodeBoard(join_store(addr, 30), 1)
+    host0 = HostBoard(host_store(addr, 4, 30), 0)
+    yield addr, host0, HostBoard(join_store(addr, 30), 1)
 
 
-def remote_view(addr: str, board: NodeBoard, window_s: float):
+def remote_view(addr: str, board: HostBoard, window_s: float):
     config = ServerConfig(tp_size=4, nnodes=2, dist_init_addr=addr, heartbeat_interval_s=window_s / 2)
-    return RemoteNodes(config, board), Progress.create(4)
+    return RemoteHosts(config, board), Progress.create(4)
 
 
-def test_node0_names_a_silent_node_once_serving(board_pair):
-    addr, node0, node1 = board_pair
-    remote, progress = remote_view(addr, node0, 0.4)
+def test_host0_names_a_silent_host_once_serving(board_pair):
+    addr, host0, host1 = board_pair
+    remote, progress = remote_view(addr, host0, 0.4)
     try:
-        node1.publish({2: (111, "S", 6), 3: (112, "T", 5)})
+        host1.publish({2: (111, "S", 6), 3: (112, "T", 5)})
         assert remote.poll(serving=False, progress=progress) is None
         assert progress.values[2:].tolist() == [6, 5]  # for the step watchdog's laggards
-        assert remote.describe(3) == "pid 112 on node 1, state T"
+        assert remote.describe(3) == "pid 112 on host 1, state T"
         time.sleep(0.5)
         assert remote.poll(serving=False, progress=progress) is None  # start-up: not judged
-        node1.publish({})
+        host1.publish({})
         assert remote.poll(serving=True, progress=progress) is None
         time.sleep(0.5)
         problem = remote.poll(serving=True, progress=progress)
-        assert problem.startswith("node 1 (tp ranks 2-3) has sent no heartbeat for "), problem
+        assert problem.startswith("host 1 (tp ranks 2-3) has sent no heartbeat for "), problem
     finally:
         progress.remove()
 
 
-def test_the_first_posted_fault_stays_and_every_node_reads_it(board_pair):
-    addr, node0, node1 = board_pair
-    remote, progress = remote_view(addr, node0, 10)
+def test_the_first_posted_fault_stays_and_every_host_reads_it(board_pair):
+    addr, host0, host1 = board_pair
+    remote, progress = remote_view(addr, host0, 10)
     try:
-        assert node1.fault() is None and remote.poll(serving=True, progress=progress) is None
-        node1.set_fault("tp rank 3 (pid 9 on node 1) exited with code -9")
-        node0.set_fault("a later one")
-        assert remote.poll(serving=True, progress=progress) == "tp rank 3 (pid 9 on node 1) exited with code -9"
-        assert node1.fault() == "tp rank 3 (pid 9 on node 1) exited with code -9"
+        assert host1.fault() is None and remote.poll(serving=True, progress=progress) is None
+        host1.set_fault("tp rank 3 (pid 9 on host 1) exited with code -9")
+        host0.set_fault("a later one")
+        assert remote.poll(serving=True, progress=progress) == "tp rank 3 (pid 9 on host 1) exited with code -9"
+        assert host1.fault() == "tp rank 3 (pid 9 on host 1) exited with code -9"
     finally:
         progress.remove()
 
 
-def test_node_k_judges_node0_only_once_it_serves(board_pair):
-    addr, node0, node1 = board_pair
-    node = Node.__new__(Node)  # its watching half only: no ranks started
-    node.board, node.node0, node.problem, node.window_s = node1, None, None, 0.3
-    node0.publish({}, serving=False)
-    node._read_node0()
+def test_host_k_judges_host0_only_once_it_serves(board_pair):
+    addr, host0, host1 = board_pair
+    host = Host.__new__(Host)  # its watching half only: no ranks started
+    host.board, host.host0, host.problem, host.window_s = host1, None, None, 0.3
+    host0.publish({}, serving=False)
+    host._read_host0()
     time.sleep(0.4)
-    assert node._node0_silence() is None
-    node0.publish({}, serving=True)
-    node._read_node0()
-    assert node._node0_silence() is None
+    assert host._host0_silence() is None
+    host0.publish({}, serving=True)
+    host._read_host0()
+    assert host._host0_silence() is None
     time.sleep(0.4)
-    assert node._node0_silence().startswith("node 0 has sent no heartbeat for ")
-    node0.set_fault("tp rank 1 exited")
-    node._read_node0()
-    assert node.problem == "the TP group is broken: tp rank 1 exited"
+    assert host._host0_silence().startswith("host 0 has sent no heartbeat for ")
+    host0.set_fault("tp rank 1 exited")
+    host._read_host0()
+    assert host.problem == "the TP group is broken: tp rank 1 exited"
 
 
-def test_node_k_runs_its_ranks_with_node0s_config_but_its_own_place(board_pair):
-    addr, node0, node1 = board_pair
+def test_host_k_runs_its_ranks_with_host0s_config_but_its_own_place(board_pair):
+    addr, host0, host1 = board_pair
     leader = ServerConfig(tp_size=4, nnodes=2, dist_init_addr=addr, page_size=32, api_key="k0", cluster_secret="s0")
-    node0.post_config(leader)
-    assert "k0" not in node0.store.get("tandem/config").decode()  # secrets stay off the unauthenticated store
+    host0.post_config(leader)
+    assert "k0" not in host0.store.get("tandem/config").decode()  # secrets stay off the unauthenticated store
     own = ServerConfig(tp_size=4, nnodes=2, node_rank=1, dist_init_addr=addr, model="/mnt/m", cluster_secret="s1")
-    config = node0_config(own, node1.config())
+    config = host0_config(own, host1.config())
     assert (config.page_size, config.node_rank, config.model, config.cluster_secret) == (32, 1, "/mnt/m", "s1")
     lost = ServerConfig(tp_size=6, nnodes=3, node_rank=2, dist_init_addr=addr)
     with pytest.raises(UserError, match="--node-rank 2 must be below --nnodes 2"):
-        node0_config(lost, node1.config())
+        host0_config(lost, host1.config())

@@ -1,13 +1,13 @@
-"""What the nodes of a TP group spanning hosts (--nnodes > 1) tell each other, through the group's own
+"""What the hosts of a TP group spanning machines (--nnodes > 1) tell each other, through the group's own
 rendezvous store (torch.distributed's TCPStore at --dist-init-addr, which rank 0 hosts): no other port.
 
-    tandem/node/<k>   node k's heartbeat: {"beat": n, "serving": bool, "ranks": {rank: [pid, state,
+    tandem/host/<k>   host k's heartbeat: {"beat": n, "serving": bool, "ranks": {rank: [pid, state,
                       progress]}}, rewritten every --heartbeat-interval-s (progress as in
-                      common.ranks.progress; node 0's "serving": its start-up is over)
-    tandem/fault      the first fault of the group, in words naming the rank or node; every node that
+                      common.ranks.progress; host 0's "serving": its start-up is over)
+    tandem/fault      the first fault of the group, in words naming the rank or host; every host that
                       reads it ends its ranks
-    tandem/config     node 0's config (secrets left out), posted before any rank starts: every node's
-                      ranks run with it (common.ranks.node)
+    tandem/config     host 0's config (secrets left out), posted before any rank starts: every host's
+                      ranks run with it (common.ranks.host)
 
 A store call to a stopped host may block for good (a TCPStore get does not honour its timeout when
 the server is frozen), so callers judge a peer by when they last heard from it, not by a call failing.
@@ -35,27 +35,27 @@ class Beat(NamedTuple):
     ranks: RankState
 
 
-def node_key(node: int) -> str:
-    return f"tandem/node/{node}"
+def host_key(host: int) -> str:
+    return f"tandem/host/{host}"
 
 
-class NodeBoard:
-    """Node `node`'s side of the board, over `store` (rank 0's, common.parallel.group.host_store/join_store)."""
+class HostBoard:
+    """Host `host`'s side of the board, over `store` (rank 0's, common.parallel.group.host_store/join_store)."""
 
-    def __init__(self, store: dist.TCPStore, node: int):
-        self.store, self.node, self.beat = store, node, 0
+    def __init__(self, store: dist.TCPStore, host: int):
+        self.store, self.host, self.beat = store, host, 0
 
     def publish(self, ranks: RankState, serving: bool = False) -> None:
-        """This node's heartbeat with its ranks' pids, states and progress."""
+        """This host's heartbeat with its ranks' pids, states and progress."""
         self.beat += 1
         body = {"beat": self.beat, "serving": serving, "ranks": {str(r): list(v) for r, v in ranks.items()}}
-        self.store.set(node_key(self.node), json.dumps(body))
+        self.store.set(host_key(self.host), json.dumps(body))
 
-    def read(self, node: int) -> Beat | None:
-        """Node `node`'s last heartbeat, None before its first."""
-        if not self.store.check([node_key(node)]):
+    def read(self, host: int) -> Beat | None:
+        """Host `host`'s last heartbeat, None before its first."""
+        if not self.store.check([host_key(host)]):
             return None
-        body = json.loads(self.store.get(node_key(node)))
+        body = json.loads(self.store.get(host_key(host)))
         return Beat(body["beat"], body["serving"], {int(r): tuple(v) for r, v in body["ranks"].items()})
 
     def fault(self) -> str | None:
@@ -68,9 +68,9 @@ class NodeBoard:
         self.store.compare_set(FAULT_KEY, "", message)
 
     def post_config(self, config: ServerConfig) -> None:
-        """Node 0's config for the other nodes' ranks, without its secrets (the store is unauthenticated)."""
+        """Host 0's config for the other hosts' ranks, without its secrets (the store is unauthenticated)."""
         self.store.set(CONFIG_KEY, config.model_dump_json(exclude={"api_key", "cluster_secret"}))
 
     def config(self) -> dict:
-        """Node 0's config, waiting for it to be posted."""
+        """Host 0's config, waiting for it to be posted."""
         return json.loads(self.store.get(CONFIG_KEY))
