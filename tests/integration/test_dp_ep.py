@@ -123,6 +123,18 @@ def test_64_requests_spread_within_10_percent_of_an_equal_share(servers, family)
     assert sorted({o["meta_info"]["dp_rank"] for o in outs}) == [0, 1]
 
 
+def test_data_parallel_rank_picks_the_dp_rank_and_one_out_of_range_is_a_400(servers):
+    server = servers[1]["qwen3_moe"]
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    for rank in (1, 1, 0):
+        r = httpx.post(server.url + "/generate", json=body | {"data_parallel_rank": rank}, timeout=60)
+        assert r.status_code == 200 and r.json()["meta_info"]["dp_rank"] == rank, r.text
+    r = httpx.post(server.url + "/generate", json=body | {"data_parallel_rank": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "data_parallel_rank", r.text
+    assert "this server has 2 DP rank(s)" in r.json()["error"]["message"]
+    wait_dp_idle(server)
+
+
 @pytest.mark.timeout(600)
 def test_eplb_moves_hot_experts_and_the_output_stays_equal(servers):
     root, started = servers
