@@ -44,6 +44,7 @@ from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.moe import expert_placement
 from common.model.registry import attention_spec, model_class
+from common.parallel import group
 from common.parallel.group import SINGLE
 from common.parallel.partition import check_parallel
 from common.ranks.launch import FOLLOWER
@@ -286,11 +287,17 @@ class Engine:
             "num_waiting_reqs": sum(len(s.prefill.waiting) for s in ss),
             "num_retractions": sum(s.decode.num_retractions for s in ss),
             "role": self.role.info() | self.queue_depths(),
-            "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
+            "tp": self._tp_info(),
             "dp": self._dp_info(),
             "ep": self._ep_info(),
             "kv_events": self.kv_events.info() if self.kv_events is not None else None,
         }
+
+    def _tp_info(self) -> dict:
+        """The ranks' reports; rank 0's bytes sent into each kind of collective over its `forwards` steps."""
+        steps = self.ranks.step if self.ranks is not None else 0
+        ranks = {"ranks": self.rank_reports, "forwards": steps, "bytes_sent": dict(group.SENT)}
+        return {"size": self.config.tp_size, "nnodes": self.config.nnodes} | ranks
 
     def _dp_info(self) -> dict | None:
         if self.dp is None:

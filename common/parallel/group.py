@@ -9,8 +9,10 @@ runs exactly the operations it ran before tensor parallelism existed.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,10 @@ import torch.distributed as dist
 
 from common.wire.addresses import split_host_port
 
-PEER_GONE_EXIT = 3  # a follower's exit code after a collective failed: a consequence of a fault elsewhere
+PEER_GONE_EXIT = 3
+SENT: Counter[str] = (
+    Counter()
+)  # bytes this rank put into each kind of collective (docs/performance.md)  # a follower's exit code after a collective failed: a consequence of a fault elsewhere
 
 
 class PeerGone(RuntimeError):
@@ -58,6 +63,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place."""
         if self.enabled:
+            SENT["all_reduce"] += x.numel() * x.element_size()
             _collective(dist.all_reduce, x)
         return x
 
@@ -77,6 +83,7 @@ class TensorParallel:
         padded = x.new_zeros((width, *x.shape[1:]))
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(self.size)]
+        SENT["all_gather"] += padded.numel() * padded.element_size()
         _collective(dist.all_gather, parts, padded)
         return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
@@ -91,12 +98,15 @@ class TensorParallel:
             padded[r * width : r * width + n] = x[start : start + n]
             start += n
         out = x.new_empty((width, *x.shape[1:]))
+        SENT["reduce_scatter"] += padded.numel() * padded.element_size()
         _collective(dist.reduce_scatter_tensor, out, padded)
         return out[: counts[self.rank]]
 
     def all_to_all_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows of `x` sent to each rank in turn (`send[r]` to rank r); the rows received, `recv[r]` from rank r."""
         out = x.new_empty((sum(recv), *x.shape[1:]))
+        row = math.prod(x.shape[1:]) * x.element_size()  # also of an idle rank's zero rows
+        SENT["all_to_all"] += row * (sum(send) - send[self.rank])  # what leaves this rank
         _collective(dist.all_to_all_single, out, x.contiguous(), recv, send)
         return out
 
