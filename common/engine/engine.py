@@ -24,7 +24,7 @@ from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
-from common.engine import host_tier
+from common.engine import engine_report, host_tier
 from common.engine.dp_scheduler import DPScheduler
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
@@ -42,9 +42,7 @@ from common.memory.sizing import gpu_batch_limits, plan_context_len
 from common.model.identity import model_identity
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
-from common.model.moe import expert_placement
 from common.model.registry import attention_spec, model_class
-from common.parallel import group
 from common.parallel.group import SINGLE
 from common.parallel.partition import check_parallel
 from common.ranks.launch import FOLLOWER
@@ -114,7 +112,7 @@ class Engine:
             for scheduler, role in zip(self.schedulers, make_role(self)):
                 scheduler.role = role
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
-        self._register_gauges()
+        engine_report.register_engine_gauges(self)
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
@@ -204,41 +202,6 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _register_gauges(self) -> None:
-        """Summed over the DP ranks under DP attention (/get_server_info's `dp` has each rank's)."""
-        m, ss, ms = self.metrics, self.schedulers, self.memories
-        m.gauge("tandem_num_running_reqs", "requests decoding", lambda: sum(len(s.decode.running) for s in ss))
-        m.gauge(
-            "tandem_num_queue_reqs", "requests waiting for prefill", lambda: sum(len(s.prefill.waiting) for s in ss)
-        )
-        total = self.pool_plan.num_pages * len(ms)
-        m.gauge("tandem_kv_pages_total", "KV pages", lambda: total)
-        free = lambda: sum(x.allocator.available_pages() for x in ms)  # noqa: E731
-        cached = lambda: sum(x.prefix_cache.evictable_pages() for x in ms)  # noqa: E731
-        m.gauge("tandem_kv_pages_free", "KV pages free", free)
-        m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
-        m.gauge(
-            "tandem_kv_pages_used",
-            "KV pages requests hold (total = free + cached + used)",
-            lambda: total - free() - cached(),
-        )
-        host_tier.register_gauges(m, self.memory.prefix_cache)
-        m.labelled_gauges(
-            "tandem_pd_queue_requests",
-            "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
-            "inflight; decode: prealloc, transferring, quarantined)",
-            "queue",
-            self.queue_depths,
-        )
-
-    def queue_depths(self) -> dict[str, int]:
-        """The PD roles' queues, summed over the DP ranks."""
-        out: dict[str, int] = {}
-        for s in self.schedulers:
-            for k, v in s.role.queue_depths().items():
-                out[k] = out.get(k, 0) + v
-        return out
-
     # -- lifecycle -----------------------------------------------------------------------------
     def warm_up(self) -> float:
         """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
@@ -275,46 +238,15 @@ class Engine:
         return self.role.instance_id
 
     def server_info(self) -> dict:
-        """What /get_server_info reports; runs on the scheduler thread and raises on a leak."""
-        ss = self.schedulers
-        return {
-            "config": self.config.model_dump(exclude={"api_key", "cluster_secret"}),
-            "model_path": str(self.model_dir),
-            "context_length": self.context_len,
-            "kv_pages": self.scheduler.check_integrity().to_dict(),
-            "host_tier": host_tier.info(self.memory.prefix_cache),
-            "num_running_reqs": sum(len(s.decode.running) for s in ss),
-            "num_waiting_reqs": sum(len(s.prefill.waiting) for s in ss),
-            "num_retractions": sum(s.decode.num_retractions for s in ss),
-            "role": self.role.info() | self.queue_depths(),
-            "tp": self._tp_info(),
-            "dp": self._dp_info(),
-            "ep": self._ep_info(),
-            "kv_events": self.kv_events.info() if self.kv_events is not None else None,
-        }
-
-    def _tp_info(self) -> dict:
-        """The ranks' reports; rank 0's bytes sent into each kind of collective over its `forwards` steps."""
-        steps = self.ranks.step if self.ranks is not None else 0
-        ranks = {"ranks": self.rank_reports, "forwards": steps, "bytes_sent": dict(group.SENT)}
-        return {"size": self.config.tp_size, "nnodes": self.config.nnodes} | ranks
-
-    def _dp_info(self) -> dict | None:
-        if self.dp is None:
-            return None
-        return {"size": self.dp_size, "load_balance_method": self.config.lb_method, "ranks": self.scheduler.info()}
+        """What /get_server_info reports (common.engine.engine_report); runs on the scheduler thread and
+        raises on a leak."""
+        return engine_report.engine_info(self)
 
     def kv_layout(self, kv_heads: int) -> dict:
         """This server's KV layout (common.wire.kv_layout) for a model of `kv_heads` as the layout counts them."""
         c, experts = self.config, model_class(self.hf_config).experts_of(self.hf_config)
         moe = experts_layout(experts[0] if experts else 0, c.ep_size, c.ep_num_redundant_experts)
         return kv_layout(self.kv_pool, c.transfer_backend, self.model_id, c.tp_size, kv_heads, self.dp_size, moe)
-
-    def _ep_info(self) -> dict | None:
-        if self.config.ep_size == 1:
-            return None
-        eplb = self.rebalancer.info() if self.rebalancer is not None else None
-        return {"size": self.config.ep_size, "placement": expert_placement(self.model), "eplb": eplb}
 
     def health_problem(self) -> str | None:
         """Why this server cannot serve right now (/health answers 503 with it), or None."""
