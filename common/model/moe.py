@@ -67,7 +67,6 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.gate, self.route, self.tp = gate, route, tp
-        self.hidden, self.intermediate = hidden, intermediate
         self.placement = ExpertPlacement.initial(num_experts, tp.size if tp.ep else 1, redundant)
         mine = self.placement.held[tp.rank if tp.ep else 0]
         self.experts = nn.ModuleDict({str(e): self.expert(hidden, intermediate) for e in mine})
@@ -81,6 +80,7 @@ class SparseMoE(nn.Module):
         return MLP(hidden, intermediate, tp=SINGLE if self.tp.ep else self.tp, reduce=False)
 
     def make_shared(self, hidden: int, intermediate: int) -> None:
+        """DeepSeek's shared experts: sliced and in the all-reduce (TP-MoE), else whole on every rank."""
         self.shared_experts = MLP(hidden, intermediate, tp=self.tp if self.shared_reduced else SINGLE, reduce=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:

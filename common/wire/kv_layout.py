@@ -19,8 +19,6 @@ from common.wire.kv_heads import split_problem
 LAYOUT_KEYS = (
     "model_id",
     "tp_size",
-    "dp_size",
-    "experts",
     "attention",
     "num_layers",
     "kv_heads",
@@ -29,6 +27,8 @@ LAYOUT_KEYS = (
     "kv_scales",
     "page_size",
     "transfer_backend",
+    "dp_size",
+    "experts",
 )
 
 
