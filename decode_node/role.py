@@ -190,7 +190,9 @@ class DecodeRole(Role):
             return
         inb.committed_ahead = raw
         req.prefix_hit_len = rec.cached_tokens
-        inb.finish_ahead = self.scheduler.commit_token(req, rec.first_token, rec.logprob, rec.top_logprobs)
+        inb.finish_ahead = self.scheduler.commit_token(
+            req, rec.first_token, rec.logprob, rec.top_logprobs, from_peer=True
+        )
 
     def _kv_arrived(self, req: Req, inb: Inbound) -> None:
         raw = self.aux_pool.read(inb.aux_slot)

@@ -62,7 +62,9 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     tls = client_context(config)  # workers are called with the router's key for them, https ones verified
     feeds = metrics.kv_feeds = KVFeeds(workers, KVIndex())  # every policy counts what its pairs held
-    kv = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens, metrics)
+    kv = KVAwarePolicy(
+        feeds.index, feeds, config.kv_load_tokens, metrics, config.kv_host_hit_weight, config.kv_store_hit_weight
+    )
     placer = Placer(workers, pair_policy(config.policy, config.decode_policy, kv), kv)
     dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls), placer)
     app = web.Application(middlewares=[_guard(config.api_key, drain)])

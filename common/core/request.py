@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 from common.core.timeline import Timeline
 from common.wire.api import Rendezvous
 from common.wire.sampling_params import SamplingParams
+from common.wire.structured_output import GrammarSpec
 
 if TYPE_CHECKING:
     from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+    from common.engine.grammar.req_grammar import ReqGrammar
 
 
 class ReqStatus(enum.Enum):
@@ -65,6 +67,7 @@ class GenInput:
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
     data_parallel_rank: int | None = None  # the DP rank asked for (SGLang's field; DP attention), else balanced
+    grammar_spec: GrammarSpec | None = None  # what the output must match (json_schema, regex, tool_choice...)
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
@@ -92,11 +95,13 @@ class Req(GenInput):
     last_node: Any = None  # the prefix cache's node locked for [0, cached_len)
     prefix_hit_len: int = 0  # cached tokens reused at the first prefill, reported to the client
     decode_hit_len: int | None = None  # a decode server's: prompt tokens its own prefix cache had (not sent)
+    store_hit_len: int = 0  # prompt tokens read from the KV store for it (--hicache-storage-backend)
     kv_ready: Any = None  # KVReady of the last forward that wrote this request's KV (the transfer waits on it)
 
     # runtime helpers, owned by the scheduler
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
+    grammar: ReqGrammar | None = None  # its own matcher over grammar_spec's compilation (common/engine/grammar/)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

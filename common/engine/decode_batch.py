@@ -79,6 +79,7 @@ class DecodeBatch:
     def retract(self, req: Req) -> None:
         """Give back a running request's KV (kept in the prefix cache) and queue it again."""
         self.running.remove(req)
+        self.tensors.current = False  # they describe a batch with it: a later batch of the same requests rebuilds them
         self.memory.release(req)
         req.status = ReqStatus.WAITING
         self.num_retractions += 1

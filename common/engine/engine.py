@@ -20,11 +20,13 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.attention.base import choose_attention_backend
+from common.attention.base import choose_attention_backend, resolved_backend
 from common.config import ServerConfig
+from common.core.page_meta import pages_for
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
 from common.engine import engine_report, host_tier
+from common.engine.cuda_graph import DecodeGraphs
 from common.engine.dp_scheduler import DPScheduler
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
@@ -39,7 +41,9 @@ from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
-from common.model.identity import model_identity
+from common.memory.static_reserve import REQ_SPARE_ROWS, cap_running_requests, graph_plan
+from common.memory.store.keys import store_namespace
+from common.model.identity import model_identity, weights_fingerprint
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
@@ -62,15 +66,19 @@ class Engine:
         """`make_role(engine)` builds the PD roles once the schedulers exist (None: monolithic); `follower` is the
         module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
         self.config, self.follower = config, follower
+        self.model_dir: Path = resolve_model_dir(config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        spec = attention_spec(self.hf_config)
         self.attention_backend, warning = choose_attention_backend(
-            config.attention_backend, config.device, config.torch_dtype_name
-        )  # before loading anything: a refusal comes at once
+            config.attention_backend,
+            config.device,
+            config.torch_dtype_name,
+            spec.head_dim if spec.kind == "mha" else None,
+        )  # before loading weights: a refusal comes at once
         if warning:  # "auto" could not take FlashInfer: every rank builds the torch backend
             log.warning("%s", warning)
             self.config = config = config.model_copy(update={"attention_backend": self.attention_backend})
         torch.manual_seed(config.seed)
-        self.model_dir: Path = resolve_model_dir(config.model)
-        self.hf_config = load_hf_config(self.model_dir)
         self.model_id = model_identity(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
@@ -86,7 +94,8 @@ class Engine:
         if self.ranks is not None:
             self.ranks.serving = True
             log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
-        self.pool_plan, self.kv_pool, self.model = built.pool_plan, built.kv_pool, built.model
+        self.pool_plan, self.kv_pool, self.reserved = built.pool_plan, built.kv_pool, built.reserved
+        self.model = built.model
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
@@ -108,11 +117,31 @@ class Engine:
         self.scheduler = (
             self.schedulers[0] if self.dp is None else DPScheduler(self.schedulers, self.dp, config.lb_method)
         )
+        self.grammar = self._grammar_backend(eos_ids)
         if make_role is not None:  # one role per DP rank's scheduler
             for scheduler, role in zip(self.schedulers, make_role(self)):
                 scheduler.role = role
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
         engine_report.register_engine_gauges(self)
+
+    def _grammar_backend(self, eos_ids: set[int]):
+        """xgrammar over this tokenizer (None with --grammar-backend none), and the scheduler's queue of
+        requests waiting for their grammar."""
+        if self.config.grammar_backend == "none":
+            return None
+        from common.engine.grammar.backend import GrammarBackend
+        from common.engine.grammar.queue import GrammarQueue
+
+        c = self.config
+        vocab = max(self.hf_config.vocab_size, len(self.tokenizer))
+        backend = GrammarBackend(
+            self.tokenizer, vocab, eos_ids, c.grammar_cache_size, not c.constrained_json_disable_any_whitespace
+        )
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        end = "</think>" if c.reasoning_parser else None
+        for scheduler in self.schedulers:  # each DP rank's requests wait in its own queue
+            scheduler.grammars = GrammarQueue(backend, scheduler.wake, decode, end)
+        return backend
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
@@ -132,30 +161,53 @@ class Engine:
     def _make_memory(self) -> MemoryManager:
         """Request rows, page allocator and prefix cache over the pool's pages (a DP rank's, under DP attention)."""
         c = self.config
-        req_pool = ReqToTokenPool(c.max_running_requests + 8, self.context_len + c.page_size, c.device)
+        req_pool = ReqToTokenPool(c.max_running_requests + REQ_SPARE_ROWS, self.context_len + c.page_size, c.device)
         allocator = PagedAllocator(self.pool_plan.num_pages, c.page_size, c.device)
-        prefix = make_prefix_cache(c, allocator, self.kv_pool, self.kv_events)
+        prefix = make_prefix_cache(
+            c, allocator, self.kv_pool, self.kv_events, self._store_namespace(), lambda: self.scheduler.wake()
+        )
         return MemoryManager(req_pool, allocator, prefix, c.page_size)
 
     def _runners(self, built: RankModel, eos_ids: frozenset[int]) -> list[ModelRunner]:
         """The model runner (rank 0's model sends each batch to the other ranks first), or one per DP rank,
-        whose batches run together (DPForward); `dp`: that forward, or None."""
+        whose batches run together (`dp`: DPForward, else None)."""
         c, device = self.config, self.config.device
+        check = self.ranks.check_step if self.ranks is not None else (lambda: None)
         self.rebalancer = None
         if c.enable_eplb:
             self.rebalancer = ExpertRebalancer(self.ranks, built.model, c.eplb_rebalance_num_iterations)
         self.dp: DPForward | None = None
         if self.dp_size == 1:
             model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks, self.rebalancer)
-            return [ModelRunner(model, built.attn, self.memory.req_pool.req_to_token, device, eos_ids)]
+            return [ModelRunner(model, built.attn, self.memory.req_pool.req_to_token, device, eos_ids, check)]
         idle = idle_batch(self.memory.req_pool.req_to_token, c.page_size, device)
         self.dp = DPForward(built.model, built.attn, self.ranks, idle, self.rebalancer)
         return [
             ModelRunner(
-                built.model, built.attn, m.req_pool.req_to_token, device, eos_ids, partial(self.dp.forward_one, d)
+                built.model,
+                built.attn,
+                m.req_pool.req_to_token,
+                device,
+                eos_ids,
+                check,
+                partial(self.dp.forward_one, d),
             )
             for d, m in enumerate(self.memories)
         ]
+
+    def _store_namespace(self) -> str:
+        """What names this server's pages in a KV store besides their tokens (common/memory/store/keys.py)."""
+        if not self.config.hicache_storage_backend:
+            return ""
+        buffer = self.kv_pool.buffer
+        return store_namespace(
+            model=self.model_id,
+            weights=weights_fingerprint(self.model_dir),
+            dtype=buffer.dtype,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            page=tuple(buffer.shape[1:]),
+            tp=f"0/{self.config.tp_size}",
+        )
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
@@ -177,10 +229,21 @@ class Engine:
         """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
         if config.device != "cuda":
             return config
-        derived = gpu_batch_limits(torch.cuda.mem_get_info()[1], self.pool_plan, self.context_len)
+        total = torch.cuda.mem_get_info()[1]
+        derived = gpu_batch_limits(total, self.pool_plan, self.context_len)
         unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
+        running = unset.get("max_running_requests", config.max_running_requests)
+        left = total * (1 - config.mem_fraction_static)  # what the pool's sizing left: the sampler's rows come from it
+        capped, warning = cap_running_requests(
+            running, left, self.hf_config.vocab_size, "max_running_requests" not in unset
+        )
+        if warning:
+            log.warning("%s", warning)
+        unset["max_running_requests"] = capped
         log.info(
-            "batch limits for this GPU and pool: %s (flags override)", ", ".join(f"{k} {v}" for k, v in unset.items())
+            "batch limits for this GPU and pool: %s (flags override; running requests within what the sampler's "
+            "temporaries leave)",
+            ", ".join(f"{k} {v}" for k, v in unset.items()),
         )
         return config.model_copy(update=unset)
 
@@ -215,6 +278,38 @@ class Engine:
             tokens,
             cache,
         )
+        return seconds + self.capture_graphs()
+
+    def capture_graphs(self) -> float:
+        """The decode CUDA graphs graph_plan allows (after the warm-up built the kernels); the seconds."""
+        c, pool = self.config, self.kv_pool
+        backend = resolved_backend(c.attention_backend, c.device, pool.kind, pool.quantized)
+        sizes, line = graph_plan(c, backend, model_class(self.hf_config).cuda_graph_capturable and self.dp is None)
+        log.info("%s", line)
+        if not sizes:
+            return 0.0
+        slots = min(sizes[-1] * pages_for(self.context_len, c.page_size), pool.num_pages + sizes[-1])
+        self.runner.attn.prepare_graphs(sizes[-1], slots)
+        graphs = DecodeGraphs(
+            self.runner.model,
+            self.runner.attn,
+            self.runner.req_to_token,
+            self.memory.req_pool.padding_row,
+            sizes,
+            self.hf_config.vocab_size,
+            c.device,
+        )
+        free = torch.cuda.mem_get_info()[0]
+        seconds = graphs.capture_all()
+        used = free - torch.cuda.mem_get_info()[0]
+        log.info(
+            "CUDA graphs: %d sizes captured in %.1f s, %.0f MiB (%.0f MiB set aside before the KV pool)",
+            len(sizes),
+            seconds,
+            used / 2**20,
+            self.reserved.cuda_graphs / 2**20,
+        )
+        self.runner.graphs = graphs
         return seconds
 
     def start(self) -> None:
@@ -222,6 +317,10 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        for memory in self.memories:
+            memory.prefix_cache.close()
+        if self.grammar is not None:
+            self.grammar.close()
         if self.kv_events is not None:
             self.kv_events.close()
         if self.ranks is not None:

@@ -58,6 +58,7 @@ def engine_info(engine: Engine) -> dict:
         "context_length": engine.context_len,
         "kv_pages": engine.scheduler.check_integrity().to_dict(),
         "host_tier": host_tier.info(engine.memory.prefix_cache),
+        "kv_store": host_tier.store_info(engine.memory.prefix_cache),
         "num_running_reqs": sum(len(s.decode.running) for s in ss),
         "num_waiting_reqs": sum(len(s.prefill.waiting) for s in ss),
         "num_retractions": sum(s.decode.num_retractions for s in ss),
@@ -66,6 +67,7 @@ def engine_info(engine: Engine) -> dict:
         "dp": dp_info(engine),
         "ep": ep_info(engine),
         "kv_events": engine.kv_events.info() if engine.kv_events is not None else None,
+        "grammar": engine.grammar.info_dict() if engine.grammar is not None else None,
     }
 
 

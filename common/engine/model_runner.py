@@ -2,7 +2,7 @@
 
 `run(plan)` = `prepare(plan)` (the ForwardBatch, and how its logits become a BatchResult), the forward,
 then `Prepared.finish(logits)`. Under DP attention the DP schedulers' batches run in one forward on all
-ranks (common.ranks.dp_forward), each runner preparing and finishing its own.
+ranks (common.ranks.leader.DPForward), each runner preparing and finishing its own.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.core.page_meta import build_page_meta
 from common.core.request import Req
+from common.engine.cuda_graph import DecodeGraphs
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.kv_ready import KVReady, record_kv_ready
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, flashinfer_sampling
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM
 
@@ -69,20 +70,27 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         device: str,
         eos_token_ids: frozenset[int] = frozenset(),
+        check_step: Callable[[], None] = lambda: None,
         forward: Forward | None = None,
     ):
         """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens);
-        `forward`: how a batch runs, if not by `model` on `attn` here (a DP rank's, with the other ranks idle)."""
+        `check_step`: called once a step's tokens reached the host, raises if the step cannot be trusted
+        (a TP group that faulted meanwhile: Ranks.check_step); `forward`: how a batch runs, if not by
+        `model` on `attn` here (a DP rank's, with the other ranks idle)."""
+        self.check_step = check_step
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.attn = attn
         self.req_to_token = req_to_token
         self.device = device
         self.page_size = attn.kv_pool.page_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(flashinfer_sampling(device))
+        self.graphs: DecodeGraphs | None = None  # captured by the engine's warm-up (common.engine.cuda_graph)
         self.forward: Forward = forward or self._forward_here
 
     def _forward_here(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.mode == ForwardMode.DECODE and self.graphs is not None and batch.batch_size <= self.graphs.max_bs:
+            return self.graphs.run(batch)
         self.attn.init_forward(batch)
         return self.model(batch, self.attn)
 
@@ -118,6 +126,7 @@ class ModelRunner:
             start, end = logit_spans[i]
             if end - start > 1 or (req.logprob_start_len >= 0 and plan.mode == ForwardMode.EXTEND):
                 result.input_logprobs[i] = self._input_logprobs(req, plan.extend_lens[i], logits[start:end])
+        self.check_step()
         return result
 
     def _sample_decode(self, decode: DecodeTensors, logits: torch.Tensor) -> BatchResult:
@@ -125,6 +134,7 @@ class ModelRunner:
         if decode.sampling is None:  # the running set changed
             decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
         out = self.sampler.sample(logits, decode.sampling)
+        self.check_step()
         decode.finish_step(out.ids)
         return BatchResult(out.token_ids, out.logprobs, out.top_logprobs, [None] * len(decode.reqs))
 
@@ -187,4 +197,5 @@ class ModelRunner:
             top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
             return_logprob=req.return_logprob,
             stop_ids=stop_ids if p.min_new_tokens > len(req.output_ids) else frozenset(),
+            grammar=req.grammar,
         )

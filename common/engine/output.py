@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from common.core.request import FinishReason, OutputEvent, Req
 from common.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from common.engine.grammar.req_grammar import GrammarRejected
 from common.engine.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -46,8 +47,17 @@ class OutputProcessor:
             meta["input_top_logprobs"] = req.input_top_logprobs
         return meta
 
-    def commit_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> FinishReason | None:
-        """Append one sampled token, emit what the client may see now, and say whether `req` is done."""
+    def commit_token(
+        self, req: Req, token: int, logprob: float | None, top: list | None, from_peer: bool = False
+    ) -> FinishReason | None:
+        """Append one sampled token, emit what the client may see now, and say whether `req` is done. A token
+        its grammar forbids is not appended: the request ends with the grammar's error (`from_peer`: the
+        token is a PD prefill's, so the peers disagree)."""
+        if req.grammar is not None:
+            try:
+                req.grammar.accept(token, req.output_ids, from_peer)
+            except GrammarRejected as e:
+                return FinishReason("abort", message=str(e), status=e.status)
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -61,6 +71,8 @@ class OutputProcessor:
         req.output_logprobs.append(logprob)
         req.output_top_logprobs.append(top)
         finish = self._token_finish(req, token)
+        if finish is None and req.grammar is not None and req.grammar.terminated:
+            finish = FinishReason("stop", matched=token)  # the grammar is complete (without EOS: ignore_eos)
         text = ""
         if not (finish and finish.matched == token):  # a stop token is not rendered
             text, finish = self._render(req, [token], finish)
@@ -110,13 +122,14 @@ class OutputProcessor:
         now = time.monotonic()
         ttft = 1000 * (req.first_token_time - req.arrival_time) if req.first_token_time else float("nan")
         log.info(
-            "request %s%s: %s%s, prompt %d, cached %d, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
+            "request %s%s: %s%s, prompt %d, cached %d%s, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
             req.rid,
             f" (dp rank {req.dp_rank})" if req.dp_rank is not None else "",
             reason.type,
             f" ({reason.message})" if reason.message else "",
             len(req.prompt_ids),
             req.prefix_hit_len,
+            f" ({req.store_hit_len} from the KV store)" if req.store_hit_len else "",
             len(req.output_ids),
             ttft,
             1000 * (now - req.arrival_time),

@@ -59,8 +59,11 @@ class SchedulerView:
     def join_decode(self, req: Req) -> None:
         self._scheduler.decode.add(req)
 
-    def commit_token(self, req: Req, token: int, logprob: float | None, top: Any) -> FinishReason | None:
-        return self._scheduler.output.commit_token(req, token, logprob, top)
+    def commit_token(
+        self, req: Req, token: int, logprob: float | None, top: Any, from_peer: bool = False
+    ) -> FinishReason | None:
+        """`from_peer`: the token is the PD prefill's (its grammar check then blames the pair)."""
+        return self._scheduler.output.commit_token(req, token, logprob, top, from_peer)
 
     def rows_left(self) -> int:
         return self._scheduler.slots_left()

@@ -8,10 +8,14 @@ bias, a minimum of new tokens, penalties) costs nothing: its tensors are None an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.wire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.engine.grammar.req_grammar import ReqGrammar
 
 
 @dataclass
@@ -24,6 +28,7 @@ class SamplingRow:
     top_logprobs_num: int = 0
     return_logprob: bool = False
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request: masked until min_new_tokens are out
+    grammar: ReqGrammar | None = None  # its allowed tokens are filled into the batch's bitmask every step
 
 
 def wrap_int64(x: int) -> int:
@@ -52,6 +57,11 @@ class SamplingBatch:
             self._init_penalties(rows, vocab_size)
         self._init_logit_bias(params)
         self._init_min_tokens(rows)
+        self.grammar = None  # a GrammarMask when a row is constrained (its matchers move on between steps)
+        if any(r.grammar is not None for r in rows):
+            from common.engine.grammar.mask import GrammarMask  # xgrammar only where a grammar is used
+
+            self.grammar = GrammarMask([r.grammar for r in rows], [r.output_ids for r in rows], device)
 
     def _init_logit_bias(self, params: list[SamplingParams]) -> None:
         """(row, token, bias) of every bias asked for, as three flat tensors; None when no row asks."""
@@ -89,6 +99,9 @@ class SamplingBatch:
         self.top_k_index = torch.tensor([k - 1 for k in ks if k > 0], device=dev)[:, None]
         self.top_p_rows = self._rows_where([p.top_p < 1.0 and not p.is_greedy for p in params])
         self.top_p = torch.tensor([p.top_p for p in params if p.top_p < 1.0 and not p.is_greedy], device=dev)[:, None]
+        # every row's, for FlashInfer's kernels: the whole vocabulary / 1.0 where a row does not ask
+        self.top_ks = torch.tensor([k or vocab_size for k in ks], dtype=torch.int32, device=dev)
+        self.top_ps = torch.tensor([p.top_p if not p.is_greedy else 1.0 for p in params], device=dev)
         self.use_min_p = any(p.min_p > 0.0 for p in params)
         self.min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
 

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
@@ -31,6 +31,9 @@ from common.engine.role import Role
 from common.memory.errors import MemoryIntegrityError
 from common.memory.manager import MemoryManager, PageCounts
 from common.wire.api import rendezvous_problem
+
+if TYPE_CHECKING:
+    from common.engine.grammar.queue import GrammarQueue
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +66,7 @@ class Scheduler:
         self.live_tokens = 0  # their prompts' tokens (minimum_tokens balances DP ranks by it)
         self.served = 0  # requests submitted here, ever
         self._live_lock = threading.Lock()
+        self.grammars: GrammarQueue | None = None  # requests waiting for their grammar (None: --grammar-backend none)
 
     # -- called from other threads -------------------------------------------------------------
     def wake(self) -> None:
@@ -100,6 +104,10 @@ class Scheduler:
     def plan_step(self) -> BatchPlan | None:
         """The first half of a step: take new work, let the role move its queues, pick the batch."""
         self.drain_inbox()
+        self.memory.prefix_cache.poll()
+        if self.grammars is not None:
+            for req in self.grammars.take_ready():
+                self.guarded(req, "queueing the request", lambda: self._admit(req))
         self.role.poll()
         return self._next_plan()
 
@@ -123,6 +131,16 @@ class Scheduler:
         problem = rendezvous_problem(self.role.mode, req.rendezvous) if self.role.mode else None
         if problem is not None:
             self.fail(req, problem, 400)
+        elif req.grammar_spec is not None and self.grammars is None:
+            self.fail(req, f"{req.grammar_spec.param} needs a grammar: this server runs --grammar-backend none", 400)
+        elif req.grammar_spec is None or not self.grammars.park(req):
+            self._admit(req)
+
+    def _admit(self, req: Req) -> None:
+        """To the role, or the prefill queue; a grammar that did not compile ends the request first."""
+        error = req.grammar.error() if req.grammar is not None else None
+        if error is not None:
+            self.fail(req, f"{req.grammar_spec.param}: the grammar does not compile: {error}", 400)
         elif not self.role.admit(req):
             self.prefill.add(req)
 
@@ -236,6 +254,8 @@ class Scheduler:
             return
         self.prefill.remove(req)
         self.decode.remove(req)
+        if self.grammars is not None:
+            self.grammars.remove(req)
         req.status = ReqStatus.FINISHED
         with self._live_lock:
             self._live -= 1
@@ -259,7 +279,8 @@ class Scheduler:
     # -- state ---------------------------------------------------------------------------------
     def tracked_requests(self) -> list[Req]:
         """Every request a queue of this scheduler or its role holds."""
-        return [*self.prefill.requests(), *self.decode.running, *self.role.requests()]
+        waiting = self.grammars.waiting if self.grammars is not None else []
+        return [*waiting, *self.prefill.requests(), *self.decode.running, *self.role.requests()]
 
     def num_queued(self) -> int:
         """Requests submitted, not finished and not in the decode batch: in the inbox, waiting for or in
@@ -267,7 +288,10 @@ class Scheduler:
         return self._live - len(self.decode.running)
 
     def has_work(self) -> bool:
-        return bool(self.prefill.waiting or self.prefill.chunked or self.decode.running or self.role.requests())
+        waiting = self.grammars is not None and self.grammars.waiting
+        return bool(
+            waiting or self.prefill.waiting or self.prefill.chunked or self.decode.running or self.role.requests()
+        )
 
     def check_integrity(self) -> PageCounts:
         """Raises on a leak of rows, pages or role resources; returns the page counts."""

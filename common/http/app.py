@@ -20,6 +20,7 @@ from common.http.serving import (
     PD_CACHED,
     Choice,
     check_dp_rank,
+    check_grammar,
     check_input,
     check_priority,
     collect,
@@ -55,6 +56,8 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     async def generate(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), GenerateRequest)
         gen = generate_input(engine, body)
+        gen.grammar_spec = body.grammar_spec()
+        await check_grammar(engine, gen)
         if body.stream:
             return sse_response(generate_stream(engine, gen, body))
         choices = await collect(engine, gen, request)

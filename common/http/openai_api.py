@@ -13,9 +13,12 @@ from fastapi.responses import JSONResponse, Response
 from common.core.request import GenInput
 from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
+from common.http.chat_output import ChatShape, ChoiceStream
+from common.http.reasoning import PARSERS as REASONING_PARSERS
 from common.http.serving import (
     Choice,
     check_dp_rank,
+    check_grammar,
     check_input,
     check_priority,
     collect,
@@ -26,9 +29,11 @@ from common.http.serving import (
     tokenize_text,
     usage,
 )
+from common.http.tool_parsers import PARSERS as TOOL_PARSERS
 from common.wire.api import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
 from common.wire.errors import InvalidRequest, NotFound, TandemError
 from common.wire.sse import DONE, sse_event
+from common.wire.structured_output import GrammarSpec
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -52,6 +57,8 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
         ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine, body.prompt, "prompt")
         echo_logprobs = body.echo and body.logprobs is not None  # the prompt's logprobs are computed only then
         gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs, echo_logprobs)
+        gen.grammar_spec = body.grammar_spec()
+        await check_grammar(engine, gen)
         echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)) if body.echo else None
         make_choice = functools.partial(_completion_choice, echo=echo)
         return await _respond(engine, gen, body, "text_completion", make_choice, request, echo)
@@ -60,12 +67,37 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
     async def chat(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), ChatCompletionRequest)
         _check_model(engine, body)
-        ids = _apply_chat_template(engine, body)
+        shape = _chat_shape(engine, body)
+        ids = _apply_chat_template(engine, body, shape)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, max_param)
         top = (body.top_logprobs or 0) if body.logprobs else None
         gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
-        return await _respond(engine, gen, body, "chat.completion", _chat_choice, request)
+        gen.grammar_spec = _chat_constraint(engine, body, shape)
+        if shape.parser is not None and shape.parser.needs_special_tokens:  # its markers are special tokens
+            gen.params = gen.params.model_copy(update={"skip_special_tokens": False})
+        await check_grammar(engine, gen)
+        make_choice = functools.partial(_chat_choice, shape=shape)
+        return await _respond(engine, gen, body, "chat.completion", make_choice, request, shape=shape)
+
+
+def _chat_chunks(
+    stream: ChoiceStream, text: str, ended: bool, finish: str | None, logprobs: Any, index: int
+) -> list[dict[str, Any]]:
+    """The chunks of one event: its deltas (reasoning, content, tool calls), the logprobs on the first, and
+    the finish reason on a last one with an empty delta (OpenAI's)."""
+    deltas = stream.feed(text)
+    if ended:
+        more, finish = stream.end(finish)
+        deltas += more
+    chunks = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if not chunks and (logprobs is not None or ended) or ended and "tool_calls" in chunks[-1]["delta"]:
+        chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
+    if logprobs is not None:
+        chunks[0]["logprobs"] = logprobs
+    if ended:
+        chunks[-1]["finish_reason"] = finish
+    return chunks
 
 
 def _check_model(engine: Engine, body: OpenAIBase) -> None:
@@ -73,11 +105,31 @@ def _check_model(engine: Engine, body: OpenAIBase) -> None:
         raise NotFound(f"model {body.model!r} does not exist; this server serves {engine.model_name!r}", param="model")
 
 
-def _apply_chat_template(engine: Engine, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+def _chat_shape(engine: Engine, body: ChatCompletionRequest) -> ChatShape:
+    """How the request's text becomes its message: its tools (checked), the server's parsers."""
+    tools, c = body.tool_set(), engine.config
+    parser = TOOL_PARSERS[c.tool_call_parser] if tools.choice == "auto" and c.tool_call_parser else None
+    return ChatShape(tools, parser, REASONING_PARSERS[c.reasoning_parser] if c.reasoning_parser else None)
+
+
+def _chat_constraint(engine: Engine, body: ChatCompletionRequest, shape: ChatShape) -> GrammarSpec | None:
+    """response_format / guided_*, or the tool_choice's schema (not both); after the thinking with a reasoning parser."""
+    spec, tool_spec = body.grammar_spec(), shape.tools.constraint()
+    if spec is not None and tool_spec is not None:
+        raise InvalidRequest(
+            f"tool_choice: {shape.tools.choice} constrains the output; it cannot be combined with {spec.param.split('.')[0]}",
+            param="tool_choice",
+        )
+    spec = spec or tool_spec
+    return spec.gated(True) if spec is not None and shape.reasoning is not None else spec
+
+
+def _apply_chat_template(engine: Engine, body: ChatCompletionRequest, shape: ChatShape) -> list[int]:
+    messages = [m.for_template() for m in body.messages]
+    tools = shape.tools.template_tools()
     try:
         ids = engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **(body.chat_template_kwargs or {})
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, **(body.chat_template_kwargs or {})
         )
     except Exception as e:  # jinja errors from the model's own template
         raise InvalidRequest(f"messages: the chat template rejected them: {e}", param="messages") from None
@@ -112,11 +164,18 @@ def _gen_input(
 
 
 async def _respond(
-    engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, make_choice, request: Request, echo: str | None = None
+    engine: Engine,
+    gen: GenInput,
+    body: OpenAIBase,
+    kind: str,
+    make_choice,
+    request: Request,
+    echo: str | None = None,
+    shape: ChatShape | None = None,
 ) -> Response:
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + gen.rid
     if body.stream:
-        return sse_response(_stream(engine, gen, body, kind, rid, echo))
+        return sse_response(_stream(engine, gen, body, kind, rid, echo, shape))
     choices = await collect(engine, gen, request)
     return JSONResponse(
         {
@@ -143,12 +202,13 @@ def _completion_choice(engine: Engine, c: Choice, gen: GenInput, echo: str | Non
     }
 
 
-def _chat_choice(engine: Engine, c: Choice, gen: GenInput) -> dict[str, Any]:
+def _chat_choice(engine: Engine, c: Choice, gen: GenInput, shape: ChatShape) -> dict[str, Any]:
+    message, finish = shape.message(c.text, FINISH.get(c.finish.type) if c.finish else None)
     return {
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
+        "message": message,
         "logprobs": {"content": _chat_logprobs(engine, c)} if gen.return_logprob else None,
-        "finish_reason": FINISH.get(c.finish.type) if c.finish else None,
+        "finish_reason": finish,
     }
 
 
@@ -188,7 +248,7 @@ def _chat_logprobs(engine: Engine, c: Choice) -> list[dict[str, Any]]:
 
 
 async def _stream(
-    engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None
+    engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None, shape: ChatShape | None
 ) -> AsyncIterator[bytes]:
     """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
@@ -196,6 +256,7 @@ async def _stream(
     choices = [Choice(i) for i in range(gen.params.n)]
     is_chat = kind == "chat.completion"
     to_echo = [echo] * gen.params.n
+    streams = [ChoiceStream(shape) for _ in choices] if shape is not None else []
     if is_chat:
         for c in choices:
             yield sse_event(
@@ -222,16 +283,12 @@ async def _stream(
             part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
             if is_chat:
                 lp = {"content": _chat_logprobs(engine, part)} if gen.return_logprob else None
-                choice = {
-                    "index": i,
-                    "delta": {"content": ev.text} if ev.text else {},
-                    "logprobs": lp,
-                    "finish_reason": finish,
-                }
+                chunks = _chat_chunks(streams[i], ev.text, ev.finish is not None, finish, lp, i)
             else:
-                choice = _completion_choice(engine, part, gen, to_echo[i]) | {"finish_reason": finish}
+                chunks = [_completion_choice(engine, part, gen, to_echo[i]) | {"finish_reason": finish}]
                 to_echo[i] = None
-            yield sse_event(base | {"choices": [choice]})
+            for choice in chunks:
+                yield sse_event(base | {"choices": [choice]})
         if body.stream_options and body.stream_options.include_usage:
             yield sse_event(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})
     except TandemError as e:

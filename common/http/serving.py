@@ -66,6 +66,19 @@ def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str
     check_token_ids(gen.params.stop_token_ids or [], vocab, _sibling(max_tokens_param, "stop_token_ids"))
 
 
+async def check_grammar(engine: Engine, gen: GenInput) -> None:
+    """A 400 naming the field unless the request's grammar compiles here, before anything is scheduled (its
+    compilation then goes on off the scheduler thread, which the request waits for in its own queue)."""
+    spec = gen.grammar_spec
+    if spec is None:
+        return
+    if engine.grammar is None:
+        raise InvalidRequest(
+            f"{spec.param}: constrained decoding is off on this server (--grammar-backend none)", param=spec.param
+        )
+    await engine.grammar.check(spec)
+
+
 def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: str) -> None:
     """The prompt's ids, its length and what must fit beside it in the context."""
     n, vocab = len(gen.prompt_ids), engine.hf_config.vocab_size

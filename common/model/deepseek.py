@@ -47,6 +47,7 @@ class DeepseekDecoderLayer(DecoderLayer):
 
 class DeepseekForCausalLM(LlamaForCausalLM):
     layer_class = DeepseekDecoderLayer
+    cuda_graph_capturable = False  # MoE layers (and an MLA pool: the torch backend)
 
     @staticmethod
     def experts_of(config: PretrainedConfig) -> tuple[int, dict[str, int]]:

@@ -41,6 +41,7 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
+    cuda_graph_capturable = False  # the experts a step runs are read back (common.model.moe)
 
     @staticmethod
     def experts_of(config: PretrainedConfig) -> tuple[int, dict[str, int]]:
@@ -54,6 +55,7 @@ class MixtralDecoderLayer(DecoderLayer):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MixtralDecoderLayer
+    cuda_graph_capturable = False
 
     @staticmethod
     def tp_divided(config: PretrainedConfig) -> dict[str, int]:

@@ -9,6 +9,7 @@ logprobs), and a value that meant one thing to it and another to the worker woul
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
@@ -17,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from common.wire.body import dotted_path, parse_json_object
 from common.wire.errors import InvalidRequest
 from common.wire.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from common.wire.structured_output import GENERATE_FIELDS, GrammarSpec, from_body
+from common.wire.tools import ToolSet, parse_tools
 from common.wire.unsupported import CHAT, COMPLETION, GENERATE, GENERATE_SAMPLING, reject_best_of, reject_unsupported
 
 INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
@@ -84,6 +87,11 @@ class GenerateRequest(PDFields):
             reject_unsupported(data.get("sampling_params"), GENERATE_SAMPLING, "sampling_params.")
         return data
 
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The constraint of sampling_params' json_schema, regex, ebnf or structural_tag (one at most)."""
+        fields = {k: getattr(self.sampling_params, k) for k in GENERATE_FIELDS}
+        return from_body(fields, "sampling_params.", GENERATE_FIELDS)
+
     @field_validator("text", mode="before")
     @classmethod
     def _one_text(cls, v: Any) -> Any:
@@ -123,6 +131,21 @@ class OpenAIBase(PDFields):
     include_stop_str_in_output: bool = False  # vLLM's extension: SGLang's no_stop_trim
     user: str | None = None
     priority: int | None = Field(None, ge=-(2**31), lt=2**31)  # needs --enable-priority-scheduling
+    # constrained decoding: OpenAI's response_format, vLLM's guided_* and structured_outputs, SGLang's names
+    # (checked by common/wire/structured_output.py, which gives the errors their field names)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The one constraint the request sets, or None."""
+        return from_body(self.model_dump(include=CONSTRAINT_FIELDS))
 
     @field_validator("stream", "echo", mode="before", check_fields=False)
     @classmethod
@@ -163,6 +186,19 @@ class OpenAIBase(PDFields):
             raise invalid_request(e, fields, rename=rename) from None
 
 
+CONSTRAINT_FIELDS = {
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "json_schema",
+    "regex",
+    "ebnf",
+}
+
+
 class CompletionRequest(OpenAIBase):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=0)
@@ -186,6 +222,20 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as the API returned them
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: tool call arguments as objects (Qwen's, Llama's, ...)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        return out
 
     @field_validator("content")
     @classmethod
@@ -195,6 +245,16 @@ class ChatMessage(BaseModel):
                 raise ValueError("only text content parts are supported")
             return "".join(p["text"] for p in v)
         return v
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {**call, "function": fn}
 
 
 # apply_chat_template arguments the server itself passes (or that would change what it returns)
@@ -226,6 +286,12 @@ class ChatCompletionRequest(OpenAIBase):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # extra variables for the model's chat template (vLLM's and SGLang's), e.g. Qwen3's enable_thinking
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
+    tools: Any = None  # checked by common/wire/tools.py
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+    def tool_set(self) -> ToolSet:
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @model_validator(mode="before")
     @classmethod

@@ -43,6 +43,11 @@ class SamplingParams(BaseModel):
     # token id -> added to its logit before sampling (greedy too); JSON's string keys become ints. Ids are
     # checked against the vocabulary where it is known (common/http/serving.py).
     logit_bias: dict[int, float] | None = None
+    # SGLang's constrained decoding (one at most; common/wire/structured_output.py reads them)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @field_validator("min_new_tokens")
     @classmethod

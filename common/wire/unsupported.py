@@ -13,16 +13,9 @@ from typing import Any
 
 from common.wire.errors import InvalidRequest
 
-# vLLM / SGLang extensions of both OpenAI endpoints
+# vLLM / SGLang extensions of both OpenAI endpoints (their constrained decoding fields are supported:
+# common/wire/structured_output.py)
 _CONSTRAINED = {
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None, []),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
-    "regex": (None,),
-    "json_schema": (None,),
-    "ebnf": (None,),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "logits_processors": (None, []),
@@ -36,9 +29,6 @@ _CONSTRAINED = {
 COMPLETION = _CONSTRAINED | {"suffix": (None, "")}  # and best_of: reject_best_of
 
 CHAT = _CONSTRAINED | {
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,),
@@ -66,13 +56,7 @@ GENERATE = {
     "return_text_in_logprobs": (None, False),
 }
 
-GENERATE_SAMPLING = {
-    "regex": (None,),
-    "json_schema": (None,),
-    "ebnf": (None,),
-    "structural_tag": (None,),
-    "custom_params": (None,),
-}
+GENERATE_SAMPLING = {"custom_params": (None,)}
 
 
 def reject_unsupported(data: Any, table: dict[str, tuple], prefix: str = "") -> None:

@@ -1,6 +1,6 @@
 """What the HTTP API does with each field that changes the output, on a monolithic server: logit_bias and
 min_new_tokens / min_tokens change the tokens exactly as SGLang and vLLM do, fields Tandem does not
-implement are a 400 naming them, and malformed values (batched prompts, strings for integers, top_logprobs
+implement are a 400 naming them (constrained decoding and tools: test_structured_output.py), and malformed values (batched prompts, strings for integers, top_logprobs
 without logprobs, logprob_start_len past the prompt) are 400s naming the field."""
 
 from __future__ import annotations
@@ -186,18 +186,13 @@ COMPLETION = {"prompt": "hi", "max_tokens": 2}
 @pytest.mark.parametrize(
     "path,extra,param",
     [
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-        ("/v1/chat/completions", {"regex": "a+"}, "regex"),
+        ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": " end"}, "suffix"),
-        ("/v1/completions", {"json_schema": "{}"}, "json_schema"),
-        ("/generate", {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+        ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
+        ("/generate", {"sampling_params": {"custom_params": {"a": 1}}}, "sampling_params.custom_params"),
         ("/generate", {"lora_path": "adapter"}, "lora_path"),
     ],
 )

@@ -108,7 +108,7 @@ class PrefillKVManager(KVManager):
                 msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
             )
         for rank, address in enumerate(msg.backend_addresses):  # our followers' agents learn them on first use
-            self.backend.add_peer(rank_peer(msg.decode_id, rank), address)
+            self.backend.add_peer(rank_peer(msg.decode_id, rank), address, msg.device_indices[rank])
         a = self.args
         if (msg.tp_size, msg.dp_size) != (a.tp_size, a.dp_size):
             plan = head_sources(a.kv_heads, attention_tp(a.tp_size, a.dp_size), attention_tp(msg.tp_size, msg.dp_size))
