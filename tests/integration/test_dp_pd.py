@@ -4,7 +4,7 @@ pool, every DP rank of every server idle after; a prefill registers its DP ranks
 prefill whose attention split cannot hold the model's KV heads is refused, naming both layouts.
 
     DeepSeek-V3 (MLA)     prefill TP 2 (TP-MoE)  ->  decode DP 2 + EP 2
-    Qwen3-MoE (2 KV heads) prefill DP 2 + EP 2    ->  decode TP 2 (TP-MoE; each decode rank one KV head)
+    Qwen3-MoE (2 KV heads) prefill DP 2 + EP 2    ->  decode TP 2 + EP 2 (each decode rank one KV head)
     DeepSeek-V2 (MLA)     prefill DP 2 + EP 2    ->  decode DP 3 + EP 3 (+1 redundant copy)
 
 The three clusters start at once."""
@@ -31,7 +31,7 @@ def dp_ep(n: int, *extra: str) -> tuple[str, ...]:
 
 MIXES = {  # family -> (prefill flags, decode flags)
     "deepseek_v3": (("--tp-size", "2"), dp_ep(2)),
-    "qwen3_moe": (dp_ep(2), ("--tp-size", "2")),
+    "qwen3_moe": (dp_ep(2), ("--tp-size", "2", "--ep-size", "2")),
     "deepseek_v2": (dp_ep(2), dp_ep(3, "--ep-num-redundant-experts", "1")),
 }
 

@@ -162,6 +162,7 @@ class Side:
             tp_size=tp,
             kv_heads=kv_heads,
             dp_size=dp,
+            rank_device_indices=[r.device_index for r in reports],
             rank_addresses=[r.backend_address for r in reports],
             rank_agents=[(r.agent_endpoint, r.agent_id) for r in reports if r.agent_endpoint],
         )
