@@ -54,6 +54,8 @@ def _move(moe: SparseMoE, held: list[list[int]], tp: TensorParallel) -> int:
         for p in module.parameters():
             tp.broadcast(p.data, src=src)
         if tp.rank in gaining:
+            if module.gate_up is not None:  # the copy's fused gate/up weight is the template's: fuse its own
+                module.fuse()
             moe.experts[str(e)] = module
         moved += len(gaining)
     for e in [int(k) for k in moe.experts if int(k) not in held[tp.rank]]:
