@@ -3,7 +3,8 @@ placement from the tokens routed to each expert since the last rebalance, and mo
 between ranks: an expert a rank gains is broadcast from a rank that held it (no checkpoint read). Each
 rank's counts are summed over the group first, so every rank computes the same placement
 (common.parallel.experts). A pair (token, expert) is computed with the same weights whichever copy
-computes it, so the output does not change; only which rank does the work.
+computes it, so the output does not change; only which rank does the work. A copied expert fuses its own
+gate/up weight (common.model.llama.MLP.fuse), as loading did.
 
 Rank 0 starts it every --eplb-rebalance-num-iterations forwards (common.ranks.ranks.Ranks.group_op); a
 follower runs it when the step channel says so.
