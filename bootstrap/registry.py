@@ -4,6 +4,10 @@ decode finds the one the router paired it with. Entries that stop re-registering
 
 Lookups: by instance id (what the router passes), or by (engine_rank, dp_group) as SGLang's decode does,
 which is only unambiguous while one instance holds that rank.
+
+DP ranks: a prefill with DP attention registers one entry per DP rank (`dp_rank` of `dp_size`; every rank
+reached through the instance's one control endpoint). A lookup by instance id answers its DP rank 0's entry
+with `dp_ranks`, the DP ranks registered; a decode pairs only once all of them are.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "kv_scales": (str,),
     "kv_checksum": (bool,),
     "speculative": (str,),
+    "experts": (str,),
 }
-DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "kv_checksum": False, "speculative": "none"}
+DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "kv_checksum": False, "speculative": "none", "experts": ""}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024
@@ -111,8 +116,8 @@ class Registry:
     def __init__(self, secret: str | None, clock: Callable[[], float] = time.monotonic):
         self.guard = SignatureGuard(secret) if secret else None  # empty: no secret, as for control frames
         self.clock = clock
-        self.entries: dict[str, dict[str, Any]] = {}  # instance key -> entry
-        self._seen: dict[str, float] = {}  # instance key -> when it last registered
+        self.entries: dict[tuple[str, int], dict[str, Any]] = {}  # (instance key, DP rank) -> entry
+        self._seen: dict[tuple[str, int], float] = {}  # (instance key, DP rank) -> when it last registered
         self.rejected = 0  # all rejected requests, read by an embedding prefill server's /metrics
         self.metrics = CollectorRegistry()
         self.rejected_registrations = Counter(
@@ -133,7 +138,7 @@ class Registry:
 
     def register(self, entry: dict[str, Any]) -> bool:
         """Add or refresh an instance; True when it is new or changed (worth a log line)."""
-        key = instance_key(entry)
+        key = (instance_key(entry), entry["dp_rank"])
         self.expire()
         if key not in self.entries and len(self.entries) >= MAX_INSTANCES:
             raise RegistrationError("instance_id", f"the registry holds {MAX_INSTANCES} instances already", 503)
@@ -152,8 +157,12 @@ class Registry:
             del self.entries[key], self._seen[key]
 
     def by_instance(self, instance_id: str) -> dict[str, Any] | None:
+        """Its DP rank 0's entry, with `dp_ranks`: the DP ranks it registered."""
         self.expire()
-        return self.entries.get(instance_id)
+        ranks = sorted(d for key, d in self.entries if key == instance_id)
+        if 0 not in ranks:
+            return None
+        return self.entries[(instance_id, 0)] | {"dp_ranks": ranks}
 
     def by_rank(self, rank: int, dp: int) -> dict[str, Any] | None:
         """The one instance holding this rank; RegistrationError (409) when several do."""

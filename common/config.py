@@ -64,6 +64,24 @@ class ServerConfig(BaseSettings):
         description="seconds a TP group's start-up waits for host 0's rendezvous and for every rank to join it "
         "(SGLang's flag); loading the model comes after, unbounded",
     )
+    # expert parallelism and DP attention over the --tp-size ranks (SGLang's flags; docs/dp-attention.md)
+    ep_size: int = Field(
+        1, ge=1, le=64, description="MoE layers hold whole experts over this many ranks (1 or --tp-size)"
+    )
+    moe_a2a_backend: Literal["none", "deepep"] = Field(
+        "none", description="how EP moves tokens between ranks: torch.distributed (gloo / NCCL); deepep is refused"
+    )
+    enable_dp_attention: bool = Field(
+        False, description="each rank runs its own requests' attention (scheduler, batch, KV pool); MoE spans ranks"
+    )
+    dp_size: int = Field(1, ge=1, le=64, description="attention data-parallel ranks (--enable-dp-attention: --tp-size)")
+    load_balance_method: Literal["auto", "round_robin", "minimum_tokens", "follow_bootstrap_room"] = Field(
+        "auto",
+        description="how requests spread over DP ranks (auto: follow_bootstrap_room on a decode, else round_robin)",
+    )
+    enable_eplb: bool = Field(False, description="rebalance expert placement from measured loads while serving (EP)")
+    ep_num_redundant_experts: int = Field(0, ge=0, description="extra copies of experts over the EP ranks")
+    eplb_rebalance_num_iterations: int = Field(1000, ge=1, description="forward steps between EPLB rebalances")
 
     # memory
     page_size: int = Field(16, ge=1, le=256)
@@ -230,6 +248,7 @@ class ServerConfig(BaseSettings):
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
         self._check_hosts()
+        self._check_dp_ep()
         if self.kv_events_config:
             parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
         if self.enable_hierarchical_cache and (self.disable_radix_cache or self.tp_size > 1):
@@ -273,6 +292,11 @@ class ServerConfig(BaseSettings):
         if (algo == "STANDALONE") != bool(self.speculative_draft_model_path):
             raise ValueError(
                 "--speculative-algorithm STANDALONE needs --speculative-draft-model-path, and only it takes one"
+            )
+        if self.enable_dp_attention:
+            raise ValueError(
+                f"--speculative-algorithm {algo} with --enable-dp-attention is not implemented (each DP rank would "
+                "verify its own drafts in the one shared forward): drop one of the two"
             )
         if algo == "STANDALONE" and self.tp_size > 1:
             raise ValueError(
@@ -319,6 +343,38 @@ class ServerConfig(BaseSettings):
             return
         if self.dist_init_addr is None:
             raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (host 0's address)")
+
+    def _check_dp_ep(self) -> None:
+        """--ep-size, --enable-dp-attention / --dp-size and EPLB fit together and with --tp-size."""
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"--ep-size {self.ep_size} must be 1 or --tp-size {self.tp_size} (whole experts over every rank)"
+            )
+        if self.moe_a2a_backend == "deepep":
+            raise ValueError(
+                "--moe-a2a-backend deepep: Tandem does not ship DeepEP's kernels; use --moe-a2a-backend none "
+                "(torch.distributed all-to-all: NCCL on CUDA, gloo on the CPU)"
+            )
+        if self.enable_dp_attention and self.dp_size != self.tp_size:
+            raise ValueError(
+                f"--enable-dp-attention needs --dp-size equal to --tp-size (got {self.dp_size} and {self.tp_size})"
+            )
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(
+                f"--dp-size {self.dp_size} without --enable-dp-attention: run {self.dp_size} servers behind the router "
+                "instead, or add --enable-dp-attention"
+            )
+        if self.enable_dp_attention and self.nnodes > 1:
+            raise ValueError("--enable-dp-attention with --nnodes > 1 is not supported: run DP attention on one host")
+        if (self.enable_eplb or self.ep_num_redundant_experts) and self.ep_size == 1:
+            raise ValueError("--enable-eplb and --ep-num-redundant-experts need expert parallelism: give --ep-size")
+
+    @property
+    def lb_method(self) -> str:
+        """--load-balance-method with auto resolved as SGLang does."""
+        if self.load_balance_method != "auto":
+            return self.load_balance_method
+        return "follow_bootstrap_room" if self.disagg_mode == "decode" else "round_robin"
 
     @property
     def ranks_per_host(self) -> int:

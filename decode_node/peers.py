@@ -7,9 +7,10 @@ entry in use stays fresh, and a bootstrap that stopped answering (or a prefill i
 noticed within CACHE_TTL_S, as before: the first request after that waits for a lookup of its own,
 which fails with the registry's answer. Lookups run on a small thread pool, one at a time per entry.
 
-A prefill at another TP size fits when it splits the same KV heads: the first lookup of an instance
-logs which prefill rank(s) hold each decode rank's heads (common.wire.kv_heads), the heads its writes
-will bring.
+A prefill at another TP or DP size fits when its attention groups split the same KV heads: the first
+lookup of an instance logs which prefill rank(s) of an attention group hold each decode rank's heads
+(common.wire.kv_heads), the heads its writes will bring. A prefill with DP attention is paired with once
+every one of its DP ranks is registered (`dp_ranks` of the registry's answer).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def _done(peer: PeerInfo) -> Future[PeerInfo]:
     fut: Future[PeerInfo] = Future()
     fut.set_result(peer)
     return fut
+
+
+def complete(entry: dict | None) -> bool:
+    """A registry answer with every DP rank of the prefill registered (an answer without `dp_ranks`, by
+    (engine_rank, dp_group), is one rank's: complete)."""
+    return entry is not None and len(entry.get("dp_ranks", range(entry.get("dp_size", 1)))) >= entry.get("dp_size", 1)
 
 
 class PeerDirectory:
@@ -101,10 +108,12 @@ class PeerDirectory:
         # a named instance was healthy when the router picked it: if it is gone, it is not coming back
         wait_s = INSTANCE_WAIT_S if rendezvous.prefill_instance_id else REGISTER_WAIT_S
         deadline = time.monotonic() + wait_s
-        while (entry := self._lookup(url, rendezvous.prefill_instance_id)) is None:
+        while not complete(entry := self._lookup(url, rendezvous.prefill_instance_id)):
             if time.monotonic() > deadline:
                 iid = rendezvous.prefill_instance_id
                 what = f"prefill {iid} was not" if iid else "no prefill rank was"
+                if entry is not None:
+                    what = f"prefill {iid} had DP ranks {entry['dp_ranks']} of dp_size {entry['dp_size']}, not all"
                 raise RuntimeError(f"{what} registered at bootstrap {url} within {wait_s:g} s")
             time.sleep(0.2)
         mismatch = layout_mismatch(self.layout, entry)
@@ -114,11 +123,18 @@ class PeerDirectory:
         return PeerInfo(f"tcp://{entry['rank_ip']}:{entry['rank_port']}", entry["instance_id"])
 
     def _log_sources(self, entry: dict) -> None:
-        if entry["tp_size"] == self.layout["tp_size"] or entry["instance_id"] in self._sources_logged:
+        sizes = lambda layout: (layout["tp_size"], layout.get("dp_size", 1))  # noqa: E731
+        if sizes(entry) == sizes(self.layout) or entry["instance_id"] in self._sources_logged:
             return
         self._sources_logged.add(entry["instance_id"])
-        plan = head_sources(self.layout["kv_heads"], entry["tp_size"], self.layout["tp_size"])
-        log.info("prefill %s at TP %d: %s", entry["instance_id"], entry["tp_size"], describe_sources(plan))
+        attn = lambda layout: layout["tp_size"] // layout.get("dp_size", 1)  # noqa: E731
+        plan = head_sources(self.layout["kv_heads"], attn(entry), attn(self.layout))
+        log.info(
+            "prefill %s at TP %d, DP %d: per attention group, %s",
+            entry["instance_id"],
+            *sizes(entry),
+            describe_sources(plan),
+        )
 
     def _lookup(self, url: str, instance_id: str | None) -> dict | None:
         try:

@@ -171,9 +171,8 @@ class DecodeRole(Role):
         req.decode_hit_len = cached
         req.timeline.mark("pages_reserved")
         inb.aux_slot = self.aux_pool.alloc()
-        inb.receiver.init(
-            memory.page_ids(req, cached, n), inb.aux_slot, cached
-        )  # sends nothing if the room failed meanwhile: the next poll ends it
+        # sends nothing if the room failed meanwhile: the next poll ends it
+        inb.receiver.init(memory.page_ids(req, cached, n), inb.aux_slot, cached, self.scheduler.dp_rank)
         self.prealloc.remove(req)
         req.status = ReqStatus.TRANSFERRING
         self.transferring.append(req)

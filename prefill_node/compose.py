@@ -12,7 +12,7 @@ from common.config import ServerConfig
 from common.edge.tls import server_context
 from common.engine.engine import Engine
 from common.engine.role import SchedulerView
-from common.wire.kv_layout import LAYOUT_KEYS, kv_layout, model_kv_heads
+from common.wire.kv_layout import LAYOUT_KEYS, model_kv_heads
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
 from transfer.manager import kv_args_from_pool
@@ -26,7 +26,7 @@ def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
     """A prefill server's engine; `follower`: the module its follower ranks run (one that starts their
     transfer agents)."""
 
-    def make_role(engine: Engine) -> PrefillRole:
+    def make_role(engine: Engine) -> list[PrefillRole]:
         config = engine.config  # with the batch limits derived for the device
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         followers = engine.followers_transfer
@@ -47,46 +47,43 @@ def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
         info = {
             "role": "Prefill",
             "instance_id": manager.instance_id,
-            "tp_rank": 0,
-            "dp_size": 1,
-            "dp_rank": 0,
             "rank_ip": host,
             "rank_port": int(port),
-            **kv_layout(
-                engine.kv_pool,
-                config.transfer_backend,
-                engine.model_id,
-                config.tp_size,
-                kv_heads,
-                config.disaggregation_enable_kv_checksum,
-                engine.speculative,
-            ),
+            **engine.kv_layout(kv_heads),
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
+        # one entry per DP rank (SGLang's: a decode may look a DP rank up), all at this control endpoint
+        attn_tp = config.tp_size // engine.dp_size
+        infos = [info | {"dp_rank": d, "tp_rank": d * attn_tp} for d in range(engine.dp_size)]
         verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain
-        register_prefill(bootstrap_url, info, config.cluster_secret, verify=verify)
+        for entry in infos:
+            register_prefill(bootstrap_url, entry, config.cluster_secret, verify=verify)
         interval_s = min(config.heartbeat_interval_s, REREGISTER_MAX_S)
-        keep_registered(bootstrap_url, info, config.cluster_secret, interval_s, verify)
+        keep_registered(bootstrap_url, infos, config.cluster_secret, interval_s, verify)
         log.info(
             "registered with bootstrap %s as %s (control endpoint %s)",
             bootstrap_url,
             manager.instance_id,
             manager.endpoint,
         )
-        return PrefillRole(SchedulerView(engine.scheduler), manager, config)
+        return [PrefillRole(SchedulerView(s), manager, config) for s in engine.schedulers]
 
     return Engine(config, make_role, follower)
 
 
-def keep_registered(url: str, info: dict[str, Any], secret: str | None, interval_s: float, verify: str | bool) -> None:
-    """Register again every interval, so a restarted bootstrap server learns this prefill within one."""
+def keep_registered(
+    url: str, infos: list[dict[str, Any]], secret: str | None, interval_s: float, verify: str | bool
+) -> None:
+    """Register every DP rank's entry again every interval, so a restarted bootstrap server learns this
+    prefill within one."""
 
     def loop() -> None:
         reachable = True
         while True:
             time.sleep(interval_s)
             try:
-                register_prefill(url, info, secret, timeout_s=0, verify=verify)
+                for info in infos:
+                    register_prefill(url, info, secret, timeout_s=0, verify=verify)
             except RuntimeError as e:
                 if reachable:
                     log.warning("%s; registering again every %.1f s", e, interval_s)

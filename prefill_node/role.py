@@ -77,7 +77,8 @@ class PrefillRole(Role):
         if req.params.max_new_tokens == 0:
             return False  # nothing to hand over: computed here, answered here
         try:
-            self.outbound[req] = Outbound(KVSender(self.kv_manager, req.rendezvous.room_id, req.timeline.mark))
+            sender = KVSender(self.kv_manager, req.rendezvous.room_id, req.timeline.mark, self.scheduler.dp_rank)
+            self.outbound[req] = Outbound(sender)
         except DuplicateRoom as e:
             self.scheduler.fail(req, str(e), 409)
             return True

@@ -112,6 +112,14 @@ def build_engine(config: ServerConfig):
     return Engine(config, follower=RANK_FOLLOWER)
 
 
+def parallel_summary(config: ServerConfig) -> str:
+    """ ", DP attention over 4 ranks (round_robin), EP 4" as the ready line says it; empty without them."""
+    dp = f", DP attention over {config.dp_size} ranks ({config.lb_method})" if config.enable_dp_attention else ""
+    ep = f", EP {config.ep_size}" if config.ep_size > 1 else ""
+    eplb = f" with {config.ep_num_redundant_experts} redundant experts" if config.ep_num_redundant_experts else ""
+    return dp + ep + eplb + (", EPLB" if config.enable_eplb else "")
+
+
 def serve(config: ServerConfig) -> None:
     role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
     setup_logging(role)
@@ -130,7 +138,7 @@ def serve(config: ServerConfig) -> None:
     drain = engine_drain(engine)
     app = create_app(engine, drain)
     log.info(
-        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d, attention %s; %s",
+        "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d%s, attention %s; %s",
         time.monotonic() - t0,
         engine.model_name,
         engine.hf_config.num_hidden_layers,
@@ -138,6 +146,7 @@ def serve(config: ServerConfig) -> None:
         config.torch_dtype_name,
         config.device,
         config.tp_size,
+        parallel_summary(config),
         type(engine.runner.attn).__name__,
         engine.pool_plan.describe() + host_tier.summary(engine.memory.prefix_cache),
     )

@@ -65,6 +65,7 @@ class Register:
     tp_size: int = 1  # the decode's ranks: one KV buffer each, in rank order
     kv_heads: int = 1  # the model's KV heads (the layout's), split or replicated over the ranks
     device_indices: list[int] = field(default_factory=lambda: [0])  # each rank's CUDA device (0 on the CPU)
+    dp_size: int = 1  # attention DP ranks: each holds tp_size / dp_size ranks' buffers, every KV head among them
 
 
 @dataclass
@@ -74,6 +75,7 @@ class RoomRequest:
     dst_pages: list[int]  # for the prompt's pages from cached_prefix_len on
     aux_slot: int
     cached_prefix_len: int = 0  # prompt tokens whose KV the decode has (its prefix cache): not sent
+    dp_rank: int = 0  # the decode's DP rank whose pool dst_pages are (DP attention; 0 otherwise)
 
 
 @dataclass
@@ -170,6 +172,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "aux_slots": (int,),
     "tp_size": (int,),
     "kv_heads": (int,),
+    "dp_size": (int,),
+    "dp_rank": (int,),
     "device_indices": (list,),
     "peer_device": (int,),
     "room_id": (int,),
@@ -324,6 +328,8 @@ def _check_ranges(msg: Any) -> None:
             raise BadMessage("dst_pages must be a list of ints")
         if not 0 <= msg.cached_prefix_len < 2**40:
             raise BadMessage("cached_prefix_len out of range")
+        if not 0 <= msg.dp_rank < 2**16:
+            raise BadMessage("dp_rank out of range")
     if isinstance(msg, Register):
         ints = msg.kv_ptrs + msg.bytes_per_page
         if (
@@ -332,9 +338,19 @@ def _check_ranges(msg: Any) -> None:
             or not all(type(x) is int and x > 0 for x in ints)
         ):
             raise BadMessage("kv_ptrs / bytes_per_page must be matching lists of positive ints")
-        sizes = (msg.num_pages, msg.page_size, msg.aux_record_bytes, msg.aux_slots, msg.tp_size, msg.kv_heads)
+        sizes = (
+            msg.num_pages,
+            msg.page_size,
+            msg.aux_record_bytes,
+            msg.aux_slots,
+            msg.tp_size,
+            msg.kv_heads,
+            msg.dp_size,
+        )
         if min(sizes) < 1 or msg.aux_ptr <= 0:
             raise BadMessage("register sizes must be positive")
+        if msg.tp_size % msg.dp_size:
+            raise BadMessage(f"dp_size {msg.dp_size} must divide tp_size {msg.tp_size}")
         if len(msg.backend_addresses) != msg.tp_size or not all(
             isinstance(a, bytes) and a for a in msg.backend_addresses
         ):

@@ -17,6 +17,15 @@ class ForwardMode(enum.Enum):
     #                    EXTEND whose attention may batch the requests (common/attention/torch_backend.py)
 
 
+@dataclass(frozen=True)
+class DPStep:
+    """Under DP attention, every rank's share of this forward (each rank runs its own batch): new tokens
+    and logits rows per rank, in rank order. A rank of zero tokens runs an idle batch."""
+
+    tokens: list[int]
+    rows: list[int]
+
+
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
@@ -32,6 +41,7 @@ class ForwardBatch:
     # [T] int64 on the device: for length-dependent RoPE, each new token's request length (EXTEND: once its
     # whole prefill is done, so chunking does not change the angles; DECODE: seq_lens)
     rope_lens: torch.Tensor
+    dp: DPStep | None = None  # set under DP attention
 
     @property
     def batch_size(self) -> int:

@@ -61,8 +61,8 @@ def build_page_meta(
         kv_indptr_device=dev[1],
         last_page_len=host[2],
         qo_indptr=host[3],
-        max_len=max(seq_lens),
-        min_len=min(seq_lens),
+        max_len=max(seq_lens, default=0),  # an idle batch (DP attention) has no request
+        min_len=min(seq_lens, default=0),
         total_pages=kv_indptr[-1],
     )
     return meta, dev[4:]

@@ -68,6 +68,7 @@ class GenInput:
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
     migration: Migration | None = None  # the router may move it to another pair (common/wire/migration.py)
+    data_parallel_rank: int | None = None  # the DP rank asked for (SGLang's field; DP attention), else balanced
     grammar_spec: GrammarSpec | None = None  # what the output must match (json_schema, regex, tool_choice...)
 
 
@@ -81,6 +82,7 @@ class Req(GenInput):
     resumed_len: int = 0
 
     status: ReqStatus = ReqStatus.WAITING
+    dp_rank: int | None = None  # the DP rank whose scheduler, pool and batch run it (DP attention), chosen once
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)

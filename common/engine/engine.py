@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,8 +25,9 @@ from common.config import ServerConfig
 from common.core.page_meta import pages_for
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
-from common.engine import host_tier
+from common.engine import engine_report, host_tier
 from common.engine.cuda_graph import DecodeGraphs
+from common.engine.dp_scheduler import DPScheduler
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
@@ -48,21 +51,22 @@ from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
-from common.parallel.partition import check_tp_size
+from common.parallel.partition import check_parallel
 from common.ranks.launch import FOLLOWER
-from common.ranks.leader import LeaderModel
-from common.ranks.rank_model import build_rank_model, describe_rank, rank_report
+from common.ranks.leader import DPForward, ExpertRebalancer, LeaderModel, idle_batch
+from common.ranks.rank_model import RankModel, build_rank_model, describe_rank, rank_report
 from common.ranks.ranks import Ranks
 from common.wire.kv_events import parse_kv_events_config
+from common.wire.kv_layout import experts_layout, kv_layout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RoleFactory = Callable[["Engine"], Role]
+RoleFactory = Callable[["Engine"], list[Role]]  # one role per DP rank's scheduler (engine.schedulers)
 
 
 class Engine:
     def __init__(self, config: ServerConfig, make_role: RoleFactory | None = None, follower: str = FOLLOWER):
-        """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic); `follower` is the
+        """`make_role(engine)` builds the PD roles once the schedulers exist (None: monolithic); `follower` is the
         module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
         self.config, self.follower = config, follower
         self.model_dir: Path = resolve_model_dir(config.model)
@@ -94,37 +98,38 @@ class Engine:
             self.ranks.serving = True
             log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
         self.pool_plan, self.kv_pool, self.reserved = built.pool_plan, built.kv_pool, built.reserved
+        self.model = built.model
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
-        num_pages = self.pool_plan.num_pages
-        req_rows = config.max_running_requests + REQ_SPARE_ROWS
-        req_pool = ReqToTokenPool(req_rows, self.context_len + config.page_size, config.device)
-        allocator = PagedAllocator(num_pages, config.page_size, config.device)
         self.kv_events = self._kv_event_publisher()
-        prefix = make_prefix_cache(
-            config, allocator, self.kv_pool, self.kv_events, self._store_namespace(), lambda: self.scheduler.wake()
-        )
+        self.dp_size = config.tp_size if config.enable_dp_attention else 1
+        self.memories = [self._make_memory() for _ in range(self.dp_size)]  # DP attention: one per DP rank
+        self.memory = self.memories[0]
         if config.enable_hierarchical_cache:
-            log.info("%s", host_tier.summary(prefix).removeprefix("; "))
-        self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
+            log.info("%s", host_tier.summary(self.memory.prefix_cache).removeprefix("; "))
         eos_ids = self._eos_ids()
-        model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
-        self.drafter = make_drafter(config, built.draft, req_pool.req_to_token)
-        self.speculative = speculative_descriptor(config, built.draft)  # in the KV layout a PD peer must match
-        check = self.ranks.check_step if self.ranks is not None else (lambda: None)
-        self.runner = ModelRunner(
-            model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids), self.drafter, check
-        )
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
-        self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
+        self.drafter = make_drafter(config, built.draft, self.memory.req_pool.req_to_token)
+        self.speculative = speculative_descriptor(config, built.draft)  # in the KV layout a PD peer must match
+        runners = self._runners(built, frozenset(eos_ids))
+        self.runner = runners[0]
+        woken = threading.Event()
+        self.schedulers = [
+            Scheduler(config, runner, memory, self.output, woken=woken, dp_rank=d)
+            for d, (runner, memory) in enumerate(zip(runners, self.memories))
+        ]
+        self.scheduler = (
+            self.schedulers[0] if self.dp is None else DPScheduler(self.schedulers, self.dp, config.lb_method)
+        )
         if self.drafter is not None:
             self._start_speculative()
         self.grammar = self._grammar_backend(eos_ids)
-        if make_role is not None:
-            self.scheduler.role = make_role(self)
+        if make_role is not None:  # one role per DP rank's scheduler
+            for scheduler, role in zip(self.schedulers, make_role(self)):
+                scheduler.role = role
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
-        self._register_gauges()
+        engine_report.register_engine_gauges(self)
 
     def _start_speculative(self) -> None:
         """Decode steps verify drafts (common/engine/spec/): the planner, the metrics, the answers' meta."""
@@ -154,15 +159,62 @@ class Engine:
         )
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         end = "</think>" if c.reasoning_parser else None
-        self.scheduler.grammars = GrammarQueue(backend, self.scheduler.wake, decode, end)
+        for scheduler in self.schedulers:  # each DP rank's requests wait in its own queue
+            scheduler.grammars = GrammarQueue(backend, scheduler.wake, decode, end)
         return backend
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
-        hf, size = self.hf_config, self.config.tp_size
-        spec = attention_spec(hf)  # MLA: one latent "KV head", replicated on every rank
-        check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
-        return Ranks(self.config, self.follower) if size > 1 else None
+        hf, c = self.hf_config, self.config
+        spec, model = attention_spec(hf), model_class(hf)  # MLA: one latent "KV head", replicated on every rank
+        check_parallel(
+            c.tp_size,
+            c.ep_size,
+            c.enable_dp_attention,
+            c.ep_num_redundant_experts,
+            (spec.q_heads, spec.kv_heads),
+            model.tp_divided(hf),
+            model.experts_of(hf),
+        )
+        return Ranks(c, self.follower) if c.tp_size > 1 else None
+
+    def _make_memory(self) -> MemoryManager:
+        """Request rows, page allocator and prefix cache over the pool's pages (a DP rank's, under DP attention)."""
+        c = self.config
+        req_pool = ReqToTokenPool(c.max_running_requests + REQ_SPARE_ROWS, self.context_len + c.page_size, c.device)
+        allocator = PagedAllocator(self.pool_plan.num_pages, c.page_size, c.device)
+        prefix = make_prefix_cache(
+            c, allocator, self.kv_pool, self.kv_events, self._store_namespace(), lambda: self.scheduler.wake()
+        )
+        return MemoryManager(req_pool, allocator, prefix, c.page_size)
+
+    def _runners(self, built: RankModel, eos_ids: frozenset[int]) -> list[ModelRunner]:
+        """The model runner (rank 0's model sends each batch to the other ranks first), or one per DP rank,
+        whose batches run together (`dp`: DPForward, else None)."""
+        c, device = self.config, self.config.device
+        check = self.ranks.check_step if self.ranks is not None else (lambda: None)
+        self.rebalancer = None
+        if c.enable_eplb:
+            self.rebalancer = ExpertRebalancer(self.ranks, built.model, c.eplb_rebalance_num_iterations)
+        self.dp: DPForward | None = None
+        if self.dp_size == 1:
+            model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks, self.rebalancer)
+            req_to_token = self.memory.req_pool.req_to_token
+            return [ModelRunner(model, built.attn, req_to_token, device, eos_ids, self.drafter, check)]
+        idle = idle_batch(self.memory.req_pool.req_to_token, c.page_size, device)
+        self.dp = DPForward(built.model, built.attn, self.ranks, idle, self.rebalancer)
+        return [
+            ModelRunner(
+                built.model,
+                built.attn,
+                m.req_pool.req_to_token,
+                device,
+                eos_ids,
+                check_step=check,
+                forward=partial(self.dp.forward_one, d),
+            )
+            for d, m in enumerate(self.memories)
+        ]
 
     def _store_namespace(self) -> str:
         """What names this server's pages in a KV store besides their tokens (common/memory/store/keys.py)."""
@@ -235,34 +287,12 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _register_gauges(self) -> None:
-        m, s = self.metrics, self.scheduler
-        m.gauge("tandem_num_running_reqs", "requests decoding", lambda: len(s.decode.running))
-        m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.prefill.waiting))
-        m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.pool_plan.num_pages)
-        m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
-        cached = self.memory.prefix_cache.evictable_pages
-        m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
-        m.gauge(
-            "tandem_kv_pages_used",
-            "KV pages requests hold (total = free + cached + used)",
-            lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached(),
-        )
-        host_tier.register_gauges(m, self.memory.prefix_cache)
-        m.labelled_gauges(
-            "tandem_pd_queue_requests",
-            "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
-            "inflight; decode: prealloc, transferring, quarantined)",
-            "queue",
-            lambda: s.role.queue_depths(),
-        )
-
     # -- lifecycle -----------------------------------------------------------------------------
     def warm_up(self) -> float:
         """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
         c = self.config
         tokens = min(2 * c.page_size + 1, self.context_len - 2)  # whole pages and a partial one
-        seconds = warm_up(self.runner, self.memory, tokens, c.device)
+        seconds = sum(warm_up(s.runner, s.memory, tokens, c.device) for s in self.schedulers)  # every DP rank
         cache = c.kernel_cache_dir or "the default location"
         log.info(
             "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
@@ -276,7 +306,7 @@ class Engine:
         """The decode CUDA graphs graph_plan allows (after the warm-up built the kernels); the seconds."""
         c, pool = self.config, self.kv_pool
         backend = resolved_backend(c.attention_backend, c.device, pool.kind, pool.quantized)
-        sizes, line = graph_plan(c, backend, model_class(self.hf_config).cuda_graph_capturable)
+        sizes, line = graph_plan(c, backend, model_class(self.hf_config).cuda_graph_capturable and self.dp is None)
         log.info("%s", line)
         if not sizes:
             return 0.0
@@ -309,7 +339,8 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
-        self.memory.prefix_cache.close()
+        for memory in self.memories:
+            memory.prefix_cache.close()
         if self.grammar is not None:
             self.grammar.close()
         if self.kv_events is not None:
@@ -318,33 +349,40 @@ class Engine:
             self.ranks.stop()
 
     @property
+    def role(self) -> Role:
+        """DP rank 0's role: every DP rank's shares its transfer engine and instance."""
+        return self.schedulers[0].role
+
+    @property
     def instance_id(self) -> str | None:
         """The PD role's transfer instance id (what a router passes to decodes), or None."""
-        return self.scheduler.role.instance_id
+        return self.role.instance_id
 
     def server_info(self) -> dict:
-        """What /get_server_info reports; runs on the scheduler thread and raises on a leak."""
-        s = self.scheduler
-        return {
-            "config": self.config.model_dump(exclude={"api_key", "cluster_secret"}),
-            "model_path": str(self.model_dir),
-            "context_length": self.context_len,
-            "kv_pages": s.check_integrity().to_dict(),
-            "host_tier": host_tier.info(self.memory.prefix_cache),
-            "kv_store": host_tier.store_info(self.memory.prefix_cache),
-            "num_running_reqs": len(s.decode.running),
-            "num_waiting_reqs": len(s.prefill.waiting),
-            "num_retractions": s.decode.num_retractions,
-            "role": s.role.info(),
-            "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
-            "kv_events": self.kv_events.info() if self.kv_events is not None else None,
-            "grammar": self.grammar.info_dict() if self.grammar is not None else None,
-        }
+        """What /get_server_info reports (common.engine.engine_report); runs on the scheduler thread and
+        raises on a leak."""
+        return engine_report.engine_info(self)
+
+    def kv_layout(self, kv_heads: int) -> dict:
+        """This server's KV layout (common.wire.kv_layout) for a model of `kv_heads` as the layout counts them."""
+        c, experts = self.config, model_class(self.hf_config).experts_of(self.hf_config)
+        moe = experts_layout(experts[0] if experts else 0, c.ep_size, c.ep_num_redundant_experts)
+        return kv_layout(
+            self.kv_pool,
+            c.transfer_backend,
+            self.model_id,
+            c.tp_size,
+            kv_heads,
+            c.disaggregation_enable_kv_checksum,
+            self.speculative,
+            self.dp_size,
+            moe,
+        )
 
     def health_problem(self) -> str | None:
         """Why this server cannot serve right now (/health answers 503 with it), or None."""
         rank_fault = self.ranks.fault if self.ranks is not None else None
-        return rank_fault or self.thread.health_problem() or self.scheduler.role.health_problem()
+        return rank_fault or self.thread.health_problem() or self.role.health_problem()
 
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:

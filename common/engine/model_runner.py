@@ -1,4 +1,9 @@
-"""Turns a scheduled batch into one model forward and one sampling call."""
+"""Turns a scheduled batch into one model forward and one sampling call.
+
+`run(plan)` = `prepare(plan)` (the ForwardBatch, and how its logits become a BatchResult), the forward,
+then `Prepared.finish(logits)`. Under DP attention the DP schedulers' batches run in one forward on all
+ranks (common.ranks.leader.DPForward), each runner preparing and finishing its own.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +57,15 @@ class BatchResult:
     verified: list[Verified] | None = None  # a verify plan's: each request's accepted tokens
 
 
+@dataclass
+class Prepared:
+    batch: ForwardBatch
+    finish: Callable[[torch.Tensor], BatchResult]  # the forward's logits -> the sampled results
+
+
+Forward = Callable[[ForwardBatch], torch.Tensor]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -62,11 +76,13 @@ class ModelRunner:
         eos_token_ids: frozenset[int] = frozenset(),
         drafter: Drafter | None = None,
         check_step: Callable[[], None] = lambda: None,
+        forward: Forward | None = None,
     ):
         """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens);
         `drafter`: speculative decoding's (common/engine/spec/), which follows every forward of the target;
         `check_step`: called once a step's tokens reached the host, raises if the step cannot be trusted
-        (a TP group that faulted meanwhile: Ranks.check_step)."""
+        (a TP group that faulted meanwhile: Ranks.check_step); `forward`: how a batch runs, if not by
+        `model` on `attn` here (a DP rank's, with the other ranks idle)."""
         self.check_step = check_step
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -77,17 +93,38 @@ class ModelRunner:
         self.sampler = Sampler(flashinfer_sampling(device))
         self.graphs: DecodeGraphs | None = None  # captured by the engine's warm-up (common.engine.cuda_graph)
         self.drafter = drafter
+        self.forward: Forward = forward or self._forward_here
+
+    def _forward_here(self, batch: ForwardBatch) -> torch.Tensor:
+        replayed = (
+            batch.mode == ForwardMode.DECODE and self.graphs is not None and batch.batch_size <= self.graphs.max_bs
+        )
+        if replayed:
+            logits = self.graphs.run(batch)
+        else:
+            self.attn.init_forward(batch)
+            logits = self.model(batch, self.attn)
+        if self.drafter is not None and batch.mode != ForwardMode.VERIFY:
+            self.drafter.follow(
+                batch, planned=not replayed
+            )  # the draft's KV of the same tokens (a graph planned its own)
+        return logits
 
     def run(self, plan: BatchPlan) -> BatchResult:
+        prepared = self.prepare(plan)
+        return prepared.finish(self.forward(prepared.batch))
+
+    def prepare(self, plan: BatchPlan) -> Prepared:
         if plan.verify is not None:
-            return self._run_verify(plan)
+            return self._prepare_verify(plan)
         if plan.decode is not None:
-            return self._run_decode(plan.decode, plan.out_cache_locs[0])
+            decode = plan.decode
+            batch = decode.forward_batch(plan.out_cache_locs[0], self.req_to_token)  # its metadata went with the slots
+            return Prepared(batch, lambda logits: self._sample_decode(decode, logits))
         batch, logit_spans = self._build(plan)
-        self.attn.init_forward(batch)
-        logits = self.model(batch, self.attn)
-        if self.drafter is not None:
-            self.drafter.follow(batch)  # the draft model's KV of the same tokens (its layers of the same pages)
+        return Prepared(batch, lambda logits: self._sample_extend(plan, logit_spans, logits))
+
+    def _sample_extend(self, plan: BatchPlan, logit_spans: list[tuple[int, int]], logits: torch.Tensor) -> BatchResult:
         kv_ready = record_kv_ready(self.device)  # before sampling: the transfer need not wait for it
         last_rows = torch.tensor([end - 1 for _, end in logit_spans], device=logits.device)
         sample_idx = [i for i, s in enumerate(plan.sample) if s]
@@ -110,17 +147,8 @@ class ModelRunner:
         self.check_step()
         return result
 
-    def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
+    def _sample_decode(self, decode: DecodeTensors, logits: torch.Tensor) -> BatchResult:
         """One token for every running request, from tensors kept across steps: no tensor work per request."""
-        batch = decode.forward_batch(out_cache_loc, self.req_to_token)  # its metadata went with the slots
-        replayed = self.graphs is not None and batch.batch_size <= self.graphs.max_bs
-        if replayed:
-            logits = self.graphs.run(batch)
-        else:
-            self.attn.init_forward(batch)
-            logits = self.model(batch, self.attn)
-        if self.drafter is not None:
-            self.drafter.follow(batch, planned=not replayed)  # a graph planned its own attention, not self.attn
         if decode.sampling is None:  # the running set changed
             decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
         out = self.sampler.sample(logits, decode.sampling)
@@ -128,7 +156,7 @@ class ModelRunner:
         decode.finish_step(out.ids)
         return BatchResult(out.token_ids, out.logprobs, out.top_logprobs, [None] * len(decode.reqs))
 
-    def _run_verify(self, plan: BatchPlan) -> BatchResult:
+    def _prepare_verify(self, plan: BatchPlan) -> Prepared:
         """Drafts (the plan's, or the drafter's now that their slots exist), then one forward over every
         request's last token and drafts, every position sampled, each request's accepted tokens."""
         reqs, n = plan.reqs, len(plan.reqs)
@@ -137,12 +165,14 @@ class ModelRunner:
             drafts = self.drafter.propose(reqs, plan.verify.limits)
         rows = verify_rows(reqs, drafts)
         batch, _ = build_extend_batch(rows, self.page_size, self.device, self.req_to_token, ForwardMode.VERIFY)
-        self.attn.init_forward(batch)
-        logits = self.model(batch, self.attn)
-        sampling = SamplingBatch(position_rows(reqs, drafts, self._sampling_row), logits.shape[-1], self.device)
-        out = self.sampler.sample(logits, sampling)
-        self.check_step()
-        return BatchResult([None] * n, [None] * n, [None] * n, [None] * n, verified=accept(out, drafts))
+
+        def finish(logits: torch.Tensor) -> BatchResult:
+            sampling = SamplingBatch(position_rows(reqs, drafts, self._sampling_row), logits.shape[-1], self.device)
+            out = self.sampler.sample(logits, sampling)
+            self.check_step()
+            return BatchResult([None] * n, [None] * n, [None] * n, [None] * n, verified=accept(out, drafts))
+
+        return Prepared(batch, finish)
 
     def _build(self, plan: BatchPlan) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """A prefill batch: each request's new tokens on top of what it holds, every logit when it wants the

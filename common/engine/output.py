@@ -121,12 +121,15 @@ class OutputProcessor:
             meta |= {"spec_verify_ct": req.spec_verify_ct, "spec_accepted_tokens": req.spec_accepted}
         if req.decode_hit_len is not None:  # PD: what each side reused (the prefill's compute, the decode's transfer)
             meta |= {"prefill_cached_tokens": req.prefix_hit_len, "decode_cached_tokens": req.decode_hit_len}
+        if req.dp_rank is not None:  # DP attention: whose pool holds its KV
+            meta["dp_rank"] = req.dp_rank
         meta |= self.input_meta(req)
         now = time.monotonic()
         ttft = 1000 * (req.first_token_time - req.arrival_time) if req.first_token_time else float("nan")
         log.info(
-            "request %s: %s%s, prompt %d, cached %d%s, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
+            "request %s%s: %s%s, prompt %d, cached %d%s, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
             req.rid,
+            f" (dp rank {req.dp_rank})" if req.dp_rank is not None else "",
             reason.type,
             f" ({reason.message})" if reason.message else "",
             len(req.prompt_ids) - req.resumed_len,

@@ -36,6 +36,7 @@ class SchedulerView:
         self.memory: MemoryManager = scheduler.memory
         self.clock: Callable[[], float] = scheduler.clock
         self.context_len: int = scheduler.output.context_len
+        self.dp_rank: int = scheduler.dp_rank  # whose pool `memory` is (DP attention)
 
     def wake(self) -> None:
         self._scheduler.wake()

@@ -50,16 +50,23 @@ class Scheduler:
         output: OutputProcessor,
         role: Role | None = None,
         clock: Callable[[], float] = time.monotonic,
+        woken: threading.Event | None = None,
+        dp_rank: int = 0,
     ):
+        """`woken`: the event the scheduler thread waits on (one for every DP rank's scheduler under DP
+        attention, common.engine.dp_scheduler); `dp_rank`: whose requests, pool and batch these are."""
         self.config, self.runner, self.memory, self.output = config, runner, memory, output
+        self.dp_rank = dp_rank
         self.clock = clock  # for the roles' timeouts; requests' arrival_time is on this clock
         self.prefill = PrefillQueue(config, memory)
         self.decode = DecodeBatch(config, memory, self.prefill)
         self.role = role or Role()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self.woken = threading.Event()  # set by wake(); the scheduler thread waits on it between steps
+        self.woken = woken or threading.Event()  # set by wake(); the scheduler thread waits on it between steps
         self.starved_since: float | None = None  # since when no running request fits the pool (None: they fit)
         self._live = 0  # requests submitted and not finished (any thread reads it: see num_queued)
+        self.live_tokens = 0  # their prompts' tokens (minimum_tokens balances DP ranks by it)
+        self.served = 0  # requests submitted here, ever
         self._live_lock = threading.Lock()
         self.spec_stats: SpecStats | None = None  # speculative decoding's metrics (set with DecodeBatch.spec)
         self.grammars: GrammarQueue | None = None  # requests waiting for their grammar (None: --grammar-backend none)
@@ -73,6 +80,8 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         with self._live_lock:
             self._live += 1
+            self.live_tokens += len(req.prompt_ids)
+            self.served += 1
         self.inbox.put(("add", req))
         self.wake()
 
@@ -89,17 +98,21 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> bool:
         """One scheduling round. Returns False when there was nothing to do."""
+        plan = self.plan_step()
+        if plan is None:
+            return False
+        self._run(plan)
+        return True
+
+    def plan_step(self) -> BatchPlan | None:
+        """The first half of a step: take new work, let the role move its queues, pick the batch."""
         self.drain_inbox()
         self.memory.prefix_cache.poll()
         if self.grammars is not None:
             for req in self.grammars.take_ready():
                 self.guarded(req, "queueing the request", lambda: self._admit(req))
         self.role.poll()
-        plan = self._next_plan()
-        if plan is None:
-            return False
-        self._run(plan)
-        return True
+        return self._next_plan()
 
     def drain_inbox(self) -> None:
         while True:
@@ -188,15 +201,25 @@ class Scheduler:
                 self.fail(req, message, 500)
 
     def _run(self, plan: BatchPlan) -> None:
-        extend = plan.mode == ForwardMode.EXTEND
-        for req in plan.reqs if extend else ():
-            req.timeline.mark_once("prefill_start")
+        self.starting(plan)
         try:
             result = self.runner.run(plan)
         except Exception as e:  # the batch's requests are in no queue now: answer them here
-            self._fail_all(plan.reqs, f"internal error running the batch: {e!r}")
+            self.batch_failed(plan, e)
             return
-        for req in plan.reqs if extend else ():
+        self.commit(plan, result)
+
+    @staticmethod
+    def starting(plan: BatchPlan) -> None:
+        for req in plan.reqs if plan.mode == ForwardMode.EXTEND else ():
+            req.timeline.mark_once("prefill_start")
+
+    def batch_failed(self, plan: BatchPlan, error: Exception) -> None:
+        self._fail_all(plan.reqs, f"internal error running the batch: {error!r}")
+
+    def commit(self, plan: BatchPlan, result: BatchResult) -> None:
+        """The second half of a step: the forward's results into the batch's requests."""
+        for req in plan.reqs if plan.mode == ForwardMode.EXTEND else ():
             req.timeline.mark("forward_done")
         for i, req in enumerate(plan.reqs):
             self.guarded(req, "committing the batch's results", lambda: self._commit(plan, result, i))
@@ -255,6 +278,7 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         with self._live_lock:
             self._live -= 1
+            self.live_tokens -= len(req.prompt_ids)
         try:
             self.output.finish(req, reason)
         except Exception:

@@ -21,6 +21,7 @@ from common.http.serving import (
     SPEC_COUNTS,
     Choice,
     Tracer,
+    check_dp_rank,
     check_grammar,
     check_input,
     check_priority,
@@ -141,6 +142,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         rendezvous=body.rendezvous,
         priority=check_priority(engine, body.priority),
         migration=body.migration,
+        data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen
@@ -153,7 +155,7 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
         "prompt_tokens": len(gen.prompt_ids),
         "completion_tokens": len(c.output_ids),
         "cached_tokens": c.meta.get("cached_tokens", 0),
-    } | {k: c.meta[k] for k in (*PD_CACHED, *SPEC_COUNTS) if k in c.meta}
+    } | {k: c.meta[k] for k in (*PD_CACHED, *SPEC_COUNTS, "dp_rank") if k in c.meta}
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
         if body.top_logprobs_num:

@@ -19,6 +19,7 @@ from common.http.reasoning import PARSERS as REASONING_PARSERS
 from common.http.serving import (
     Choice,
     Tracer,
+    check_dp_rank,
     check_grammar,
     check_input,
     check_priority,
@@ -160,6 +161,7 @@ def _gen_input(
         logprob_start_len=0 if prompt_logprobs else -1,
         priority=check_priority(engine, body.priority),
         migration=body.migration,
+        data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),
     )
     check_input(engine, gen, param, max_param)
     return gen

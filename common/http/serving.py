@@ -140,6 +140,17 @@ def check_priority(engine: Engine, priority: int | None) -> int:
     return priority or 0
 
 
+def check_dp_rank(engine: Engine, rank: int | None) -> int | None:
+    """The DP rank a request asks for (SGLang's data_parallel_rank), which this server must have."""
+    if rank is not None and rank >= engine.dp_size:
+        raise InvalidRequest(
+            f"data_parallel_rank {rank}: this server has {engine.dp_size} DP rank(s) (--dp-size with "
+            "--enable-dp-attention)",
+            param="data_parallel_rank",
+        )
+    return rank
+
+
 def check_rendezvous(engine: Engine, gen: GenInput) -> None:
     """A prefill or decode server serves only what a router paired (it added the bootstrap fields)."""
     problem = rendezvous_problem(engine.config.disagg_mode, gen.rendezvous)

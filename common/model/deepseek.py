@@ -7,7 +7,8 @@ checkpoints; a V3 checkpoint's multi-token-prediction layer (model.layers.{num_h
 by the loader.
 
 With several TP ranks each rank holds its query heads and the whole latent (common.model.mla) and every
-expert's slice (common.model.moe).
+expert's slice, or whole experts (common.model.moe); under DP attention each rank holds every head and
+its own requests' latent.
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ def is_moe_layer(config: PretrainedConfig, layer_id: int) -> bool:
 def deepseek_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
     experts, hidden, intermediate = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
     gate = RouterGate(hidden, experts, correction_bias=deepseek_topk_method(config) == "noaux_tc")
-    moe = SparseMoE(hidden, intermediate, experts, gate, deepseek_router(config), tp)
+    moe = SparseMoE(hidden, intermediate, experts, gate, deepseek_router(config), tp, tp.redundant_experts)
     if config.n_shared_experts:
-        moe.shared_experts = moe.expert(hidden, intermediate * config.n_shared_experts)
+        moe.make_shared(hidden, intermediate * config.n_shared_experts)
     return moe
 
 
 class DeepseekDecoderLayer(DecoderLayer):
     def make_attention(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
-        return MLAttention(config, layer_id, self.tp)
+        return MLAttention(config, layer_id, self.tp.attn)
 
     def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
         return deepseek_moe(config, self.tp) if is_moe_layer(config, layer_id) else super().make_mlp(config, layer_id)
@@ -49,5 +50,5 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     cuda_graph_capturable = False  # MoE layers (and an MLA pool: the torch backend)
 
     @staticmethod
-    def tp_divided(config: PretrainedConfig) -> dict[str, int]:
-        return {"intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size}
+    def experts_of(config: PretrainedConfig) -> tuple[int, dict[str, int]]:
+        return config.n_routed_experts, {"moe_intermediate_size": config.moe_intermediate_size}

@@ -120,14 +120,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def make_attention(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
-        return Attention(config, layer_id, self.tp)
+        return Attention(config, layer_id, self.tp.attn)
 
     def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
-        return MLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), self.tp)
+        """A dense MLP: split like the attention (whole on each rank under DP attention)."""
+        bias = bool(getattr(config, "mlp_bias", False))
+        return MLP(config.hidden_size, config.intermediate_size, bias, self.tp.attn)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if len(x):  # an idle batch (DP attention: no tokens on this rank) still joins the MoE layers
+            x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn, batch)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, batch) if getattr(self.mlp, "takes_batch", False) else self.mlp(h))
 
 
 class LlamaModel(nn.Module):
@@ -135,7 +139,7 @@ class LlamaModel(nn.Module):
         self, config: PretrainedConfig, layer_class: type[DecoderLayer] = DecoderLayer, tp: TensorParallel = SINGLE
     ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp.attn)
         self.layers = nn.ModuleList(layer_class(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -156,15 +160,21 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def tp_divided(config: PretrainedConfig) -> dict[str, int]:
-        """The config's sizes (besides the heads) that `--tp-size` must divide."""
+        """The config's sizes of the dense layers (besides the heads) that the attention's ranks must divide."""
         return {"intermediate_size": config.intermediate_size}
+
+    @staticmethod
+    def experts_of(config: PretrainedConfig) -> tuple[int, dict[str, int]] | None:
+        """An MoE family's routed experts and the experts' sizes that TP-MoE's ranks must divide; None: dense."""
+        return None
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         self.model = LlamaModel(config, self.layer_class, tp)
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied)
+        # the vocabulary spans every rank, but a tied head is split like the embedding (whole under DP attention)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp if tied is None else tp.attn, tied)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
@@ -173,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Returns float32 logits for the rows `batch.logits_indices` of the new tokens."""
-        hidden = self.model(batch, attn)
-        return self.lm_head(hidden[batch.logits_indices]).float()
+        """Returns float32 logits for the rows `batch.logits_indices` of the new tokens; under DP attention
+        those of every rank's rows, in rank order (the LM head's vocabulary spans the ranks)."""
+        hidden = self.model(batch, attn)[batch.logits_indices]
+        if batch.dp is not None:
+            hidden = self.tp.all_gather_rows(hidden, batch.dp.rows)
+        return self.lm_head(hidden).float()

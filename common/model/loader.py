@@ -78,20 +78,25 @@ def load_model(
     # a tied lm_head is not listed: it is the embedding
     params = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
     parts = {model.checkpoint_name(n): s for n, s in param_shards(model).items()} if tp.enabled else {}
-    for shard, names in plan_shards(shards, params, skipped_names(shards, config), parts).items():
+    skipped = skipped_names(shards, config, set(params) if tp.ep else None)
+    for shard, names in plan_shards(shards, params, skipped, parts).items():
         fill_from_shard(shard, names, params, parts)
     return model.eval()
 
 
-def skipped_names(shards: list[Path], config: PretrainedConfig) -> frozenset[str]:
+def skipped_names(shards: list[Path], config: PretrainedConfig, ep_params: set[str] | None = None) -> frozenset[str]:
     """Checkpoint tensors that are no parameter: a tied lm_head, KV cache scales (read by
-    common.model.kv_scales) and layers past num_hidden_layers (DeepSeek-V3's multi-token prediction)."""
+    common.model.kv_scales), layers past num_hidden_layers (DeepSeek-V3's multi-token prediction) and,
+    under expert parallelism (`ep_params`: this rank's parameters), the experts other ranks hold."""
     extra_layers = re.compile(r"model\.layers\.(\d+)\.")
+    expert = re.compile(r".*\.experts\.\d+\.")
     names = {"lm_head.weight"}
     for shard in shards:
         for name in read_header(shard)[0]:
             layer = extra_layers.match(name)
             if is_kv_scale(name) or (layer and int(layer[1]) >= config.num_hidden_layers):
+                names.add(name)
+            elif ep_params is not None and name not in ep_params and expert.match(name):
                 names.add(name)
     return frozenset(names)
 

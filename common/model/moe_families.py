@@ -22,7 +22,8 @@ MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 def softmax_moe(config: PretrainedConfig, num_experts: int, intermediate: int, renormalize: bool, tp) -> SparseMoE:
     gate = RouterGate(config.hidden_size, num_experts)
-    return SparseMoE(config.hidden_size, intermediate, num_experts, gate, softmax_router(config, renormalize), tp)
+    route = softmax_router(config, renormalize)
+    return SparseMoE(config.hidden_size, intermediate, num_experts, gate, route, tp, tp.redundant_experts)
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):
@@ -43,8 +44,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     cuda_graph_capturable = False  # the experts a step runs are read back (common.model.moe)
 
     @staticmethod
-    def tp_divided(config: PretrainedConfig) -> dict[str, int]:
-        return {"intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size}
+    def experts_of(config: PretrainedConfig) -> tuple[int, dict[str, int]]:
+        return config.num_experts, {"moe_intermediate_size": config.moe_intermediate_size}
 
 
 class MixtralDecoderLayer(DecoderLayer):
@@ -55,6 +56,14 @@ class MixtralDecoderLayer(DecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MixtralDecoderLayer
     cuda_graph_capturable = False
+
+    @staticmethod
+    def tp_divided(config: PretrainedConfig) -> dict[str, int]:
+        return {}  # no dense MLP: intermediate_size is the experts'
+
+    @staticmethod
+    def experts_of(config: PretrainedConfig) -> tuple[int, dict[str, int]]:
+        return config.num_local_experts, {"intermediate_size": config.intermediate_size}
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

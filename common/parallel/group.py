@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
 PEER_GONE_EXIT = 3  # a follower's exit code after a collective failed: a consequence of a fault elsewhere
+SENT: Counter[str] = Counter()  # bytes this rank put into each kind of collective (docs/performance.md)
 
 
 class PeerGone(RuntimeError):
@@ -47,16 +50,30 @@ def _collective(op, *args, **kwargs):
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """The server's ranks. `ep`: MoE layers hold whole experts per rank (--ep-size), not a slice of every
+    expert; `dp_attention`: each rank runs its own requests' attention and dense layers whole
+    (--enable-dp-attention), and only the MoE layers and the LM head span the ranks (docs/dp-attention.md)."""
+
     rank: int = 0
     size: int = 1
+    ep: bool = False
+    dp_attention: bool = False
+    redundant_experts: int = 0  # --ep-num-redundant-experts: extra copies of experts over the EP ranks
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
 
+    @property
+    def attn(self) -> TensorParallel:
+        """The group attention, the dense layers and the embedding are split over: every rank, or this rank
+        alone under DP attention."""
+        return SINGLE if self.dp_attention else self
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place."""
         if self.enabled:
+            SENT["all_reduce"] += x.numel() * x.element_size()
             _collective(dist.all_reduce, x)
         return x
 
@@ -68,10 +85,51 @@ class TensorParallel:
         _collective(dist.all_gather, parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
-        """Rank 0's `x` into every rank's `x` (same shape and dtype); `host`: over the gloo group."""
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's rows of `x` (rank r has `counts[r]`, maybe none) concatenated in rank order."""
+        if not self.enabled:
+            return x
+        width = max(counts)
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        SENT["all_gather"] += padded.numel() * padded.element_size()
+        _collective(dist.all_gather, parts, padded)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+    def reduce_scatter_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Of `x` (every rank's rows, as all_gather_rows gave them), the sum over the ranks of this rank's rows."""
+        if not self.enabled:
+            return x
+        width = max(counts)
+        padded = x.new_zeros((self.size * width, *x.shape[1:]))
+        start = 0
+        for r, n in enumerate(counts):
+            padded[r * width : r * width + n] = x[start : start + n]
+            start += n
+        out = x.new_empty((width, *x.shape[1:]))
+        SENT["reduce_scatter"] += padded.numel() * padded.element_size()
+        _collective(dist.reduce_scatter_tensor, out, padded)
+        return out[: counts[self.rank]]
+
+    def all_to_all_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows of `x` sent to each rank in turn (`send[r]` to rank r); the rows received, `recv[r]` from rank r."""
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        row = math.prod(x.shape[1:]) * x.element_size()  # also of an idle rank's zero rows
+        SENT["all_to_all"] += row * (sum(send) - send[self.rank])  # what leaves this rank
+        _collective(dist.all_to_all_single, out, x.contiguous(), recv, send)
+        return out
+
+    def all_to_all_counts(self, send: torch.Tensor) -> torch.Tensor:
+        """[size] int64: how many rows each rank sends us, from how many we send each (`send`)."""
+        out = torch.empty_like(send)
+        _collective(dist.all_to_all_single, out, send)
+        return out
+
+    def broadcast(self, x: torch.Tensor, host: bool = False, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` into every rank's `x` (same shape and dtype); `host`: over the gloo group."""
         if self.enabled:
-            _collective(dist.broadcast, x, src=0, group=_host_group() if host else None)
+            _collective(dist.broadcast, x, src=src, group=_host_group() if host else None)
         return x
 
     def all_gather_objects(self, obj: object) -> list:

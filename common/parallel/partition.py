@@ -58,3 +58,44 @@ def check_tp_size(tp_size: int, num_heads: int, num_kv_heads: int, divided: dict
     problems += [f"{name} {value}" for name, value in divided.items() if value % tp_size]
     if problems:
         raise TPSizeError(f"--tp-size {tp_size} does not divide the model's {', '.join(problems)}")
+
+
+def check_parallel(
+    tp_size: int,
+    ep_size: int,
+    dp_attention: bool,
+    redundant: int,
+    heads: tuple[int, int],
+    dense: dict[str, int],
+    experts: tuple[int, dict[str, int]] | None,
+) -> None:
+    """Raise TPSizeError unless the ranks can split this model: its (query, KV) `heads` and `dense` sizes
+    over the attention's ranks (all of them, or one under DP attention), its `experts` (count, the experts'
+    sizes; None: a dense model) whole over --ep-size ranks or sliced over --tp-size."""
+    check_tp_size(1 if dp_attention else tp_size, *heads, dense)
+    if experts is None:
+        if ep_size > 1:
+            raise TPSizeError(f"--ep-size {ep_size} needs a mixture-of-experts model; this one has no experts")
+        return
+    count, sizes = experts
+    if ep_size > 1:
+        problem = placement_problem(count, ep_size, redundant)
+        if problem:
+            raise TPSizeError(problem)
+        return
+    bad = [f"{name} {value}" for name, value in sizes.items() if value % tp_size]
+    if bad:
+        raise TPSizeError(
+            f"--tp-size {tp_size} does not divide the model's {', '.join(bad)} (or give --ep-size {tp_size})"
+        )
+
+
+def placement_problem(num_experts: int, ep_size: int, redundant: int) -> str | None:
+    """Why `ep_size` ranks cannot hold `num_experts` experts plus `redundant` copies evenly, or None."""
+    if (num_experts + redundant) % ep_size:
+        return f"--ep-size {ep_size} does not divide the model's {num_experts} experts + --ep-num-redundant-experts {redundant}"
+    if redundant > num_experts * (ep_size - 1):
+        return (
+            f"--ep-num-redundant-experts {redundant}: at most {num_experts * (ep_size - 1)} copies fit (one per rank)"
+        )
+    return None

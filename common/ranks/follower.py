@@ -28,12 +28,13 @@ import torch
 
 from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
+from common.model.eplb import rebalance_experts
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store, start_barrier
 from common.ranks.progress import Progress
-from common.ranks.rank_model import RankModel, build_rank_model, rank_report
+from common.ranks.rank_model import RankModel, build_rank_model, model_layout, rank_report
 from common.ranks.ranks import GROUP_TIMEOUT_S
-from common.ranks.step import StepChannel
+from common.ranks.step import OP_REBALANCE, OP_STOP, StepChannel
 from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,16 @@ def exit_with_rank0(files: list[str]) -> None:
 
 def serve_steps(rank: int, built: RankModel, channel: StepChannel, progress: Progress) -> None:
     while True:
-        step, batch = channel.receive()
-        if batch is None:
+        op, step, batch = channel.receive()
+        if op == OP_STOP:
             return
         progress.received(rank, step)
-        built.attn.init_forward(batch)
-        built.model(batch, built.attn)
+        if op == OP_REBALANCE:
+            rebalance_experts(built.model, built.model.tp)
+        else:
+            if len(batch.input_ids):  # an idle batch (DP attention) only joins the collectives
+                built.attn.init_forward(batch)
+            built.model(batch, built.attn)
         progress.finished(rank, step)
 
 
@@ -93,7 +98,9 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
         log.error("%s", str(e).splitlines()[0])
         logging.shutdown()
         os._exit(1)
-    tp = init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_host)
+    tp = model_layout(
+        init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_host), config
+    )
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp)

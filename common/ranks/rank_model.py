@@ -31,6 +31,7 @@ from common.model.draft import DraftWeights, draft_config, load_draft, with_draf
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.moe import expert_placement, moe_layers
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
@@ -53,11 +54,14 @@ def build_rank_model(
     config: ServerConfig, model_dir: Path, hf: PretrainedConfig, dtype: torch.dtype, tp: TensorParallel
 ) -> RankModel:
     """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
+    tp = model_layout(tp, config)
     found = draft_config(config.speculative_draft_model_path, hf)  # refused before anything loads
     model = load_model(model_dir, hf, dtype, config.device, tp)
+    for moe in moe_layers(model):
+        moe.count_loads = config.enable_eplb  # EPLB's measurement (common.model.eplb)
     draft = load_draft(found, dtype, config.device, hf.num_hidden_layers) if found else None
     whole = with_draft_layers(attention_spec(hf), draft)
-    heads = head_partition(whole.q_heads, whole.kv_heads, tp)
+    heads = head_partition(whole.q_heads, whole.kv_heads, tp.attn)
     spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's
     store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
     memory = torch.cuda.mem_get_info() if config.device == "cuda" else None  # (free, total) after the weights
@@ -100,9 +104,20 @@ def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quanti
     )
 
 
+def model_layout(tp: TensorParallel, config: ServerConfig) -> TensorParallel:
+    """The group as the model is laid out over it: whole experts (--ep-size), DP attention."""
+    return dataclasses.replace(
+        tp,
+        ep=config.ep_size > 1,
+        dp_attention=config.enable_dp_attention and tp.size > 1,
+        redundant_experts=config.ep_num_redundant_experts,
+    )
+
+
 def rank_report(rank: int, built: RankModel) -> dict:
     """What /get_server_info and the start-up summary show of one rank."""
     weights = {id(p): p.numel() * p.element_size() for p in built.model.parameters()}
+    placement = expert_placement(built.model)
     return {
         "rank": rank,
         "host": socket.gethostname(),
@@ -113,13 +128,15 @@ def rank_report(rank: int, built: RankModel) -> dict:
         "weight_bytes": sum(weights.values()),
         "kv_pool_bytes": built.kv_pool.total_bytes,
         "kv_pages": built.pool_plan.num_pages,
+        "experts": next(iter(placement.values()))[rank] if placement else None,  # held in the first MoE layer
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
 
 def describe_rank(r: dict) -> str:
+    experts = f", experts {r['experts']}" if r.get("experts") is not None else ""
     return (
         f"tp rank {r['rank']} (pid {r['pid']} on {r['host']}): {r['q_heads']} query heads, {r['kv_heads']} KV heads from "
-        f"{r['first_kv_head']}, weights {r['weight_bytes'] / 2**20:.1f} MiB, KV pool {r['kv_pages']} pages "
+        f"{r['first_kv_head']}{experts}, weights {r['weight_bytes'] / 2**20:.1f} MiB, KV pool {r['kv_pages']} pages "
         f"{r['kv_pool_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
     )

@@ -36,6 +36,7 @@ from common.parallel.group import (
 from common.ranks.host_board import HostBoard
 from common.ranks.launch import end_followers, group_addr, kill, spawn_followers, state_of
 from common.ranks.progress import Progress
+from common.ranks.rank_model import model_layout
 from common.ranks.remote_hosts import RemoteHosts
 from common.ranks.step import StepChannel
 
@@ -44,6 +45,11 @@ T = TypeVar("T")
 POLL_S = 0.1
 GROUP_TIMEOUT_S = 365 * 24 * 3600.0  # followers wait for the next step as long as the server idles
 STOP_GRACE_S = 10.0
+
+
+def rank_name(tp: TensorParallel, rank: int) -> str:
+    """How faults name a rank: its DP rank too under DP attention (each holds its own requests)."""
+    return f"dp rank {rank} (tp rank {rank})" if tp.dp_attention else f"tp rank {rank}"
 
 
 class RankFault(RuntimeError):
@@ -72,18 +78,27 @@ class Ranks:
         threading.Thread(target=self._watch, name="tp-ranks", daemon=True).start()
         per_host = config.ranks_per_host
         start_barrier(store, 0, config.tp_size, config.dist_timeout, per_host)  # a missing host: one clear line
-        self.tp: TensorParallel = init_group(0, config.tp_size, store, config.device, GROUP_TIMEOUT_S, per_host)
+        group = init_group(0, config.tp_size, store, config.device, GROUP_TIMEOUT_S, per_host)
+        self.tp: TensorParallel = model_layout(group, config)
         self.channel = StepChannel(self.tp, config.device, config.page_size)
 
-    def forward(self, batch: ForwardBatch, run: Callable[[], T]) -> T:
-        """Send `batch` to the followers, then `run()` rank 0's share of it."""
+    def forward(self, batches: list[ForwardBatch], run: Callable[[], T]) -> T:
+        """Send the step's batches to the followers (one, or one per rank under DP attention), then `run()`
+        rank 0's share of it."""
+        return self._step(lambda: self.channel.send(batches, self.step), run)
+
+    def group_op(self, op: int, run: Callable[[], T]) -> T:
+        """Tell every follower to run the group operation `op` (common.ranks.step), then `run()` rank 0's part."""
+        return self._step(lambda: self.channel.send_op(op, self.step), run)
+
+    def _step(self, send: Callable[[], None], run: Callable[[], T]) -> T:
         if self.fault is not None:
             raise RankFault(self.fault)
         self.step += 1
         self.progress.started(self.step)
         self.step_started = time.monotonic()
         try:
-            self.channel.send(batch, self.step)
+            send()
             return run()
         except Exception as e:
             raise RankFault(self._diagnose(e)) from e
@@ -127,7 +142,7 @@ class Ranks:
             lost = self._lost.setdefault(rank, time.monotonic())
             if time.monotonic() - lost < self.grace_s:
                 return
-        self._set_fault(f"tp rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+        self._set_fault(f"{rank_name(self.tp, rank)} (pid {p.pid}) exited with code {p.returncode}")
 
     def _on_remote(self, problem: str) -> None:
         if not self.serving:

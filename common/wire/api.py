@@ -64,6 +64,7 @@ class PDFields(BaseModel):
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
     prefill_instance_id: str | None = Field(None, min_length=1, max_length=128)
     migration: Migration | None = None
+    data_parallel_rank: int | None = Field(None, ge=0, lt=2**16)  # SGLang's: the DP rank to run on (DP attention)
 
     @property
     def rendezvous(self) -> Rendezvous | None:

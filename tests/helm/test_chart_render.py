@@ -148,11 +148,14 @@ def test_gpu_rdma_asks_for_the_gpu_the_rdma_device_and_ipc_lock():
 
 def test_deepseek_example_runs_tp_ranks_per_role_with_an_fp8_kv_cache():
     docs = render(example("cpu-deepseek-tp.yaml"))
+    layouts = {}
     for role in ("prefill", "decode"):
         c = container(docs, role)
         config = parse_serve(c["args"])
         assert (config.tp_size, config.kv_cache_dtype, config.device) == (4, "fp8_e4m3", "cpu")
         assert "nvidia.com/gpu" not in str(c["resources"])
+        layouts[role] = (config.enable_dp_attention, config.dp_size, config.ep_size)
+    assert layouts == {"prefill": (False, 1, 1), "decode": (True, 4, 4)}  # TP-MoE prefill, DP+EP decode
     gpu = example("gpu-1p1d-rdma.yaml")
     gpu["prefill"]["tpSize"] = 2  # a pod asks for one GPU per rank
     docs = render(gpu)

@@ -44,6 +44,12 @@ def cases(busy: int, gpt2: Path) -> dict[str, tuple[list[str], int, str]]:
             "tandem serve: --chunked-prefill-size 100 is not a multiple of --page-size 16: give a multiple, or 0 "
             "to turn chunked prefill off",
         ),
+        "serve-deepep": (
+            [*tandem, "serve", "--moe-a2a-backend", "deepep"],
+            1,
+            "tandem serve: --moe-a2a-backend deepep: Tandem does not ship DeepEP's kernels; use --moe-a2a-backend "
+            "none (torch.distributed all-to-all: NCCL on CUDA, gloo on the CPU)",
+        ),
         "serve-value-out-of-range": (
             [*tandem, "serve", "--page-size", "0"],
             1,

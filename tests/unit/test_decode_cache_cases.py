@@ -87,7 +87,9 @@ def test_a_prefill_refuses_a_cached_prefix_that_is_not_page_aligned(monkeypatch)
     """A decode that names a cached prefix off a page boundary gets its room failed, naming the field."""
     real_init = KVReceiver.init
     monkeypatch.setattr(
-        KVReceiver, "init", lambda self, pages, slot, cached=0: real_init(self, pages, slot, cached + 1)
+        KVReceiver,
+        "init",
+        lambda self, pages, slot, cached=0, dp_rank=0: real_init(self, pages, slot, cached + 1, dp_rank),
     )
     m = KVHandoff()
     m._submit(list(range(1, 11)), 2)

@@ -8,10 +8,16 @@ from transfer.aux_record import RECORD_BYTES
 
 
 class AuxPool:
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self.buffer = torch.zeros(num_slots, RECORD_BYTES, dtype=torch.uint8)
-        self._free = list(range(num_slots - 1, -1, -1))
+    def __init__(self, num_slots: int, buffer: torch.Tensor | None = None, first: int = 0):
+        """`buffer`, `first`: slots [first, first + num_slots) of another pool's buffer (`shares`)."""
+        self.num_slots, self.first = num_slots, first
+        self.buffer = buffer if buffer is not None else torch.zeros(num_slots, RECORD_BYTES, dtype=torch.uint8)
+        self._free = list(range(first + num_slots - 1, first - 1, -1))
+
+    def shares(self, n: int) -> list[AuxPool]:
+        """`n` pools of disjoint slots of this buffer (one per DP rank's role; the registered memory is one)."""
+        per = self.num_slots // n
+        return [AuxPool(per, self.buffer, i * per) for i in range(n)]
 
     @property
     def data_ptr(self) -> int:
@@ -30,7 +36,7 @@ class AuxPool:
         return slot
 
     def free(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or slot in self._free:
+        if not self.first <= slot < self.first + self.num_slots or slot in self._free:
             raise ValueError(f"aux slot {slot} is out of range or already free")
         self._free.append(slot)
 

@@ -128,6 +128,7 @@ class DecodeKVManager(KVManager):
                 a.tp_size,
                 a.kv_heads,
                 [a.device_index, *a.rank_device_indices],
+                a.dp_size,
             ),
         )
         self.registered_with[endpoint] = prefill_id

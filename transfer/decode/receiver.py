@@ -24,16 +24,20 @@ class KVReceiver:
         self.deadline: float | None = None
         self.abort_sent = False
 
-    def init(self, dst_pages: list[int], aux_slot: int, cached_prefix_len: int = 0) -> bool:
+    def init(self, dst_pages: list[int], aux_slot: int, cached_prefix_len: int = 0, dp_rank: int = 0) -> bool:
         """Ask the prefill to write the prompt's pages from token `cached_prefix_len` (page-aligned: the
-        decode's prefix cache holds the ones before) into `dst_pages`; False, sending nothing, if the room
+        decode's prefix cache holds the ones before) into `dst_pages` (of DP rank `dp_rank`'s pool under DP
+        attention); False, sending nothing, if the room
         already failed (its prefill was declared dead while the request waited for memory): the caller
         fails the request."""
         if self.room.poll.state == KVPoll.Failed:
             return False
         m = self.manager
         m.register_with(self.prefill_endpoint, self.prefill_id)
-        m.send(self.prefill_endpoint, RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot, cached_prefix_len))
+        m.send(
+            self.prefill_endpoint,
+            RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot, cached_prefix_len, dp_rank),
+        )
         self.room.mark("room_request_sent")
         self.room.dst_pages = dst_pages
         self.room.requested, self.room.requested_at = True, m.clock()

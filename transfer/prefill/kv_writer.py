@@ -77,9 +77,15 @@ class AuxStaging:
             self._available.release()
 
 
+def attention_tp(tp_size: int, dp_size: int) -> int:
+    """The ranks one attention group splits the KV heads over: all of them, or tp / dp under DP attention."""
+    return tp_size // dp_size
+
+
 def registration_problem(mine: KVArgs, registration: Register) -> str | None:
     """Why we must never write into what `registration` registered (naming the field), or None when it
-    fits: the same page size and KV heads, and one buffer per decode rank holding exactly its heads."""
+    fits: the same page size and KV heads, and one buffer per decode rank holding exactly its heads (every
+    head under DP attention: its attention group is one rank)."""
     if registration.page_size != mine.page_size:
         return f"page_size: decode has {registration.page_size}, prefill has {mine.page_size}"
     if registration.kv_heads != mine.kv_heads:
@@ -87,13 +93,13 @@ def registration_problem(mine: KVArgs, registration: Register) -> str | None:
             f"kv_heads: decode has {registration.kv_heads}, prefill has {mine.kv_heads} "
             "(another model, or a Tandem before heads-first pages, which sends 1: run one version on both)"
         )
-    problem = split_problem(registration.kv_heads, registration.tp_size)
+    decode_attn = attention_tp(registration.tp_size, registration.dp_size)
+    problem = split_problem(registration.kv_heads, decode_attn)
     if problem is not None:
-        return f"decode layout: {problem}"
+        return f"decode layout (tp_size {registration.tp_size}, dp_size {registration.dp_size}): {problem}"
     expected = mine.bytes_per_page
-    if registration.tp_size != mine.tp_size:  # a page of the decode's ranks: its share of the heads
-        head_bytes = head_bytes_of(mine)
-        expected = [head_bytes * len(rank_heads(mine.kv_heads, registration.tp_size, 0))] * registration.tp_size
+    if (registration.tp_size, registration.dp_size) != (mine.tp_size, mine.dp_size):  # a decode rank's page
+        expected = [head_bytes_of(mine) * len(rank_heads(mine.kv_heads, decode_attn, 0))] * registration.tp_size
     if len(registration.kv_ptrs) != len(expected):
         return (
             f"kv_ptrs: decode registered {len(registration.kv_ptrs)} KV buffers, prefill expects {len(expected)} "
@@ -108,7 +114,7 @@ def registration_problem(mine: KVArgs, registration: Register) -> str | None:
 
 def head_bytes_of(args: KVArgs) -> int:
     """One KV head of one page (a prefill rank's page holds its heads one after another)."""
-    return args.bytes_per_page[0] // len(rank_heads(args.kv_heads, args.tp_size, 0))
+    return args.bytes_per_page[0] // len(rank_heads(args.kv_heads, attention_tp(args.tp_size, args.dp_size), 0))
 
 
 class KVWriter:
@@ -121,23 +127,27 @@ class KVWriter:
         self._lock = threading.Lock()
         self._slice_writers = ThreadPoolExecutor(SLICE_WRITERS, "kv-rank-write", initializer=lower_this_thread)
 
-    def rank_slices(self, registration: Register, src_pages: list[int], dst_pages: list[int]) -> RankSlices:
-        """{(prefill rank, decode rank): (src, dst, nbytes)} of a chunk: buffers paired by index at equal TP
-        size, else each decode rank's heads cut out of the prefill ranks' pages (common.wire.kv_heads)."""
+    def rank_slices(
+        self, registration: Register, src_pages: list[int], dst_pages: list[int], src_dp: int = 0, dst_dp: int = 0
+    ) -> RankSlices:
+        """{(prefill rank, decode rank): (src, dst, nbytes)} of a chunk, from the attention group of DP rank
+        `src_dp` (the prefill's ranks: all of them, or that rank under DP attention) to that of decode DP
+        rank `dst_dp`: buffers paired by index at equal attention TP size, else each decode rank's heads cut
+        out of the prefill ranks' pages (common.wire.kv_heads)."""
         a = self.args
-        if registration.tp_size == a.tp_size:
-            return paired_slices(a.kv_ptrs, registration.kv_ptrs, a.bytes_per_page, a.tp_size, src_pages, dst_pages)
-        plan = head_sources(a.kv_heads, a.tp_size, registration.tp_size)
-        return head_slices(
-            a.kv_ptrs,
-            registration.kv_ptrs,
-            a.bytes_per_page[0],
-            registration.bytes_per_page[0],
-            head_bytes_of(a),
-            plan,
-            src_pages,
-            dst_pages,
-        )
+        src_tp, dst_tp = attention_tp(a.tp_size, a.dp_size), attention_tp(registration.tp_size, registration.dp_size)
+        s0, d0 = src_dp * src_tp, dst_dp * dst_tp
+        sp, dp = len(a.kv_ptrs) // a.tp_size, len(registration.kv_ptrs) // registration.tp_size  # buffers per rank
+        src_ptrs = a.kv_ptrs[s0 * sp : (s0 + src_tp) * sp]
+        dst_ptrs = registration.kv_ptrs[d0 * dp : (d0 + dst_tp) * dp]
+        if src_tp == dst_tp:
+            bytes_per_page = a.bytes_per_page[s0 * sp : (s0 + src_tp) * sp]
+            slices = paired_slices(src_ptrs, dst_ptrs, bytes_per_page, src_tp, src_pages, dst_pages)
+        else:
+            plan = head_sources(a.kv_heads, src_tp, dst_tp)
+            src_page, dst_page = a.bytes_per_page[s0], registration.bytes_per_page[d0]
+            slices = head_slices(src_ptrs, dst_ptrs, src_page, dst_page, head_bytes_of(a), plan, src_pages, dst_pages)
+        return {(s + s0, d + d0): triples for (s, d), triples in slices.items()}
 
     def write(
         self,
@@ -148,15 +158,17 @@ class KVWriter:
         aux: bytes | None,
         fence: Callable[[], None],
         mark: Mark = no_mark,
+        src_dp: int = 0,
     ) -> int:
-        """The pages and, on the last chunk, the aux record; returns the KV bytes written, raises on any
+        """The pages (of DP rank `src_dp`'s pool under DP attention) and, on the last chunk, the aux record
+        (always into decode rank 0's aux buffer); returns the KV bytes written, raises on any
         failure of a slice (after every slice ended). The prefill ranks at once (each its slices in turn),
         then the record; one slice alone (TP 1 on both sides) goes with the record in one batch when on the host (one round trip:
         the decode reads the record only after the status, sent once the whole batch landed); device KV
         and the host record take a batch each. `fence()` runs before each round of backend calls and raises when the
         decode may no longer be written to; `mark` records the writes on the request's timeline."""
-        slices = self.rank_slices(registration, src_pages, dst_pages)
-        src, dst, nbytes = slices.pop((0, 0)) if len(slices) == 1 else ([], [], [])
+        slices = self.rank_slices(registration, src_pages, dst_pages, src_dp, room_request.dp_rank)
+        src, dst, nbytes = slices.pop((0, 0)) if list(slices) == [(0, 0)] else ([], [], [])
         written = self._write_slices(registration, room_request.decode_id, slices, fence) + sum(nbytes)
         peer = rank_peer(room_request.decode_id, 0)
         if aux is not None and not self.on_cuda:

@@ -29,7 +29,7 @@ from transfer.messages import (
     Status,
 )
 from transfer.poll import DuplicateRoom, KVPoll, Mark, no_mark
-from transfer.prefill.kv_writer import KVWriter, rank_peer, registration_problem
+from transfer.prefill.kv_writer import KVWriter, attention_tp, rank_peer, registration_problem
 from transfer.prefill.prefill_rooms import PrefillRoomState, PrefillRoomTable
 from transfer.prefill.rank_links import Agent, RankLinks
 from transfer.prefill.transfer_worker import Chunk, TransferWorker, WorkerPool
@@ -113,13 +113,16 @@ class PrefillKVManager(KVManager):
             )
         for rank, address in enumerate(msg.backend_addresses):  # our followers' agents learn them on first use
             self.backend.add_peer(rank_peer(msg.decode_id, rank), address, msg.device_indices[rank])
-        if msg.tp_size != self.args.tp_size:
-            plan = head_sources(self.args.kv_heads, self.args.tp_size, msg.tp_size)
+        a = self.args
+        if (msg.tp_size, msg.dp_size) != (a.tp_size, a.dp_size):
+            plan = head_sources(a.kv_heads, attention_tp(a.tp_size, a.dp_size), attention_tp(msg.tp_size, msg.dp_size))
             log.info(
-                "decode %s at TP %d (we are at TP %d): %s",
+                "decode %s at TP %d, DP %d (we are at TP %d, DP %d): per attention group, %s",
                 msg.decode_id,
                 msg.tp_size,
-                self.args.tp_size,
+                msg.dp_size,
+                a.tp_size,
+                a.dp_size,
                 describe_sources(plan),
             )
         self.registrations[msg.decode_id] = msg
@@ -143,8 +146,9 @@ class PrefillKVManager(KVManager):
         if (
             any(not 1 <= p <= registration.num_pages for p in msg.dst_pages)
             or not 0 <= msg.aux_slot < registration.aux_slots
+            or not 0 <= msg.dp_rank < registration.dp_size
         ):
-            raise BadMessage(f"room {msg.room_id}: destination page or aux slot outside the decode's pool")
+            raise BadMessage(f"room {msg.room_id}: destination page, aux slot or DP rank outside the decode's pool")
         try:
             room, gave_up = self.table.on_request(msg)
         except ValueError as e:
@@ -217,7 +221,14 @@ class PrefillKVManager(KVManager):
         if a.kv_checksum:
             sums = self.hasher.submit(page_run_sums, a.kv_ptrs, a.bytes_per_page, chunk.src_pages, chunk.dst_pages)
         written = self.writer.write(
-            registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
+            registration,
+            room_request,
+            chunk.src_pages,
+            chunk.dst_pages,
+            chunk.aux,
+            fence,
+            chunk.room.mark,
+            chunk.room.dp_rank,
         )
         if sums is not None and chunk.aux is None:  # landed: the decode checks these pages now
             self.send(registration.status_endpoint, KVChecksums(chunk.room.room_id, sums.result()))

@@ -30,6 +30,7 @@ class PrefillRoomState:
     room_request: RoomRequest | None = None  # where the decode wants the KV; None until it asked
     requested_at: float | None = None  # when the decode's request arrived (the clock of the table)
     owned: bool = False  # a KVSender of this process holds the room
+    dp_rank: int = 0  # whose pool the room's pages are (DP attention: the prefill DP rank its request runs on)
     mark: Mark = no_mark  # the owning request's timeline
     checksums: list[list[int]] = field(default_factory=list)  # the last chunk's page runs (--...-kv-checksum)
 

@@ -9,11 +9,12 @@ from transfer.prefill.transfer_worker import Chunk, Ready, TransferQueueFull
 
 
 class KVSender:
-    def __init__(self, manager: PrefillKVManager, room_id: int, mark: Mark = no_mark):
+    def __init__(self, manager: PrefillKVManager, room_id: int, mark: Mark = no_mark, dp_rank: int = 0):
         """Raises DuplicateRoom if another request of this server holds room `room_id`; `mark` records the
-        room's steps on the request's timeline."""
+        room's steps on the request's timeline; `dp_rank`: whose pool the pages are (DP attention)."""
         self.manager = manager
         self.room = manager.claim(room_id, mark)
+        self.room.dp_rank = dp_rank
         self.offset = 0  # destination pages used by earlier chunks
 
     def poll(self) -> KVPoll:

@@ -42,6 +42,15 @@ of a LeaderWorkerSet (the role's nodes > 1: one TP group over `nodes` pods, engi
 - --tp-size
 - {{ $role.tpSize | quote }}
 {{- end }}
+{{- if gt (int ($role.dpSize | default 1)) 1 }}
+- --enable-dp-attention
+- --dp-size
+- {{ $role.dpSize | quote }}
+{{- end }}
+{{- if gt (int ($role.epSize | default 1)) 1 }}
+- --ep-size
+- {{ $role.epSize | quote }}
+{{- end }}
 {{- $nodes := int (include "tandem.engine.nodes" .) }}
 {{- if gt $nodes 1 }}
 - --nnodes
