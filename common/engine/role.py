@@ -75,6 +75,7 @@ class SchedulerView:
 class Role:
     mode: str | None = None  # "prefill" or "decode": a PD role serves only requests a router paired
     instance_id: str | None = None  # a PD role's transfer instance (routers pass a prefill's to decodes)
+    interleave_prefill: bool = False  # one decode step between two prefill steps (a decode's own prompts)
 
     def admit(self, req: Req) -> bool:
         """A new request: True if the role queued it itself, False to let the scheduler queue it for prefill."""

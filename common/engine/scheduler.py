@@ -2,7 +2,8 @@
 it, commit its results.
 
 Prefill has priority (as in SGLang): a step runs new/chunked prompts when any wait and fit, else one
-decode token for every running request. The scheduler composes a PrefillQueue, a DecodeBatch, the
+decode token for every running request; a decode server's role (`Role.interleave_prefill`) runs one decode
+step between two prefill steps, so a prompt it computes itself holds its batch up by one chunk at a time. The scheduler composes a PrefillQueue, a DecodeBatch, the
 MemoryManager and a Role (PD prefill / decode; the base Role for a monolithic server).
 
 Failure is per request: an exception while handling one request ends that request with a 500 naming
@@ -60,6 +61,7 @@ class Scheduler:
         self._live = 0  # requests submitted and not finished (any thread reads it: see num_queued)
         self._live_lock = threading.Lock()
         self.grammars: GrammarQueue | None = None  # requests waiting for their grammar (None: --grammar-backend none)
+        self.last_mode: ForwardMode | None = None  # of the last batch run
 
     # -- called from other threads -------------------------------------------------------------
     def wake(self) -> None:
@@ -114,7 +116,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         req.timeline.mark("admitted")
         self.output.prepare(req)
-        problem = rendezvous_problem(self.role.mode, req.rendezvous) if self.role.mode else None
+        problem = rendezvous_problem(self.role.mode, req.rendezvous, req.pd_placement) if self.role.mode else None
         if problem is not None:
             self.fail(req, problem, 400)
         elif req.grammar_spec is not None and self.grammars is None:
@@ -145,6 +147,15 @@ class Scheduler:
             return None
 
     def _next_plan(self) -> BatchPlan | None:
+        """Prefill first; a role that interleaves (a decode's, whose prompts are the few it computes itself) runs
+        its batch's next token between two prefill steps."""
+        if self.role.interleave_prefill and self.last_mode == ForwardMode.EXTEND and self.decode.running:
+            try:
+                plan = self.decode.schedule()
+            except Exception as e:
+                return self._fail_all(list(self.decode.running), f"internal error scheduling a decode batch: {e!r}")
+            if plan is not None:
+                return plan
         try:
             plan = self.prefill.schedule(self.slots_left(), decode_idle=not self.decode.running)
         except Exception as e:
@@ -184,6 +195,7 @@ class Scheduler:
                 self.fail(req, message, 500)
 
     def _run(self, plan: BatchPlan) -> None:
+        self.last_mode = plan.mode
         extend = plan.mode == ForwardMode.EXTEND
         for req in plan.reqs if extend else ():
             req.timeline.mark_once("prefill_start")

@@ -134,6 +134,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         top_logprobs_num=body.top_logprobs_num,
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
+        pd_placement=body.pd_placement,
         priority=check_priority(engine, body.priority),
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")

@@ -23,6 +23,10 @@ from common.wire.tools import ToolSet, parse_tools
 from common.wire.unsupported import CHAT, COMPLETION, GENERATE, GENERATE_SAMPLING, reject_best_of, reject_unsupported
 
 INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
+# Where a PD request's prompt is computed (docs/placement.md), the router's body field `pd_placement`: on a prefill
+# that sends the KV of the prompt past the decode's cached prefix (remote_suffix, the default), of the whole prompt
+# (remote_full: the decode ignores its cache), or on the decode itself (local: no prefill, no bootstrap fields).
+PLACEMENTS = ("remote_suffix", "remote_full", "local")
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,14 @@ class Rendezvous:
         return replace(self, room_id=(self.room_id + index) % 2**63)
 
 
-def rendezvous_problem(mode: str, rendezvous: Rendezvous | None) -> str | None:
-    """Why a server in `mode` cannot serve a request with this rendezvous, or None: a prefill or decode
-    server serves only what a router paired (it added the bootstrap fields)."""
+def rendezvous_problem(mode: str, rendezvous: Rendezvous | None, placement: str | None = None) -> str | None:
+    """Why a server in `mode` cannot serve a request with this rendezvous and `pd_placement`, or None: a prefill
+    or decode server serves only what a router paired (it added the bootstrap fields), or, a decode, what it
+    is asked to prefill itself (`pd_placement` local, without them)."""
+    if placement == "local" and mode == "prefill":
+        return "pd_placement local asks a decode server to prefill the prompt itself; this is a prefill server"
+    if placement == "local" and mode == "decode":
+        return "pd_placement local takes no bootstrap fields: the decode computes the prompt" if rendezvous else None
     if mode in ("prefill", "decode") and rendezvous is None:
         return (
             f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests through the router"
@@ -59,6 +68,7 @@ class PDFields(BaseModel):
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
     prefill_instance_id: str | None = Field(None, min_length=1, max_length=128)
+    pd_placement: Literal[PLACEMENTS] | None = None  # type: ignore[valid-type]
 
     @property
     def rendezvous(self) -> Rendezvous | None:
