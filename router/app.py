@@ -30,10 +30,11 @@ from router.kv_feeds import KVFeeds
 from router.kv_index import KVIndex
 from router.kv_policy import KVAwarePolicy
 from router.metrics import REFRESH_S, RouterMetrics
-from router.placement import Placer, pair_policy
+from router.placement import Placer, pair_policy, placement_rule
 from router.processes import shared_dir
 from router.shared_workers import SharedWorkers
 from router.tls import client_context
+from router.worker_stats import WorkerStats
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -63,7 +64,10 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     tls = client_context(config)  # workers are called with the router's key for them, https ones verified
     feeds = metrics.kv_feeds = KVFeeds(workers, KVIndex())  # every policy counts what its pairs held
     kv = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens, metrics)
-    placer = Placer(workers, pair_policy(config.policy, config.decode_policy, kv), kv)
+    stats = WorkerStats(workers, config.placement_poll_interval_s)  # scraped only for --pd-placement cost
+    policy = pair_policy(config.policy, config.decode_policy, kv)
+    rule = placement_rule(config.pd_placement, policy, kv, stats, config.placement_local_threshold)
+    placer = Placer(workers, policy, kv, rule, metrics)
     dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls), placer)
     app = web.Application(middlewares=[_guard(config.api_key, drain)])
     app["workers"], app["dispatcher"], app["kv_feeds"] = workers, dispatcher, feeds
@@ -78,6 +82,8 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         )
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
         tasks.append(asyncio.create_task(feeds.follow(session)))
+        if config.pd_placement == "cost":
+            tasks.append(asyncio.create_task(stats.follow(session)))
         if discovery.targets:
             tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         if shared:

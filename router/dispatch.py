@@ -22,15 +22,17 @@ from router.config import RouterConfig
 from router.http1 import Pools
 from router.logprobs import PromptLogprobs, wants_prompt_logprobs
 from router.metrics import RouterMetrics
-from router.pair_call import Pair, PairCall, with_bootstrap
+from router.pair_call import Pair, PairCall, pair_fields
 from router.pair_stream import PairStream
 from router.placement import Placer
+from router.request_hints import NONE, RequestHints
 from router.upstream import CLIENT_DISCONNECTED, UpstreamError, read_all, read_chunk
 from router.workers import WorkerRegistry
 
 log = logging.getLogger("tandem.router")
 COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps builds an encoder per call when given separators
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+CHAT = "/v1/chat/completions"
 
 
 def json_response(body: dict | bytes, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -77,14 +79,22 @@ class Dispatcher:
         try:
             raw = await read_limited(request.headers, request.content.iter_any(), self.config.max_request_bytes)
             body = parse_json_object(raw)
+            hints = RequestHints.from_headers(request.headers)
         except TandemError as e:
             return self._reply(path, json_response(e.to_dict(), e.status, e.headers), None, start)
-        return await self.dispatch(path, request, raw, body, start)
+        return await self.dispatch(path, request, raw, body, start, hints)
 
     async def dispatch(
-        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+        self,
+        path: str,
+        request: web.Request,
+        raw: bytes,
+        body: dict[str, Any],
+        start: float,
+        hints: RequestHints = NONE,
     ) -> web.StreamResponse:
-        """A request read and parsed (`raw` its bytes, `body` its JSON) through a pair, once admitted (429 if not)."""
+        """A request read and parsed (`raw` its bytes, `body` its JSON, `hints` its placement headers) through a
+        pair, once admitted (429 if not)."""
         if not self.admission.try_enter():
             limit = self.admission.limit
             error = error_body(
@@ -92,21 +102,22 @@ class Dispatcher:
             )
             return self._reply(path, json_response(error, 429, {"Retry-After": "1"}), None, start)
         try:
-            return await self._handle_admitted(path, request, raw, body, start)
+            return await self._handle_admitted(path, request, raw, body, start, hints)
         finally:
             self.admission.leave()
 
     async def _handle_admitted(
-        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float, hints: RequestHints
     ) -> web.StreamResponse:
         exclude: set[str] = set()
         error: UpstreamError | None = None
+        extra = self._slo_fields(body, hints)
         for attempt in (1, 2):
-            pair = self.placer.pick(body, exclude)
+            pair = self.placer.pick(body, exclude, hints)
             if pair is None:
                 return self._no_pair(path, error, start)
             try:
-                return await self._serve_on(pair, path, request, raw, body, start)
+                return await self._serve_on(pair, path, request, raw, body, start, extra)
             except UpstreamError as e:
                 error = e
                 if not (e.retriable and attempt == 1 and e.worker is not None):
@@ -126,12 +137,26 @@ class Dispatcher:
             path, json_response(error_body(msg, "overloaded_error", 503), 503, {"Retry-After": "1"}), None, start
         )
 
+    def _slo_fields(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
+        """With --slo-priority, a request's priority from its TTFT target, unless it has one."""
+        priority = hints.priority() if self.config.slo_priority and body.get("priority") is None else None
+        return {"priority": priority} if priority is not None else {}
+
     async def _serve_on(
-        self, pair: Pair, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+        self,
+        pair: Pair,
+        path: str,
+        request: web.Request,
+        raw: bytes,
+        body: dict[str, Any],
+        start: float,
+        extra: dict[str, Any],
     ) -> web.StreamResponse:
         """One attempt. An UpstreamError before anything reached the client leaves this with the call closed
-        and the failure counted; once a stream started, failures become its last event."""
-        prefill_body, decode_body = forward_bodies(raw, body, with_bootstrap(body, pair.prefill))
+        and the failure counted; once a stream started, failures become its last event. `extra`: fields the
+        router adds to the body (an SLO's priority)."""
+        prefill_body, decode_body = forward_bodies(raw, body, pair_fields(body, pair) | extra)
+        sent = time.monotonic()
         call = PairCall(self.pools, pair, path, prefill_body, decode_body, self.config.request_timeout_s)
         logprobs: PromptLogprobs | None = None
         handed_to_stream = False
@@ -140,11 +165,13 @@ class Dispatcher:
             if not body.get("stream"):
                 data = await read_all(resp, pair.decode)
                 prefill_answer = await call.prefill_answer
-                if wants_prompt_logprobs(path, body):
+                if wants_prompt_logprobs(path, body) and pair.prefill is not None:
                     data = PromptLogprobs(path, prefill_answer).answer(data)
                 return self._reply(path, json_response(data), pair, start)
             first = await read_chunk(resp, pair.decode)
-            if wants_prompt_logprobs(path, body):  # the first event must already carry them
+            if path != CHAT:  # a chat stream's first event is the role, not a token
+                self.placer.first_token(pair, time.monotonic() - sent)
+            if wants_prompt_logprobs(path, body) and pair.prefill is not None:  # the first event must carry them
                 logprobs = PromptLogprobs(path, await call.prefill_answer)
             handed_to_stream = True
         except UpstreamError as e:
@@ -205,6 +232,6 @@ class Dispatcher:
         self.metrics.latency.observe(time.monotonic() - start)
         level = logging.INFO if outcome or status != 200 else logging.DEBUG  # every request is 7% of the CPU at INFO
         if log.isEnabledFor(level):
-            where = f"{pair.prefill.url} + {pair.decode.url}" if pair else "-"
+            where = "-" if pair is None else f"{pair.prefill.url if pair.prefill else 'local'} + {pair.decode.url}"
             note = f": {outcome}" if outcome else ""
             log.log(level, "%s -> %d via %s (%.1f ms)%s", path, status, where, 1000 * (time.monotonic() - start), note)

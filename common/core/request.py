@@ -65,7 +65,9 @@ class GenInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
-    pd_placement: str | None = None  # PD: where the prompt is computed (common/wire/api.py PLACEMENTS; None: remote_suffix)
+    pd_placement: str | None = (
+        None  # PD: where the prompt is computed (common/wire/api.py PLACEMENTS; None: remote_suffix)
+    )
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
     grammar_spec: GrammarSpec | None = None  # what the output must match (json_schema, regex, tool_choice...)
 

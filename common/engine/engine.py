@@ -30,7 +30,7 @@ from common.engine.output import OutputProcessor
 from common.engine.role import Role
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
-from common.engine.warmup import use_kernel_cache, warm_up
+from common.engine.warmup import calibrate, use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import make_prefix_cache
@@ -51,6 +51,7 @@ from common.wire.kv_events import parse_kv_events_config
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RoleFactory = Callable[["Engine"], Role]
+CALIBRATION_TOKENS = 256  # the start-up measurement's prompt (at most one chunk)
 
 
 class Engine:
@@ -181,6 +182,8 @@ class Engine:
         m.gauge("tandem_num_queue_reqs", "requests waiting for prefill", lambda: len(s.prefill.waiting))
         m.gauge("tandem_kv_pages_total", "KV pages", lambda: self.pool_plan.num_pages)
         m.gauge("tandem_kv_pages_free", "KV pages free", lambda: self.memory.allocator.available_pages())
+        page_bytes = sum(b.bytes_per_page for b in self.kv_pool.buffer_infos())
+        m.gauge("tandem_kv_page_bytes", "bytes of one KV page (every layer's K and V) on this rank", lambda: page_bytes)
         cached = self.memory.prefix_cache.evictable_pages
         m.gauge("tandem_kv_pages_cached", "KV pages of the prefix cache that no request uses (reclaimable)", cached)
         m.gauge(
@@ -189,6 +192,12 @@ class Engine:
             lambda: self.pool_plan.num_pages - self.memory.allocator.available_pages() - cached(),
         )
         host_tier.register_gauges(m, self.memory.prefix_cache)
+        m.registry.register(s.forward_stats)
+        m.gauge(
+            "tandem_prefill_queue_tokens",
+            "prompt tokens still to compute of the requests waiting for prefill and the chunked one",
+            s.prefill.pending_tokens,
+        )
         m.labelled_gauges(
             "tandem_pd_queue_requests",
             "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
@@ -209,6 +218,17 @@ class Engine:
             seconds,
             tokens,
             cache,
+        )
+        chunk = c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens
+        self.scheduler.forward_stats.chunk_tokens = chunk
+        cal = self.scheduler.forward_stats.calibration = calibrate(
+            self.runner, self.memory, min(CALIBRATION_TOKENS, chunk, self.context_len - 2), c.device
+        )
+        log.info(
+            "calibration: a %d-token prefill at %.0f tokens/s, a decode step in %.1f ms",
+            cal.tokens,
+            cal.prefill_tokens_per_s,
+            1000 * cal.decode_step_s,
         )
         return seconds
 
@@ -245,6 +265,7 @@ class Engine:
             "tp": {"size": self.config.tp_size, "nnodes": self.config.nnodes, "ranks": self.rank_reports},
             "kv_events": self.kv_events.info() if self.kv_events is not None else None,
             "grammar": self.grammar.info_dict() if self.grammar is not None else None,
+            "calibration": s.forward_stats.calibration.to_dict(),
         }
 
     def health_problem(self) -> str | None:

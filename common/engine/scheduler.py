@@ -25,6 +25,7 @@ from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
 from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.decode_batch import DecodeBatch
+from common.engine.forward_stats import ForwardStats
 from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.engine.output import OutputProcessor
 from common.engine.prefill_queue import PrefillQueue
@@ -62,6 +63,7 @@ class Scheduler:
         self._live_lock = threading.Lock()
         self.grammars: GrammarQueue | None = None  # requests waiting for their grammar (None: --grammar-backend none)
         self.last_mode: ForwardMode | None = None  # of the last batch run
+        self.forward_stats = ForwardStats()  # what the forwards cost (the engine exposes it in /metrics)
 
     # -- called from other threads -------------------------------------------------------------
     def wake(self) -> None:
@@ -199,11 +201,13 @@ class Scheduler:
         extend = plan.mode == ForwardMode.EXTEND
         for req in plan.reqs if extend else ():
             req.timeline.mark_once("prefill_start")
+        start = time.perf_counter()
         try:
             result = self.runner.run(plan)
         except Exception as e:  # the batch's requests are in no queue now: answer them here
             self._fail_all(plan.reqs, f"internal error running the batch: {e!r}")
             return
+        self.forward_stats.record(plan.mode.value, sum(plan.extend_lens), time.perf_counter() - start)
         for req in plan.reqs if extend else ():
             req.timeline.mark("forward_done")
         for i, req in enumerate(plan.reqs):

@@ -9,6 +9,7 @@ the room is in flight), except for a room this process never started writing, wh
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from common.wire.kv_heads import describe_sources, head_sources
@@ -208,9 +209,11 @@ class PrefillKVManager(KVManager):
         fence = lambda: self._fence(room_request.decode_id, chunk.room)  # noqa: E731
         if chunk.ready is not None:  # the forward that wrote the pages may still run on the device
             chunk.ready.synchronize()
+        start = time.perf_counter()
         written = self.writer.write(
             registration, room_request, chunk.src_pages, chunk.dst_pages, chunk.aux, fence, chunk.room.mark
         )
+        self.counters["write_microseconds"] += int(1e6 * (time.perf_counter() - start))
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] += written
 
