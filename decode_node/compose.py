@@ -1,4 +1,5 @@
-"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (cached lookups)."""
+"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (cached lookups), at start-up
+and after a role switch to decode."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from common.wire.kv_layout import kv_layout, model_kv_heads
 from decode_node.peers import PeerDirectory
 from decode_node.role import DecodeRole
 from transfer.aux_record import RECORD_BYTES
+from transfer.backends.shared import SharedBackend
 from transfer.decode.aux_pool import AuxPool
 from transfer.decode.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
@@ -21,23 +23,39 @@ log = logging.getLogger(__name__)
 def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
     """A decode server's engine; `follower`: the module its follower ranks run (one that starts their
     transfer agents)."""
+    return Engine(config, DecodeComposer().make_role, follower)
 
-    def make_role(engine: Engine) -> DecodeRole:
+
+class DecodeComposer:
+    """Makes an engine's decode role: at start-up, and again after each role switch to decode
+    (--enable-pd-role-switch: `shared` is then the process's one transfer engine). The aux pool is made once and
+    kept (its memory stays registered with that engine)."""
+
+    def __init__(self, shared: SharedBackend | None = None):
+        self.shared = shared
+        self.aux: AuxPool | None = None
+
+    def make_role(self, engine: Engine) -> DecodeRole:
         config = engine.config  # with the batch limits derived for the device
-        aux = AuxPool(2 * config.max_running_requests + 16)
+        aux = self.aux = self.aux or AuxPool(2 * config.max_running_requests + 16)
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         args = kv_args_from_pool(
             engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots, kv_heads, engine.followers_transfer
         )
-        manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)
+        manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake, shared=self.shared)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         layout = kv_layout(engine.kv_pool, config.transfer_backend, engine.model_id, config.tp_size, kv_heads)
         log.info("KV layout: %s", layout)
         peers = PeerDirectory(layout, config.cluster_secret, tls=config.peer_tls)
         manager.on_peer_dead.append(peers.invalidate)
-        return DecodeRole(
+        role = DecodeRole(
             SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config
         )
+        role.on_close += [peers.close, lambda: _unregister_metrics(engine, manager)]
+        return role
 
-    return Engine(config, make_role, follower)
+
+def _unregister_metrics(engine: Engine, manager: DecodeKVManager) -> None:
+    engine.metrics.registry.unregister(manager.metrics)
+    engine.metrics.remove_rejection_source("control")

@@ -96,6 +96,7 @@ class DecodeRole(Role):
         self.transferring: list[Req] = []
         self.quarantined: list[Req] = []  # ended; their pages wait until no write can land in them
         self.inbound: dict[Req, Inbound] = {}
+        self.on_close: list[Callable[[], None]] = []  # what the composer adds to close()
 
     def admit(self, req: Req) -> bool:
         if req.pd_placement == "local":
@@ -316,6 +317,11 @@ class DecodeRole(Role):
             "transferring": len(self.transferring),
             "quarantined": len(self.quarantined),
         }
+
+    def close(self) -> None:
+        self.kv_manager.close()
+        for fn in self.on_close:
+            fn()
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

@@ -32,6 +32,7 @@ from router.kv_policy import KVAwarePolicy
 from router.metrics import REFRESH_S, RouterMetrics
 from router.placement import Placer, pair_policy, placement_rule
 from router.processes import shared_dir
+from router.role_switch import add_role_switch_route
 from router.shared_workers import SharedWorkers
 from router.tls import client_context
 from router.worker_stats import WorkerStats
@@ -103,6 +104,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     _add_status_routes(app, workers, metrics)
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
+    add_role_switch_route(app, workers, config.max_request_bytes, config.role_switch_timeout_s)
     return app
 
 

@@ -73,6 +73,9 @@ class RouterConfig(BaseSettings):
         description="give a request with an x-slo-ttft-ms header a priority (tighter first, above requests without "
         "one) unless it has one; the workers must run --enable-priority-scheduling",
     )
+    role_switch_timeout_s: float = Field(
+        300.0, gt=0, description="POST /pd_role_switch: how long a worker may take to finish its requests and switch"
+    )
     port: int = Field(8000, ge=1, le=65535)
     health_check_interval_s: float = Field(5.0, gt=0, description="seconds between two health checks of a worker")
     health_check_timeout_s: float = Field(2.0, gt=0, description="a GET /health slower than this is a failure")

@@ -60,7 +60,8 @@ def check_before_loading(config: ServerConfig) -> None:
     """The user's mistakes that show without loading a model: the model's path and architecture, the ports."""
     check_model(config.model)
     ports = {"--port": config.port}
-    if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
+    may_prefill = config.disagg_mode == "prefill" or config.enable_pd_role_switch
+    if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)
         ports["--bootstrap-port"] = config.bootstrap_port
     if config.dist_init_addr is not None:  # rank 0 hosts its TP group's rendezvous there
         ports["--dist-init-addr"] = split_host_port(config.dist_init_addr)[1]
@@ -101,6 +102,8 @@ def tls_context(config: ServerConfig):
 def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
+    if config.enable_pd_role_switch:
+        return build_switchable_engine(config)
     if config.disagg_mode == "prefill":
         from prefill_node.compose import build_prefill_engine
 
@@ -110,6 +113,22 @@ def build_engine(config: ServerConfig):
 
         return build_decode_engine(config, RANK_FOLLOWER)
     return Engine(config, follower=RANK_FOLLOWER)
+
+
+def build_switchable_engine(config: ServerConfig):
+    """A prefill or decode whose role POST /pd_role_switch may change (common/engine/role_switch.py): both roles'
+    composers share one transfer engine."""
+    from common.engine.engine import Engine
+    from common.engine.role_switch import RoleSwitch
+    from decode_node.compose import DecodeComposer
+    from prefill_node.compose import PrefillComposer
+    from transfer.backends.shared import SharedBackend
+
+    shared = SharedBackend()
+    factories = {"prefill": PrefillComposer(shared).make_role, "decode": DecodeComposer(shared).make_role}
+    engine = Engine(config, factories[config.disagg_mode], RANK_FOLLOWER)
+    engine.role_switch = RoleSwitch(engine, factories)
+    return engine
 
 
 def serve(config: ServerConfig) -> None:

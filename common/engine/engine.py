@@ -27,7 +27,8 @@ from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor
-from common.engine.role import Role
+from common.engine.role import RoleFactory
+from common.engine.role_switch import RoleSwitch
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.warmup import calibrate, use_kernel_cache, warm_up
@@ -50,7 +51,6 @@ from common.wire.kv_events import parse_kv_events_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RoleFactory = Callable[["Engine"], Role]
 CALIBRATION_TOKENS = 256  # the start-up measurement's prompt (at most one chunk)
 
 
@@ -104,6 +104,7 @@ class Engine:
         if make_role is not None:
             self.scheduler.role = make_role(self)
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
+        self.role_switch: RoleSwitch | None = None  # --enable-pd-role-switch: set by the server's composition
         self._register_gauges()
 
     def _grammar_backend(self, eos_ids: set[int]):
@@ -245,6 +246,25 @@ class Engine:
             self.ranks.stop()
 
     @property
+    def mode(self) -> str:
+        """The role this server serves now (--disagg-mode, until a role switch)."""
+        return self.config.disagg_mode
+
+    def set_mode(self, mode: str) -> None:
+        """A role switch installed a role of `mode` (common/engine/role_switch.py; on the scheduler thread)."""
+        self.config = self.scheduler.config = self.config.model_copy(update={"disagg_mode": mode})
+        self.metrics.role = mode
+
+    def bootstrap_address(self) -> str | None:
+        """HOST:PORT of the bootstrap registry a prefill registers with (its embedded one, or --bootstrap-url's);
+        None for other roles."""
+        if self.mode != "prefill":
+            return None
+        if self.config.bootstrap_url:
+            return self.config.bootstrap_url.split("://", 1)[-1].rstrip("/")
+        return f"{self.config.public_host}:{self.config.bootstrap_port}"
+
+    @property
     def instance_id(self) -> str | None:
         """The PD role's transfer instance id (what a router passes to decodes), or None."""
         return self.scheduler.role.instance_id
@@ -271,7 +291,8 @@ class Engine:
     def health_problem(self) -> str | None:
         """Why this server cannot serve right now (/health answers 503 with it), or None."""
         rank_fault = self.ranks.fault if self.ranks is not None else None
-        return rank_fault or self.thread.health_problem() or self.scheduler.role.health_problem()
+        switch = self.role_switch.problem if self.role_switch is not None else None
+        return rank_fault or switch or self.thread.health_problem() or self.scheduler.role.health_problem()
 
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:

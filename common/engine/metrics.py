@@ -43,6 +43,10 @@ class RejectedInputs:
                 raise ValueError(f"rejections at {where!r} are already counted")
             self._sources[where] = read
 
+    def remove_source(self, where: str) -> None:
+        with self._lock:
+            self._sources.pop(where, None)
+
     def values(self) -> dict[str, float]:
         with self._lock:
             values: dict[str, float] = dict(self._counts)
@@ -127,6 +131,10 @@ class EngineMetrics:
         """Report rejections counted elsewhere (e.g. "control": `lambda: manager.counters["rejected_messages"]`)
         as `tandem_rejected_inputs_total{where=...}`; `read` is called from the /metrics handler's thread."""
         self.rejected.add_source(where, read)
+
+    def remove_rejection_source(self, where: str) -> None:
+        """Stop reporting `where` (its component ended: a role switch)."""
+        self.rejected.remove_source(where)
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)

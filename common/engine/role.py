@@ -18,10 +18,12 @@ from common.core.request import FinishReason, Req
 from common.memory.manager import MemoryManager
 
 if TYPE_CHECKING:
+    from common.engine.engine import Engine
     from common.engine.scheduler import Scheduler
 
 Sampled = tuple[int, float | None, Any]  # (token, logprob, top logprobs) of a prompt's first sample
 T = TypeVar("T")
+RoleFactory = Callable[["Engine"], "Role"]  # builds a server's PD role once its engine exists (the roles' compose.py)
 
 
 class SchedulerView:
@@ -80,6 +82,9 @@ class Role:
     def admit(self, req: Req) -> bool:
         """A new request: True if the role queued it itself, False to let the scheduler queue it for prefill."""
         return False
+
+    def close(self) -> None:
+        """The role ends (a role switch, once it holds no request): its transfer instance and threads stop."""
 
     def poll(self) -> None:
         """Once per step: move requests between the role's queues and the scheduler's."""

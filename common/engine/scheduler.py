@@ -278,6 +278,12 @@ class Scheduler:
         a prefill forward, or in the role's queues (read from other threads)."""
         return self._live - len(self.decode.running)
 
+    def idle(self) -> bool:
+        """No request submitted and unfinished, none held by a queue or the role (a role switch waits for this)."""
+        with self._live_lock:
+            live = self._live
+        return live == 0 and not self.has_work()
+
     def has_work(self) -> bool:
         waiting = self.grammars is not None and self.grammars.waiting
         return bool(

@@ -23,6 +23,8 @@ from common.wire.tools import ToolSet, parse_tools
 from common.wire.unsupported import CHAT, COMPLETION, GENERATE, GENERATE_SAMPLING, reject_best_of, reject_unsupported
 
 INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its transfer instance (routers pass it on)
+ROLE_HEADER = "X-Tandem-Role"  # ... and its role, which a role switch changes (routers follow it)
+BOOTSTRAP_HEADER = "X-Tandem-Bootstrap"  # ... and a prefill's bootstrap registry, HOST:PORT
 # Where a PD request's prompt is computed (docs/placement.md), the router's body field `pd_placement`: on a prefill
 # that sends the KV of the prompt past the decode's cached prefix (remote_suffix, the default), of the whole prompt
 # (remote_full: the decode ignores its cache), or on the decode itself (local: no prefill, no bootstrap fields).
