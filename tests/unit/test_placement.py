@@ -12,7 +12,7 @@ from router.metrics import RouterMetrics
 from router.placement import Placer, pair_policy
 from router.placement_cost import Overheads, Prompt, Side, Slo, local, remote
 from router.placement_rules import CostPlacement, PendingWork, TwoWay
-from router.request_hints import RequestHints
+from router.request_hints import NONE, RequestHints
 from router.worker_stats import Stats, WorkerStats, parse
 from router.workers import WorkerRegistry
 
@@ -185,7 +185,7 @@ IDLE = metrics_text()
 BUSY_DECODE = metrics_text(running=12)
 
 
-def place(n: int, held: dict[str, int], scrapes: dict[str, str], hints: RequestHints = RequestHints()):
+def place(n: int, held: dict[str, int], scrapes: dict[str, str], hints: RequestHints = NONE):
     registry, stats = cluster(scrapes)
     placement = CostPlacement(Index(n, held), stats)
     metrics = RouterMetrics(registry, lambda: 0)
