@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import metric, start_server
+from tests.conftest import ServerProcess, metric, start_server
 from tests.integration.cluster import Cluster, generate, start_router
 from tests.integration.tiny_model import random_prompts
 from tests.ports import free_port
@@ -160,4 +160,54 @@ def test_a_decode_flips_to_prefill_and_back_under_load_losing_nothing(cluster, m
     failed = [(i, a) for i, a in answers if a != expected[i]]
     assert failed == [], failed[:3]
     assert metric(flipping.url, "tandem_forward_steps_total", mode="decode") > 0
+    cluster.wait_idle()
+
+
+def test_the_planner_flips_a_decode_to_prefill_when_ttft_is_over_its_target(cluster, mono):
+    """sla mode with a TTFT target no prompt meets and an ITL target every token does: the prefill side is over its
+    target, so one of the two decodes becomes a prefill within a few intervals; no request fails meanwhile."""
+    port = free_port()
+    planner = ServerProcess(
+        ["planner", "--router", cluster.url, "--mode", "sla", "--ttft-ms", "1", "--itl-ms", "100000",
+         "--interval-s", "1", "--hysteresis", "2", "--cooldown-s", "0", "--port", str(port)],
+        port, name="planner",
+    )  # fmt: skip
+    prompts = random_prompts(4, 8, 60, seed=7)
+    expected = [generate(mono.url, p, NEW)["output_ids"] for p in prompts]
+    answers: list[tuple[int, list[int] | str]] = []
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            try:
+                answers.append((i % len(prompts), ask(cluster.url, prompts[i % len(prompts)], stream=True)))
+            except AssertionError as e:
+                answers.append((i % len(prompts), str(e)))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    flipped = None
+    try:
+        planner.wait_ready(60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and flipped is None:
+            prefills = [u for u, role in roles(cluster.url).items() if role == "prefill"]
+            flipped = next((d for d in cluster.decodes if d.url in prefills), None)
+            time.sleep(0.5)
+        decisions = metric(planner.url, "tandem_planner_decisions_total", action="to_prefill")
+        done = metric(planner.url, "tandem_planner_actions_total", outcome="done")
+    finally:
+        planner.stop()
+        stop.set()
+        for t in threads:
+            t.join()
+    assert flipped is not None, planner.log_tail()
+    assert decisions == 1 and done == 1  # then min_servers: the last decode stays
+    failed = [(i, a) for i, a in answers if a != expected[i]]
+    assert failed == [] and len(answers) >= 5, failed[:3]
+    r = httpx.post(cluster.url + "/pd_role_switch", json={"url": flipped.url, "new_role": "decode"}, timeout=400)
+    assert r.status_code == 200, r.text
     cluster.wait_idle()

@@ -47,7 +47,11 @@ tandem_calibration_prefill_tokens_per_second{{role="prefill"}} {rate}
 """
 
 
-WORKERS = [WorkerView("http://p0", "prefill", 3), WorkerView("http://d0", "decode", 9), WorkerView("http://d1", "decode", 1)]
+WORKERS = [
+    WorkerView("http://p0", "prefill", 3),
+    WorkerView("http://d0", "decode", 9),
+    WorkerView("http://d1", "decode", 1),
+]
 
 
 def test_quantiles_come_from_what_the_buckets_gained():
