@@ -85,6 +85,7 @@ def follower_rank(backend, device, layers, heads, dim, pages, tp, rank, serve, q
         "127.0.0.1",
         None,
         serve,
+        pool.device_index,
     )
     q_out.put(agent.report())
     parent = os.getppid()
@@ -140,6 +141,7 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
         tp_size=tp,
         kv_heads=heads,
         rank_addresses=[f.backend_address for f in followers],
+        rank_device_indices=[f.device_index for f in followers],
         rank_agents=[(f.agent_endpoint, f.agent_id) for f in followers if f.agent_endpoint],
     )
     manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(args)

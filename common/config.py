@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.memory.store.config import parse_store_config
 from common.wire.addresses import split_host_port
 from common.wire.kv_events import parse_kv_events_config
 
@@ -28,6 +29,17 @@ class ServerConfig(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    flashinfer_backend: Literal["fa2", "fa3", "auto"] = Field(
+        "fa2",
+        description="FlashInfer's kernel family (as SGLang pins it): fa2 builds two kernels; auto adds FA3's on Hopper "
+        "(several more minutes of first-start compilation)",
+    )
+    disable_cuda_graph: bool = Field(
+        False, description="CUDA: run every decode step eagerly instead of replaying captured CUDA graphs"
+    )
+    cuda_graph_max_bs: int | None = Field(
+        None, ge=1, le=4096, description="CUDA: the largest decode batch replayed from a graph (default 256)"
+    )
     kernel_cache_dir: str | None = Field(
         None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
     )
@@ -76,6 +88,21 @@ class ServerConfig(BaseSettings):
     hicache_size: float = Field(0.0, ge=0, description="host tier size in GiB (overrides --hicache-ratio when > 0)")
     hicache_write_policy: Literal["write_through", "write_back"] = Field(
         "write_through", description="copy KV to the host tier when it is cached (write_through) or when evicted"
+    )
+    hicache_storage_backend: Literal["file", "mooncake"] | None = Field(
+        None,
+        description="a KV store every server shares, behind the host tier (needs --enable-hierarchical-cache): "
+        "file (a directory) or mooncake (Mooncake Store)",
+    )
+    hicache_storage_backend_extra_config: str | None = Field(
+        None,
+        description="JSON for the store: Mooncake's names (master_server_address, metadata_server, protocol, "
+        "global_segment_size, ...), file_path, prefetch_threshold, prefetch_timeout_base, ... (docs/kv-store.md)",
+    )
+    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
+        "best_effort",
+        description="how long a request waits for its prefix to come from the store: not at all, until it has "
+        "come, or at most prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 tokens",
     )
     max_queued_requests: int = Field(1024, ge=1)
     enable_priority_scheduling: bool = Field(
@@ -178,9 +205,22 @@ class ServerConfig(BaseSettings):
                 "--enable-pd-role-switch needs --disagg-mode prefill or decode and --tp-size 1: a monolithic server "
                 "has no role to switch, and the ranks of a TP group cannot switch yet"
             )
+        self._check_store()
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
         return self
+
+    def _check_store(self) -> None:
+        if self.hicache_storage_backend is None:
+            if self.hicache_storage_backend_extra_config:
+                raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend file|mooncake")
+            return
+        if not self.enable_hierarchical_cache:
+            raise ValueError(
+                f"--hicache-storage-backend {self.hicache_storage_backend} is the tier behind the host tier: "
+                "add --enable-hierarchical-cache"
+            )
+        parse_store_config(self.hicache_storage_backend, self.hicache_storage_backend_extra_config)
 
     def _check_hosts(self) -> None:
         """--nnodes, --node-rank and --dist-init-addr fit together and with --tp-size (SGLang's meanings)."""

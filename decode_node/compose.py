@@ -52,10 +52,5 @@ class DecodeComposer:
         role = DecodeRole(
             SchedulerView(engine.scheduler), manager, aux, peers.find, engine.hf_config.vocab_size, config
         )
-        role.on_close += [peers.close, lambda: _unregister_metrics(engine, manager)]
+        role.on_close += [peers.close, lambda: engine.metrics.drop_transfer_metrics(manager.metrics)]
         return role
-
-
-def _unregister_metrics(engine: Engine, manager: DecodeKVManager) -> None:
-    engine.metrics.registry.unregister(manager.metrics)
-    engine.metrics.remove_rejection_source("control")

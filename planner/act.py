@@ -54,13 +54,13 @@ class Flip:
 class Scale:
     def __init__(self, config: PlannerConfig, root: Path = SERVICE_ACCOUNT, api: str = API):
         self.config, self.root, self.api = config, root, api
-        self.namespace = config.namespace or _read(root / "namespace") or "default"
+        self.namespace = config.namespace or _file_text(root / "namespace") or "default"
 
     def _url(self, deployment: str) -> str:
         return f"{self.api}/apis/apps/v1/namespaces/{self.namespace}/deployments/{deployment}/scale"
 
     def _auth(self) -> dict[str, str]:
-        token = _read(self.root / "token")  # read each time: the kubelet rotates it
+        token = _file_text(self.root / "token")  # read each time: the kubelet rotates it
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def ssl(self) -> object:
@@ -99,7 +99,7 @@ class Scale:
         return "scaled " + ", ".join(done)
 
 
-def _read(path: Path) -> str | None:
+def _file_text(path: Path) -> str | None:
     try:
         return path.read_text().strip()
     except OSError:

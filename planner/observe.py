@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.worker_stats import Stats, parse
+from router.worker_stats import Stats, parse_metrics
 
 TTFT = "tandem_time_to_first_token_seconds"
 ITL = "tandem_inter_token_latency_seconds"
@@ -50,7 +50,7 @@ class Observation:
 
 
 @dataclass
-class Sample:
+class WorkerRead:
     """One worker's /metrics as the planner reads them."""
 
     pages: dict[str, float] = field(default_factory=dict)  # free, cached, used, total
@@ -58,8 +58,8 @@ class Sample:
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative count
 
 
-def read_sample(text: str) -> Sample:
-    s = Sample()
+def read_sample(text: str) -> WorkerRead:
+    s = WorkerRead()
     for family in text_string_to_metric_families(text):
         for x in family.samples:
             if x.name.startswith("tandem_kv_pages_"):
@@ -94,7 +94,7 @@ class Observer:
 
     def __init__(self, router: str, headers: dict[str, str] | None = None, timeout_s: float = 5.0):
         self.router, self.headers, self.timeout = router.rstrip("/"), headers, aiohttp.ClientTimeout(total=timeout_s)
-        self.last: dict[str, Sample] = {}
+        self.last: dict[str, WorkerRead] = {}
         self.rates: dict[str, Stats] = {}
 
     async def observe(self, session: aiohttp.ClientSession, now: float) -> Observation:
@@ -127,7 +127,7 @@ class Observer:
             sample = read_sample(text)
             before = self.last.get(w.url, sample)  # a worker first read adds nothing to the interval's latencies
             rates = self.rates.setdefault(w.url, Stats())
-            rates.update(parse(text), now)
+            rates.update(parse_metrics(text), now)
             self.last[w.url] = sample
             if w.role == "prefill":
                 obs.queue_tokens += rates.queue_tokens

@@ -71,7 +71,7 @@ class PrefillComposer:
             manager.endpoint,
         )
         role = PrefillRole(SchedulerView(engine.scheduler), manager, config)
-        role.on_close += [stop.set, lambda: _unregister_metrics(engine, manager)]
+        role.on_close += [stop.set, lambda: engine.metrics.drop_transfer_metrics(manager.metrics)]
         return role
 
     def _bootstrap_url(self, engine: Engine) -> str:
@@ -87,11 +87,6 @@ class PrefillComposer:
             engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
             self.bootstrap_url = f"{config.scheme}://{config.public_host}:{config.bootstrap_port}"
         return self.bootstrap_url
-
-
-def _unregister_metrics(engine: Engine, manager: PrefillKVManager) -> None:
-    engine.metrics.registry.unregister(manager.metrics)
-    engine.metrics.remove_rejection_source("control")
 
 
 def keep_registered(

@@ -32,7 +32,7 @@ from router.kv_policy import KVAwarePolicy
 from router.metrics import REFRESH_S, RouterMetrics
 from router.placement import Placer, pair_policy, placement_rule
 from router.processes import shared_dir
-from router.role_switch import add_role_switch_route
+from router.role_switch import add_pd_role_switch_route
 from router.shared_workers import SharedWorkers
 from router.tls import client_context
 from router.worker_stats import WorkerStats
@@ -64,7 +64,9 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     metrics = RouterMetrics(workers, lambda: admission.in_flight, os.path.join(shared, "metrics") if shared else None)
     tls = client_context(config)  # workers are called with the router's key for them, https ones verified
     feeds = metrics.kv_feeds = KVFeeds(workers, KVIndex())  # every policy counts what its pairs held
-    kv = KVAwarePolicy(feeds.index, feeds, config.kv_load_tokens, metrics)
+    kv = KVAwarePolicy(
+        feeds.index, feeds, config.kv_load_tokens, metrics, config.kv_host_hit_weight, config.kv_store_hit_weight
+    )
     stats = WorkerStats(workers, config.placement_poll_interval_s)  # scraped only for --pd-placement cost
     policy = pair_policy(config.policy, config.decode_policy, kv)
     rule = placement_rule(config.pd_placement, policy, kv, stats, config.placement_local_threshold)
@@ -104,7 +106,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     _add_status_routes(app, workers, metrics)
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
-    add_role_switch_route(app, workers, config.max_request_bytes, config.role_switch_timeout_s)
+    add_pd_role_switch_route(app, workers, config.max_request_bytes, config.role_switch_timeout_s)
     return app
 
 

@@ -56,6 +56,20 @@ class RouterConfig(BaseSettings):
         description="kv_aware: the cost, in prompt tokens, of one request in flight on a worker (the cost of a pair "
         "is the tokens its prefill computes + the tokens whose KV crosses to its decode + this x their requests)",
     )
+    kv_host_hit_weight: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="kv_aware: what a page in a worker's host tier saves, as a share of one on its device "
+        "(Dynamo's --router-host-cache-hit-weight)",
+    )
+    kv_store_hit_weight: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="kv_aware: what a page only the KV store every server shares holds saves a prefill that "
+        "reads from it (--hicache-storage-backend), as a share of one on its device",
+    )
     pd_placement: Literal["remote", "two_way", "cost"] = Field(
         "remote",
         description="where a prompt is computed (docs/placement.md): remote: always on a prefill; two_way: on the "

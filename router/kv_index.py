@@ -6,25 +6,53 @@ it holds their k hashes; a radix cache evicts leaves first, so what a worker hol
 host tier's page is loaded back rather than recomputed), so a page the device evicts after copying it to the
 host stays held. Every router process applies the same events in the same order per worker,
 so every process holds the same index.
+
+The KV store every server shares (medium "STORE", --hicache-storage-backend) is one tier of the whole cluster,
+not of a worker: its pages are kept apart (`store`), and a worker that reports store pages ("a store user")
+can read every page in it. A server never learns what the store evicts, so the store's set is bounded
+(least recently stored first out): it may over-count what the store still holds, and a worker then reads
+what it finds and computes the rest.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
+
+STORE = "STORE"
+STORE_PAGES = 1 << 18  # the store's pages the index remembers
 
 
 class KVIndex:
-    def __init__(self) -> None:
+    def __init__(self, store_pages: int = STORE_PAGES) -> None:
         self.holders: dict[int, set[str]] = {}  # block hash -> urls of the workers that hold it
         self.blocks: dict[str, dict[int, set[str]]] = {}  # worker url -> block hash -> the tiers holding it
+        self.store: OrderedDict[int, None] = OrderedDict()  # block hashes in the shared store
+        self.store_users: set[str] = set()  # workers that write to (and read from) the store
+        self.store_pages = store_pages
 
     def stored(self, worker: str, hashes: Iterable[int], medium: str = "GPU") -> None:
+        if medium == STORE:
+            self._stored_in_store(worker, hashes)
+            return
         mine = self.blocks.setdefault(worker, {})
         for h in hashes:
             mine.setdefault(h, set()).add(medium)
             self.holders.setdefault(h, set()).add(worker)
 
+    def _stored_in_store(self, worker: str, hashes: Iterable[int]) -> None:
+        self.store_users.add(worker)
+        for h in hashes:
+            self.store[h] = None
+            self.store.move_to_end(h)
+        while len(self.store) > self.store_pages:
+            self.store.popitem(last=False)
+
     def removed(self, worker: str, hashes: Iterable[int], medium: str = "GPU") -> None:
+        if medium == STORE:
+            for h in hashes:
+                self.store.pop(h, None)
+            return
         mine = self.blocks.get(worker)
         if not mine:
             return
@@ -58,6 +86,22 @@ class KVIndex:
                 break
             n += 1
         return n
+
+    def credit(self, worker: str, hashes: list[int], weights: dict[str, float], store_weight: float = 0.0) -> float:
+        """A prompt's leading pages the worker can reuse, each weighed by the best tier it is in (`weights` by
+        medium, 1 for one not named; `store_weight` for a page only the shared store holds, if the worker uses
+        it): what kv_aware subtracts from the pages it must compute."""
+        mine, total = self.blocks.get(worker, {}), 0.0
+        in_store = store_weight > 0 and worker in self.store_users
+        for h in hashes:
+            media = mine.get(h)
+            if media:
+                total += max(weights.get(m, 1.0) for m in media)
+            elif in_store and h in self.store:
+                total += store_weight
+            else:
+                break
+        return total
 
     def pages(self, worker: str) -> int:
         return len(self.blocks.get(worker, ()))

@@ -2,9 +2,14 @@
 
 One cost, in tokens, for a pair (p, d) and a prompt of n tokens whose chained page hashes are h:
 
-    (n - page_size * matched(p, h))          prompt tokens the prefill must compute
-  + page_size * (len(h) - matched(d, h))     tokens whose KV must cross to the decode (whole pages)
+    (n - page_size * credit(p, h))           prompt tokens the prefill must compute
+  + page_size * (len(h) - credit(d, h))      tokens whose KV must cross to the decode (whole pages)
   + load_tokens * (in_flight(p) + in_flight(d))
+
+credit counts the leading pages a worker can reuse, each at its tier's weight (KVIndex.credit): 1 on the device,
+--kv-host-hit-weight in the host tier, --kv-store-hit-weight for a page only the KV store every server shares
+holds (a prefill reads it from there; a decode never does: 0 for it), as Dynamo weighs host hits with
+--router-host-cache-hit-weight.
 
 The terms of p and of d are separate, so the least-cost pair is the least-cost prefill with the least-cost decode,
 and kv_aware is a policy of one side like the others (`--decode-policy kv_aware` picks only the decode by it);
@@ -30,8 +35,17 @@ class KVAwarePolicy:
     """The KV index's costs: `side(role)` picks a worker of that role by them (the policy kv_aware), `observe`
     counts what a chosen pair held (under every policy)."""
 
-    def __init__(self, index: KVIndex, feeds: KVFeeds, load_tokens: int, metrics: RouterMetrics | None = None):
+    def __init__(
+        self,
+        index: KVIndex,
+        feeds: KVFeeds,
+        load_tokens: int,
+        metrics: RouterMetrics | None = None,
+        host_weight: float = 1.0,
+        store_weight: float = 0.5,
+    ):
         self.index, self.feeds, self.load_tokens, self.metrics = index, feeds, load_tokens, metrics
+        self.weights, self.store_weight = {"GPU": 1.0, "CPU": host_weight}, store_weight
         self._tokenizer: Any = None
         self._tokenizer_of: str | None = None
         self._last: tuple[dict[str, Any], int | None, tuple[int, int, list[int]]] | None = None
@@ -39,10 +53,11 @@ class KVAwarePolicy:
     def side(self, role: str) -> KVSide:
         return KVSide(self, role)
 
-    def cost(self, role: str, worker: Worker, body: dict[str, Any]) -> tuple[int, int]:
+    def cost(self, role: str, worker: Worker, body: dict[str, Any]) -> tuple[float, int]:
         """(cost in tokens, requests in flight): a prefill's tokens to compute, a decode's tokens to cross."""
         n, page, hashes = self._pages(body)
-        matched = page * self.index.matched(worker.url, hashes)
+        store = self.store_weight if role == "prefill" else 0.0
+        matched = page * self.index.credit(worker.url, hashes, self.weights, store)
         tokens = n - matched if role == "prefill" else page * len(hashes) - matched
         return tokens + self.load_tokens * worker.in_flight, worker.in_flight
 

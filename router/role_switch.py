@@ -22,7 +22,7 @@ log = logging.getLogger("tandem.router")
 SWITCH_MARGIN_S = 30.0  # beyond the worker's own wait for its requests
 
 
-def add_role_switch_route(app: web.Application, workers: WorkerRegistry, max_bytes: int, timeout_s: float) -> None:
+def add_pd_role_switch_route(app: web.Application, workers: WorkerRegistry, max_bytes: int, timeout_s: float) -> None:
     """`timeout_s`: how long the router waits for a worker's switch (its --pd-role-switch-timeout-s and more)."""
 
     async def pd_role_switch(request: web.Request) -> web.Response:

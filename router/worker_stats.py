@@ -67,14 +67,14 @@ class Stats:
 
     def update(self, s: Sample, now: float) -> None:
         prev, first = self.last, self.at == 0.0
-        self.prefill_tokens_per_s = _rate(
+        self.prefill_tokens_per_s = _busy_rate(
             self.prefill_tokens_per_s if not first else 0.0,
             s.extend_tokens - prev.extend_tokens,
             s.extend_s - prev.extend_s,
             s.calibration_rate,
             first,
         )
-        step = _rate(
+        step = _busy_rate(
             1 / self.decode_step_s if self.decode_step_s and not first else 0.0,
             s.decode_steps - prev.decode_steps,
             s.decode_s - prev.decode_s,
@@ -96,7 +96,7 @@ def _ewma(old: float, new: float) -> float:
     return (1 - EWMA) * old + EWMA * new
 
 
-def _rate(old: float, amount: float, busy_s: float, calibration: float, first: bool) -> float:
+def _busy_rate(old: float, amount: float, busy_s: float, calibration: float, first: bool) -> float:
     """Units per busy second: the interval's when it was busy enough, blended into the old; the calibration
     until the worker has run anything (on the first scrape, the totals since start count as one interval)."""
     if busy_s >= MIN_BUSY_S:
@@ -105,7 +105,7 @@ def _rate(old: float, amount: float, busy_s: float, calibration: float, first: b
     return old or calibration
 
 
-def parse(text: str) -> Sample:
+def parse_metrics(text: str) -> Sample:
     """The values of one /metrics text."""
     s = Sample()
     for family in text_string_to_metric_families(text):
@@ -182,4 +182,4 @@ class WorkerStats:
                 text = await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return  # the health checks say what is wrong with it; its last stats stay
-        self.stats.setdefault(worker.url, Stats()).update(parse(text), time.monotonic())
+        self.stats.setdefault(worker.url, Stats()).update(parse_metrics(text), time.monotonic())

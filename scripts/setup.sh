@@ -75,6 +75,21 @@ else
     12) EXTRA=cuda12 ;;
     *) echo "[setup] torch is built for CUDA $MAJOR; Mooncake and NIXL wheels exist for CUDA 12 and 13" >&2; exit 2 ;;
   esac
+  # FlashInfer builds its kernels with nvcc on first use: nvcc's CUDA major must be torch's
+  NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  if [ ! -x "$NVCC" ]; then
+    echo "[setup] warning: no nvcc (PATH, \$CUDA_HOME/bin): FlashInfer cannot build its kernels; install the" \
+         "CUDA $MAJOR toolkit, or serve with --attention-backend torch" >&2
+  else
+    NVCC_MAJOR=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+    if [ "$NVCC_MAJOR" != "$MAJOR" ]; then
+      echo "[setup] $NVCC is CUDA ${NVCC_MAJOR:-unknown} but torch is built for CUDA $MAJOR: FlashInfer's kernels" \
+           "would not build; put a CUDA $MAJOR toolkit first on PATH (image nvidia/cuda:$MAJOR.*-devel), or install" \
+           "torch for CUDA $NVCC_MAJOR (pip install torch --index-url https://download.pytorch.org/whl/cu${NVCC_MAJOR}<minor>)" >&2
+      exit 2
+    fi
+    echo "[setup] nvcc ($NVCC) is CUDA $NVCC_MAJOR, as torch"
+  fi
 fi
 READ_EXTRA='import sys, tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))'
 echo "[setup] extra '$EXTRA': $("$PY" -c "$READ_EXTRA" "$EXTRA" 2>/dev/null || echo 'see pyproject.toml')"

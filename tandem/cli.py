@@ -1,4 +1,4 @@
-"""`tandem serve | router | planner | bootstrap | up | bench` — the composition root.
+"""`tandem serve | router | planner | bootstrap | kv-store | up | bench` — the composition root.
 
 A start-up mistake of the user (common.wire.user_error.UserError) ends the command with one line on
 stderr, `tandem <command>: <what is wrong and what to do>`, and exit code 1; a command line argparse
@@ -15,7 +15,7 @@ import traceback
 from common.wire.user_error import UserError
 from tandem.flags import LOG_LEVEL_ENV, FlagParser, add_log_level_flag, take_log_level
 
-COMMANDS = ("serve", "router", "planner", "bootstrap", "up", "bench")
+COMMANDS = ("serve", "router", "planner", "bootstrap", "kv-store", "up", "bench")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,6 +47,10 @@ def run(argv: list[str]) -> None:
         from tandem.up import run_up
 
         sys.exit(run_up(ns))
+    elif ns.command == "kv-store":
+        from tandem.kv_store import run_kv_store
+
+        sys.exit(run_kv_store(ns))
     elif ns.command == "bench":
         from tandem.bench.main import run_bench
 
@@ -68,6 +72,7 @@ def build_parser() -> FlagParser:
     from common.config import ServerConfig
     from tandem.bench.flags import add_bench_flags
     from tandem.flags import add_model_flags
+    from tandem.kv_store import add_kv_store_flags
     from tandem.up import add_up_flags
 
     parser = FlagParser(prog="tandem", description="Prefill/decode disaggregated LLM serving")
@@ -91,7 +96,9 @@ def build_parser() -> FlagParser:
     )
     boot.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate")
     boot.add_argument("--ssl-keyfile", help="the certificate's private key (default: in --ssl-certfile)")
-    for p in (serve, up, boot):
+    store = sub.add_parser("kv-store", help="run a Mooncake Store for --hicache-storage-backend mooncake")
+    add_kv_store_flags(store)
+    for p in (serve, up, boot, store):
         add_log_level_flag(p)
     return parser
 

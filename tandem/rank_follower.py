@@ -35,7 +35,7 @@ def start_agent(config: ServerConfig, pool: KVPool) -> RankAgent | None:
     (buffer,) = pool.buffer_infos()
     serve = config.disagg_mode == "prefill"
     triple = (buffer.data_ptr, buffer.nbytes, buffer.bytes_per_page)
-    return RankAgent(backend, triple, on_cuda, config.public_host, config.cluster_secret, serve)
+    return RankAgent(backend, triple, on_cuda, config.public_host, config.cluster_secret, serve, pool.device_index)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from common.model.locate import check_model
 from common.wire.user_error import UserError
 from router.policies import POLICIES
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
+from tandem.kv_store import add_up_store_flags, up_store
 from tandem.ports import require_free_ports
 
 
@@ -59,18 +60,22 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         help="clients send it to the router (Bearer), the router to the servers; every process gets it "
         "[env TANDEM_API_KEY]",
     )
+    add_up_store_flags(p)
     p.add_argument("extra", nargs="*", help="more `tandem serve` flags for every engine server, after --")
 
 
 def plan_children(ns: argparse.Namespace) -> list[Child]:
     """Every process of the cluster; the secrets go in their environment, not argv (`ps` shows argv)."""
     py = [sys.executable, "-m", "tandem"]
-    common = ["--model", ns.model, "--host", ns.host, "--device", ns.device, *ns.extra]
+    store_flags, store_argv, store_ports = up_store(ns, py)
+    common = ["--model", ns.model, "--host", ns.host, "--device", ns.device, *store_flags, *ns.extra]
+    children = [Child("kv-store", store_argv, f"http://{ns.host}:{ns.kv_store_port + 2}/health", ports=store_ports)]
+    children = children if store_argv else []
     if ns.mode == "monolithic":
         argv = py + ["serve", "--disagg-mode", "null", "--port", str(ns.port), *common]
-        children = [Child("server", argv, f"http://{ns.host}:{ns.port}/health")]
+        children.append(Child("server", argv, f"http://{ns.host}:{ns.port}/health"))
     else:
-        children = _pd_children(ns, py, common)
+        children += _pd_children(ns, py, common)
         secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_hex(16)  # a fresh one per cluster
         for c in children:
             c.env["TANDEM_CLUSTER_SECRET"] = secret
@@ -173,10 +178,11 @@ def place(ns: argparse.Namespace, children: list[Child], gpus: list[str]) -> lis
     """What runs where; on CUDA each engine process gets its GPU (tandem/gpus.py)."""
     if ns.device == "cpu":
         return ["every process on the CPU"]
-    return plan_gpus([c for c in children if c.name != "router"], gpus, base_fraction(ns.extra))
+    return plan_gpus([c for c in children if c.name not in ("router", "kv-store")], gpus, base_fraction(ns.extra))
 
 
 UP_SETS = ("--model", "--host", "--port", "--device", "--disagg-mode", "--bootstrap-port", "--transfer-backend")
+STORE_SETS = ("--hicache-storage-backend", "--hicache-storage-backend-extra-config")
 
 
 def _check_policy(ns: argparse.Namespace) -> None:
@@ -195,6 +201,8 @@ def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
         if n < 1 and ns.mode == "pd":
             raise UserError(f"{flag} {n}: a PD cluster needs at least 1 (or --mode monolithic)")
     for flag in ns.extra:
+        if flag.split("=")[0] in STORE_SETS and ns.hicache_storage_backend:
+            raise UserError(f"{flag} after --: `tandem up --hicache-storage-backend` sets it for every server")
         if flag.split("=")[0] in UP_SETS:
             raise UserError(f"{flag} after --: tandem up sets it for every server; give `tandem up {flag}` instead")
         if flag.split("=")[0] == "--tp-size" and ns.mode == "pd":
@@ -212,7 +220,7 @@ def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
     from tandem.server import server_config
 
     for c in children:
-        if c.name != "router":
+        if c.name not in ("router", "kv-store"):
             server_config(build_parser().parse_args(c.argv[3:]))
     check_model(ns.model)
     ports = {"--port": ns.port}

@@ -68,6 +68,7 @@ class KVArgs:
     tp_size: int = 1  # the ranks whose pools kv_ptrs are
     kv_heads: int = 1  # the model's KV heads, as the KV layout says (common.wire.kv_heads splits them)
     rank_addresses: list[bytes] = field(default_factory=list)  # followers' engines (ranks 1..), in rank order
+    rank_device_indices: list[int] = field(default_factory=list)  # followers' CUDA devices (ranks 1..)
     rank_agents: list[tuple[str, str]] = field(default_factory=list)  # prefill: followers' (endpoint, agent id)
 
 
@@ -248,5 +249,6 @@ def kv_args_from_pool(
         tp_size=config.tp_size,
         kv_heads=kv_heads or pool.kv_heads,
         rank_addresses=[f.backend_address for f in followers],
+        rank_device_indices=[f.device_index for f in followers],
         rank_agents=[(f.agent_endpoint, f.agent_id) for f in followers if f.agent_endpoint],
     )

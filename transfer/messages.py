@@ -31,13 +31,14 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
 
 MAX_PAGES_PER_REQUEST = 1 << 22
 MAX_FRAME_BYTES = 64 << 20
+MAX_DEVICE_INDEX = 1 << 16
 REPLAY_WINDOW_S = 300.0  # a frame older (or newer) than this by the receiver's clock is dropped
 MAX_SENDERS_REMEMBERED = 65536
 ENVELOPE = ("sender", "seq", "sent_at")
@@ -61,6 +62,7 @@ class Register:
     aux_slots: int
     tp_size: int = 1  # the decode's ranks: one KV buffer each, in rank order
     kv_heads: int = 1  # the model's KV heads (the layout's), split or replicated over the ranks
+    device_indices: list[int] = field(default_factory=lambda: [0])  # each rank's CUDA device (0 on the CPU)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class RankWrite:
     job: int
     peer_id: str
     peer_address: bytes
+    peer_device: int  # the decode rank's CUDA device, as its Register said
     src: list[int]
     dst: list[int]
     nbytes: list[int]
@@ -154,6 +157,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "aux_slots": (int,),
     "tp_size": (int,),
     "kv_heads": (int,),
+    "device_indices": (list,),
+    "peer_device": (int,),
     "room_id": (int,),
     "dst_pages": (list,),
     "aux_slot": (int,),
@@ -316,7 +321,13 @@ def _check_ranges(msg: Any) -> None:
             isinstance(a, bytes) and a for a in msg.backend_addresses
         ):
             raise BadMessage("backend_addresses: one non-empty address per rank (tp_size)")
+        if len(msg.device_indices) != msg.tp_size or not all(
+            type(d) is int and 0 <= d < MAX_DEVICE_INDEX for d in msg.device_indices
+        ):
+            raise BadMessage("device_indices: one device index per rank (tp_size)")
     if isinstance(msg, RankWrite):
+        if not 0 <= msg.peer_device < MAX_DEVICE_INDEX:
+            raise BadMessage("rank_write: peer_device out of range")
         pieces = (msg.src, msg.dst, msg.nbytes)
         if len({len(x) for x in pieces}) != 1 or not all(type(x) is int and x > 0 for xs in pieces for x in xs):
             raise BadMessage("rank_write: src, dst and nbytes must be matching lists of positive ints")

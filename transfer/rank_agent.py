@@ -44,6 +44,7 @@ class RankTransferReport:
     kv_ptr: int
     kv_nbytes: int
     bytes_per_page: int
+    device_index: int  # the CUDA device its pool is on (0 on the CPU): NIXL names it on remote descriptors
     agent_endpoint: str | None  # None on a decode: its agent only registers the pool
     agent_id: str
 
@@ -57,14 +58,17 @@ class RankAgent:
         host: str,
         secret: str | None,
         serve: bool,
+        device_index: int = 0,
     ):
-        """`buffer`: (pointer, bytes, bytes per page) of this rank's pool; `serve`: a prefill's agent."""
+        """`buffer`: (pointer, bytes, bytes per page) of this rank's pool, on CUDA device `device_index` when
+        `on_device`; `serve`: a prefill's agent."""
         self.backend, self.secret, self.on_device = backend, secret, on_device
+        self.device_index = device_index
         self.ptr, self.nbytes, self.bytes_per_page = buffer
         backend.register(self.ptr, self.nbytes, on_device)
         self.instance_id = f"rank-agent-{uuid.uuid4().hex[:12]}"
         self.counters: Counter[str] = Counter()
-        self.peers: dict[str, bytes] = {}
+        self.peers: dict[str, tuple[bytes, int]] = {}
         self._lock = threading.Lock()
         self.control: ZmqControlPlane | None = None
         if serve:
@@ -76,7 +80,13 @@ class RankAgent:
     def report(self) -> RankTransferReport:
         endpoint = self.control.endpoint if self.control else None
         return RankTransferReport(
-            self.backend.address(), self.ptr, self.nbytes, self.bytes_per_page, endpoint, self.instance_id
+            self.backend.address(),
+            self.ptr,
+            self.nbytes,
+            self.bytes_per_page,
+            self.device_index,
+            endpoint,
+            self.instance_id,
         )
 
     def on_frame(self, raw: bytes) -> None:
@@ -94,7 +104,7 @@ class RankAgent:
     def _write(self, msg: RankWrite) -> None:
         try:
             self._check_source(msg)
-            self._learn(msg.peer_id, msg.peer_address)
+            self._learn(msg.peer_id, msg.peer_address, msg.peer_device)
             self.backend.write_batch(msg.peer_id, msg.src, msg.dst, msg.nbytes, msg.on_device)
             reply = RankWritten(msg.job, True, "", sum(msg.nbytes))
             self.counters["bytes_sent"] += reply.written
@@ -108,11 +118,11 @@ class RankAgent:
         if any(not self.ptr <= s or s + n > end for s, n in zip(msg.src, msg.nbytes)):
             raise ValueError("a source piece lies outside this rank's registered KV pool")
 
-    def _learn(self, peer_id: str, address: bytes) -> None:
+    def _learn(self, peer_id: str, address: bytes, device: int) -> None:
         with self._lock:
-            if self.peers.get(peer_id) != address:
-                self.backend.add_peer(peer_id, address)
-                self.peers[peer_id] = address
+            if self.peers.get(peer_id) != (address, device):
+                self.backend.add_peer(peer_id, address, device)
+                self.peers[peer_id] = (address, device)
 
     def close(self) -> None:
         if self.control is not None:

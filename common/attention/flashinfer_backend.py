@@ -2,6 +2,14 @@
 
 The page-major pool gives each layer as a [num_pages + 1, H, page_size, D] view strided across pages
 and heads (FlashInfer's HND paged layout; its kernels take the strides); page ids come from req_to_token.
+
+Decode steps replayed from CUDA graphs (common.engine.cuda_graph) plan one wrapper per graph batch size,
+built with `use_cuda_graph=True` over fixed indptr / indices / last-page-length buffers
+(`prepare_graphs`, `init_graph_forward`), as SGLang does.
+
+The kernel family is pinned (`--flashinfer-backend`, default fa2, as SGLang and mini-sglang pin it):
+FlashInfer's "auto" builds FA3's kernels on Hopper besides FA2's (for the tensor-core decode), several
+ten-file nvcc builds on a first start instead of two.
 """
 
 from __future__ import annotations
@@ -11,56 +19,104 @@ import torch
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.core.page_meta import page_indices
+from common.memory.kv_pool import SlotIndex
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferAttention(AttentionBackend):
-    def __init__(self, kv_pool, num_q_heads: int, head_dim: int, scaling: float):
+    def __init__(self, kv_pool, num_q_heads: int, head_dim: int, scaling: float, backend: str = "fa2"):
         super().__init__(kv_pool, num_q_heads, head_dim, scaling)
         import flashinfer
 
         device = kv_pool.buffer.device
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND")
-        group = num_q_heads // kv_pool.kv_heads
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=group >= 4)
+        self.backend = backend
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=backend)
+        self.use_tensor_cores = num_q_heads // kv_pool.kv_heads >= 4
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_tensor_cores=self.use_tensor_cores, backend=backend
+        )
         self.page_size = kv_pool.page_size
+        self.graph_wrappers: dict[int, object] = {}
+
+    def prepare_graphs(self, max_bs: int, index_slots: int) -> None:
+        """The fixed buffers every graph's decode wrapper plans into (shared: one graph runs at a time),
+        and where the new tokens' slots go (page, offset), read by the captured set_kv."""
+        dev = self.workspace.device
+        self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self.graph_indices = torch.zeros(index_slots, dtype=torch.int32, device=dev)
+        self.graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.graph_out = SlotIndex(*(torch.zeros(max_bs, dtype=torch.int64, device=dev) for _ in range(2)))
+
+    def _graph_wrapper(self, size: int):
+        import flashinfer
+
+        if size not in self.graph_wrappers:
+            self.graph_wrappers[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "HND",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self.graph_indptr[: size + 1],
+                paged_kv_indices_buffer=self.graph_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:size],
+                backend=self.backend,
+            )
+        return self.graph_wrappers[size]
+
+    def init_graph_forward(self, batch: ForwardBatch, size: int) -> None:
+        """Plan the graph of `size` rows on its own wrapper (plan copies the page table into the fixed
+        buffers), and put the new tokens' (page, offset) where the captured forward reads them."""
+        wrapper = self._graph_wrapper(size)
+        self._plan_decode(wrapper, batch)
+        page, offset = self.graph_out.page[:size], self.graph_out.offset[:size]
+        torch.div(batch.out_cache_loc, self.page_size, rounding_mode="floor", out=page)
+        torch.remainder(batch.out_cache_loc, self.page_size, out=offset)
+        self._out, self._wrapper = SlotIndex(page, offset), wrapper
+
+    def _plan_decode(self, wrapper, batch: ForwardBatch) -> None:
+        meta, pool = batch.pages, self.kv_pool
+        indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
+        wrapper.plan(
+            meta.kv_indptr,
+            indices,
+            meta.last_page_len,
+            self.num_q_heads,
+            pool.kv_heads,
+            self.head_dim,
+            self.page_size,
+            pos_encoding_mode="NONE",
+            sm_scale=self.scaling,
+            q_data_type=pool.dtype,
+            kv_data_type=pool.dtype,
+        )
 
     def init_forward(self, batch: ForwardBatch) -> None:
         """plan() reads the indptr arrays on the host (the pinned views: no read back from the device)
         and copies them to its buffers; the page ids are gathered on the device."""
-        meta = batch.pages
-        indptr, last_len = meta.kv_indptr, meta.last_page_len
-        indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
-        pool = self.kv_pool
-        self._out = pool.locate(batch.out_cache_loc)
-        common = dict(sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)
+        self._out = self.kv_pool.locate(batch.out_cache_loc)
         if batch.mode == ForwardMode.DECODE:
-            self.decode.plan(
-                indptr,
-                indices,
-                last_len,
-                self.num_q_heads,
-                pool.kv_heads,
-                self.head_dim,
-                self.page_size,
-                pos_encoding_mode="NONE",
-                **common,
-            )
+            self._plan_decode(self.decode, batch)
+            self._wrapper = self.decode
             return
+        meta, pool = batch.pages, self.kv_pool
+        indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
         self.prefill.plan(
             meta.qo_indptr,
-            indptr,
+            meta.kv_indptr,
             indices,
-            last_len,
+            meta.last_page_len,
             self.num_q_heads,
             pool.kv_heads,
             self.head_dim,
             self.page_size,
             causal=True,
-            **common,
+            sm_scale=self.scaling,
+            q_data_type=pool.dtype,
+            kv_data_type=pool.dtype,
         )
+        self._wrapper = self.prefill
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -68,6 +124,4 @@ class FlashInferAttention(AttentionBackend):
         pool = self.kv_pool
         pool.set_kv(layer_id, self._out, k, v)
         cache = (pool.k_pages(layer_id), pool.v_pages(layer_id))
-        q = q.to(pool.dtype).contiguous()
-        wrapper = self.decode if batch.mode == ForwardMode.DECODE else self.prefill
-        return wrapper.run(q, cache)
+        return self._wrapper.run(q.to(pool.dtype).contiguous(), cache)

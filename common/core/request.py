@@ -96,6 +96,7 @@ class Req(GenInput):
     last_node: Any = None  # the prefix cache's node locked for [0, cached_len)
     prefix_hit_len: int = 0  # cached tokens reused at the first prefill, reported to the client
     decode_hit_len: int | None = None  # a decode server's: prompt tokens its own prefix cache had (not sent)
+    store_hit_len: int = 0  # prompt tokens read from the KV store for it (--hicache-storage-backend)
     kv_ready: Any = None  # KVReady of the last forward that wrote this request's KV (the transfer waits on it)
 
     # runtime helpers, owned by the scheduler

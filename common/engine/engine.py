@@ -18,11 +18,13 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.attention.base import choose_attention_backend
+from common.attention.base import choose_attention_backend, resolved_backend
 from common.config import ServerConfig
+from common.core.page_meta import pages_for
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
 from common.engine import host_tier
+from common.engine.cuda_graph import DecodeGraphs
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
@@ -37,7 +39,9 @@ from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
-from common.model.identity import model_identity
+from common.memory.static_reserve import REQ_SPARE_ROWS, cap_running_requests, graph_plan
+from common.memory.store.keys import store_namespace
+from common.model.identity import model_identity, weights_fingerprint
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
@@ -59,15 +63,19 @@ class Engine:
         """`make_role(engine)` builds the PD role once the scheduler exists (None: monolithic); `follower` is the
         module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
         self.config, self.follower = config, follower
+        self.model_dir: Path = resolve_model_dir(config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        spec = attention_spec(self.hf_config)
         self.attention_backend, warning = choose_attention_backend(
-            config.attention_backend, config.device, config.torch_dtype_name
-        )  # before loading anything: a refusal comes at once
+            config.attention_backend,
+            config.device,
+            config.torch_dtype_name,
+            spec.head_dim if spec.kind == "mha" else None,
+        )  # before loading weights: a refusal comes at once
         if warning:  # "auto" could not take FlashInfer: every rank builds the torch backend
             log.warning("%s", warning)
             self.config = config = config.model_copy(update={"attention_backend": self.attention_backend})
         torch.manual_seed(config.seed)
-        self.model_dir: Path = resolve_model_dir(config.model)
-        self.hf_config = load_hf_config(self.model_dir)
         self.model_id = model_identity(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
@@ -83,21 +91,25 @@ class Engine:
         if self.ranks is not None:
             self.ranks.serving = True
             log.info("tp size %d:\n  %s", tp.size, "\n  ".join(describe_rank(r) for r in self.rank_reports))
-        self.pool_plan, self.kv_pool = built.pool_plan, built.kv_pool
+        self.pool_plan, self.kv_pool, self.reserved = built.pool_plan, built.kv_pool, built.reserved
         log.info("%s", self.pool_plan.describe())
         self.context_len = self._context_len()
         self.config = config = self._batch_limits(config)
         num_pages = self.pool_plan.num_pages
-        req_pool = ReqToTokenPool(config.max_running_requests + 8, self.context_len + config.page_size, config.device)
+        req_rows = config.max_running_requests + REQ_SPARE_ROWS
+        req_pool = ReqToTokenPool(req_rows, self.context_len + config.page_size, config.device)
         allocator = PagedAllocator(num_pages, config.page_size, config.device)
         self.kv_events = self._kv_event_publisher()
-        prefix = make_prefix_cache(config, allocator, self.kv_pool, self.kv_events)
+        prefix = make_prefix_cache(
+            config, allocator, self.kv_pool, self.kv_events, self._store_namespace(), lambda: self.scheduler.wake()
+        )
         if config.enable_hierarchical_cache:
             log.info("%s", host_tier.summary(prefix).removeprefix("; "))
         self.memory = MemoryManager(req_pool, allocator, prefix, config.page_size)
         eos_ids = self._eos_ids()
         model = built.model if self.ranks is None else LeaderModel(built.model, self.ranks)
-        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids))
+        check = self.ranks.check_step if self.ranks is not None else (lambda: None)
+        self.runner = ModelRunner(model, built.attn, req_pool.req_to_token, config.device, frozenset(eos_ids), check)
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.scheduler = Scheduler(config, self.runner, self.memory, self.output)
         self.grammar = self._grammar_backend(eos_ids)
@@ -132,6 +144,20 @@ class Engine:
         check_tp_size(size, spec.q_heads, spec.kv_heads, model_class(hf).tp_divided(hf))
         return Ranks(self.config, self.follower) if size > 1 else None
 
+    def _store_namespace(self) -> str:
+        """What names this server's pages in a KV store besides their tokens (common/memory/store/keys.py)."""
+        if not self.config.hicache_storage_backend:
+            return ""
+        buffer = self.kv_pool.buffer
+        return store_namespace(
+            model=self.model_id,
+            weights=weights_fingerprint(self.model_dir),
+            dtype=buffer.dtype,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            page=tuple(buffer.shape[1:]),
+            tp=f"0/{self.config.tp_size}",
+        )
+
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
         events = parse_kv_events_config(self.config.kv_events_config)
@@ -152,10 +178,21 @@ class Engine:
         """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
         if config.device != "cuda":
             return config
-        derived = gpu_batch_limits(torch.cuda.mem_get_info()[1], self.pool_plan, self.context_len)
+        total = torch.cuda.mem_get_info()[1]
+        derived = gpu_batch_limits(total, self.pool_plan, self.context_len)
         unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
+        running = unset.get("max_running_requests", config.max_running_requests)
+        left = total * (1 - config.mem_fraction_static)  # what the pool's sizing left: the sampler's rows come from it
+        capped, warning = cap_running_requests(
+            running, left, self.hf_config.vocab_size, "max_running_requests" not in unset
+        )
+        if warning:
+            log.warning("%s", warning)
+        unset["max_running_requests"] = capped
         log.info(
-            "batch limits for this GPU and pool: %s (flags override)", ", ".join(f"{k} {v}" for k, v in unset.items())
+            "batch limits for this GPU and pool: %s (flags override; running requests within what the sampler's "
+            "temporaries leave)",
+            ", ".join(f"{k} {v}" for k, v in unset.items()),
         )
         return config.model_copy(update=unset)
 
@@ -220,6 +257,13 @@ class Engine:
             tokens,
             cache,
         )
+        seconds += self.capture_graphs()
+        self.calibrate()
+        return seconds
+
+    def calibrate(self) -> None:
+        """The start-up measurement (common/engine/forward_stats.py), once the kernels and graphs are ready."""
+        c = self.config
         chunk = c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens
         self.scheduler.forward_stats.chunk_tokens = chunk
         cal = self.scheduler.forward_stats.calibration = calibrate(
@@ -231,6 +275,37 @@ class Engine:
             cal.prefill_tokens_per_s,
             1000 * cal.decode_step_s,
         )
+
+    def capture_graphs(self) -> float:
+        """The decode CUDA graphs graph_plan allows (after the warm-up built the kernels); the seconds."""
+        c, pool = self.config, self.kv_pool
+        backend = resolved_backend(c.attention_backend, c.device, pool.kind, pool.quantized)
+        sizes, line = graph_plan(c, backend, model_class(self.hf_config).cuda_graph_capturable)
+        log.info("%s", line)
+        if not sizes:
+            return 0.0
+        slots = min(sizes[-1] * pages_for(self.context_len, c.page_size), pool.num_pages + sizes[-1])
+        self.runner.attn.prepare_graphs(sizes[-1], slots)
+        graphs = DecodeGraphs(
+            self.runner.model,
+            self.runner.attn,
+            self.runner.req_to_token,
+            self.memory.req_pool.padding_row,
+            sizes,
+            self.hf_config.vocab_size,
+            c.device,
+        )
+        free = torch.cuda.mem_get_info()[0]
+        seconds = graphs.capture_all()
+        used = free - torch.cuda.mem_get_info()[0]
+        log.info(
+            "CUDA graphs: %d sizes captured in %.1f s, %.0f MiB (%.0f MiB set aside before the KV pool)",
+            len(sizes),
+            seconds,
+            used / 2**20,
+            self.reserved.cuda_graphs / 2**20,
+        )
+        self.runner.graphs = graphs
         return seconds
 
     def start(self) -> None:
@@ -238,6 +313,7 @@ class Engine:
 
     def stop(self) -> None:
         self.thread.stop()
+        self.memory.prefix_cache.close()
         if self.grammar is not None:
             self.grammar.close()
         if self.kv_events is not None:
@@ -278,6 +354,7 @@ class Engine:
             "context_length": self.context_len,
             "kv_pages": s.check_integrity().to_dict(),
             "host_tier": host_tier.info(self.memory.prefix_cache),
+            "kv_store": host_tier.store_info(self.memory.prefix_cache),
             "num_running_reqs": len(s.decode.running),
             "num_waiting_reqs": len(s.prefill.waiting),
             "num_retractions": s.decode.num_retractions,

@@ -132,9 +132,11 @@ class EngineMetrics:
         as `tandem_rejected_inputs_total{where=...}`; `read` is called from the /metrics handler's thread."""
         self.rejected.add_source(where, read)
 
-    def remove_rejection_source(self, where: str) -> None:
-        """Stop reporting `where` (its component ended: a role switch)."""
-        self.rejected.remove_source(where)
+    def drop_transfer_metrics(self, collector) -> None:
+        """Stop reporting a PD role's transfer metrics (`collector`, and its "control" rejections): the role ended
+        (a role switch), the next one registers its own."""
+        self.registry.unregister(collector)
+        self.rejected.remove_source("control")
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,9 +11,10 @@ from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.core.page_meta import build_page_meta
 from common.core.request import Req
+from common.engine.cuda_graph import DecodeGraphs
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.kv_ready import KVReady, record_kv_ready
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, flashinfer_sampling
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.model.llama import LlamaForCausalLM
 
@@ -54,15 +56,20 @@ class ModelRunner:
         req_to_token: torch.Tensor,
         device: str,
         eos_token_ids: frozenset[int] = frozenset(),
+        check_step: Callable[[], None] = lambda: None,
     ):
-        """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens)."""
+        """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens);
+        `check_step`: called once a step's tokens reached the host, raises if the step cannot be trusted
+        (a TP group that faulted meanwhile: Ranks.check_step)."""
+        self.check_step = check_step
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.attn = attn
         self.req_to_token = req_to_token
         self.device = device
         self.page_size = attn.kv_pool.page_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(flashinfer_sampling(device))
+        self.graphs: DecodeGraphs | None = None  # captured by the engine's warm-up (common.engine.cuda_graph)
 
     def run(self, plan: BatchPlan) -> BatchResult:
         if plan.decode is not None:
@@ -89,16 +96,21 @@ class ModelRunner:
             start, end = logit_spans[i]
             if end - start > 1 or (req.logprob_start_len >= 0 and plan.mode == ForwardMode.EXTEND):
                 result.input_logprobs[i] = self._input_logprobs(req, plan.extend_lens[i], logits[start:end])
+        self.check_step()
         return result
 
     def _run_decode(self, decode: DecodeTensors, out_cache_loc: torch.Tensor) -> BatchResult:
         """One token for every running request, from tensors kept across steps: no tensor work per request."""
         batch = decode.forward_batch(out_cache_loc, self.req_to_token)  # its metadata went with the slots
-        self.attn.init_forward(batch)
-        logits = self.model(batch, self.attn)
+        if self.graphs is not None and batch.batch_size <= self.graphs.max_bs:
+            logits = self.graphs.run(batch)
+        else:
+            self.attn.init_forward(batch)
+            logits = self.model(batch, self.attn)
         if decode.sampling is None:  # the running set changed
             decode.sampling = SamplingBatch([self._sampling_row(r) for r in decode.reqs], logits.shape[-1], self.device)
         out = self.sampler.sample(logits, decode.sampling)
+        self.check_step()
         decode.finish_step(out.ids)
         return BatchResult(out.token_ids, out.logprobs, out.top_logprobs, [None] * len(decode.reqs))
 

@@ -120,12 +120,13 @@ class OutputProcessor:
         now = time.monotonic()
         ttft = 1000 * (req.first_token_time - req.arrival_time) if req.first_token_time else float("nan")
         log.info(
-            "request %s: %s%s, prompt %d, cached %d, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
+            "request %s: %s%s, prompt %d, cached %d%s, completion %d tokens, ttft %.1f ms, e2e %.1f ms",
             req.rid,
             reason.type,
             f" ({reason.message})" if reason.message else "",
             len(req.prompt_ids),
             req.prefix_hit_len,
+            f" ({req.store_hit_len} from the KV store)" if req.store_hit_len else "",
             len(req.output_ids),
             ttft,
             1000 * (now - req.arrival_time),

@@ -23,8 +23,11 @@ class PrefillQueue:
         self.considering: Req | None = None
 
     def add(self, req: Req) -> None:
-        """Behind every waiting request of its priority or higher (all 0 without priorities: FIFO)."""
+        """Behind every waiting request of its priority or higher (all 0 without priorities: FIFO); what the
+        prefix cache could bring closer for it (a KV store's pages) starts coming now."""
         self.waiting.insert(queue_position(self.waiting, req), req)
+        if not self.config.disable_radix_cache:
+            self.memory.prefix_cache.prefetch(req, req.fill_ids[: self._match_limit(req)])
 
     def add_front(self, req: Req) -> None:
         """A retracted request: ahead of the waiting requests of its priority, behind higher ones."""
@@ -63,8 +66,10 @@ class PrefillQueue:
                 self.chunked = req  # wait for memory; admit nobody ahead of it
                 return None
             budget -= used
-        while self.waiting and budget > 0 and self.chunked is None and len(plan.reqs) < slots_left:
-            req = self.considering = self.waiting[0]
+        while budget > 0 and self.chunked is None and len(plan.reqs) < slots_left:
+            req = self.considering = self._next_ready()
+            if req is None:
+                break
             if req.req_pool_idx is None:
                 if not self.memory.can_admit():
                     break
@@ -73,16 +78,24 @@ class PrefillQueue:
             if used == 0:
                 self.memory.release(req)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             budget -= used
         self.considering = None
         return plan if plan.reqs else None
 
-    def _admit(self, req: Req) -> None:
+    def _next_ready(self) -> Req | None:
+        """The first waiting request the prefix cache lets run (one whose prefetch from the store is still
+        in flight may have to wait: --hicache-storage-prefetch-policy); the others keep their places."""
+        ready = self.memory.prefix_cache.ready
+        return next((r for r in self.waiting if r.req_pool_idx is not None or ready(r)), None)
+
+    @staticmethod
+    def _match_limit(req: Req) -> int:
         limit = len(req.fill_ids) - 1  # at least one token must run to produce logits
-        if req.logprob_start_len >= 0:
-            limit = min(limit, req.logprob_start_len)
-        self.memory.admit(req, 0 if self.config.disable_radix_cache else limit)
+        return min(limit, req.logprob_start_len) if req.logprob_start_len >= 0 else limit
+
+    def _admit(self, req: Req) -> None:
+        self.memory.admit(req, 0 if self.config.disable_radix_cache else self._match_limit(req))
         if not req.output_ids:
             req.prefix_hit_len = req.cached_len
 

@@ -9,6 +9,13 @@ unseeded rows share torch's generator.
 
 Logprobs are those of the raw model logits (before bias, masking, penalties, grammar and temperature), like
 vLLM's default. A grammar's bitmask (common/engine/grammar/mask.py) comes last: it has the last word.
+
+Top-k and top-p: on CUDA with FlashInfer, its renormalizing kernels (`top_k_renorm_probs`,
+`top_p_renorm_probs`: threshold searches, no sort), as SGLang; elsewhere torch's topk and a sort, top-p a
+chunk of rows at a time. Both keep the same tokens where no two probabilities tie at the threshold
+(FlashInfer keeps every tied token), and the draw after them is this module's either way, so a seeded
+request draws the same numbers on both. Memory: at most static_reserve.SAMPLER_ROW_FLOATS float32
+[rows, vocab] tensors are alive at once (the caller's logits included).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch
 
 from common.engine.sampling_batch import SamplingBatch
 
+TOP_P_CHUNK_ROWS = 64
+
 
 @dataclass
 class SampleOutput:
@@ -28,7 +37,22 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+def flashinfer_sampling(device: str):
+    """FlashInfer's sampling kernels on CUDA (None elsewhere, or when it is not installed)."""
+    if device != "cuda":
+        return None
+    try:
+        import flashinfer.sampling
+    except ImportError:
+        return None
+    return flashinfer.sampling
+
+
 class Sampler:
+    def __init__(self, kernels=None):
+        """`kernels`: FlashInfer's sampling module (flashinfer_sampling), or None for torch's operations."""
+        self.kernels = kernels
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs else None
@@ -43,9 +67,19 @@ class Sampler:
         ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
             ids = torch.where(
-                batch.greedy, ids, draw(filtered_probs(logits / batch.temperature, batch), uniforms(batch))
+                batch.greedy, ids, draw(self.filtered_probs(logits / batch.temperature, batch), uniforms(batch))
             )
         return to_host(ids, raw_logprobs, batch)
+
+    def filtered_probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if self.kernels is None:
+            return filtered_probs(logits, batch)
+        probs = torch.softmax(logits, dim=-1)
+        if batch.top_k_rows is not None:  # rows that do not ask keep the whole vocabulary
+            probs = self.kernels.top_k_renorm_probs(probs, batch.top_ks)
+        if batch.top_p_rows is not None:
+            probs = self.kernels.top_p_renorm_probs(probs, batch.top_ps)
+        return min_p_filter(probs, batch)
 
 
 def mask_stop_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -64,10 +98,24 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.index_put((batch.top_k_rows,), rows.masked_fill(rows < kth, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     if batch.top_p_rows is not None:
-        probs = probs.index_put((batch.top_p_rows,), top_p_filter(probs[batch.top_p_rows], batch.top_p))
+        probs = probs.index_put((batch.top_p_rows,), top_p_in_chunks(probs[batch.top_p_rows], batch.top_p))
+    return min_p_filter(probs, batch)
+
+
+def min_p_filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.use_min_p:
         probs = probs.masked_fill(probs < batch.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def top_p_in_chunks(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p_filter, TOP_P_CHUNK_ROWS rows at a time: its sort holds three [rows, vocab] float32s' worth of
+    values and int64 indices, which for a whole batch would set the sampler's peak memory."""
+    out = torch.empty_like(probs)
+    for start in range(0, probs.shape[0], TOP_P_CHUNK_ROWS):
+        rows = slice(start, start + TOP_P_CHUNK_ROWS)
+        out[rows] = top_p_filter(probs[rows], top_p[rows])
+    return out
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:

@@ -99,6 +99,9 @@ class SamplingBatch:
         self.top_k_index = torch.tensor([k - 1 for k in ks if k > 0], device=dev)[:, None]
         self.top_p_rows = self._rows_where([p.top_p < 1.0 and not p.is_greedy for p in params])
         self.top_p = torch.tensor([p.top_p for p in params if p.top_p < 1.0 and not p.is_greedy], device=dev)[:, None]
+        # every row's, for FlashInfer's kernels: the whole vocabulary / 1.0 where a row does not ask
+        self.top_ks = torch.tensor([k or vocab_size for k in ks], dtype=torch.int32, device=dev)
+        self.top_ps = torch.tensor([p.top_p if not p.is_greedy else 1.0 for p in params], device=dev)
         self.use_min_p = any(p.min_p > 0.0 for p in params)
         self.min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
 

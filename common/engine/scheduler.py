@@ -91,6 +91,7 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling round. Returns False when there was nothing to do."""
         self.drain_inbox()
+        self.memory.prefix_cache.poll()
         if self.grammars is not None:
             for req in self.grammars.take_ready():
                 self.guarded(req, "queueing the request", lambda: self._admit(req))

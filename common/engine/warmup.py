@@ -1,6 +1,6 @@
 """Before the server answers /health: one forward of each kind it will run (a prefill over whole pages
-and a partial one, then a decode step), so that every kernel is built or loaded then, not inside the
-scheduler's first request (FlashInfer compiles a kernel the first time it sees a configuration, for
+and a partial one, then a decode step; both sample with top-k and top-p), so that every kernel is built
+or loaded then, not inside the scheduler's first request (FlashInfer compiles a kernel the first time it sees a configuration, for
 seconds or minutes, and past --watchdog-timeout-s /health would answer 503). Its kernels specialize on
 dtype, head dimensions and page size, not on lengths: a short prompt builds the ones a long one uses, and
 on the CPU the warm-up costs one short forward. Compiled kernels are kept in --kernel-cache-dir across
@@ -60,7 +60,9 @@ def timed_round(
     tokens (fewer if the pool is smaller), freed, never cached, and the pool checked to be as it was."""
     page_size = memory.page_size
     tokens = max(1, min(prefill_tokens, (memory.available_pages() - 1) * page_size))
-    req = Req("warm-up", [0] * tokens, SamplingParams(max_new_tokens=2, temperature=0))
+    # every filter of the sampler (FlashInfer's top-k / top-p kernels are built on first use too), seeded
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=2, top_p=0.9, min_p=0.01, seed=0)
+    req = Req("warm-up", [0] * tokens, params)
     memory.admit(req, match_limit=0)
     try:
         slots = memory.extend(req, tokens)

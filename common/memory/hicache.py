@@ -10,9 +10,20 @@ cache in front of a second radix tree whose nodes own pages of the host tier's p
 - `match_prefix` matches both trees; when the host tree matches further, the extra pages are loaded
   into newly allocated device pages (evicting device leaves if needed) and inserted into the device tree
   before the match is returned: the forward that needs them runs after the copy (host_pool's ordering).
+- `_backed_up` hears of every run of pages copied to the host (the KV store tier behind this one writes them
+  out: common/memory/store/store_cache.py).
 - Who frees what: the device tree frees device pages (as RadixCache); the host tree frees host pages
   when it evicts its own LRU leaves to make room for a copy. Both paths of a copy are locked while it
   is made, so neither tier evicts what is being copied.
+- Copies out do not hold the compute stream (host_pool.py): a write-through copy keeps its device node
+  locked until the copy's event has passed (`writing`, released by `_release_written` whenever the
+  cache is used: the pages cannot be evicted and reused meanwhile, as SGLang's write-through); a copy
+  made because its node is being evicted is waited for on the host before the node's pages are freed (as
+  SGLang's write-back). Loads hold the compute stream: the next forward reads those pages.
+
+    pages                          locked by                    released / freed by
+    device node being written      `writing` (write-through)    _release_written, once its event passed
+    device node being evicted      -                            RadixCache.evict, after the copy is waited for
 """
 
 from __future__ import annotations
@@ -64,9 +75,11 @@ class HiRadixCache(PrefixCache):
         self.host = RadixCache(pool.allocator, self.page_size, listener, HOST_MEDIUM)
         self.device.on_evict = self._on_device_evict
         self.host_hit_tokens = 0  # tokens matched in the host tier and loaded back
+        self.writing: list[tuple[Any, TreeNode]] = []  # (copy's event, device node it locks), oldest first
 
     # -- lookup ----------------------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        self._release_written()
         dev = self.device.match_prefix(token_ids)
         host = self.host.match_prefix(token_ids)
         if len(host.slots) <= len(dev.slots) or not self._load(token_ids, dev, host):
@@ -97,16 +110,24 @@ class HiRadixCache(PrefixCache):
 
     # -- copies to the host ----------------------------------------------------------------------
     def _on_device_evict(self, node: TreeNode) -> None:
-        self._backup(*path_of(node))
+        done = self._backup(*path_of(node))
+        if done is not None:  # the node's pages are freed on return: the copy must have read them
+            done.synchronize()
 
-    def _backup(self, tokens: list[int], slots: torch.Tensor) -> None:
-        """Make the host tree hold `tokens` (page-aligned), copying the pages it lacks from `slots`."""
+    def _release_written(self) -> None:
+        """Unlock the device nodes whose write-through copies have landed (in order: events pass in order)."""
+        while self.writing and self.writing[0][0].query():
+            self.device.dec_lock_ref(self.writing.pop(0)[1])
+
+    def _backup(self, tokens: list[int], slots: torch.Tensor):
+        """Make the host tree hold `tokens` (page-aligned), copying the pages it lacks from `slots`;
+        returns the copy's event (None: nothing copied, or done already)."""
         ps = self.page_size
         match = self.host.match_prefix(tokens)
         have = len(match.slots)
         want = (len(tokens) - have) // ps
         if want <= 0:
-            return
+            return None
         self.host.inc_lock_ref(match.last_node)
         try:
             short = want - self.pool.allocator.available_pages()
@@ -115,10 +136,16 @@ class HiRadixCache(PrefixCache):
             pages = self.pool.allocator.alloc(min(want, self.pool.allocator.available_pages()))
         finally:
             self.host.dec_lock_ref(match.last_node)
-        if pages:
-            end = have + len(pages) * ps
-            self.pool.write((slots[have:end:ps] // ps).tolist(), pages)
-            self.host.cache_finished_req(tokens[:end], joined(match.slots, page_slots(pages, ps)), None)
+        if not pages:
+            return None
+        end = have + len(pages) * ps
+        done = self.pool.write((slots[have:end:ps] // ps).tolist(), pages)
+        self.host.cache_finished_req(tokens[:end], joined(match.slots, page_slots(pages, ps)), None)
+        self._backed_up(tokens[:end], have // ps, pages)
+        return done
+
+    def _backed_up(self, tokens: list[int], first: int, host_pages: list[int]) -> None:
+        """Pages first.. of `tokens` were just copied into `host_pages` (the store tier writes them out)."""
 
     # -- the device tree's interface -------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> None:
@@ -128,13 +155,19 @@ class HiRadixCache(PrefixCache):
         self.device.dec_lock_ref(node)
 
     def cache_finished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any) -> None:
+        self._release_written()
         self.device.cache_finished_req(token_ids, slots, last_node)
         if self.write_policy == "write_through":
             n = len(token_ids) // self.page_size * self.page_size
             if n:
-                self._backup(token_ids[:n], self.device.match_prefix(token_ids[:n]).slots)
+                match = self.device.match_prefix(token_ids[:n])
+                done = self._backup(token_ids[:n], match.slots)
+                if done is not None:  # its pages stay in the device tree until the copy has read them
+                    self.device.inc_lock_ref(match.last_node)
+                    self.writing.append((done, match.last_node))
 
     def evict(self, num_pages: int) -> int:
+        self._release_written()
         return self.device.evict(num_pages)
 
     def evictable_pages(self) -> int:

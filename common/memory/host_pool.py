@@ -6,9 +6,10 @@ page allocator, and the copies of whole pages between it and the device pool.
 A page holds every layer's K and V of its tokens (MLA: the latent plane), so a run of consecutive pages
 on both sides is one contiguous copy. On CUDA the copies run on the pool's own stream: the stream first
 waits for the work already queued on the compute stream (the KV being copied out was written by it, the
-pages being loaded into may still be read by it), and the compute stream then waits on an event recorded
-after the copies, so the next forward neither reads a page before it arrives nor overwrites a page being
-copied out; no host sync. On the CPU a copy is a copy.
+pages being loaded into may still be read by it), and an event is recorded after them. A load makes the
+compute stream wait on it (the next forward must not read a page before it arrives); a write does not (no
+forward reads the host): it returns the event, and the caller keeps the device pages from being reused
+until it has passed (common.memory.hicache). No host sync. On the CPU a copy is a copy, done on return.
 """
 
 from __future__ import annotations
@@ -42,30 +43,32 @@ class HostPool:
     def bytes_per_page(self) -> int:
         return self.buffer[0].numel() * self.buffer.element_size()
 
-    def write(self, device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy device pages out to host pages (before the device pages are reused)."""
-        self._copy(self.buffer, host_pages, self.device_buffer, device_pages)
+    def write(self, device_pages: list[int], host_pages: list[int]) -> torch.cuda.Event | None:
+        """Copy device pages out to host pages; returns the event after which the device pages may be
+        reused (None: done already, on the CPU). The compute stream goes on meanwhile."""
         self.pages_written += len(host_pages)
+        return self._copy(self.buffer, host_pages, self.device_buffer, device_pages)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy host pages back into device pages (before a forward reads them)."""
-        self._copy(self.device_buffer, device_pages, self.buffer, host_pages)
+        """Copy host pages back into device pages; the compute stream waits for it (a forward reads them)."""
+        done = self._copy(self.device_buffer, device_pages, self.buffer, host_pages)
+        if done is not None:
+            torch.cuda.current_stream(self.device_buffer.device).wait_event(done)
         self.pages_loaded += len(host_pages)
 
-    def _copy(self, dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int]) -> None:
+    def _copy(self, dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int]):
         runs = list(zip(*(x.tolist() for x in page_runs(src_pages, dst_pages))))
         if self.stream is None:
             for s, d, n in runs:
                 dst[d : d + n].copy_(src[s : s + n])
-            return
-        compute = torch.cuda.current_stream(self.device_buffer.device)
-        self.stream.wait_stream(compute)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device_buffer.device))
         with torch.cuda.stream(self.stream):
             for s, d, n in runs:
                 dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        compute.wait_event(done)
+        return done
 
     def describe(self) -> str:
         mib = (self.num_pages + 1) * self.bytes_per_page / 2**20

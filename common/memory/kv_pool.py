@@ -12,9 +12,11 @@ piece (transfer/prefill/head_slices.py). Attention reads a layer through `k_page
 [num_pages + 1, kv_heads, page_size, head_dim] view (FlashInfer's HND paged layout; its kernels take the
 strides). DeepSeek's MLA keeps one plane instead of K and V (common.memory.mla_pool).
 
-FP8 (`--kv-cache-dtype fp8_e4m3|fp8_e5m2`): the buffer holds float8, written as x / scale (clamped to
+FP8 (`--kv-cache-dtype fp8_e4m3|fp8_e5m2`): the pool stores float8, written as x / scale (clamped to
 the format's range) and read back as stored * scale in the model's dtype, with one scale per layer for
-K and one for V (`scales`, common.model.kv_scales).
+K and one for V (`scales`, common.model.kv_scales). The buffer itself is uint8 and every float8 value is
+a view of its bytes (as SGLang stores it): indexing and index_put then run on uint8, which every device
+supports, and only the casts to and from the model's dtype see float8.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class KVPool:
         if len(self.scales) != num_layers:
             raise ValueError(f"KVPool: {len(self.scales)} scales for {num_layers} layers")
         shape = (num_pages + 1, kv_heads, num_layers, self.planes, page_size, head_dim)
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.buffer = torch.zeros(shape, dtype=torch.uint8 if self.quantized else dtype, device=device)
         self._k = [self.buffer[:, :, layer, 0] for layer in range(num_layers)]
         self._v = [self.buffer[:, :, layer, self.planes - 1] for layer in range(num_layers)]
 
@@ -101,10 +103,10 @@ class KVPool:
         if not self.quantized:
             return x.to(self.dtype)
         limit = torch.finfo(self.dtype).max
-        return (x.float() / scale).clamp(-limit, limit).to(self.dtype)
+        return (x.float() / scale).clamp(-limit, limit).to(self.dtype).view(torch.uint8)
 
     def _load(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        return (x.to(self.compute_dtype) * scale) if self.quantized else x
+        return (x.view(self.dtype).to(self.compute_dtype) * scale) if self.quantized else x
 
     def k_at(self, layer: int, at: SlotIndex) -> torch.Tensor:
         """One layer's K of the slots `at`: [*at.shape, kv_heads, head_dim] (a copy, in compute_dtype
@@ -116,11 +118,11 @@ class KVPool:
 
     def k_pages(self, layer: int) -> torch.Tensor:
         """One layer's K as a [num_pages + 1, kv_heads, page_size, head_dim] view (HND, strided across pages
-        and heads)."""
-        return self._k[layer]
+        and heads; FP8: the float8 view of the bytes)."""
+        return self._k[layer].view(self.dtype)
 
     def v_pages(self, layer: int) -> torch.Tensor:
-        return self._v[layer]
+        return self._v[layer].view(self.dtype)
 
     @property
     def bytes_per_page(self) -> int:

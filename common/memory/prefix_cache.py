@@ -1,10 +1,12 @@
 """The prefix-cache seam: `PrefixCache`, and `make_prefix_cache`, which picks the server's: NoPrefixCache when
 --disable-radix-cache is set, else the radix cache (common/memory/radix_cache.py), with a host tier behind it
-under --enable-hierarchical-cache (common/memory/hicache.py)."""
+under --enable-hierarchical-cache (common/memory/hicache.py) and a store every server shares behind that under
+--hicache-storage-backend (common/memory/store/store_cache.py)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,20 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None:
         """Raise MemoryIntegrityError if the bookkeeping is inconsistent."""
 
+    # a cache with work in flight (the store tier) overrides these; the others have none
+    def prefetch(self, owner: Any, token_ids: list[int]) -> None:
+        """A request (`owner`) is queued for prefill: start bringing what it could reuse closer."""
+
+    def ready(self, owner: Any) -> bool:
+        """Whether `owner` may be admitted now (its prefetch is done, or the policy lets it go)."""
+        return True
+
+    def poll(self) -> None:
+        """Once per scheduler step: take in the work finished since the last call."""
+
+    def close(self) -> None:
+        """Stop the cache's threads (server shutdown)."""
+
 
 class NoPrefixCache(PrefixCache):
     """Caches nothing: a finished request's pages go straight back to the allocator."""
@@ -87,10 +103,16 @@ class NoPrefixCache(PrefixCache):
 
 
 def make_prefix_cache(
-    config: Any, allocator: PagedAllocator, kv_pool: Any, listener: CacheListener | None = None
+    config: Any,
+    allocator: PagedAllocator,
+    kv_pool: Any,
+    listener: CacheListener | None = None,
+    namespace: str = "",
+    wake: Callable[[], None] = lambda: None,
 ) -> PrefixCache:
-    """The server's prefix cache: none, the device radix cache, or both tiers (`config`: a ServerConfig);
-    `listener` (KV cache events) hears of both tiers' pages, each with its medium."""
+    """The server's prefix cache: none, the device radix cache, both tiers, or all three (`config`: a ServerConfig);
+    `listener` (KV cache events) hears of every tier's pages, each with its medium. With a store: `namespace`
+    names this server's pages in it (common/memory/store/keys.py), `wake` wakes the scheduler when store work ends."""
     from common.memory.hicache import HiRadixCache, check_host_memory, host_pool_pages  # they derive from this
     from common.memory.host_pool import HostPool
     from common.memory.radix_cache import RadixCache
@@ -101,4 +123,8 @@ def make_prefix_cache(
         return RadixCache(allocator, config.page_size, listener)
     pages = host_pool_pages(config, allocator.num_pages, kv_pool.bytes_per_page)
     check_host_memory(pages * kv_pool.bytes_per_page)
+    if config.hicache_storage_backend:
+        from common.memory.store.factory import make_store_cache
+
+        return make_store_cache(config, allocator, HostPool(kv_pool, pages), listener, namespace, wake)
     return HiRadixCache(allocator, HostPool(kv_pool, pages), config.hicache_write_policy, listener)

@@ -1,4 +1,7 @@
-"""Request-slot table: one row per running request, value = KV slot index of each token position."""
+"""Request-slot table: one row per running request, value = KV slot index of each token position.
+
+One more row, `padding_row`, is never handed out and stays all 0 (slot 0 of page 0, the pool's padding
+page): the rows a CUDA graph's batch is padded with point there (common.engine.cuda_graph)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ class ReqToTokenPool:
             raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(size + 1, max_context_len, dtype=torch.int32, device=device)
+        self.padding_row = size
         self._free = list(range(size - 1, -1, -1))  # pop() hands out the lowest row first
         self._is_free = bytearray([1]) * size
 

@@ -2,9 +2,10 @@
 start-up from memory figures the engine measures.
 
 CUDA (SGLang's `--mem-fraction-static`): weights, KV pool and the other static buffers may use
-`fraction` of the device's memory; the pool gets what is left of that after the weights and everything
-else already on the device, i.e. `total * fraction - used` = `free - total * (1 - fraction)`. The rest,
-`total * (1 - fraction)`, is for activations, the attention workspace and the allocator's slack.
+`fraction` of the device's memory; the pool gets what is left of that after the weights, everything
+else already on the device and the static buffers allocated after it (req_to_token, the attention
+workspace, the CUDA graphs: static_reserve.py), i.e. `free - reserved - total * (1 - fraction)`. The
+rest, `total * (1 - fraction)`, is for activations, the sampler's temporaries and the allocator's slack.
 `--max-total-tokens` caps it. CPU: `--max-total-tokens`, CPU_DEFAULT_TOKENS when not given.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.memory.static_reserve import GPU_MAX_RUNNING, StaticReserve
 from common.wire.user_error import UserError
 
 CPU_DEFAULT_TOKENS = 16384
+NOTHING_RESERVED = StaticReserve()
 GIB = 1024**3
 
 
@@ -52,8 +55,10 @@ def plan_kv_pool(
     max_total_tokens: int | None,
     device_memory: tuple[int, int] | None,
     fraction: float,
+    reserved: StaticReserve = NOTHING_RESERVED,
 ) -> PoolPlan:
-    """`device_memory`: (free, total) bytes of the accelerator after the weights are loaded; None on CPU."""
+    """`device_memory`: (free, total) bytes of the accelerator after the weights are loaded; None on CPU.
+    `reserved`: the static buffers allocated after the pool, counted first."""
     if device_memory is None:
         tokens = max_total_tokens or CPU_DEFAULT_TOKENS
         source = (
@@ -63,15 +68,19 @@ def plan_kv_pool(
         )
     else:
         free, total = device_memory
-        fits = int((free - total * (1 - fraction)) // bytes_per_token) - page_size  # minus the padding page
+        fits = int((free - reserved.total - total * (1 - fraction)) // bytes_per_token) - page_size  # minus padding
+        also = f" ({reserved.describe()} to come)" if reserved.total else ""
         if fits < page_size:
             raise PoolSizingError(
                 f"no room for a KV pool: {(total - free) / GIB:.1f} of {total / GIB:.1f} GiB are in use after loading the "
-                f"weights and --mem-fraction-static {fraction:g} allows {total * fraction / GIB:.1f} GiB; raise "
-                "--mem-fraction-static, free the device, or use a smaller model"
+                f"weights{also} and --mem-fraction-static {fraction:g} allows {total * fraction / GIB:.1f} GiB; raise "
+                "--mem-fraction-static, free the device, lower --max-running-requests, or use a smaller model"
             )
         tokens = fits
-        source = f"--mem-fraction-static {fraction:g} of {total / GIB:.1f} GiB with {(total - free) / GIB:.1f} GiB in use after the weights"
+        source = (
+            f"--mem-fraction-static {fraction:g} of {total / GIB:.1f} GiB with {(total - free) / GIB:.1f} GiB in use "
+            f"after the weights{also}"
+        )
         if max_total_tokens is not None and max_total_tokens < fits:
             tokens, source = max_total_tokens, f"from --max-total-tokens (the memory would hold {fits})"
     if tokens < page_size:
@@ -116,7 +125,7 @@ def gpu_batch_limits(total_bytes: int, pool: PoolPlan, context_len: int) -> dict
     pages (each running request holds one at least)."""
     gib = total_bytes / GIB
     chunk = next((size for below, size in GPU_CHUNK_STEPS if gib < below), GPU_CHUNK_LARGEST)
-    running = min(max(int(pool.tokens / context_len * 512), 2048), 4096, pool.num_pages)
+    running = min(max(int(pool.tokens / context_len * 512), 2048), GPU_MAX_RUNNING, pool.num_pages)
     return {
         "chunked_prefill_size": chunk,
         "max_prefill_tokens": max(GPU_MAX_PREFILL_TOKENS, chunk),

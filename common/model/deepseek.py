@@ -46,6 +46,7 @@ class DeepseekDecoderLayer(DecoderLayer):
 
 class DeepseekForCausalLM(LlamaForCausalLM):
     layer_class = DeepseekDecoderLayer
+    cuda_graph_capturable = False  # MoE layers (and an MLA pool: the torch backend)
 
     @staticmethod
     def tp_divided(config: PretrainedConfig) -> dict[str, int]:

@@ -18,7 +18,13 @@ from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
 from common.parallel.group import SINGLE, TensorParallel
-from common.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from common.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    fuse_columns,
+)
 from common.parallel.partition import head_partition
 
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
@@ -58,12 +64,22 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse(): one weight for q, k, v
+
+    def fuse(self) -> None:
+        """q_proj, k_proj and v_proj become rows of one weight: one matmul instead of three."""
+        self.qkv = fuse_columns([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_sizes = [p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
@@ -81,9 +97,17 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp, reduce)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse(): one weight for both
+
+    def fuse(self) -> None:
+        """gate_proj and up_proj become rows of one weight: one matmul instead of two."""
+        self.gate_up = fuse_columns([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -128,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
     """Subclasses (the MoE and DeepSeek families) change the decoder layer; the rest is shared."""
 
     layer_class: type[DecoderLayer] = DecoderLayer
+    cuda_graph_capturable = True  # its decode forward decides nothing on the host (common.engine.cuda_graph)
 
     @staticmethod
     def tp_divided(config: PretrainedConfig) -> dict[str, int]:

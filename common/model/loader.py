@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from common.model.kv_scales import is_kv_scale
-from common.model.llama import LlamaForCausalLM
+from common.model.llama import MLP, Attention, LlamaForCausalLM
 from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source
 from common.model.registry import model_class
 from common.model.weights import fill_from_shard, plan_shards, read_header
@@ -72,6 +72,9 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config)(config, tp)
     materialize(model, dtype, device)
+    for module in model.modules():  # fused qkv / gate_up weights, filled through their parts' names
+        if isinstance(module, (Attention, MLP)):
+            module.fuse()
     # a tied lm_head is not listed: it is the embedding
     params = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
     parts = {model.checkpoint_name(n): s for n, s in param_shards(model).items()} if tp.enabled else {}

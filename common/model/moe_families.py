@@ -40,6 +40,7 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
+    cuda_graph_capturable = False  # the experts a step runs are read back (common.model.moe)
 
     @staticmethod
     def tp_divided(config: PretrainedConfig) -> dict[str, int]:
@@ -53,6 +54,7 @@ class MixtralDecoderLayer(DecoderLayer):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MixtralDecoderLayer
+    cuda_graph_capturable = False
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

@@ -4,6 +4,14 @@ One torch.distributed group of `size` ranks: gloo on the CPU, NCCL on CUDA (the 
 all-gathers, and the step payload), plus a gloo group for the small host-side messages (the step header,
 start-up reports). `SINGLE` is the group of one rank: every collective is the identity, so a TP 1 model
 runs exactly the operations it ran before tensor parallelism existed.
+
+NCCL never raises when a peer dies: its collectives are queued on the stream and spin on the device, so
+rank 0's host waits in its next read of the device (the sampled tokens) for ever (the group's timeout is a
+year), unless NCCL's own watchdog notices an error and, by default, kills the process. On CUDA the group
+is therefore formed eagerly on the rank's device (`device_id`), NCCL's watchdog handles no errors
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=0, unless the operator set it), and rank 0's supervisor
+(common.ranks.ranks) detects a dead or hung rank itself and calls `abort_collectives`: the
+communicators are aborted, the spinning kernels end, the waiting read returns, and the step is failed.
 """
 
 from __future__ import annotations
@@ -79,6 +87,22 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def abort_collectives(device: str) -> str | None:
+    """CUDA: abort every NCCL communicator of this process, so that the collectives queued on its stream
+    end and a host read waiting behind them returns (what it reads is garbage: the caller fails the
+    step). Returns why it could not, or None. The CPU's gloo raises on a closed peer by itself."""
+    if device != "cuda" or not dist.is_initialized():
+        return None
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as e:  # the group is broken either way; the caller logs this
+        return repr(e)
+    return None
+
+
 CONNECT_TRY_S = 3.0
 _HOST_GROUP: list = []
 
@@ -115,8 +139,11 @@ def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
 def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_host: int) -> TensorParallel:
     """Join the group of `size` ranks that meet in `store` (see host_store / join_store); `per_host`
     ranks share this host: on CUDA the rank's index on its host picks its GPU."""
+    extra = {}
     if device == "cuda":
         torch.cuda.set_device(rank % per_host)
+        os.environ.setdefault(NCCL_ERROR_HANDLING_ENV, "0")  # the supervisor decides (see above)
+        extra["device_id"] = torch.device("cuda", rank % per_host)  # the communicator is formed now
     else:  # the ranks share the cores: more threads each would spin against each other in every collective
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
     dist.init_process_group(
@@ -125,6 +152,7 @@ def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: 
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **extra,
     )
     _HOST_GROUP[:] = [dist.new_group(backend="gloo") if device == "cuda" else dist.group.WORLD]
     return TensorParallel(rank, size)

@@ -110,6 +110,26 @@ class ParallelLMHead(nn.Module):
         return {"weight": Shard(0, self.start, self.stop, (self.vocab, self.dim))}
 
 
+def fuse_columns(parts: list[ColumnParallelLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding `parts`' output rows one after another; each part's parameters
+    become views of its rows, so the loader fills them by their checkpoint names as before and one
+    matmul computes all of them (vLLM's and SGLang's fused qkv_proj and gate_up_proj, made at load)."""
+    first = parts[0].weight
+    weight = torch.empty(sum(p.weight.shape[0] for p in parts), first.shape[1], dtype=first.dtype, device=first.device)
+    biased = all(p.bias is not None for p in parts)
+    bias = torch.empty(weight.shape[0], dtype=first.dtype, device=first.device) if biased else None
+    row = 0
+    for p in parts:
+        rows = slice(row, row + p.weight.shape[0])
+        weight[rows] = p.weight
+        p.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            bias[rows] = p.bias
+            p.bias = nn.Parameter(bias[rows], requires_grad=False)
+        row = rows.stop
+    return weight, bias
+
+
 def param_shards(model: nn.Module) -> dict[str, Shard]:
     """Every sharded parameter of `model` by its full name; the others are whole on every rank."""
     out: dict[str, Shard] = {}

@@ -14,15 +14,23 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from common.attention.base import AttentionBackend, make_attention_backend
+from common.attention.base import AttentionBackend, make_attention_backend, resolved_backend
 from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token
 from common.memory.sizing import PoolPlan, plan_kv_pool
+from common.memory.static_reserve import (
+    GPU_MAX_RUNNING,
+    StaticReserve,
+    attention_bytes,
+    graph_bytes,
+    graph_plan,
+    req_to_token_bytes,
+)
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model.registry import attention_spec
+from common.model.registry import attention_spec, model_class
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
 
@@ -36,6 +44,7 @@ class RankModel:
     pool_plan: PoolPlan
     kv_pool: KVPool
     attn: AttentionBackend
+    reserved: StaticReserve  # what the pool's sizing set aside for the buffers allocated after it
 
 
 def build_rank_model(
@@ -49,15 +58,44 @@ def build_rank_model(
     store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
     memory = torch.cuda.mem_get_info() if config.device == "cuda" else None  # (free, total) after the weights
     per_token = pool_bytes_per_token(spec, store_dtype)
-    plan = plan_kv_pool(config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static)
+    reserved = static_reserve(config, hf, spec.kind, store_dtype.itemsize == 1) if memory else StaticReserve()
+    plan = plan_kv_pool(
+        config.page_size, per_token, config.max_total_tokens, memory, config.mem_fraction_static, reserved
+    )
     plan = dataclasses.replace(plan, num_pages=tp.min_int(plan.num_pages))
     scales, source = read_kv_scales(model_dir, spec.num_layers)
     log.info("%s", describe_kv_cache(spec, store_dtype, source))
     pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales)
     attn = make_attention_backend(
-        config.attention_backend, config.device, pool, spec.q_heads, spec.head_dim, spec.scaling
+        config.attention_backend,
+        config.device,
+        pool,
+        spec.q_heads,
+        spec.head_dim,
+        spec.scaling,
+        config.flashinfer_backend,
     )
-    return RankModel(model, heads, plan, pool, attn)
+    return RankModel(model, heads, plan, pool, attn, reserved)
+
+
+def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quantized: bool) -> StaticReserve:
+    """The buffers allocated after the pool (static_reserve.py), at the most the flags allow: every rank
+    counts rank 0's req_to_token, so the pages (the ranks' minimum) leave room for it."""
+    rows = config.max_running_requests if "max_running_requests" in config.model_fields_set else GPU_MAX_RUNNING
+    context = config.context_length or getattr(hf, "max_position_embeddings", 4096)
+    backend = resolved_backend(config.attention_backend, config.device, kind, quantized)
+    at_most = config.model_copy(update={"max_running_requests": rows})
+    sizes, _ = graph_plan(at_most, backend, model_class(hf).cuda_graph_capturable)
+    graphs = 0
+    if sizes:
+        slots = sizes[-1] * -(-context // config.page_size)
+        itemsize = getattr(torch, config.torch_dtype_name).itemsize
+        graphs = graph_bytes(sizes[-1], hf.hidden_size, hf.intermediate_size, hf.vocab_size, itemsize, slots)
+    return StaticReserve(
+        req_to_token=req_to_token_bytes(rows, context, config.page_size),
+        attention=attention_bytes(backend, len(sizes)),
+        cuda_graphs=graphs,
+    )
 
 
 def rank_report(rank: int, built: RankModel) -> dict:

@@ -3,8 +3,10 @@ sends every forward to all ranks before running its own share (`forward`), watch
 
 Faults: a follower that exits, or that has not finished a step within --watchdog-timeout-s, is a fault
 of the whole group: it is named (`fault`, what /health answers with 503), the other followers are killed
-(which also ends the collective rank 0 waits in), the step's requests fail with a RankFault naming the
-rank, and so does every later forward. A follower that exits because a collective failed
+(which ends a gloo collective rank 0 waits in; on CUDA the NCCL communicators are aborted, which ends the
+collectives rank 0's stream spins in: common.parallel.group), the step's requests fail with a RankFault
+naming the rank (`check_step`, after the step's tokens reached the host: an aborted step read garbage),
+and so does every later forward. A follower that exits because a collective failed
 (PEER_GONE_EXIT) is not blamed unless no other rank is named within `grace_s`. A follower that exits
 during start-up ends the server. With
 --nnodes > 1 the ranks of other hosts are watched through the host board (common.ranks.remote_hosts),
@@ -23,7 +25,7 @@ from typing import TypeVar
 
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardBatch
-from common.parallel.group import PEER_GONE_EXIT, TensorParallel, host_store, init_group
+from common.parallel.group import PEER_GONE_EXIT, TensorParallel, abort_collectives, host_store, init_group
 from common.ranks.host_board import HostBoard
 from common.ranks.launch import end_followers, group_addr, kill, spawn_followers, state_of
 from common.ranks.progress import Progress
@@ -79,6 +81,12 @@ class Ranks:
             raise RankFault(self._diagnose(e)) from e
         finally:
             self.step_started = None
+
+    def check_step(self) -> None:
+        """After a step's results reached the host: raise if the group faulted meanwhile (on CUDA the
+        step may have ended only because its collectives were aborted)."""
+        if self.fault is not None:
+            raise RankFault(self.fault)
 
     def _diagnose(self, error: Exception) -> str:
         """Why the step failed: a follower that exited (waited for: its collective may end first; on
@@ -140,6 +148,9 @@ class Ranks:
             self.fault = message
         log.error("the TP group is broken, this server cannot serve: %s", message)
         self._kill_all()
+        problem = abort_collectives(self.config.device)
+        if problem is not None:
+            log.error("could not abort the NCCL communicators (a step may stay stuck): %s", problem)
         self._post(message)
 
     def _post(self, message: str) -> None:

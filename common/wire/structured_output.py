@@ -76,7 +76,7 @@ def _choices(value: Any, param: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _structural_tag(value: Any, param: str) -> str:
+def _structural_tag_text(value: Any, param: str) -> str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -108,7 +108,7 @@ def from_response_format(value: Any) -> GrammarSpec | None:
         where = f"{param}.json_schema.schema"
         return GrammarSpec("json_schema", canonical_json(schema, where), where, strict=bool(strict))
     if kind == "structural_tag":
-        return GrammarSpec("structural_tag", _structural_tag(value, param), param)
+        return GrammarSpec("structural_tag", _structural_tag_text(value, param), param)
     raise InvalidRequest(
         f"{param}.type: {kind!r} is not one of text, json_object, json_schema, structural_tag", param=f"{param}.type"
     )
@@ -147,7 +147,7 @@ FIELD_KINDS: dict[str, tuple[Kind, Any]] = {
     "ebnf": ("ebnf", _text),
     "grammar": ("ebnf", _text),
     "choice": ("choice", _choices),
-    "structural_tag": ("structural_tag", _structural_tag),
+    "structural_tag": ("structural_tag", _structural_tag_text),
 }
 BODY_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
 GENERATE_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")

@@ -23,6 +23,7 @@ from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.memory.kv_pool import KVPool  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
+from tests.integration.tiny_model import save_tiny_llama  # noqa: E402
 from tests.unit.test_decode_hot_path import ScalarReads  # noqa: E402
 
 PAGE, HQ, HKV, DIM = 16, 8, 2, 128
@@ -98,10 +99,16 @@ class DeviceToHost(TorchDispatchMode):
         return out
 
 
+@pytest.fixture(scope="module")
+def head_dim_64_model(tmp_path_factory):
+    """The tiny Llama with heads of 64 (FlashInfer serves 64, 128 and 256; its own 16 gets torch)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-hd64"), head_dim=64)
+
+
 @pytest.mark.parametrize("backend", ["torch", "flashinfer"])
-def test_a_cuda_decode_step_of_16_reads_back_only_the_sampled_tokens(tiny_model_dir, backend):
+def test_a_cuda_decode_step_of_16_reads_back_only_the_sampled_tokens(head_dim_64_model, backend):
     config = ServerConfig(
-        model=str(tiny_model_dir), device="cuda", dtype="bfloat16", attention_backend=backend,
+        model=str(head_dim_64_model), device="cuda", dtype="bfloat16", attention_backend=backend,
         max_running_requests=16, max_total_tokens=16384,
     )  # fmt: skip
     engine = Engine(config)

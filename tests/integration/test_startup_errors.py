@@ -61,6 +61,23 @@ def cases(busy: int, gpt2: Path) -> dict[str, tuple[list[str], int, str]]:
             1,
             f"tandem serve: --bootstrap-port {busy}: {in_use}",
         ),
+        "serve-store-without-host-tier": (
+            [*tandem, "serve", "--hicache-storage-backend", "file"],
+            1,
+            "tandem serve: --hicache-storage-backend file is the tier behind the host tier: add "
+            "--enable-hierarchical-cache",
+        ),
+        "serve-store-extra-config-field-missing": (
+            [*tandem, "serve", "--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"],
+            1,
+            "tandem serve: --hicache-storage-backend-extra-config: master_server_address: Field required "
+            "(--hicache-storage-backend mooncake)",
+        ),
+        "kv-store-port-in-use": (
+            [*tandem, "kv-store", "--port", str(busy)],
+            1,
+            f"tandem kv-store: --port {busy}: {in_use}",
+        ),
         "up-missing-model": (
             [*tandem, "up", "--model", "/nonexistent/model"],
             1,

@@ -29,8 +29,12 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
     return out
 
 
-def save_tiny_llama(path: Path, context: int = 2048, heads: int = 4, kv_heads: int = 2) -> Path:
+def save_tiny_llama(
+    path: Path, context: int = 2048, heads: int = 4, kv_heads: int = 2, head_dim: int | None = None
+) -> Path:
+    """`head_dim`: None for hidden / heads (16); FlashInfer needs 64, 128 or 256."""
     config = LlamaConfig(
+        head_dim=head_dim,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

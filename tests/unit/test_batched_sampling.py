@@ -119,3 +119,73 @@ def test_min_new_tokens_masks_every_stop_token_of_a_sampled_row():
     params = [dict(temperature=1.0, seed=s, min_new_tokens=1, max_new_tokens=4) for s in range(500)]
     ids = Sampler().sample(logits, SamplingBatch(rows(*params, stop_ids={0, 3}), 4, "cpu")).token_ids
     assert set(ids) == {1, 2}
+
+
+class ReferenceKernels:
+    """FlashInfer's top_k_renorm_probs / top_p_renorm_probs as their documentation defines them (keep
+    the probabilities at or above the k-th largest; keep those at or above the threshold whose kept mass
+    reaches top_p; renormalize), for checking what the CUDA path hands them."""
+
+    @staticmethod
+    def top_k_renorm_probs(probs, top_k):
+        assert top_k.dtype == torch.int32 and top_k.shape == probs.shape[:1]
+        kth = probs.sort(dim=-1, descending=True).values.gather(
+            1, (top_k.long() - 1).clamp(max=probs.shape[1] - 1)[:, None]
+        )
+        kept = probs.masked_fill(probs < kth, 0.0)
+        return kept / kept.sum(-1, keepdim=True)
+
+    @staticmethod
+    def top_p_renorm_probs(probs, top_p):
+        assert top_p.dtype == torch.float32 and top_p.shape == probs.shape[:1]
+        values = probs.sort(dim=-1, descending=True).values
+        before = values.cumsum(-1) - values
+        threshold = values.masked_fill(before >= top_p[:, None], 2.0).min(-1, keepdim=True).values
+        kept = probs.masked_fill(probs < threshold, 0.0)
+        return kept / kept.sum(-1, keepdim=True)
+
+
+def test_flashinfers_renorm_kernels_draw_what_the_torch_path_draws():
+    """Mixed rows (greedy, top-k, top-p, both, min-p, none), seeded: the CUDA path's per-row settings
+    (the whole vocabulary and 1.0 where a row does not ask) give the same tokens, step after step."""
+    torch.manual_seed(0)
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.9, top_k=5),
+        dict(temperature=1.1, top_p=0.7),
+        dict(temperature=0.8, top_k=40, top_p=0.9),
+        dict(temperature=1.0, min_p=0.02, top_p=0.95),
+        dict(temperature=1.0),
+    ]
+    params = [dict(kind, seed=i) for i, kind in enumerate(kinds * 4)]
+    batch = SamplingBatch(rows(*params), 300, "cpu")
+    assert batch.top_ks.tolist()[:4] == [300, 5, 300, 40] and batch.top_ps.tolist()[:4] == pytest.approx(
+        [1, 1, 0.7, 0.9]
+    )
+    for _ in range(5):
+        logits = torch.randn(len(params), 300) * 3
+        torch_ids = Sampler().sample(logits, batch).token_ids
+        assert Sampler(ReferenceKernels()).sample(logits, batch).token_ids == torch_ids
+        batch.advance(torch.tensor(torch_ids))
+
+
+def test_the_sampler_holds_at_most_sampler_row_floats_rows_of_the_vocabulary():
+    """Every filter on every row of 512 (logit bias, min tokens, penalties, top-k, top-p, min-p, logprobs):
+    the float32 [rows, vocab] tensors alive at once, the caller's logits counted, stay within what the
+    KV sizing sets aside per running request (static_reserve.SAMPLER_ROW_FLOATS)."""
+    from common.memory.static_reserve import SAMPLER_ROW_FLOATS
+
+    n, vocab = 512, 32000
+    every = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1)
+    rows_ = [
+        SamplingRow(SamplingParams(**every, seed=i, logit_bias={"3": 1.0}, min_new_tokens=2), [1, 2], [4], 2, True, {7})
+        for i in range(n)
+    ]
+    batch, logits = SamplingBatch(rows_, vocab, "cpu"), torch.randn(n, vocab)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        Sampler().sample(logits, batch)
+    live = peak = 0
+    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()):
+        live += change
+        peak = max(peak, live)
+    assert 1 + peak / (n * vocab * 4) <= SAMPLER_ROW_FLOATS

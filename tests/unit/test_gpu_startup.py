@@ -36,6 +36,24 @@ def test_the_attention_backend_for_a_device_and_dtype(name, device, dtype, picke
         assert "--dtype float32" in warning and "--dtype bfloat16" in warning
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 96, 64, 128, 256, None])
+def test_auto_takes_flashinfer_only_for_the_head_dims_it_serves(head_dim):
+    chosen, warning = choose_attention_backend("auto", "cuda", "bfloat16", head_dim)
+    if head_dim in (64, 128, 256, None):  # None: MLA, whose pools get the torch backend anyway
+        assert (chosen, warning) == ("flashinfer", None)
+    else:
+        assert chosen == "torch" and f"head_dim {head_dim}" in warning and "torch" in warning
+        with pytest.raises(AttentionChoiceError, match=f"head_dim is {head_dim}.*--attention-backend torch"):
+            choose_attention_backend("flashinfer", "cuda", "bfloat16", head_dim)
+    assert choose_attention_backend("auto", "cpu", "float32", head_dim) == ("torch", None)
+
+
+def test_a_head_dim_flashinfer_lacks_is_refused_before_the_weights_load(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("common.engine.engine.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses"))
+    with pytest.raises(AttentionChoiceError, match="head_dim is 16"):
+        Engine(ServerConfig(model=str(tiny_model_dir), attention_backend="flashinfer", device="cuda"))
+
+
 @pytest.mark.parametrize(
     "device, dtype, names",
     [
@@ -80,7 +98,9 @@ def test_on_cuda_the_batch_limits_the_flags_leave_unset_come_from_the_device_and
     """An 80 GiB device with a 400,000-token pool: chunk 8192, budget 16384, 4096 requests, except what
     the flags (or the environment) set; the CPU keeps 512 / 4096 / 32."""
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (70 * GIB, 80 * GIB))
-    engine = SimpleNamespace(pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192)
+    engine = SimpleNamespace(
+        pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192, hf_config=SimpleNamespace(vocab_size=32000)
+    )
     cpu = Engine._batch_limits(engine, ServerConfig())
     assert (cpu.chunked_prefill_size, cpu.max_prefill_tokens, cpu.max_running_requests) == (512, 4096, 32)
     gpu = Engine._batch_limits(engine, ServerConfig(device="cuda"))
@@ -88,3 +108,19 @@ def test_on_cuda_the_batch_limits_the_flags_leave_unset_come_from_the_device_and
     monkeypatch.setenv("TANDEM_MAX_PREFILL_TOKENS", "9000")
     config = Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=64))
     assert (config.chunked_prefill_size, config.max_prefill_tokens, config.max_running_requests) == (8192, 9000, 64)
+
+
+def test_on_cuda_the_running_requests_are_capped_to_what_the_sampler_can_sample(monkeypatch, caplog):
+    """80 GiB at --mem-fraction-static 0.85 leaves 12 GiB; a 128,256-token vocabulary costs 10 float32 rows
+    of it per request (4.9 MiB): 2,511 rows. A derived 4096 is lowered quietly, a flag's with a warning."""
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (70 * GIB, 80 * GIB))
+    engine = SimpleNamespace(
+        pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192, hf_config=SimpleNamespace(vocab_size=128256)
+    )
+    rows = int(80 * GIB * 0.15 // (10 * 128256 * 4))
+    assert Engine._batch_limits(engine, ServerConfig(device="cuda")).max_running_requests == rows == 2511
+    assert not caplog.records
+    config = Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=4000))
+    assert config.max_running_requests == rows
+    assert "--max-running-requests 4000 lowered to 2511" in caplog.text and "--mem-fraction-static" in caplog.text
+    assert Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=64)).max_running_requests == 64

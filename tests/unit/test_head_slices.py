@@ -102,7 +102,8 @@ class Side:
     """One server's rank pools (real KVPools, heads-first pages) and its manager on the loopback backend;
     each follower rank's own engine and agent (transfer.rank_agent, on real ZMQ sockets) in this process."""
 
-    def __init__(self, mode: str, kv_heads: int, tp: int):
+    def __init__(self, mode: str, kv_heads: int, tp: int, devices: list[int] | None = None):
+        """`devices`: the CUDA device each rank says its pool is on (the loopback engine ignores it)."""
         self.pools = rank_pools(kv_heads, tp)
         self.aux = torch.zeros(2, AUX, dtype=torch.uint8)
         self.agents = [
@@ -113,8 +114,9 @@ class Side:
                 "127.0.0.1",
                 None,
                 serve=mode == "prefill",
+                device_index=(devices or [0] * tp)[rank],
             )
-            for p in self.pools[1:]
+            for rank, p in enumerate(self.pools[1:], start=1)
         ]
         reports = [a.report() for a in self.agents]
         self.args = KVArgs(
@@ -130,7 +132,9 @@ class Side:
             kv_wait_timeout_s=3.0,
             tp_size=tp,
             kv_heads=kv_heads,
+            device_index=(devices or [0])[0],
             rank_addresses=[r.backend_address for r in reports],
+            rank_device_indices=[r.device_index for r in reports],
             rank_agents=[(r.agent_endpoint, r.agent_id) for r in reports if r.agent_endpoint],
         )
         self.manager = (PrefillKVManager if mode == "prefill" else DecodeKVManager)(self.args)
@@ -276,3 +280,21 @@ def test_a_follower_that_does_not_answer_fails_the_room_when_the_tp_group_faults
     wait_for(lambda: receiver.poll() == KVPoll.Failed)
     assert "tp rank 2 cannot write: tp rank 2 (pid 1) exited with code -9" in receiver.failure_reason
     assert dec.aux.sum() == 0
+
+
+def test_every_engine_learns_each_decode_ranks_own_cuda_device():
+    """Per-rank engines: the decode's Register names each rank's device, and whichever prefill engine
+    writes into a decode rank (rank 0's, or a follower's through its agent) learns that rank's device
+    (NIXL puts it on the remote descriptors: a pair of ranks may sit on different GPU indices)."""
+    prefill, dec = Side("prefill", 2, 2, devices=[6, 7]), Side("decode", 2, 2, devices=[3, 1])
+    learned = []
+    for engine in (prefill.manager.backend, prefill.agents[0].backend):
+        real = engine.add_peer
+        engine.add_peer = lambda peer, address, device, real=real: (
+            learned.append((peer[-1], device)) or real(peer, address, device)
+        )
+    fill(prefill.pools, 2)
+    sender, receiver = pair_room(prefill, dec, 11)
+    wait_for(lambda: receiver.poll() == KVPoll.Success)
+    assert prefill.manager.registrations[dec.manager.instance_id].device_indices == [3, 1]
+    assert sorted(learned) == [("0", 3), ("1", 1), ("1", 1)]  # rank 0 learns both; follower 1 its own on use

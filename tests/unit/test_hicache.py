@@ -122,3 +122,44 @@ def test_a_host_tier_larger_than_the_hosts_memory_is_refused():
     huge = ServerConfig(enable_hierarchical_cache=True, hicache_size=10**7)  # 10 PiB
     with pytest.raises(UserError, match="lower --hicache-ratio or --hicache-size"):
         make_prefix_cache(huge, PagedAllocator(10, PS), pool)
+
+
+class FakeCopy:
+    """A copy's CUDA event: passed once `landed` is set; synchronize() waits for it (here: lands it)."""
+
+    def __init__(self):
+        self.landed = self.waited = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.waited = self.landed = True
+
+
+class AsyncHostPool(HostPool):
+    """HostPool whose writes land only when told (as on CUDA, where the compute stream goes on)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.copies: list[FakeCopy] = []
+
+    def write(self, device_pages, host_pages):
+        super().write(device_pages, host_pages)
+        self.copies.append(FakeCopy())
+        return self.copies[-1]
+
+
+def test_a_write_through_copy_locks_its_device_pages_until_it_lands_and_an_eviction_copy_is_waited_for():
+    pool = KVPool(2, 8, PS, 1, 2, torch.float32, "cpu")
+    host = AsyncHostPool(pool, 16)
+    cache = HiRadixCache(PagedAllocator(8, PS), host, "write_through")
+    finish(cache, pool, list(range(8)))  # two pages, copied out: not yet landed
+    assert cache.locked_pages() == 2 and cache.evictable_pages() == 0 and cache.evict(2) == 0
+    host.copies[0].landed = True
+    assert cache.evict(2) == 2 and cache.locked_pages() == 0  # released, then evictable (the host has them)
+    assert len(host.copies) == 1  # nothing copied again at eviction: written through already
+    wb = HiRadixCache(PagedAllocator(8, PS), AsyncHostPool(pool, 16), "write_back")
+    finish(wb, pool, list(range(100, 108)))
+    assert wb.locked_pages() == 0 and not wb.pool.copies
+    assert wb.evict(2) == 2 and wb.pool.copies[0].waited  # its pages were freed only after the copy

@@ -166,3 +166,36 @@ def test_kv_aware_picks_one_side_under_another_policy():
     index.stored("http://p1", block_hashes(prompt, PAGE)[:1])
     picks = [policy.pick_pair([p0, p1], [d0, d1], {"input_ids": prompt}) for _ in range(2)]
     assert picks == [Pair(p1, d0), Pair(p1, d1)]
+
+
+def test_store_pages_count_for_every_store_user_at_their_weight():
+    """A page only the shared store holds is worth --kv-store-hit-weight to a prefill that uses the store (it
+    reported store pages), nothing to one that does not; its host pages are worth --kv-host-hit-weight; a
+    worker's clear leaves the store alone; the store's set is bounded, oldest out first."""
+    index, prompt = KVIndex(store_pages=6), list(range(16))  # 4 pages
+    hashes = block_hashes(prompt, PAGE)
+    index.stored("http://p1", hashes, "STORE")  # p1 wrote them; p0 never used the store
+    index.stored("http://p2", [], "STORE")  # p2 uses the store too
+    index.stored("http://p2", hashes[:1], "GPU")
+    index.stored("http://p2", hashes[1:2], "CPU")
+    weights = {"GPU": 1.0, "CPU": 0.75}
+    assert index.credit("http://p0", hashes, weights, 0.5) == 0
+    assert index.credit("http://p1", hashes, weights, 0.5) == 4 * 0.5
+    assert index.credit("http://p2", hashes, weights, 0.5) == 1 + 0.75 + 2 * 0.5
+    assert index.credit("http://p2", hashes, weights, 0.0) == 1.75  # a decode: the store counts for nothing
+    index.clear("http://p1")
+    assert index.credit("http://p1", hashes, weights, 0.5) == 2.0 and index.pages("http://p1") == 0
+    index.stored("http://p1", block_hashes(list(range(100, 112)), PAGE), "STORE")  # 3 more: 7 > 6
+    assert index.credit("http://p1", hashes, weights, 0.5) == 0  # the prompt's first page was the oldest
+    index.removed("http://p2", hashes[1:], "STORE")
+    assert len(index.store) == 3  # the three new pages
+
+
+def test_kv_aware_sends_a_prompt_to_the_prefill_that_can_read_it_from_the_store():
+    index, prompt = KVIndex(), list(range(16))
+    index.stored("http://p1", block_hashes(prompt, PAGE), "STORE")
+    p0, p1, d0 = Worker("http://p0", "prefill"), Worker("http://p1", "prefill"), Worker("http://d0", "decode")
+    policy = pair_policy("kv_aware", None, KVAwarePolicy(index, FakeFeeds(), load_tokens=4, store_weight=0.5))
+    assert policy.pick_pair([p0, p1], [d0], {"input_ids": prompt}) == Pair(p1, d0)  # 8 to compute < 16
+    p1.in_flight = 3  # 8 + 12 of load > 16
+    assert policy.pick_pair([p0, p1], [d0], {"input_ids": prompt}) == Pair(p0, d0)

@@ -31,8 +31,10 @@ def test_fp8_pool_stores_scaled_values_and_reads_them_back_in_the_model_dtype():
     k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     k[0, 0, 0] = 10_000.0  # beyond fp8's range once scaled: clamped, not NaN
     pool.set_kv(0, at, k, v)
-    assert pool.buffer.dtype == torch.float8_e4m3fn
-    assert torch.equal(pool.buffer[1, 0, 0, 0, 0, 1], (k[0, 0, 1] / 2.0).to(torch.float8_e4m3fn))
+    assert pool.buffer.dtype == torch.uint8  # float8 values stored as their bytes (index_put runs on uint8)
+    stored = pool.buffer.view(torch.float8_e4m3fn)
+    assert torch.equal(stored[1, 0, 0, 0, 0, 1].float(), (k[0, 0, 1] / 2.0).to(torch.float8_e4m3fn).float())
+    assert pool.k_pages(0).dtype == torch.float8_e4m3fn and pool.k_pages(0).data_ptr() == pool.buffer.data_ptr()
     got_k, got_v = pool.k_at(0, at), pool.v_at(0, at)
     assert got_k.dtype == torch.float32 and got_k[0, 0, 0] == 448.0 * 2.0
     assert torch.allclose(got_k.flatten()[1:], k.flatten()[1:], rtol=0.07, atol=0.02)

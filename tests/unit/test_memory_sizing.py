@@ -5,6 +5,14 @@ from __future__ import annotations
 import pytest
 
 from common.memory.sizing import GIB, PoolPlan, PoolSizingError, gpu_batch_limits, plan_context_len, plan_kv_pool
+from common.memory.static_reserve import (
+    SAMPLER_ROW_FLOATS,
+    StaticReserve,
+    attention_bytes,
+    cap_running_requests,
+    req_to_token_bytes,
+    sampler_bytes_per_row,
+)
 
 LLAMA3_8B_BF16 = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 kv heads of 128, 2 bytes: 128 KiB per token
 
@@ -83,3 +91,53 @@ def test_a_gpu_gets_sglangs_prefill_chunk_for_its_memory_class(gib, chunk):
 def test_a_gpu_runs_as_many_requests_as_its_pool_holds(pool_tokens, context_len, running):
     pool = PoolPlan(num_pages=pool_tokens // 16, page_size=16, bytes_per_token=131072, source="test")
     assert gpu_batch_limits(80 * GIB, pool, context_len)["max_running_requests"] == running
+
+
+def test_the_static_buffers_allocated_after_the_pool_are_counted_before_it():
+    """Llama 3 8B on an H100 at its 128k context and 4096 rows: req_to_token (2 GiB), FlashInfer's
+    workspaces and the graphs come out of the pool, and the start-up line says so."""
+    total, used = 80 * GIB, 16 * GIB
+    reserved = StaticReserve(
+        req_to_token=req_to_token_bytes(4096, 131072, 16), attention=attention_bytes("flashinfer", 3), cuda_graphs=GIB
+    )
+    assert reserved.req_to_token == 4105 * 131088 * 4 and reserved.attention == (256 + 5 * 8) * 2**20
+    assert attention_bytes("torch", 3) == 0
+    bare = plan_kv_pool(16, LLAMA3_8B_BF16, None, (total - used, total), 0.85)
+    plan = plan_kv_pool(16, LLAMA3_8B_BF16, None, (total - used, total), 0.85, reserved)
+    assert plan.total_bytes <= total * 0.85 - used - reserved.total < plan.total_bytes + 2 * 16 * LLAMA3_8B_BF16
+    assert bare.num_pages - plan.num_pages == pytest.approx(reserved.total / LLAMA3_8B_BF16 / 16, abs=1)
+    assert "(req_to_token 2.00 GiB, attention 0.29 GiB, CUDA graphs 1.00 GiB to come)" in plan.source
+    with pytest.raises(PoolSizingError, match="CUDA graphs 1.00 GiB to come.*--max-running-requests"):
+        plan_kv_pool(16, LLAMA3_8B_BF16, None, (14 * GIB, total), 0.85, reserved)
+
+
+def test_running_requests_are_capped_to_the_rows_the_sampler_can_hold():
+    per_row = SAMPLER_ROW_FLOATS * 128256 * 4
+    assert sampler_bytes_per_row(128256) == per_row
+    assert cap_running_requests(4096, 12 * GIB, 128256, from_flag=False) == (int(12 * GIB // per_row), None)
+    assert cap_running_requests(2048, 12 * GIB, 128256, from_flag=False) == (2048, None)
+    assert cap_running_requests(64, 12 * GIB, 128256, from_flag=True) == (64, None)
+    rows, warning = cap_running_requests(4096, 1 * GIB, 128256, from_flag=True)
+    assert rows == 209 and "--max-running-requests 4096 lowered to 209" in warning
+
+
+def test_a_gpu_servers_reserve_counts_its_graphs_and_their_wrappers_unless_they_are_off():
+    """Llama 3 8B's shapes at 4096 rows and 8k context on CUDA: 35 graphs of up to 256 rows (one FlashInfer
+    decode wrapper each, and their memory), nothing for them with --disable-cuda-graph or at TP 2."""
+    from transformers import LlamaConfig
+
+    from common.config import ServerConfig
+    from common.memory.static_reserve import graph_bytes
+    from common.ranks.rank_model import static_reserve
+
+    hf = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    on = static_reserve(ServerConfig(device="cuda"), hf, "mha", False)
+    assert on.attention == attention_bytes("flashinfer", 35)
+    assert on.cuda_graphs == graph_bytes(256, 4096, 14336, 128256, 2, 256 * 512) > 256 * 128256 * 10
+    assert on.req_to_token == req_to_token_bytes(4096, 8192, 16)
+    for flags in (dict(disable_cuda_graph=True), dict(tp_size=2), dict(attention_backend="torch")):
+        off = static_reserve(ServerConfig(device="cuda", **flags), hf, "mha", False)
+        assert off.cuda_graphs == 0 and off.attention in (attention_bytes("flashinfer"), 0)

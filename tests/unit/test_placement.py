@@ -13,7 +13,7 @@ from router.placement import Placer, pair_policy
 from router.placement_cost import Overheads, Prompt, Side, Slo, local, remote
 from router.placement_rules import CostPlacement, PendingWork, TwoWay
 from router.request_hints import NONE, RequestHints
-from router.worker_stats import Stats, WorkerStats, parse
+from router.worker_stats import Stats, WorkerStats, parse_metrics
 from router.workers import WorkerRegistry
 
 PAGE = 16
@@ -55,21 +55,21 @@ tandem_kv_transfer_write_seconds_total{{role="prefill"}} {write_s}
 
 def test_the_stats_start_from_the_calibration_then_follow_the_counters():
     stats = Stats()
-    stats.update(parse(metrics_text()), now=1.0)
+    stats.update(parse_metrics(metrics_text()), now=1.0)
     assert (stats.prefill_tokens_per_s, stats.decode_step_s) == (4000.0, 0.02)  # nothing ran: the calibration
     assert (stats.free_pages, stats.page_bytes, stats.chunk_tokens) == (512, 1024, 256)
     assert stats.wire_bytes_per_s is None  # never wrote
-    stats.update(parse(metrics_text(1000, 0.5, 100, 1.0, bytes_sent=1e6, write_s=0.1)), now=2.0)
+    stats.update(parse_metrics(metrics_text(1000, 0.5, 100, 1.0, bytes_sent=1e6, write_s=0.1)), now=2.0)
     assert stats.prefill_tokens_per_s == pytest.approx(0.7 * 4000 + 0.3 * 2000)  # blended: 2000 tokens/s measured
     assert stats.decode_step_s == pytest.approx(1 / (0.7 * 50 + 0.3 * 100))
     assert stats.wire_bytes_per_s == pytest.approx(1e7)
-    stats.update(parse(metrics_text(1000, 0.5, 100, 1.0, bytes_sent=1e6, write_s=0.1)), now=3.0)
+    stats.update(parse_metrics(metrics_text(1000, 0.5, 100, 1.0, bytes_sent=1e6, write_s=0.1)), now=3.0)
     assert stats.prefill_tokens_per_s == pytest.approx(0.7 * 4000 + 0.3 * 2000)  # an idle interval changes nothing
 
 
 def test_a_first_scrape_of_a_busy_worker_takes_its_totals_as_one_interval():
     stats = Stats()
-    stats.update(parse(metrics_text(3000, 1.0, 10, 0.5, running=3, queue=40)), now=1.0)
+    stats.update(parse_metrics(metrics_text(3000, 1.0, 10, 0.5, running=3, queue=40)), now=1.0)
     assert (stats.prefill_tokens_per_s, stats.decode_step_s) == (3000.0, 0.05)
     assert (stats.running, stats.queue_tokens) == (3, 40)
 
@@ -177,7 +177,7 @@ def cluster(scrapes: dict[str, str]) -> tuple[WorkerRegistry, WorkerStats]:
         registry.mark(registry.add(url, role), True)
     stats = WorkerStats(registry, 1.0)
     for url, text in scrapes.items():
-        stats.stats.setdefault(url, Stats()).update(parse(text), now=1.0)
+        stats.stats.setdefault(url, Stats()).update(parse_metrics(text), now=1.0)
     return registry, stats
 
 

@@ -4,10 +4,13 @@ progress, then the newest."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from common.config import ServerConfig
 from common.core.request import Req, queue_position
 from common.engine.decode_batch import DecodeBatch
 from common.engine.prefill_queue import PrefillQueue
+from common.memory.prefix_cache import NoPrefixCache
 from common.wire.sampling_params import SamplingParams
 
 
@@ -17,8 +20,11 @@ def req(rid: str, priority: int = 0, progress: int = 0) -> Req:
     return r
 
 
+NO_CACHE = SimpleNamespace(prefix_cache=NoPrefixCache(None, 16))  # queue order needs no memory
+
+
 def test_the_queue_orders_by_priority_then_arrival():
-    q = PrefillQueue(ServerConfig(), memory=None)
+    q = PrefillQueue(ServerConfig(), memory=NO_CACHE)
     for r in [req("a"), req("b", 5), req("c"), req("d", 5), req("e", -1), req("f", 9)]:
         q.add(r)
     assert [r.rid for r in q.waiting] == ["f", "b", "d", "a", "c", "e"]
@@ -27,7 +33,7 @@ def test_the_queue_orders_by_priority_then_arrival():
 
 
 def test_without_priorities_the_queue_is_fifo_and_a_retracted_request_goes_first():
-    q = PrefillQueue(ServerConfig(), memory=None)
+    q = PrefillQueue(ServerConfig(), memory=NO_CACHE)
     for rid in "abc":
         q.add(req(rid))
     q.add_front(req("r"))

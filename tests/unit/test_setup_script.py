@@ -77,3 +77,30 @@ def test_the_system_libraries_of_each_build_are_installed_when_missing(tmp_path,
 def test_the_cuda_image_installs_the_same_system_libraries():
     dockerfile = (ROOT / "docker" / "Dockerfile.cuda").read_text()
     assert all(p in dockerfile.split() for p in ("libibverbs1", "ibverbs-providers", "libnuma1", "libcurl4"))
+
+
+@pytest.mark.parametrize("release, ok", [("13.0", True), ("12.8", False), (None, True)])
+def test_nvcc_must_build_for_torchs_cuda_major(tmp_path, release, ok):
+    """FlashInfer compiles with nvcc at first use: a toolkit of another CUDA major stops the set-up
+    naming both (the dry run's torch is CUDA 13); none at all is a warning (torch attention still runs)."""
+    env = os.environ | {"TANDEM_SETUP_DRY_RUN": "1", "TANDEM_DEVICE": "cuda", "CUDA_HOME": str(tmp_path / "none")}
+    path = [d for d in env["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(d, "nvcc"))]
+    env["PATH"] = os.pathsep.join(path)  # this host's own toolkit, if any, out of the way
+    if release:
+        nvcc = tmp_path / "nvcc"
+        nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.93'\n")
+        nvcc.chmod(0o755)
+        env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == (0 if ok else 2), out.stderr
+    if release == "13.0":
+        assert f"[setup] nvcc ({nvcc}) is CUDA 13, as torch\n" in out.stdout
+    elif release:
+        assert f"{nvcc} is CUDA 12 but torch is built for CUDA 13" in out.stderr and "cu12" in out.stderr
+    else:
+        assert "warning: no nvcc" in out.stderr and "--attention-backend torch" in out.stderr
+
+
+def test_the_cuda_image_carries_the_toolkit_of_torchs_cuda_major():
+    dockerfile = (ROOT / "docker" / "Dockerfile.cuda").read_text()
+    assert "ARG CUDA_IMAGE=nvidia/cuda:13." in dockerfile and "-devel-" in dockerfile

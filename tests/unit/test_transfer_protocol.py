@@ -217,10 +217,14 @@ def test_unknown_room_status_is_counted():
     wait_for(lambda: dec.manager.counters["rejected_messages"] == 1)
 
 
-def test_register_validation_rejects_bad_pointers():
+def test_register_validation_rejects_bad_pointers_and_device_lists():
     bad = Register("d", "tcp://x:1", [b"a"], [0], [16], 4, 4, 1, 8, 1)
     with pytest.raises(BadMessage):
         decode(encode(bad, None), None)
+    for devices in ([], [0, 1], [-1], [True]):  # one CUDA device index per rank
+        bad = Register("d", "tcp://x:1", [b"a"], [64], [16], 4, 4, 1, 8, 1, device_indices=devices)
+        with pytest.raises(BadMessage, match="device_indices"):
+            decode(encode(bad, None), None)
 
 
 def block_writes_to(side: Side, decode_id: str) -> tuple[threading.Event, threading.Event]:

@@ -84,22 +84,29 @@ def test_ucx_transports_a_gpu_server_sets(protocol, on_cuda, env, tls):
     assert ucx_transports(protocol, on_cuda, env) == tls
 
 
-def test_nixl_descriptors_name_the_pools_device():
+def test_nixl_descriptors_name_the_pools_device_and_the_peers():
+    """Local descriptors carry this pool's device, remote ones the peer's (its Register's), host memory 0."""
     from transfer.backends.nixl import NixlBackend
 
-    backend = NixlBackend(device_id=3)
+    backend, peer = NixlBackend(device_id=3), NixlBackend(device_id=5)
+    backend.add_peer("peer", peer.address(), 5)
     seen = []
 
     def capture(descs, mem):
         seen.append((descs[:, 2].tolist(), mem))
+        return len(seen)
+
+    def stop(*args):
         raise RuntimeError("captured")
 
-    backend.agent.get_xfer_descs = capture
-    with pytest.raises(RuntimeError, match="captured"):
-        backend.write_batch("peer", [4096], [8192], [64], on_device=True)
-    assert seen == [([3], "VRAM")]
+    backend.agent.get_xfer_descs, backend.agent.initialize_xfer = capture, stop
+    for on_device in (True, False):
+        with pytest.raises(RuntimeError, match="captured"):
+            backend.write_batch("peer", [4096], [8192], [64], on_device=on_device)
+    assert seen == [([3], "VRAM"), ([5], "VRAM"), ([0], "DRAM"), ([0], "DRAM")]
     assert "device 3" in backend.describe()
     backend.close()
+    peer.close()
 
 
 def test_the_kv_pools_cuda_device_reaches_the_transfer_args():

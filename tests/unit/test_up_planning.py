@@ -176,3 +176,34 @@ def test_kv_aware_refuses_what_contradicts_it(args, says):
     parsed = ns.parse_args(["--device", "cpu", *args])
     with pytest.raises(UserError, match=says):
         check_up(parsed, plan_children(parsed))
+
+
+def test_up_with_a_mooncake_store_runs_tandem_kv_store_and_points_every_server_at_it():
+    kids, by_name, _ = children("--hicache-storage-backend", "mooncake", "--kv-store-port", "41000")
+    store = by_name["kv-store"]
+    assert store.argv[3:] == [
+        "kv-store",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "41000",
+        "--metadata-port",
+        "41001",
+        "--metrics-port",
+        "41002",
+        "--client-port",
+        "41003",
+        "--size",
+        "4GB",
+    ]
+    assert store.health_url == "http://127.0.0.1:41002/health" and kids[0] is store
+    extra = json.dumps(
+        {"master_server_address": "127.0.0.1:41000", "metadata_server": "http://127.0.0.1:41001/metadata"}
+    )
+    for name in ("prefill-0", "decode-0"):
+        argv = by_name[name].argv
+        assert argv[argv.index("--hicache-storage-backend") + 1] == "mooncake" and "--enable-hierarchical-cache" in argv
+        assert argv[argv.index("--hicache-storage-backend-extra-config") + 1] == extra
+        assert argv[argv.index("--hicache-storage-prefetch-policy") + 1] == "timeout"
+    kids, by_name, _ = children("--mode", "monolithic", "--hicache-storage-backend", "file")
+    assert [c.name for c in kids] == ["server"] and "--hicache-storage-backend" in by_name["server"].argv

@@ -74,3 +74,40 @@ def test_a_truncated_file_is_a_clear_error(tmp_path):
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ValueError, match="ends early"):
         load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
+
+
+def test_q_k_v_and_gate_up_load_into_one_weight_each_and_compute_what_the_parts_compute(tmp_path):
+    """At load q/k/v_proj and gate/up_proj become rows of one weight (their parameters are views of it,
+    filled by their checkpoint names): one matmul each, giving the separate matmuls' tokens, and their
+    logprobs to float32 rounding (a wider GEMM may block its sums differently)."""
+    from common.config import ServerConfig
+    from common.core.request import Req
+    from common.engine.engine import Engine
+    from common.wire.sampling_params import SamplingParams
+    from tests.integration.tiny_model import save_tiny_llama
+
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    engine = Engine(ServerConfig(model=str(model_dir), max_total_tokens=2048))
+    layer = engine.runner.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    weight, _ = attn.qkv
+    q_rows = attn.q_proj.weight.shape[0]
+    assert attn.q_proj.weight.data_ptr() == weight.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == weight[q_rows].data_ptr() and weight.shape[0] == sum(attn.qkv_sizes)
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[0][mlp.gate_proj.weight.shape[0]].data_ptr()
+
+    def generate():
+        req = Req("r", list(range(3, 40)), SamplingParams(max_new_tokens=8, temperature=0), return_logprob=True)
+        engine.scheduler.add_request(req)
+        while engine.scheduler.step():
+            pass
+        return req.output_ids, req.output_logprobs
+
+    fused = generate()
+    for module in engine.runner.model.modules():  # the separate matmuls, on the same (shared) weights
+        if hasattr(module, "qkv"):
+            module.qkv = None
+        if hasattr(module, "gate_up"):
+            module.gate_up = None
+    tokens, logprobs = generate()
+    assert tokens == fused[0] and logprobs == pytest.approx(fused[1], abs=1e-5)

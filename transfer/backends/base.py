@@ -22,8 +22,9 @@ class TransferBackend(ABC):
         """What a peer needs (via add_peer) to write to us."""
 
     @abstractmethod
-    def add_peer(self, peer_id: str, address: bytes) -> None:
-        """Learn how to reach a peer; idempotent."""
+    def add_peer(self, peer_id: str, address: bytes, device_index: int = 0) -> None:
+        """Learn how to reach a peer whose registered KV lives on CUDA device `device_index` (its own
+        index, on its host); idempotent."""
 
     @abstractmethod
     def write_batch(

@@ -17,7 +17,7 @@ class LoopbackBackend(TransferBackend):
     def address(self) -> bytes:
         return b"loopback"
 
-    def add_peer(self, peer_id: str, address: bytes) -> None:
+    def add_peer(self, peer_id: str, address: bytes, device_index: int = 0) -> None:
         if address != b"loopback":
             raise ValueError("the loopback backend only reaches its own process")
 

@@ -9,6 +9,10 @@ this server registers (the KV pool, on the device or the host, and always the au
 TCP is forced (MC_FORCE_TCP) when TCP is asked for; RDMA must find a device, else start-up fails naming
 the flags; NVLink is refused when host memory is registered (the aux records would be unreachable).
 `describe()` says at start-up which transport the engine uses.
+
+On GPUs NIXL is the path (docs/gpu.md): with the aux records in host memory Mooncake cannot use NVLink,
+and its TCP transport moves device memory through the host in 64 KiB synchronous cudaMemcpy pieces on the
+default stream, which stalls both sides' compute. Over RDMA (GPUDirect) it reaches both memories.
 """
 
 from __future__ import annotations
@@ -95,7 +99,8 @@ class MooncakeBackend(TransferBackend):
     def address(self) -> bytes:
         return self._address
 
-    def add_peer(self, peer_id: str, address: bytes) -> None:
+    def add_peer(self, peer_id: str, address: bytes, device_index: int = 0) -> None:
+        # the segment's own metadata (fetched at the handshake) names its buffers' devices
         self.sessions[peer_id] = address.decode()
 
     def write_batch(

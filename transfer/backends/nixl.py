@@ -4,8 +4,9 @@ through os._exit after close().
 
 On CUDA, UCX moves device memory only with its CUDA transports: unless the operator set UCX_TLS, it is
 set to cuda_ipc (GPU to GPU on one host), cuda_copy (staging) and the network transport of
---transfer-protocol (rc for RDMA, tcp), plus sm and self for the host-memory aux records. Descriptors name
-the KV pool's own device (cuda:N), not device 0."""
+--transfer-protocol (rc for RDMA, tcp), plus sm and self for the host-memory aux records. A descriptor
+names the device its memory is on: local ones this process's pool (cuda:N, not device 0), remote ones the
+peer's, as its Register said (per-rank engines: a pair of ranks may sit on different GPU indices)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class NixlBackend(TransferBackend):
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         self.agent = _make_agent(self.name)
         self.device_id = device_id  # the KV pool's CUDA device; 0 (ignored by UCX) for host memory
-        self.peers: dict[str, str] = {}
+        self.peers: dict[str, tuple[str, int]] = {}  # peer id -> (remote agent name, its KV's device)
         self._registered = []
 
     def register(self, ptr: int, nbytes: int, on_device: bool = False) -> None:
@@ -84,9 +85,9 @@ class NixlBackend(TransferBackend):
     def address(self) -> bytes:
         return self.agent.get_agent_metadata()
 
-    def add_peer(self, peer_id: str, address: bytes) -> None:
+    def add_peer(self, peer_id: str, address: bytes, device_index: int = 0) -> None:
         if peer_id not in self.peers:
-            self.peers[peer_id] = self.agent.add_remote_agent(address)
+            self.peers[peer_id] = (self.agent.add_remote_agent(address), device_index)
 
     def write_batch(
         self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False
@@ -94,9 +95,10 @@ class NixlBackend(TransferBackend):
         if not src:
             return
         mem = "VRAM" if on_device else "DRAM"
-        local = self.agent.get_xfer_descs(_descs(src, nbytes, self.device_id), mem)
-        remote = self.agent.get_xfer_descs(_descs(dst, nbytes, self.device_id), mem)
-        handle = self.agent.initialize_xfer("WRITE", local, remote, self.peers[peer_id])
+        agent, remote_device = self.peers[peer_id]
+        local = self.agent.get_xfer_descs(_descs(src, nbytes, self.device_id if on_device else 0), mem)
+        remote = self.agent.get_xfer_descs(_descs(dst, nbytes, remote_device if on_device else 0), mem)
+        handle = self.agent.initialize_xfer("WRITE", local, remote, agent)
         try:
             if self.agent.transfer(handle) == "ERR":
                 raise RuntimeError("NIXL transfer could not start")

@@ -99,6 +99,7 @@ class DecodeKVManager(KVManager):
                 a.aux_slots,
                 a.tp_size,
                 a.kv_heads,
+                [a.device_index, *a.rank_device_indices],
             ),
         )
         self.registered_with[endpoint] = prefill_id

@@ -203,7 +203,8 @@ class KVWriter:
         if src_rank == 0:
             self.backend.write_batch(peer, *triples, self.on_cuda)
         else:
-            n = self.links.write(src_rank, peer, registration.backend_addresses[dst_rank], *triples, self.on_cuda)
+            address, device = registration.backend_addresses[dst_rank], registration.device_indices[dst_rank]
+            n = self.links.write(src_rank, peer, address, device, *triples, self.on_cuda)
         self._count(src_rank, n)
         return n
 

@@ -109,7 +109,7 @@ class PrefillKVManager(KVManager):
                 msg.decode_id, f"decode {msg.decode_id} registered again: it gave up on its rooms here", "peer_dead"
             )
         for rank, address in enumerate(msg.backend_addresses):  # our followers' agents learn them on first use
-            self.backend.add_peer(rank_peer(msg.decode_id, rank), address)
+            self.backend.add_peer(rank_peer(msg.decode_id, rank), address, msg.device_indices[rank])
         if msg.tp_size != self.args.tp_size:
             plan = head_sources(self.args.kv_heads, self.args.tp_size, msg.tp_size)
             log.info(

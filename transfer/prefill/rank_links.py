@@ -58,13 +58,16 @@ class RankLinks:
         self.jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
 
-    def write(self, rank: int, peer_id: str, address: bytes, src, dst, nbytes, on_device: bool) -> int:
-        """Have rank `rank`'s engine write the pieces into `peer_id`; the bytes written, or raise."""
+    def write(self, rank: int, peer_id: str, address: bytes, device: int, src, dst, nbytes, on_device: bool) -> int:
+        """Have rank `rank`'s engine write the pieces into `peer_id` (at `address`, its KV on CUDA device
+        `device`); the bytes written, or raise."""
         agent = self.agents[rank]
         job_id = next(self._ids)
         job = self.jobs[job_id] = _Job(agent)
         try:
-            self.send(agent.endpoint, RankWrite(job_id, peer_id, address, src, dst, nbytes, on_device, self.reply_to))
+            self.send(
+                agent.endpoint, RankWrite(job_id, peer_id, address, device, src, dst, nbytes, on_device, self.reply_to)
+            )
             reply = self._wait(job, rank)
         finally:
             self.jobs.pop(job_id, None)

@@ -76,7 +76,7 @@ class GrammarBackend:
             return xgr.Grammar.from_ebnf(
                 "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(value))
             )
-        return _structural_tag(json.loads(value))
+        return _structural_tag_grammar(json.loads(value))
 
     def compiled(self, spec: GrammarSpec) -> Future:
         """The compiled grammar of `spec` (a Future: done at once when cached)."""
@@ -121,7 +121,7 @@ def _thinking_closed(prompt_tail: str, end: str) -> bool:
     return prompt_tail.rstrip().endswith(end)
 
 
-def _structural_tag(tag: dict) -> xgr.Grammar:
+def _structural_tag_grammar(tag: dict) -> xgr.Grammar:
     """SGLang's {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers"} or xgrammar's format."""
     if "structures" in tag:
         items = [

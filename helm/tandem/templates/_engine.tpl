@@ -53,9 +53,26 @@ of a LeaderWorkerSet (the role's nodes > 1: one TP group over `nodes` pods, engi
 {{- end }}
 - --drain-timeout-s
 - {{ $v.drain.timeoutSeconds | quote }}
+{{- include "tandem.engine.kvStoreArgs" .root }}
 {{- include "tandem.tls.args" (dict "root" .root) }}
 {{- range concat $v.engine.extraArgs $role.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* With kvStore.enabled: the host tier and the KV store behind it, the chart's kv-store Service. */}}
+{{- define "tandem.engine.kvStoreArgs" -}}
+{{- $k := .Values.kvStore -}}
+{{- if $k.enabled }}
+{{- $host := include "tandem.serviceHost" (dict "root" . "component" "kv-store") }}
+{{- $extra := dict "master_server_address" (printf "%s:%d" $host (int $k.port)) "metadata_server" (printf "http://%s:%d/metadata" $host (int $k.metadataPort)) }}
+- --enable-hierarchical-cache
+- --hicache-storage-backend
+- mooncake
+- --hicache-storage-backend-extra-config
+- {{ toJson $extra | quote }}
+- --hicache-storage-prefetch-policy
+- {{ $k.prefetchPolicy }}
 {{- end }}
 {{- end -}}
 

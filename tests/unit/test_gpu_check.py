@@ -1,0 +1,156 @@
+"""scripts/gpu/check.sh without a GPU (TANDEM_GPU_CHECK_FAKES): every step runs as a canned result, so its
+control flow is checked (order, a failed step not stopping the next, the deadline skipping the rest, the
+JIT verdict choosing the attention backend) and its summary is built from fake results; every file a step
+names exists in the checkout, so the check keeps in step with the code."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu" / "check.sh"
+ENV = {
+    "gpu": "NVIDIA H100 80GB HBM3",
+    "torch": "2.11.0+cu130",
+    "nvcc": "Cuda compilation tools, release 13.0, V13.0.88",
+    "d2d_copy_45MiB_GBps": 1200.0,
+    "d2d_copy_128MiB_GBps": 1300.0,
+    "d2d_copy_1024MiB_GBps": 1400.0,
+    "d2d_rw_GBps": 2800.0,
+    "bf16_mm_TFLOPs": 700.0,
+    "fp8_index": 8.0,
+    "import flashinfer": "0.7.2.post1 3.1s",
+    "import nixl._api": "FAIL ImportError('libcuda')",
+}
+BENCH = (
+    "backend   case                   layout         MiB pieces ours GB/s raw GB/s ratio raw pieces GB/s ratio\n"
+    "nixl      2k-prompt fragmented   page-major    45.0    128   1000.000 1100.000  0.91        1200.000  0.83\n"
+    "nixl      256MiB pool            page-major   256.0      8   1250.000 1300.000  0.96        1300.000  0.96\n"
+)
+ROOFLINE = {
+    "rows": [
+        dict(backend="flashinfer", graphs=g, batch=b, step_ms=s, gpu_kernel_ms=s * 0.8, kernels=300, roofline_ms=2.0,
+             step_over_roofline=round(s / 2.0, 2))
+        for g, b, s in ((True, 1, 2.5), (True, 64, 2.9), (False, 1, 6.0))
+    ]
+}  # fmt: skip
+PARITY = {"flashinfer": {"rows": [dict(lp_max=0.01, top1_agree=1.0, greedy_full=True, top2_gap=None)] * 2}}
+PD = {"ttft_ms": {"mono": {"16": 9.0}, "pd": {"16": 12.5}}, "pd_added_ms": {"16": 3.5}, "pd_greedy_equals_mono": [True]}
+
+
+def fakes(root: Path, jit_ok: bool = True, probe_seconds: int = 0) -> Path:
+    """Canned results per step: FAKES/<step>/{log, rc, seconds, *.json} and FAKES/jit/*.log."""
+    files = {
+        "probe/env.json": json.dumps(ENV),
+        "probe/log": "probe done\n",
+        "transfer_tests/log": "3 passed in 41.0s\n",
+        "bench_nixl/log": BENCH,
+        "bench_mooncake/log": "RuntimeError: Mooncake batch write failed\n",
+        "bench_mooncake/rc": "1",
+        "gpu_tests/log": "1 failed, 14 passed in 120.0s\n",
+        "parity/parity.json": json.dumps(PARITY),
+        "roofline/roofline.json": json.dumps(ROOFLINE),
+        "pd_ttft/pd_ttft.json": json.dumps(PD),
+    }
+    for name in ("128-EXTEND", "128-DECODE", "64-EXTEND", "64-DECODE", "sampling-k"):
+        files[f"jit/{name}.log"] = f"JIT OK {name} 80.0s\n" if jit_ok or name != "sampling-k" else "nvcc failed\n"
+    if probe_seconds:
+        files["probe/seconds"] = str(probe_seconds)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def run_check(tmp_path: Path, deadline: int = 540, **kw) -> tuple[str, Path, Path]:
+    out, work = tmp_path / "out", tmp_path / "w"
+    env = os.environ | {
+        "TANDEM_GPU_CHECK_FAKES": str(fakes(tmp_path / "fakes", **kw)),
+        "OUT": str(out),
+        "W": str(work),
+        "DEADLINE": str(deadline),
+    }
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, out, work
+
+
+def commands(work: Path) -> dict[str, str]:
+    """The command each step would have run (its log's first line)."""
+    return {p.stem: p.read_text().splitlines()[0] for p in (work / "logs").glob("*.log") if p.read_text()}
+
+
+def test_the_check_runs_every_step_in_order_and_summarizes_the_results(tmp_path):
+    stdout, out, work = run_check(tmp_path)
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert stdout.rstrip().endswith("files: " + " ".join(sorted(p.name for p in out.iterdir())))
+    assert summary[0].startswith("GPU NVIDIA H100 80GB HBM3 torch 2.11.0+cu130 nvcc  13.0, V13.0.88 | d2d 1400.0 GB/s")
+    assert summary[1] == "imports: flashinfer=ok, nixl._api=FAIL"
+    steps = [line.split()[0] for line in summary if re.match(r"\w+ rc=\d+ ", line)]
+    order = ["probe", "gen_models", "transfer_tests", "bench_nixl", "bench_mooncake", "gpu_tests", "parity"]
+    assert steps == [*order, "roofline", "pd_ttft"]  # the failed bench did not stop the rest
+    assert "bench_mooncake rc=1 " in "\n".join(summary) and any(line.startswith("jit=ok") for line in summary)
+    assert "gpu_tests.log: 1 failed, 14 passed in 120.0s" in summary
+    assert "transfer_tests.log: 3 passed in 41.0s" in summary
+    assert any(
+        re.match(r"transfer nixl +2k-prompt fragmented +45.0 MiB ours +1000.00 GB/s  /raw 0.91  /d2d 0.833", s)
+        for s in summary
+    )
+    assert "parity flashinfer lp|max| 0.0100 top1 1.000 greedy full 2/2 gaps@diff []" in summary
+    assert [s.split(" step ")[0] for s in summary if s.startswith("roofline flashinfer")] == [
+        "roofline flashinfer graphs b=  1", "roofline flashinfer graphs b= 64", "roofline flashinfer eager  b=  1"
+    ]  # fmt: skip
+    assert "pd ttft ms {'mono': {'16': 9.0}, 'pd': {'16': 12.5}}  added {'16': 3.5}  greedy PD==mono [True]" in summary
+    results = json.loads((out / "results.json").read_text())
+    assert results["env"]["gpu"] == ENV["gpu"] and results["transfer"][1]["ratio_vs_raw"] == 0.96
+    ran = commands(work)
+    assert "--flashinfer" not in ran["parity"] and ran["parity"].endswith("flashinfer,torch")
+    assert (
+        "tests/gpu/test_cuda_graphs.py" in ran["gpu_tests"]
+        and "tests/gpu/test_flashinfer_sampling.py" in ran["gpu_tests"]
+    )
+
+
+def test_every_file_a_step_names_is_in_the_checkout(tmp_path):
+    _, _, work = run_check(tmp_path)
+    named = {w for line in commands(work).values() for w in line.split() if re.match(r"(tests|benchmarks)/\S+\.py$", w)}
+    assert len(named) >= 6 and all((ROOT / path).is_file() for path in named), named
+
+
+def test_a_failed_kernel_build_runs_the_rest_on_torch_and_the_deadline_skips_what_is_left(tmp_path):
+    _, out, work = run_check(tmp_path, jit_ok=False)
+    assert "jit=failed" in (out / "summary.txt").read_text()
+    assert commands(work)["parity"].endswith(" torch") and "flashinfer" not in commands(work)["roofline"]
+    _, out, _ = run_check(tmp_path / "late", deadline=21, probe_seconds=2)
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert any(line.startswith("probe rc=0 ") for line in lines)
+    skipped = [line.split()[0] for line in lines if line.endswith("SKIPPED (deadline)")]
+    assert skipped == [
+        "gen_models",
+        "transfer_tests",
+        "bench_nixl",
+        "bench_mooncake",
+        "gpu_tests",
+        "parity",
+        "roofline",
+        "pd_ttft",
+    ]
+
+
+def test_every_name_the_checks_programs_import_from_the_project_exists():
+    """The probe, parity, roofline and TTFT programs the script writes import the project's modules: a
+    rename in the code fails here, not in a lent GPU's minutes."""
+    import importlib
+
+    imports = re.findall(
+        r"^from ((?:common|benchmarks|transfer|tandem)[\w.]*) import ([\w, ]+)$", SCRIPT.read_text(), re.M
+    )
+    assert len(imports) >= 8
+    for module, names in imports:
+        loaded = importlib.import_module(module)
+        assert all(hasattr(loaded, n.strip()) for n in names.split(",")), (module, names)
