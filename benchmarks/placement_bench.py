@@ -1,4 +1,4 @@
-"""Where prompts are computed, measured (docs/placement.md): 2 prefills + 2 decodes of the built-in model publishing
+"""Where prompts are computed, measured (docs/placement.md): 2 prefills + 2 decodes (`--model`) publishing
 KV cache events, one router per rule over the same workers (--pd-placement remote: always on a prefill; two_way: on
 the decode when the part it lacks is under --placement-local-threshold; cost: the three-way cost), and a mixed
 workload through each in turn, with fresh prompts per rule (no rule reuses another's pages):
@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,10 +35,33 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.integration.cluster import start_cluster, start_router  # noqa: E402
 
-PAGE, SHORT, LONG, SYSTEM, TURN_NEW, TURNS, VOCAB = 16, 64, 2048, 256, 64, 3, 49152
+PAGE, SHORT, LONG, SYSTEM, TURN_NEW, TURNS, SMALL_VOCAB = 16, 64, 2048, 256, 64, 3, 4096
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
 FLAGS = ("--page-size", str(PAGE), "--chunked-prefill-size", "256", "--max-total-tokens", "16384",
          "--kv-events-config", EVENTS)  # fmt: skip
+
+
+def bench_model(name: str) -> tuple[str, int]:
+    """(--model for the servers, its vocabulary): the built-in model, or `small`, a random Llama saved once under
+    the temp dir (4 layers, hidden 256, vocabulary 4096, context 4096): a 2k-token prompt costs a few hundred ms of
+    CPU, where the built-in model's cost seconds the shared test machine cannot give at a useful rate."""
+    if name != "small":
+        return name, 49152
+    path = Path(tempfile.gettempdir()) / "tandem-bench-small-llama"
+    if not (path / "config.json").is_file():
+        import torch
+        from tokenizers import Tokenizer, models
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+        config = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                             num_key_value_heads=4, vocab_size=SMALL_VOCAB, max_position_embeddings=4096,
+                             tie_word_embeddings=False)  # fmt: skip
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path)
+        words = {f"t{i}": i for i in range(SMALL_VOCAB)}
+        tokenizer = Tokenizer(models.WordLevel(words, unk_token="t0"))
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=f"t{SMALL_VOCAB - 1}").save_pretrained(path)
+    return str(path), SMALL_VOCAB
 
 
 def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -53,11 +78,11 @@ def bytes_sent(cluster) -> float:
     )
 
 
-def workload(n: int, seed: int) -> list[tuple[str, list[int] | int]]:
+def workload(n: int, seed: int, vocab: int) -> list[tuple[str, list[int] | int]]:
     """(class, prompt) for independent requests, (multi-turn, conversation index) for a conversation's turn, in
     arrival order: a conversation's turns are spread over the run, each after the last one answered."""
     rng = random.Random(seed)
-    ids = lambda k: [rng.randrange(VOCAB) for _ in range(k)]  # noqa: E731
+    ids = lambda k: [rng.randrange(vocab - 1) for _ in range(k)]  # noqa: E731
     system = ids(SYSTEM)
     conversations = max(1, round(0.3 * n / TURNS))
     items: list[tuple[str, list[int] | int]] = [("multi-turn", c) for c in range(conversations) for _ in range(TURNS)]
@@ -93,7 +118,7 @@ async def stream(
     return ttft, tpot, out
 
 
-async def run_rule(url: str, items, rate: float, tokens: int, seed: int) -> dict:
+async def run_rule(url: str, items, rate: float, tokens: int, seed: int, vocab: int) -> dict:
     rng = random.Random(seed)
     system = items[0][1]
     history: dict[int, list[int]] = {}
@@ -115,7 +140,7 @@ async def run_rule(url: str, items, rate: float, tokens: int, seed: int) -> dict
             await ask(kind, what, client)
             return
         async with turns.setdefault(what, asyncio.Lock()):
-            prompt = history.get(what, system) + [rng.randrange(VOCAB) for _ in range(TURN_NEW)]
+            prompt = history.get(what, system) + [rng.randrange(vocab - 1) for _ in range(TURN_NEW)]
             history[what] = prompt + await ask(kind, prompt, client)
 
     async with httpx.AsyncClient(timeout=600) as client:
@@ -141,10 +166,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--rules", nargs="+", default=["remote", "two_way", "cost"])
-    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--model", default="small", help="builtin, small (see bench_model) or a model path")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
-    flags = ("--model", args.model, *FLAGS)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread per server: several share a few cores
+    model, vocab = bench_model(args.model)
+    flags = ("--model", model, *FLAGS)
     cluster = start_cluster("mooncake", n_prefill=2, n_decode=2, flags=flags, policy="kv_aware", ready_timeout=900)
     routers = {}
     try:
@@ -154,13 +181,15 @@ def main() -> None:
             routers[rule] = start_router(pairs, cluster.decodes, *rflags, policy="kv_aware", name=f"router-{rule}")
         time.sleep(3)  # the routers subscribe to the KV events and scrape the workers once
         results = {}
-        print(f"{args.requests} requests per rule at {args.rate}/s, {args.output_tokens} output tokens each")
+        print(
+            f"{args.model}: {args.requests} requests per rule at {args.rate}/s, {args.output_tokens} output tokens each"
+        )
         print(f"{'rule':8} {'short p50/p99 ms':>16} {'multi-turn':>16} {'long':>16} {'KV MiB':>7} fail  placements")
         for i, rule in enumerate(args.rules):
-            items = workload(args.requests, seed=100 + i)
+            items = workload(args.requests, 100 + i, vocab)
             before = bytes_sent(cluster)
             t0 = time.monotonic()
-            out = asyncio.run(run_rule(routers[rule].url, items, args.rate, args.output_tokens, seed=200 + i))
+            out = asyncio.run(run_rule(routers[rule].url, items, args.rate, args.output_tokens, 200 + i, vocab))
             out["seconds"] = time.monotonic() - t0
             out["kv_bytes"] = bytes_sent(cluster) - before
             out["placements"] = {

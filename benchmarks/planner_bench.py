@@ -1,4 +1,4 @@
-"""The planner against a shifting workload (docs/placement.md): three servers of the built-in model that may switch
+"""The planner against a shifting workload (docs/placement.md): three servers (`--model`) that may switch
 roles (--enable-pd-role-switch) behind one router, and a workload that shifts after --phase-s seconds from long
 prompts and short outputs (phase 1) to short prompts and long outputs (phase 2), requests arriving as a Poisson
 process. Three runs over the same servers, fresh prompts each:
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -27,12 +28,11 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.placement_bench import samples, stream  # noqa: E402
+from benchmarks.placement_bench import bench_model, samples, stream  # noqa: E402
 from tests.conftest import ServerProcess, start_server  # noqa: E402
 from tests.integration.cluster import Cluster  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
-VOCAB = 49152
 PHASES = {1: {"prompt": 1536, "output": 8, "rate": 0.5}, 2: {"prompt": 64, "output": 128, "rate": 1.0}}
 FLAGS = ("--page-size", "16", "--chunked-prefill-size", "256", "--max-total-tokens", "16384",
          "--enable-pd-role-switch")  # fmt: skip
@@ -54,13 +54,13 @@ def set_split(c: Cluster, prefills: int) -> None:
         time.sleep(0.5)
 
 
-async def run(url: str, phase_s: float, seed: int, ttft_s: float, tpot_s: float, watch=None) -> dict:
+async def run(url: str, phase_s: float, seed: int, ttft_s: float, tpot_s: float, vocab: int, watch=None) -> dict:
     rng = random.Random(seed)
     results: list[tuple[int, float | None, float | None]] = []
 
     async def one(phase: int, client: httpx.AsyncClient) -> None:
         p = PHASES[phase]
-        prompt = [rng.randrange(VOCAB) for _ in range(p["prompt"])]
+        prompt = [rng.randrange(vocab - 1) for _ in range(p["prompt"])]
         ttft, tpot, _ = await stream(client, url, prompt, p["output"])
         results.append((phase, ttft, tpot))
 
@@ -96,12 +96,16 @@ def main() -> None:
     ap.add_argument("--tpot-ms", type=float, default=250)
     ap.add_argument("--interval-s", type=float, default=3)
     ap.add_argument("--runs", nargs="+", default=["2P1D", "1P2D", "planner"])
+    ap.add_argument("--model", default="small", help="builtin, small (benchmarks/placement_bench.py) or a path")
     ap.add_argument("--json")
     args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread per server: several share a few cores
+    model, args.vocab = bench_model(args.model)
     c = Cluster(policy="power_of_two", router_args=("--health-check-interval-s", "0.5"))
     try:
         for name, mode in (("p0", "prefill"), ("s1", "prefill"), ("d2", "decode")):
-            server = start_server("--disagg-mode", mode, "--bootstrap-port", str(free_port()), *FLAGS, name=name)
+            flags = ("--model", model, "--bootstrap-port", str(free_port()), *FLAGS)
+            server = start_server("--disagg-mode", mode, *flags, name=name)
             (c.prefills if mode == "prefill" else c.decodes).append(server)
         c.spawn_router()
         c.wait_ready(900)
@@ -128,7 +132,7 @@ def main() -> None:
 def one_run(c: Cluster, name: str, args, seed: int) -> dict:
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
     if name != "planner":
-        return asyncio.run(run(c.url, args.phase_s, seed, ttft_s, tpot_s))
+        return asyncio.run(run(c.url, args.phase_s, seed, ttft_s, tpot_s, args.vocab))
     port = free_port()
     planner = ServerProcess(
         ["planner", "--router", c.url, "--mode", "sla", "--ttft-ms", str(args.ttft_ms), "--itl-ms",
@@ -154,7 +158,7 @@ def one_run(c: Cluster, name: str, args, seed: int) -> dict:
 
     try:
         planner.wait_ready(60)
-        out = asyncio.run(run(c.url, args.phase_s, seed, ttft_s, tpot_s, watch))
+        out = asyncio.run(run(c.url, args.phase_s, seed, ttft_s, tpot_s, args.vocab, watch))
         out["decisions"] = {
             f"{labels['action']}/{labels['reason']}": v
             for labels, v in samples(planner.url, "tandem_planner_decisions_total")
