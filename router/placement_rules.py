@@ -113,20 +113,21 @@ class CostPlacement:
         options: list[tuple[Option, Worker | None, Worker]] = []
         remote_s, local_s = self.overheads.get("remote"), self.overheads.get("local")
         sides = {w.url: self.side(w) for w in [*prefills, *decodes]}
+        held = {w.url: self.kv.held_tokens(w, body) for w in [*prefills, *decodes]}
         for d in decodes:
-            ds, hit_d = sides[d.url], self.kv.held_tokens(d, body)
-            chunk = (self.stats.get(d).chunk_tokens if self.stats.get(d) else 0) or n
+            stats = self.stats.get(d)
+            prompt = Prompt(n, page, (stats.chunk_tokens if stats else 0) or n)
             slo = Slo(hints.ttft_s, hints.tpot_s, _tightest_tpot(d))
-            options.append((local(Prompt(n, page, chunk), hit_d, ds, local_s, slo), None, d))
+            options.append((local(prompt, held[d.url], sides[d.url], local_s, slo), None, d))
             for p in prefills:
-                hit_p = self.kv.held_tokens(p, body)
-                options.append((remote(Prompt(n, page, chunk), hit_p, hit_d, sides[p.url], ds, remote_s, slo), p, d))
+                option = remote(prompt, held[p.url], held[d.url], sides[p.url], sides[d.url], remote_s, slo)
+                options.append((option, p, d))
         best = min(options, key=lambda o: (o[0].key, _load(o)))
         cheapest = min(options, key=lambda o: (o[0].cost, _load(o)))
         option, prefill, decode = best
         reason = "least_cost" if cheapest[0].misses <= option.misses else "slo"
         where = decode if prefill is None else prefill
-        self.pending.add(where.url, n - self.kv.held_tokens(where, body), option.ttft_s - option.terms["overhead"])
+        self.pending.add(where.url, n - held[where.url], option.modelled_s)
         return Pair(prefill, decode, option.path, reason, hints.tpot_s, option)
 
     def first_token(self, pair: Pair, seconds: float) -> None:
