@@ -31,13 +31,12 @@ class SharedBackend(TransferBackend):
     def address(self) -> bytes:
         return self.inner.address()
 
-    def add_peer(self, peer_id: str, address: bytes) -> None:
-        self.inner.add_peer(peer_id, address)
+    # the rest is the engine's own, whatever its arguments (TransferBackend's)
+    def add_peer(self, *args, **kwargs) -> None:
+        self.inner.add_peer(*args, **kwargs)
 
-    def write_batch(
-        self, peer_id: str, src: list[int], dst: list[int], nbytes: list[int], on_device: bool = False
-    ) -> None:
-        self.inner.write_batch(peer_id, src, dst, nbytes, on_device)
+    def write_batch(self, *args, **kwargs) -> None:
+        self.inner.write_batch(*args, **kwargs)
 
     def close(self) -> None:
         """A role ended; the engine stays for the next one."""
