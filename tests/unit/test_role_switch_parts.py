@@ -34,7 +34,7 @@ def test_the_shared_engine_is_made_once_registers_each_range_once_and_outlives_a
         backend.register(4096, 1024)
         backend.close()
     shared.bind(make).register(8192, 64)  # the decode's aux buffer
-    shared.add_peer("decode-1", b"127.0.0.1:1", device_index=0)  # the engine's own arguments pass through
+    shared.add_peer("self", shared.address(), device_index=0)  # the engine's own arguments pass through
     assert len(made) == 1 and made[0].registrations == [(4096, 1024), (8192, 64)]
     assert not made[0].closed
     shared.shutdown()
