@@ -10,7 +10,7 @@ process. Three runs over the same servers, fresh prompts each:
 Per run: SLO attainment (requests whose TTFT and TPOT both met --ttft-ms / --tpot-ms) per phase and overall,
 failed requests, and for the planner when it flipped (seconds and intervals after the shift) and what it decided.
 
-    .venv/bin/python benchmarks/planner_bench.py [--phase-s 60] [--ttft-ms 3000] [--tpot-ms 250]
+    .venv/bin/python benchmarks/planner_bench.py [--phase-s 60] [--ttft-ms 3000] [--tpot-ms 100]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tests.conftest import ServerProcess, start_server  # noqa: E402
 from tests.integration.cluster import Cluster  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
-PHASES = {1: {"prompt": 1536, "output": 8, "rate": 0.5}, 2: {"prompt": 64, "output": 128, "rate": 1.0}}
+PHASES = {1: {"prompt": 1536, "output": 8, "rate": 0.5}, 2: {"prompt": 64, "output": 128, "rate": 1.5}}
 FLAGS = ("--page-size", "16", "--chunked-prefill-size", "256", "--max-total-tokens", "16384",
          "--enable-pd-role-switch")  # fmt: skip
 
@@ -82,7 +82,18 @@ async def run(url: str, phase_s: float, seed: int, ttft_s: float, tpot_s: float,
         failed += ttft is None
         met[phase][1] += 1
         met[phase][0] += ttft is not None and ttft <= ttft_s and (tpot is None or tpot <= tpot_s)
-    return {"met": met, "failed": failed, "requests": len(results)}
+    latency = {
+        phase: {
+            "ttft_p50_ms": _p([t for ph, t, _ in results if ph == phase and t is not None], 0.5),
+            "tpot_p90_ms": _p([t for ph, _, t in results if ph == phase and t is not None], 0.9),
+        }
+        for phase in (1, 2)
+    }
+    return {"met": met, "failed": failed, "requests": len(results), "latency": latency}
+
+
+def _p(xs: list[float], q: float) -> float | None:
+    return round(1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]) if xs else None
 
 
 def share(met: list[int]) -> str:
@@ -93,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase-s", type=float, default=60)
     ap.add_argument("--ttft-ms", type=float, default=3000)
-    ap.add_argument("--tpot-ms", type=float, default=250)
+    ap.add_argument("--tpot-ms", type=float, default=100)
     ap.add_argument("--interval-s", type=float, default=3)
     ap.add_argument("--runs", nargs="+", default=["2P1D", "1P2D", "planner"])
     ap.add_argument("--model", default="small", help="builtin, small (benchmarks/placement_bench.py) or a path")
@@ -119,7 +130,7 @@ def main() -> None:
             total = [r["met"][1][0] + r["met"][2][0], r["met"][1][1] + r["met"][2][1]]
             print(
                 f"{name:8} {share(r['met'][1]):>14} {share(r['met'][2]):>14} {share(total):>14} {r['failed']:6d}  "
-                f"{r.get('flips', '')}",
+                f"{r.get('flips', '')}  {r['latency']}",
                 flush=True,
             )
             c.wait_idle()
@@ -138,7 +149,7 @@ def one_run(c: Cluster, name: str, args, seed: int) -> dict:
         ["planner", "--router", c.url, "--mode", "sla", "--ttft-ms", str(args.ttft_ms), "--itl-ms",
          str(args.tpot_ms), "--interval-s", str(args.interval_s), "--hysteresis", "2", "--cooldown-s",
          str(4 * args.interval_s), "--port", str(port)],
-        port, name="planner-bench",
+        port, name="planner-bench", env={"TANDEM_LOG_LEVEL": "DEBUG"},  # every interval's decision in its log
     )  # fmt: skip
     flips: list[str] = []
 
