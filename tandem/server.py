@@ -25,13 +25,29 @@ log = logging.getLogger("tandem")
 RANK_FOLLOWER = "tandem.rank_follower"  # what every follower rank of a server runs (tandem/rank_follower.py)
 
 
-def setup_logging(role: str) -> None:
+class RoleTag(logging.Filter):
+    """Puts the server's role into every log line; `current` says it (a role switch changes it)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.current = lambda: role
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.tandem_role = self.current()
+        return True
+
+
+def setup_logging(role: str) -> RoleTag:
     logging.basicConfig(
         level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s [%(tandem_role)s] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+    tag = RoleTag(role)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(tag)
+    return tag
     for noisy in ("httpx", "httpcore", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -133,13 +149,15 @@ def build_switchable_engine(config: ServerConfig):
 
 def serve(config: ServerConfig) -> None:
     role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
-    setup_logging(role)
+    tag = setup_logging(role)
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     for warning in exposure_warnings(config):
         log.warning(warning)
     tls = tls_context(config)
     t0 = time.monotonic()
     engine = build_engine(config)
+    if engine.role_switch is not None:
+        tag.current = lambda: engine.mode  # a log line names the role the server has when it is written
     engine.warm_up()  # the port opens after: /health never answers while kernels build
     engine.start()
     from common.engine import host_tier
