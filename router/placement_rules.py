@@ -1,4 +1,4 @@
-"""`--pd-placement`: where a request's prompt is computed (docs/placement.md), the rules of `PLACEMENTS`.
+"""`--pd-placement`: where a request's prompt is computed (docs/placement.md), by one of three rules.
 
     remote    always on a prefill (the pair --policy picks): the decode receives the KV past its cached prefix
     two_way   Dynamo's and llm-d's rule: on the decode --policy's pair names when the part of the prompt that
@@ -145,6 +145,3 @@ def _tightest_tpot(decode: Worker) -> float | None:
     """The tightest x-slo-tpot-ms of the requests in flight on `decode`."""
     slos = [c.pair.tpot_slo_s for c in decode.calls if getattr(c, "pair", None) and c.pair.tpot_slo_s]
     return min(slos, default=None)
-
-
-PLACEMENTS = ("remote", "two_way", "cost")
