@@ -159,6 +159,14 @@ class ServerConfig(BaseSettings):
     advertise_host: str | None = Field(None, description="address peers use to reach this server (default: --host)")
     bootstrap_port: int = Field(8998, ge=1, le=65535)
     bootstrap_url: str | None = Field(None, description="standalone bootstrap server for prefill to register with")
+    enable_pd_role_switch: bool = Field(
+        False,
+        description="POST /pd_role_switch turns this prefill into a decode or back without reloading the weights "
+        "(SGLang's flag; docs/placement.md): it takes no new work, lets what runs finish, and serves the other role",
+    )
+    pd_role_switch_timeout_s: float = Field(
+        300.0, gt=0, description="how long a role switch waits for the work in flight; past it the role stays"
+    )
     pairing_timeout_s: float = Field(
         300.0, gt=0, description="how long a request may wait for its peer to reserve memory"
     )
@@ -262,6 +270,11 @@ class ServerConfig(BaseSettings):
                 "drop it, or run this server at --tp-size 1 on the CPU"
             )
         self._check_speculative()
+        if self.enable_pd_role_switch and (self.disagg_mode == "null" or self.tp_size > 1):
+            raise ValueError(
+                "--enable-pd-role-switch needs --disagg-mode prefill or decode and --tp-size 1: a monolithic server "
+                "has no role to switch, and the ranks of a TP group cannot switch yet"
+            )
         self._check_store()
         if self.transfer_backend == "loopback" and self.disagg_mode != "null":
             raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")

@@ -1,4 +1,5 @@
-"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (cached lookups)."""
+"""Compose the decode role: engine + aux pool + DecodeKVManager + peer directory (cached lookups), at start-up
+and after a role switch to decode."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from common.wire.kv_layout import model_kv_heads
 from decode_node.peers import PeerDirectory
 from decode_node.role import DecodeRole
 from transfer.aux_record import RECORD_BYTES
+from transfer.backends.shared import SharedBackend
 from transfer.decode.aux_pool import AuxPool
 from transfer.decode.decode_manager import DecodeKVManager
 from transfer.manager import kv_args_from_pool
@@ -21,15 +23,27 @@ log = logging.getLogger(__name__)
 def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
     """A decode server's engine; `follower`: the module its follower ranks run (one that starts their
     transfer agents)."""
+    return Engine(config, DecodeComposer().make_role, follower)
 
-    def make_role(engine: Engine) -> list[DecodeRole]:
+
+class DecodeComposer:
+    """Makes an engine's decode role: at start-up, and again after each role switch to decode
+    (--enable-pd-role-switch: `shared` is then the process's one transfer engine). The aux pool is made once and
+    kept (its memory stays registered with that engine)."""
+
+    def __init__(self, shared: SharedBackend | None = None):
+        self.shared = shared
+        self.aux: AuxPool | None = None
+
+    def make_role(self, engine: Engine) -> list[DecodeRole]:
+        """One role per DP rank's scheduler: one transfer engine, a share of the aux pool each."""
         config = engine.config  # with the batch limits derived for the device
-        aux = AuxPool((2 * config.max_running_requests + 16) * len(engine.schedulers))  # a share per DP rank
+        aux = self.aux = self.aux or AuxPool((2 * config.max_running_requests + 16) * len(engine.schedulers))
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         args = kv_args_from_pool(
             engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots, kv_heads, engine.followers_transfer
         )
-        manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake)
+        manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake, shared=self.shared)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
         layout = engine.kv_layout(kv_heads)
@@ -38,9 +52,9 @@ def build_decode_engine(config: ServerConfig, follower: str) -> Engine:
         manager.on_peer_dead.append(peers.invalidate)
         vocab = engine.hf_config.vocab_size
         shares = aux.shares(len(engine.schedulers))
-        return [
+        roles = [
             DecodeRole(SchedulerView(s), manager, share, peers.find, vocab, config)
             for s, share in zip(engine.schedulers, shares)
         ]
-
-    return Engine(config, make_role, follower)
+        roles[0].on_close += [peers.close, lambda: engine.metrics.drop_transfer_metrics(manager.metrics)]
+        return roles

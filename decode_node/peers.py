@@ -71,6 +71,11 @@ class PeerDirectory:
         # keep-alive: a lookup is one round trip, not a new connection
         self._http = httpx.Client(timeout=5, verify=client_verify(True if tls is None else tls))
 
+    def close(self) -> None:
+        """Stop the lookups (the decode role ended: a role switch)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
     def find(self, rendezvous: Rendezvous) -> Future[PeerInfo]:
         """The request's prefill: a done future from the cache, else the future of a lookup."""
         key = (rendezvous.bootstrap_host, rendezvous.bootstrap_port, rendezvous.prefill_instance_id)

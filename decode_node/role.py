@@ -19,7 +19,11 @@ prefill's writes finish normally.
                                     arrived, or one heartbeat interval after it was declared dead, see
                                     transfer/decode/decode_rooms.py), or --transfer-timeout-s, then are freed
 
-A request with max_new_tokens 0 needs nothing from a prefill: it ends at once with no tokens.
+A request with max_new_tokens 0 needs nothing from a prefill: it ends at once with no tokens. A request the
+router placed here (`pd_placement` local, docs/placement.md) has no prefill either: the scheduler computes its
+prompt in chunks, as a monolithic server does, taking turns with the decode batch (`interleave_prefill`), and it
+never enters the role's queues. One placed `remote_full` matches nothing in the prefix cache: the whole prompt
+crosses.
 
 A room whose KV does not arrive whole (its prefill declared dead, the transfer failed or timed out, a checksum
 differed) fails its request (502 or 504: the router moves it to another pair), or with
@@ -80,6 +84,7 @@ class Inbound:
 
 class DecodeRole(Role):
     mode = "decode"
+    interleave_prefill = True  # the running batch's next token is not held up by a whole local prompt
 
     def __init__(
         self,
@@ -97,8 +102,11 @@ class DecodeRole(Role):
         self.transferring: list[Req] = []
         self.quarantined: list[Req] = []  # ended; their pages wait until no write can land in them
         self.inbound: dict[Req, Inbound] = {}
+        self.on_close: list[Callable[[], None]] = []  # what the composer adds to close()
 
     def admit(self, req: Req) -> bool:
+        if req.pd_placement == "local":
+            return False  # computed here, in chunks, like a monolithic server's (docs/placement.md)
         if req.params.max_new_tokens == 0:
             self.scheduler.finish(req, FinishReason("length"))  # the prefill alone answers the prompt's part
         else:
@@ -162,7 +170,9 @@ class DecodeRole(Role):
             or not self.aux_pool.can_alloc()
         ):
             return False
-        memory.admit(req, n - 1)  # the prefix cache's hit, locked until release; at least one page crosses
+        # the prefix cache's hit, locked until release (none for remote_full: the whole prompt crosses); at least
+        # one page crosses
+        memory.admit(req, 0 if req.pd_placement == "remote_full" else n - 1)
         cached = req.cached_len
         if not memory.can_extend(req, n - cached + decode_reserve(req)):
             memory.release(req)
@@ -337,6 +347,11 @@ class DecodeRole(Role):
             "transferring": len(self.transferring),
             "quarantined": len(self.quarantined),
         }
+
+    def close(self) -> None:
+        self.kv_manager.close()
+        for fn in self.on_close:
+            fn()
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

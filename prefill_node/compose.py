@@ -1,10 +1,10 @@
-"""Compose the prefill role: engine + PrefillKVManager + (embedded) bootstrap registration."""
+"""Compose the prefill role: engine + PrefillKVManager + (embedded) bootstrap registration, at start-up and after
+a role switch to prefill."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 from bootstrap.client import register_prefill
@@ -15,6 +15,7 @@ from common.engine.role import SchedulerView
 from common.wire.kv_layout import LAYOUT_KEYS, model_kv_heads
 from prefill_node.role import PrefillRole
 from transfer.aux_record import RECORD_BYTES
+from transfer.backends.shared import SharedBackend
 from transfer.manager import kv_args_from_pool
 from transfer.prefill.prefill_manager import PrefillKVManager
 
@@ -25,24 +26,29 @@ REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minu
 def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
     """A prefill server's engine; `follower`: the module its follower ranks run (one that starts their
     transfer agents)."""
+    return Engine(config, PrefillComposer().make_role, follower)
 
-    def make_role(engine: Engine) -> list[PrefillRole]:
+
+class PrefillComposer:
+    """Makes an engine's prefill role: at start-up, and again after each role switch to prefill
+    (--enable-pd-role-switch: `shared` is then the process's one transfer engine). The embedded bootstrap registry
+    is started once and kept."""
+
+    def __init__(self, shared: SharedBackend | None = None):
+        self.shared = shared
+        self.bootstrap_url: str | None = None
+
+    def make_role(self, engine: Engine) -> list[PrefillRole]:
+        """One role per DP rank's scheduler, sharing one transfer engine and registered once per DP rank."""
         config = engine.config  # with the batch limits derived for the device
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         followers = engine.followers_transfer
         args = kv_args_from_pool(engine.kv_pool, config, 0, RECORD_BYTES, 0, kv_heads, followers)
         fault = (lambda: engine.ranks.fault) if engine.ranks is not None else (lambda: None)
-        manager = PrefillKVManager(args, rank_fault=fault, wake_scheduler=engine.scheduler.wake)
+        manager = PrefillKVManager(args, rank_fault=fault, wake_scheduler=engine.scheduler.wake, shared=self.shared)
         engine.metrics.registry.register(manager.metrics)
         engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        bootstrap_url = config.bootstrap_url
-        if bootstrap_url is None:
-            from bootstrap.app import start_in_thread
-
-            tls = server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
-            registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret, tls)
-            engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
-            bootstrap_url = f"{config.scheme}://{config.public_host}:{config.bootstrap_port}"
+        bootstrap_url = self._bootstrap_url(engine)
         host, port = manager.endpoint.removeprefix("tcp://").rsplit(":", 1)
         info = {
             "role": "Prefill",
@@ -59,28 +65,42 @@ def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
         for entry in infos:
             register_prefill(bootstrap_url, entry, config.cluster_secret, verify=verify)
         interval_s = min(config.heartbeat_interval_s, REREGISTER_MAX_S)
-        keep_registered(bootstrap_url, infos, config.cluster_secret, interval_s, verify)
+        stop = keep_registered(bootstrap_url, infos, config.cluster_secret, interval_s, verify)
         log.info(
             "registered with bootstrap %s as %s (control endpoint %s)",
             bootstrap_url,
             manager.instance_id,
             manager.endpoint,
         )
-        return [PrefillRole(SchedulerView(s), manager, config) for s in engine.schedulers]
+        roles = [PrefillRole(SchedulerView(s), manager, config) for s in engine.schedulers]
+        roles[0].on_close += [stop.set, lambda: engine.metrics.drop_transfer_metrics(manager.metrics)]
+        return roles
 
-    return Engine(config, make_role, follower)
+    def _bootstrap_url(self, engine: Engine) -> str:
+        """--bootstrap-url, or this server's embedded registry (started by the first prefill role)."""
+        config = engine.config
+        if config.bootstrap_url is not None:
+            return config.bootstrap_url
+        if self.bootstrap_url is None:
+            from bootstrap.app import start_in_thread
+
+            tls = server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
+            registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret, tls)
+            engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
+            self.bootstrap_url = f"{config.scheme}://{config.public_host}:{config.bootstrap_port}"
+        return self.bootstrap_url
 
 
 def keep_registered(
     url: str, infos: list[dict[str, Any]], secret: str | None, interval_s: float, verify: str | bool
-) -> None:
-    """Register every DP rank's entry again every interval, so a restarted bootstrap server learns this
-    prefill within one."""
+) -> threading.Event:
+    """Register every DP rank's entry again every interval, so a restarted bootstrap server learns this prefill
+    within one; until the event returned is set (the role ended)."""
+    stop = threading.Event()
 
     def loop() -> None:
         reachable = True
-        while True:
-            time.sleep(interval_s)
+        while not stop.wait(interval_s):
             try:
                 for info in infos:
                     register_prefill(url, info, secret, timeout_s=0, verify=verify)
@@ -94,3 +114,4 @@ def keep_registered(
             reachable = True
 
     threading.Thread(target=loop, name="bootstrap-register", daemon=True).start()
+    return stop

@@ -31,6 +31,7 @@ which the decode reuses only after this side's failure status, sent after that w
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import ServerConfig
@@ -70,6 +71,7 @@ class PrefillRole(Role):
         self.deferred: list[Req] = []  # not computing until their decode pairs: the bound on computing ahead is reached
         self.ahead: dict[Req, int] = {}  # computing or computed while unpaired -> the pages it may take
         self.outbound: dict[Req, Outbound] = {}
+        self.on_close: list[Callable[[], None]] = []  # what the composer adds to close()
         self.ahead_page_limit = scheduler.memory.page_counts().total - self._pages(scheduler.context_len)
 
     # -- admission -----------------------------------------------------------------------------
@@ -221,6 +223,11 @@ class PrefillRole(Role):
             "inflight": len(self.inflight),
             "deferred": len(self.deferred),
         }
+
+    def close(self) -> None:
+        self.kv_manager.close()
+        for fn in self.on_close:
+            fn()
 
     def health_problem(self) -> str | None:
         return self.kv_manager.health_problem()

@@ -30,10 +30,12 @@ from router.kv_feeds import KVFeeds
 from router.kv_index import KVIndex
 from router.kv_policy import KVAwarePolicy
 from router.metrics import REFRESH_S, RouterMetrics
-from router.placement import Placer, pair_policy
+from router.placement import Placer, pair_policy, placement_rule
 from router.processes import shared_dir
+from router.role_switch import add_pd_role_switch_route
 from router.shared_workers import SharedWorkers
 from router.tls import client_context
+from router.worker_stats import WorkerStats
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -65,7 +67,10 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     kv = KVAwarePolicy(
         feeds.index, feeds, config.kv_load_tokens, metrics, config.kv_host_hit_weight, config.kv_store_hit_weight
     )
-    placer = Placer(workers, pair_policy(config.policy, config.decode_policy, kv), kv)
+    stats = WorkerStats(workers, config.placement_poll_interval_s)  # scraped only for --pd-placement cost
+    policy = pair_policy(config.policy, config.decode_policy, kv)
+    rule = placement_rule(config.pd_placement, policy, kv, stats, config.placement_local_threshold)
+    placer = Placer(workers, policy, kv, rule, metrics)
     dispatcher = Dispatcher(config, workers, metrics, admission, Pools(config.worker_key, tls), placer)
     app = web.Application(middlewares=[_guard(config.api_key, drain)])
     app["workers"], app["dispatcher"], app["kv_feeds"] = workers, dispatcher, feeds
@@ -80,6 +85,8 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         )
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
         tasks.append(asyncio.create_task(feeds.follow(session)))
+        if config.pd_placement == "cost":
+            tasks.append(asyncio.create_task(stats.follow(session)))
         if discovery.targets:
             tasks.append(asyncio.create_task(discovery.run(session, config.discovery_interval_s)))
         if shared:
@@ -99,6 +106,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     _add_status_routes(app, workers, metrics)
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
+    add_pd_role_switch_route(app, workers, config.max_request_bytes, config.role_switch_timeout_s)
     return app
 
 

@@ -71,6 +71,26 @@ class RouterConfig(BaseSettings):
         description="kv_aware: what a page only the KV store every server shares holds saves a prefill that "
         "reads from it (--hicache-storage-backend), as a share of one on its device",
     )
+    pd_placement: Literal["remote", "two_way", "cost"] = Field(
+        "remote",
+        description="where a prompt is computed (docs/placement.md): remote: always on a prefill; two_way: on the "
+        "decode when the part it lacks is shorter than --placement-local-threshold (Dynamo's and llm-d's rule); "
+        "cost: the least of one measured cost over every pair and every decode alone (needs the workers' KV events)",
+    )
+    placement_local_threshold: int = Field(
+        256, ge=0, description="two_way: prompts whose uncached part on the decode is shorter are computed there"
+    )
+    placement_poll_interval_s: float = Field(
+        1.0, gt=0, description="cost: seconds between two scrapes of each worker's /metrics (its measured rates)"
+    )
+    slo_priority: bool = Field(
+        False,
+        description="give a request with an x-slo-ttft-ms header a priority (tighter first, above requests without "
+        "one) unless it has one; the workers must run --enable-priority-scheduling",
+    )
+    role_switch_timeout_s: float = Field(
+        300.0, gt=0, description="POST /pd_role_switch: how long a worker may take to finish its requests and switch"
+    )
     port: int = Field(8000, ge=1, le=65535)
     health_check_interval_s: float = Field(5.0, gt=0, description="seconds between two health checks of a worker")
     health_check_timeout_s: float = Field(2.0, gt=0, description="a GET /health slower than this is a failure")

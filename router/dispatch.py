@@ -26,15 +26,17 @@ from router.http1 import Pools
 from router.logprobs import PromptLogprobs, wants_prompt_logprobs
 from router.metrics import RouterMetrics
 from router.migration import Moves
-from router.pair_call import Pair, PairCall, with_bootstrap
+from router.pair_call import Pair, PairCall, pair_fields
 from router.pair_stream import PREFILL_GRACE_S, PairStream
 from router.placement import Placer
+from router.request_hints import NONE, RequestHints
 from router.upstream import CLIENT_DISCONNECTED, UpstreamError, read_all, read_chunk
 from router.workers import WorkerRegistry
 
 log = logging.getLogger("tandem.router")
 COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps builds an encoder per call when given separators
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+CHAT = "/v1/chat/completions"
 
 
 def json_response(body: dict | bytes, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -93,14 +95,22 @@ class Dispatcher:
         try:
             raw = await read_limited(request.headers, request.content.iter_any(), self.config.max_request_bytes)
             body = parse_json_object(raw)
+            hints = RequestHints.from_headers(request.headers)
         except TandemError as e:
             return self._reply(path, json_response(e.to_dict(), e.status, e.headers), None, start)
-        return await self.dispatch(path, request, raw, body, start)
+        return await self.dispatch(path, request, raw, body, start, hints)
 
     async def dispatch(
-        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+        self,
+        path: str,
+        request: web.Request,
+        raw: bytes,
+        body: dict[str, Any],
+        start: float,
+        hints: RequestHints = NONE,
     ) -> web.StreamResponse:
-        """A request read and parsed (`raw` its bytes, `body` its JSON) through a pair, once admitted (429 if not)."""
+        """A request read and parsed (`raw` its bytes, `body` its JSON, `hints` its placement headers) through a
+        pair, once admitted (429 if not)."""
         if not self.admission.try_enter():
             limit = self.admission.limit
             error = error_body(
@@ -108,26 +118,27 @@ class Dispatcher:
             )
             return self._reply(path, json_response(error, 429, {"Retry-After": "1"}), None, start)
         try:
-            return await self._handle_admitted(path, request, raw, body, start)
+            return await self._handle_admitted(path, request, raw, body, start, hints)
         finally:
             self.admission.leave()
 
     async def _handle_admitted(
-        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float
+        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float, hints: RequestHints
     ) -> web.StreamResponse:
         """Tries on pairs until one answers: once more after a worker refused before anything was sent (a
         retry), and up to --migration-limit more after a pair failed (a move: router/migration.py)."""
         reply, moves = Reply(path, request, start), Moves(self.config, path, body)
+        extra = self._slo_fields(body, hints)
         retried = False
         while True:
-            pair = self.placer.pick(body, moves.exclude)
+            pair = self.placer.pick(body, moves.exclude, hints)
             if pair is None and moves.done:  # what a move avoids may have been the pair's fault, not a worker's
-                pair = self.placer.pick(body, moves.lost)
+                pair = self.placer.pick(body, moves.lost, hints)
             if pair is None:
                 return await self._give_up(reply, moves.error, None)
             moves.handover = len(self.workers.healthy("decode")) > 1
             try:
-                return await self._serve_on(pair, reply, raw, body, moves)
+                return await self._serve_on(pair, reply, raw, body, moves, extra)
             except UpstreamError as e:
                 moves.error = e
                 if e.retriable and not retried and not moves.shown_any and e.worker is not None:
@@ -141,6 +152,11 @@ class Dispatcher:
                     return await self._give_up(reply, e, pair)
                 log.info("moving %s to another pair (%s, move %d): %s", path, reason, moves.done, e)
                 self.metrics.migrations.labels(reason).inc()
+
+    def _slo_fields(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
+        """With --slo-priority, a request's priority from its TTFT target, unless it has one."""
+        priority = hints.priority() if self.config.slo_priority and body.get("priority") is None else None
+        return {"priority": priority} if priority is not None else {}
 
     async def _give_up(self, reply: Reply, error: UpstreamError | None, pair: Pair | None) -> web.StreamResponse:
         """The request's end when no pair serves it: `error` (the last failure) or 503 when no pair was left,
@@ -161,19 +177,20 @@ class Dispatcher:
         return reply.out
 
     async def _serve_on(
-        self, pair: Pair, reply: Reply, raw: bytes, body: dict[str, Any], moves: Moves
+        self, pair: Pair, reply: Reply, raw: bytes, body: dict[str, Any], moves: Moves, extra: dict[str, Any]
     ) -> web.StreamResponse:
         """One try. An UpstreamError leaves this with the call closed and the failure counted, before or after
-        events reached the client."""
+        events reached the client. `extra`: fields the router adds to the body (an SLO's priority)."""
         path = reply.path
-        prefill_body, decode_body = forward_bodies(raw, body, with_bootstrap(body, pair.prefill) | moves.fields())
+        prefill_body, decode_body = forward_bodies(raw, body, pair_fields(body, pair) | moves.fields() | extra)
+        sent = time.monotonic()
         call = PairCall(self.pools, pair, path, prefill_body, decode_body, self.config.request_timeout_s)
         handed_to_stream = False
         try:
             resp = await call.open_decode()
             if not body.get("stream"):
                 data = await read_all(resp, pair.decode)
-                if wants_prompt_logprobs(path, body):
+                if wants_prompt_logprobs(path, body) and pair.prefill is not None:
                     data = PromptLogprobs(path, await call.prefill_answer).answer(data)
                 else:  # a finished prefill answer keeps its connection for the next request
                     await asyncio.wait({call.prefill_answer}, timeout=PREFILL_GRACE_S)
@@ -181,7 +198,10 @@ class Dispatcher:
                         raise call.error
                 return self._reply(path, json_response(data), pair, reply.start)
             first = await read_chunk(resp, pair.decode)
-            if reply.logprobs is None and wants_prompt_logprobs(path, body):  # the first event must carry them
+            if path != CHAT:  # a chat stream's first event is the role, not a token
+                self.placer.first_token(pair, time.monotonic() - sent)
+            prompt_logprobs = wants_prompt_logprobs(path, body) and pair.prefill is not None
+            if reply.logprobs is None and prompt_logprobs:  # the first event must carry them
                 reply.logprobs = PromptLogprobs(path, await call.prefill_answer)
             handed_to_stream = True
         except UpstreamError as e:
@@ -247,6 +267,6 @@ class Dispatcher:
         self.metrics.latency.observe(time.monotonic() - start)
         level = logging.INFO if outcome or status != 200 else logging.DEBUG  # every request is 7% of the CPU at INFO
         if log.isEnabledFor(level):
-            where = f"{pair.prefill.url} + {pair.decode.url}" if pair else "-"
+            where = "-" if pair is None else f"{pair.prefill.url if pair.prefill else 'local'} + {pair.decode.url}"
             note = f": {outcome}" if outcome else ""
             log.log(level, "%s -> %d via %s (%.1f ms)%s", path, status, where, 1000 * (time.monotonic() - start), note)

@@ -20,6 +20,7 @@ router still follows the events and counts what the chosen pair held (`observe`)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,30 @@ class KVAwarePolicy:
             self.metrics.kv_prompt_tokens.inc(n)
             self.metrics.kv_matched_tokens.labels("prefill").inc(page * self.index.matched(prefill.url, hashes))
             self.metrics.kv_matched_tokens.labels("decode").inc(page * self.index.matched(decode.url, hashes))
+
+    def page_size(self) -> int | None:
+        return self.feeds.block_size()
+
+    def prompt_tokens(self, body: dict[str, Any]) -> int:
+        """The prompt's length in tokens: exact when the router can tokenize it; for chat messages (whose template
+        is the server's) the tokens of their contents, a little short of the templated prompt."""
+        n = self._pages(body)[0]
+        if n or not isinstance(body.get("messages"), list):
+            return n
+        texts = [m.get("content") for m in body["messages"] if isinstance(m, dict)]
+        text = "\n".join(t if isinstance(t, str) else json.dumps(t) for t in texts if t)
+        tokenizer = self._load_tokenizer()
+        return len(tokenizer.encode(text).ids) if tokenizer is not None and text else len(text) // 4
+
+    def held_tokens(self, worker: Worker, body: dict[str, Any]) -> int:
+        """The prompt's leading tokens the worker's cache holds, by the index (whole pages)."""
+        _, page, hashes = self._pages(body)
+        return page * self.index.matched(worker.url, hashes) if hashes else 0
+
+    def held(self, worker: Worker, body: dict[str, Any]) -> bool | None:
+        """Whether the worker holds any of the prompt; None when the router cannot tell (no events, no tokens)."""
+        _, _, hashes = self._pages(body)
+        return bool(self.index.matched(worker.url, hashes)) if hashes else None
 
     def _pages(self, body: dict[str, Any]) -> tuple[int, int, list[int]]:
         """(prompt tokens, page size, the chained hashes of its whole pages); no pages when not tokenizable.

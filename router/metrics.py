@@ -100,6 +100,13 @@ class RouterMetrics:
             ["worker_role"],
             registry=r,
         )
+        self.placements = Counter(
+            "tandem_router_placement",
+            "requests placed, by path (remote_suffix: the KV past the decode's prefix crossed; remote_full: all of it; "
+            "local: the decode computed the prompt) and reason (policy, threshold, least_cost, slo, forced, no_prefill)",
+            ["path", "reason"],
+            registry=r,
+        )
         self.kv_feeds: KVFeeds | None = None  # set by the app
         self.multiprocess_dir = multiprocess_dir
         self._read_in_flight, self._workers = in_flight, workers

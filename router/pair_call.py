@@ -3,6 +3,9 @@
     client ──▶ router ──▶ prefill (same body, stream off)   : its failure ends the request
                       └─▶ decode  (same body)               : its answer goes back to the client
 
+A local placement (the decode computes the prompt itself, docs/placement.md) has no prefill half: its
+`prefill_answer` is empty and done from the start.
+
 Both halves start at once: the handler awaits the decode half, the prefill half reports its end by
 itself (a callback, no task). The first failure ends the call (`fail`): the prefill half's own error,
 or either worker taken out of rotation (the prefill only until it has answered: from then on the
@@ -24,19 +27,36 @@ from router.http1 import Pools, Response
 from router.upstream import CLIENT_ERROR, UpstreamError, answer_error, send, worker_dead
 from router.workers import Worker
 
-ROUTER_FIELDS = frozenset({"prefill_instance_id", "migration"})  # the router's alone: a client's are dropped
+ROUTER_FIELDS = frozenset(
+    {"prefill_instance_id", "migration", "pd_placement"}
+)  # the router's alone: a client's are dropped
 
 
 @dataclass
 class Pair:
-    prefill: Worker
+    """Where one try of a request runs (router/placement.py): a prefill and a decode, or a decode alone that
+    computes the prompt itself (`prefill` None, path local)."""
+
+    prefill: Worker | None
     decode: Worker
+    path: str = "remote_suffix"  # remote_suffix | remote_full (what crosses) | local: tandem_router_placement_total
+    reason: str = "policy"  # why this path (the metric's other label)
+    tpot_slo_s: float | None = None  # the request's x-slo-tpot-ms: a local prefill on its decode must respect it
+    option: Any = None  # the cost placement's priced option (router/placement_cost.py), to learn from its TTFT
+
+
+def pair_fields(body: dict[str, Any], pair: Pair) -> dict[str, Any]:
+    """The body the workers get: with the rendezvous fields (with_bootstrap), or, for a decode that computes the
+    prompt itself, `pd_placement` local and none."""
+    if pair.prefill is None:
+        return {k: v for k, v in body.items() if k not in ROUTER_FIELDS} | {"pd_placement": "local"}
+    return with_bootstrap(body, pair.prefill)
 
 
 def with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     """The body both halves get: where the decode finds this prefill (its registry, and its instance
     there when the prefill told us), and a fresh room id; whatever the client sent for these (and for
-    `migration`, the router's own: router/migration.py) is replaced or dropped."""
+    `migration` and `pd_placement`, the router's own) is replaced or dropped."""
     fields = {
         "bootstrap_host": prefill.registry_host,
         "bootstrap_port": prefill.bootstrap_port,
@@ -53,15 +73,21 @@ class PairCall:
 
     def __init__(self, pools: Pools, pair: Pair, path: str, prefill_body: bytes, decode_body: bytes, timeout: float):
         self.pair, self.error, self.closed = pair, None, False
+        self.workers = [w for w in (pair.prefill, pair.decode) if w is not None]
         self.decode = pools.get(pair.decode.url, pair.decode.tls_name).post(path, decode_body, timeout)
-        self._prefill = pools.get(pair.prefill.url, pair.prefill.tls_name).post(
-            path, prefill_body, timeout, on_done=self._prefill_done
-        )
         self.prefill_answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        for w in (pair.prefill, pair.decode):
+        self._prefill = None
+        if pair.prefill is not None:
+            self._prefill = pools.get(pair.prefill.url, pair.prefill.tls_name).post(
+                path, prefill_body, timeout, on_done=self._prefill_done
+            )
+        else:  # a local placement: the decode's answer is the whole answer
+            self.prefill_answer.set_result(b"")
+        for w in self.workers:
             w.calls.add(self)
             w.in_flight += 1
-        self._prefill.start()
+        if self._prefill is not None:
+            self._prefill.start()
 
     async def open_decode(self) -> Response:
         """The decode's answer once its headers arrived (an error status raises UpstreamError)."""
@@ -100,7 +126,8 @@ class PairCall:
             return
         self.error = error
         self.decode.fail(error)
-        self._prefill.fail(error)
+        if self._prefill is not None:
+            self._prefill.fail(error)
         if not self.prefill_answer.done():
             self.prefill_answer.set_exception(error)
             self.prefill_answer.exception()  # seen: whoever awaits it gets it; nobody may, and that is fine
@@ -111,7 +138,8 @@ class PairCall:
             return
         self.closed = True
         self.decode.close()
-        self._prefill.close()
-        for w in (self.pair.prefill, self.pair.decode):
+        if self._prefill is not None:
+            self._prefill.close()
+        for w in self.workers:
             w.calls.discard(self)
             w.in_flight -= 1

@@ -1,8 +1,10 @@
-"""Where a request goes: a (prefill, decode) pair among the healthy workers, some excluded.
+"""Where a request goes: a (prefill, decode) pair among the healthy workers, some excluded, or a decode alone.
 
-    Placer.pick(body, exclude)     the candidates: healthy workers of each role whose url is not in `exclude`
-      └─▶ PairPolicy.pick_pair      the pair (PerSide: --policy's prefill, --decode-policy's decode)
-      └─▶ KVAwarePolicy.observe     what the pair held of the prompt, counted under every policy
+    Placer.pick(body, exclude, hints)  the candidates: healthy workers of each role whose url is not in `exclude`
+      └─▶ Placement.place               --pd-placement's rule (router/placement_rules.py): remote, two_way, cost;
+           └─▶ PairPolicy.pick_pair      the pair (PerSide: --policy's prefill, --decode-policy's decode)
+      └─▶ KVAwarePolicy.observe         what the pair held of the prompt, counted under every policy
+      └─▶ tandem_router_placement_total{path, reason}
 
 Whatever places a request (the dispatcher's first try, its retry on another pair, a later re-placement) asks
 `Placer.pick` with the workers it must avoid. A policy whose cost is of the pair, not of each side, implements
@@ -16,8 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.kv_policy import KVAwarePolicy
+from router.metrics import RouterMetrics
 from router.pair_call import Pair
+from router.placement_rules import AlwaysRemote, CostPlacement, Placement, TwoWay, pick_decode
 from router.policies import POLICIES, SidePolicy, decode_policy_name
+from router.request_hints import NONE, RequestHints
+from router.worker_stats import WorkerStats
 from router.workers import Worker, WorkerRegistry
 
 
@@ -44,16 +50,51 @@ def pair_policy(policy: str, decode_policy: str | None, kv: KVAwarePolicy) -> Pa
 
 
 class Placer:
-    def __init__(self, workers: WorkerRegistry, policy: PairPolicy, kv: KVAwarePolicy | None = None):
-        self.workers, self.policy, self.kv = workers, policy, kv
+    """Places every try of a request: the workers it may use, then `placement` (--pd-placement's rule,
+    router/placement_rules.py; always remote by default), or the decode alone when the client's headers force it."""
 
-    def pick(self, body: dict[str, Any], exclude: Collection[str] = ()) -> Pair | None:
-        """The pair for `body` among the healthy workers whose url is not in `exclude`; None when a role has none."""
+    def __init__(
+        self,
+        workers: WorkerRegistry,
+        policy: PairPolicy,
+        kv: KVAwarePolicy | None = None,
+        placement: Placement | None = None,
+        metrics: RouterMetrics | None = None,
+    ):
+        self.workers, self.policy, self.kv, self.metrics = workers, policy, kv, metrics
+        self.placement = placement or AlwaysRemote(policy, kv)
+
+    def pick(self, body: dict[str, Any], exclude: Collection[str] = (), hints: RequestHints = NONE) -> Pair | None:
+        """Where `body` runs among the healthy workers whose url is not in `exclude`; None when nothing can serve
+        it (no decode; no prefill, unless the placement computes prompts on decodes)."""
         prefills = [w for w in self.workers.healthy("prefill") if w.url not in exclude]
         decodes = [w for w in self.workers.healthy("decode") if w.url not in exclude]
-        if not prefills or not decodes:
+        if not decodes:
             return None
-        pair = self.policy.pick_pair(prefills, decodes, body)
+        if hints.bypass_remote_prefill:
+            pair: Pair | None = Pair(None, pick_decode(self.policy, decodes, body), "local", "forced")
+        else:
+            pair = self.placement.place(prefills, decodes, body, hints)
+        if pair is None:
+            return None
+        pair.tpot_slo_s = hints.tpot_s
         if self.kv is not None:
-            self.kv.observe(pair.prefill, pair.decode, body)
+            self.kv.observe(pair.prefill or pair.decode, pair.decode, body)
+        if self.metrics is not None:
+            self.metrics.placements.labels(pair.path, pair.reason).inc()
         return pair
+
+    def first_token(self, pair: Pair, seconds: float) -> None:
+        """A streamed try's first token came `seconds` after it was sent (the cost placement learns from it)."""
+        learn = getattr(self.placement, "first_token", None)
+        if learn is not None:
+            learn(pair, seconds)
+
+
+def placement_rule(name: str, policy: PairPolicy, kv: KVAwarePolicy, stats: WorkerStats, threshold: int) -> Placement:
+    """--pd-placement's rule (router/placement_rules.py)."""
+    if name == "two_way":
+        return TwoWay(policy, kv, threshold)
+    if name == "cost":
+        return CostPlacement(kv, stats)
+    return AlwaysRemote(policy, kv)

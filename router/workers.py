@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from common.wire.api import INSTANCE_HEADER, RECOMPUTE_HEADER
+from common.wire.api import BOOTSTRAP_HEADER, INSTANCE_HEADER, RECOMPUTE_HEADER, ROLE_HEADER
 from common.wire.drain import DRAINING_HEADER
 
 log = logging.getLogger("tandem.router")
@@ -116,6 +116,18 @@ class WorkerRegistry:
         for call in list(worker.calls):
             call.worker_down(worker)
 
+    def follow_role(self, worker: Worker, role: str | None, bootstrap: str | None) -> None:
+        """The role a worker's /health names (a role switch changed it: POST /pd_role_switch), and a prefill's
+        bootstrap registry (HOST:PORT)."""
+        if role in ("prefill", "decode") and role != worker.role:
+            log.info("%s worker %s is now a %s worker", worker.role, worker.url, role)
+            worker.role = role
+        if role == "prefill" and bootstrap:
+            host, _, port = bootstrap.rpartition(":")
+            if port.isdigit():
+                worker.bootstrap_port = int(port)
+                worker.bootstrap_host = host if host and host != worker.host else None
+
     def set_draining(self, worker: Worker) -> None:
         """The worker is shutting down gracefully: out of rotation, but its requests in flight run on
         (its calls are not ended; they end when the worker ends them)."""
@@ -133,6 +145,7 @@ class WorkerRegistry:
             ) as r:
                 worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
                 worker.recomputes = r.headers.get(RECOMPUTE_HEADER) == "1"
+                self.follow_role(worker, r.headers.get(ROLE_HEADER), r.headers.get(BOOTSTRAP_HEADER))
                 if r.status == 503 and r.headers.get(DRAINING_HEADER):
                     self.set_draining(worker)
                     return

@@ -1,4 +1,4 @@
-"""`tandem serve | router | bootstrap | kv-store | up | bench` — the composition root.
+"""`tandem serve | router | planner | bootstrap | kv-store | up | bench` — the composition root.
 
 A start-up mistake of the user (common.wire.user_error.UserError) ends the command with one line on
 stderr, `tandem <command>: <what is wrong and what to do>`, and exit code 1; a command line argparse
@@ -15,7 +15,7 @@ import traceback
 from common.wire.user_error import UserError
 from tandem.flags import LOG_LEVEL_ENV, FlagParser, add_log_level_flag, take_log_level
 
-COMMANDS = ("serve", "router", "bootstrap", "kv-store", "up", "bench")
+COMMANDS = ("serve", "router", "planner", "bootstrap", "kv-store", "up", "bench")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,6 +34,10 @@ def run(argv: list[str]) -> None:
         from tandem.router_cli import run_router_cli
 
         return run_router_cli(argv[1:])
+    if argv[:1] == ["planner"]:
+        from tandem.planner_cli import run_planner_cli
+
+        return run_planner_cli(argv[1:])
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
         from tandem.server import serve_from_args
@@ -80,6 +84,9 @@ def build_parser() -> FlagParser:
     bench = sub.add_parser("bench", help="load-test any endpoint")
     add_bench_flags(bench)
     sub.add_parser("router", help="run the PD router (see `tandem router --help`)")
+    sub.add_parser(
+        "planner", help="decide the P:D split and flip servers or scale Deployments (see `tandem planner --help`)"
+    )
     boot = sub.add_parser("bootstrap", help="run a standalone bootstrap server")
     boot.add_argument("--host", default="127.0.0.1")
     boot.add_argument("--port", type=int, default=8998)

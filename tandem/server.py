@@ -25,13 +25,29 @@ log = logging.getLogger("tandem")
 RANK_FOLLOWER = "tandem.rank_follower"  # what every follower rank of a server runs (tandem/rank_follower.py)
 
 
-def setup_logging(role: str) -> None:
+class RoleTag(logging.Filter):
+    """Puts the server's role into every log line; `current` says it (a role switch changes it)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.current = lambda: role
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.tandem_role = self.current()
+        return True
+
+
+def setup_logging(role: str) -> RoleTag:
     logging.basicConfig(
         level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s [%(tandem_role)s] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+    tag = RoleTag(role)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(tag)
+    return tag
     for noisy in ("httpx", "httpcore", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -60,7 +76,8 @@ def check_before_loading(config: ServerConfig) -> None:
     """The user's mistakes that show without loading a model: the model's path and architecture, the ports."""
     check_model(config.model)
     ports = {"--port": config.port}
-    if config.disagg_mode == "prefill" and config.bootstrap_url is None:  # its embedded registry listens too
+    may_prefill = config.disagg_mode == "prefill" or config.enable_pd_role_switch
+    if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)
         ports["--bootstrap-port"] = config.bootstrap_port
     if config.dist_init_addr is not None:  # rank 0 hosts its TP group's rendezvous there
         ports["--dist-init-addr"] = split_host_port(config.dist_init_addr)[1]
@@ -101,6 +118,8 @@ def tls_context(config: ServerConfig):
 def build_engine(config: ServerConfig):
     from common.engine.engine import Engine
 
+    if config.enable_pd_role_switch:
+        return build_switchable_engine(config)
     if config.disagg_mode == "prefill":
         from prefill_node.compose import build_prefill_engine
 
@@ -120,15 +139,33 @@ def parallel_summary(config: ServerConfig) -> str:
     return dp + ep + eplb + (", EPLB" if config.enable_eplb else "")
 
 
+def build_switchable_engine(config: ServerConfig):
+    """A prefill or decode whose role POST /pd_role_switch may change (common/engine/role_switch.py): both roles'
+    composers share one transfer engine."""
+    from common.engine.engine import Engine
+    from common.engine.role_switch import RoleSwitch
+    from decode_node.compose import DecodeComposer
+    from prefill_node.compose import PrefillComposer
+    from transfer.backends.shared import SharedBackend
+
+    shared = SharedBackend()
+    factories = {"prefill": PrefillComposer(shared).make_role, "decode": DecodeComposer(shared).make_role}
+    engine = Engine(config, factories[config.disagg_mode], RANK_FOLLOWER)
+    engine.role_switch = RoleSwitch(engine, factories)
+    return engine
+
+
 def serve(config: ServerConfig) -> None:
     role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
-    setup_logging(role)
+    tag = setup_logging(role)
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     for warning in exposure_warnings(config):
         log.warning(warning)
     tls = tls_context(config)
     t0 = time.monotonic()
     engine = build_engine(config)
+    if engine.role_switch is not None:
+        tag.current = lambda: engine.mode  # a log line names the role the server has when it is written
     engine.warm_up()  # the port opens after: /health never answers while kernels build
     engine.start()
     from common.engine import host_tier

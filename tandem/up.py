@@ -55,6 +55,23 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--decode-policy", choices=list(POLICIES), help="the router's --decode-policy (default: --policy's)")
     p.add_argument(
+        "--pd-placement",
+        choices=["remote", "two_way", "cost"],
+        default="remote",
+        help="the router's --pd-placement (docs/placement.md); cost also turns on the engines' KV cache events",
+    )
+    p.add_argument(
+        "--enable-pd-role-switch",
+        action="store_true",
+        help="every engine may switch roles (POST /pd_role_switch); each decode gets a bootstrap port of its own",
+    )
+    p.add_argument(
+        "--planner",
+        choices=["throughput", "latency", "sla"],
+        help="also run `tandem planner` in this mode, flipping servers (implies --enable-pd-role-switch; more "
+        "planner flags: TANDEM_PLANNER_* in the environment)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("TANDEM_API_KEY"),
         help="clients send it to the router (Bearer), the router to the servers; every process gets it "
@@ -86,9 +103,10 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
 
 
 def kv_policy_flag(ns: argparse.Namespace) -> str | None:
-    """The flag that names a policy reading the engines' KV cache events (kv_aware), if any."""
+    """The flag that names a policy (kv_aware) or placement (cost) reading the engines' KV cache events, if any."""
     named = (("--policy", ns.policy), ("--decode-policy", ns.decode_policy))
-    return next((f"{flag} {name}" for flag, name in named if name and POLICIES[name].kv_events), None)
+    found = next((f"{flag} {name}" for flag, name in named if name and POLICIES[name].kv_events), None)
+    return found or ("--pd-placement cost" if getattr(ns, "pd_placement", None) == "cost" else None)
 
 
 def kv_events_flags(ns: argparse.Namespace) -> list[str]:
@@ -102,7 +120,7 @@ def kv_events_flags(ns: argparse.Namespace) -> list[str]:
 
 def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> list[Child]:
     children, prefills, decodes = [], [], []
-    common = kv_events_flags(ns) + common
+    common = kv_events_flags(ns) + (["--enable-pd-role-switch"] if switching(ns) else []) + common
     for i in range(ns.num_prefill):
         port, boot = ns.base_port + i, ns.bootstrap_port + i
         argv = py + [
@@ -136,12 +154,28 @@ def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> li
             str(ns.decode_tp_size),
             *common,
         ]
-        children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health", ports={"--base-port": port}))
+        ports = {"--base-port": port}
+        if switching(ns):  # its embedded registry, once it is a prefill
+            boot = ns.bootstrap_port + ns.num_prefill + j
+            argv += ["--bootstrap-port", str(boot)]
+            ports["--bootstrap-port"] = boot
+        children.append(Child(f"decode-{j}", argv, f"http://{ns.host}:{port}/health", ports=ports))
         decodes += ["--decode", f"http://{ns.host}:{port}"]
     router = py + ["router", *prefills, *decodes, "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy]
     router += ["--decode-policy", ns.decode_policy] if ns.decode_policy else []
+    router += ["--pd-placement", ns.pd_placement] if ns.pd_placement != "remote" else []
     children.append(Child("router", router, f"http://{ns.host}:{ns.port}/readiness"))
+    if ns.planner:
+        port = ns.base_port + 200
+        planner = py + ["planner", "--router", f"http://{ns.host}:{ns.port}", "--mode", ns.planner]
+        planner += ["--host", ns.host, "--port", str(port)]
+        children.append(Child("planner", planner, f"http://{ns.host}:{port}/health", ports={"--base-port": port}))
     return children
+
+
+def switching(ns: argparse.Namespace) -> bool:
+    """Whether the engines may switch roles (--enable-pd-role-switch, or a planner that flips them)."""
+    return bool(ns.enable_pd_role_switch or ns.planner)
 
 
 def healthy(url: str) -> bool:
@@ -178,9 +212,10 @@ def place(ns: argparse.Namespace, children: list[Child], gpus: list[str]) -> lis
     """What runs where; on CUDA each engine process gets its GPU (tandem/gpus.py)."""
     if ns.device == "cpu":
         return ["every process on the CPU"]
-    return plan_gpus([c for c in children if c.name not in ("router", "kv-store")], gpus, base_fraction(ns.extra))
+    return plan_gpus([c for c in children if c.name not in ENGINELESS], gpus, base_fraction(ns.extra))
 
 
+ENGINELESS = ("router", "kv-store", "planner")  # children with no model: no GPU for them
 UP_SETS = ("--model", "--host", "--port", "--device", "--disagg-mode", "--bootstrap-port", "--transfer-backend")
 STORE_SETS = ("--hicache-storage-backend", "--hicache-storage-backend-extra-config")
 
@@ -220,7 +255,7 @@ def check_up(ns: argparse.Namespace, children: list[Child]) -> None:
     from tandem.server import server_config
 
     for c in children:
-        if c.name not in ("router", "kv-store"):
+        if c.name not in ENGINELESS:
             server_config(build_parser().parse_args(c.argv[3:]))
     check_model(ns.model)
     ports = {"--port": ns.port}

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from transfer.backends.base import make_backend
+from transfer.backends.shared import SharedBackend
 from transfer.bulk_priority import create_lowered
 from transfer.control_plane import ZmqControlPlane
 from transfer.liveness import Liveness
@@ -84,14 +85,16 @@ class KVManager(ABC):
         wall_clock: Callable[[], float] = time.time,
         threaded: bool = True,
         wake_scheduler: Callable[[], None] = lambda: None,
+        shared: SharedBackend | None = None,
     ):
         """`control(instance_id, counters)` builds the control plane (default: ZMQ on args.host);
         `wake_scheduler` is the scheduler's wake, called from this manager's threads when a room may have
-        moved (a message, a write's end, a peer declared dead), so no step waits on a timer."""
+        moved (a message, a write's end, a peer declared dead), so no step waits on a timer; `shared`: the
+        process's one transfer engine across role switches (transfer/backends/shared.py), else its own."""
         self.args = args
         self.instance_id = f"{self.mode}-{uuid.uuid4().hex[:12]}"
         self.clock, self.threaded = clock, threaded
-        self.backend = create_lowered(
+        make = lambda: create_lowered(  # noqa: E731
             lambda: make_backend(
                 args.backend,
                 args.host,
@@ -102,6 +105,7 @@ class KVManager(ABC):
                 args.device_index,
             )
         )
+        self.backend = shared.bind(make) if shared is not None else make()
         log.info("%s KV transfer: %s", self.mode, self.backend.describe())
         own = len(args.kv_ptrs) // args.tp_size  # rank 0's buffers (its pool: one) are ours
         for ptr, nbytes in zip(args.kv_ptrs[:own], args.kv_nbytes[:own]):

@@ -75,6 +75,13 @@ class TransferMetrics:
         for event in EVENTS:
             events.add_metric([event], self.counters[event])
         yield events
+        # the seconds the chunks above took to write: bytes_sent / this is the wire's measured rate (the router's
+        # placement cost reads it, docs/placement.md)
+        yield CounterMetricFamily(
+            "tandem_kv_transfer_write_seconds",
+            "seconds spent writing KV chunks (prefill), summed over its transfer threads",
+            value=self.counters["write_microseconds"] / 1e6,
+        )
         yield from self.latency.collect()
         yield from self.failures.collect()
         if self.rank_bytes is not None:

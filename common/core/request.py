@@ -66,6 +66,9 @@ class GenInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens after this index
     rendezvous: Rendezvous | None = None  # PD: how to find the peer and the room shared with it
+    pd_placement: str | None = (
+        None  # PD: where the prompt is computed (common/wire/api.py PLACEMENTS; None: remote_suffix)
+    )
     priority: int = 0  # higher first: admitted before, retracted after (--enable-priority-scheduling)
     migration: Migration | None = None  # the router may move it to another pair (common/wire/migration.py)
     data_parallel_rank: int | None = None  # the DP rank asked for (SGLang's field; DP attention), else balanced

@@ -1,5 +1,5 @@
 """The /metrics text of every Tandem process: its registry's families, each sample labelled with the
-process's role, so one dashboard can tell prefill, decode, monolithic, router and bootstrap apart even
+process's role, so one dashboard can tell prefill, decode, monolithic, router, bootstrap and planner apart even
 when they are scraped without Kubernetes labels.
 
 prometheus_client has no constant labels, so the label is added at scrape time, on copies of the
@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 ROLE_LABEL = "role"
-ROLES = ("null", "prefill", "decode", "router", "bootstrap")  # "null": a monolithic server (--disagg-mode null)
+ROLES = ("null", "prefill", "decode", "router", "bootstrap", "planner")  # "null": a monolithic server
 
 
 class WithRole:

@@ -32,13 +32,14 @@ from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor
-from common.engine.role import Role
+from common.engine.role import Role, RoleFactory
+from common.engine.role_switch import RoleSwitch
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_thread import SchedulerThread
 from common.engine.spec.commit import SpecStats
 from common.engine.spec.factory import make_drafter, speculative_descriptor
 from common.engine.spec.plan import SpecPlanner
-from common.engine.warmup import use_kernel_cache, warm_up
+from common.engine.warmup import calibrate, use_kernel_cache, warm_up
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import make_prefix_cache
@@ -61,7 +62,7 @@ from common.wire.kv_layout import experts_layout, kv_layout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RoleFactory = Callable[["Engine"], list[Role]]  # one role per DP rank's scheduler (engine.schedulers)
+CALIBRATION_TOKENS = 256  # the start-up measurement's prompt (at most one chunk)
 
 
 class Engine:
@@ -129,6 +130,7 @@ class Engine:
             for scheduler, role in zip(self.schedulers, make_role(self)):
                 scheduler.role = role
         self.thread = SchedulerThread(self.scheduler, config.watchdog_timeout_s)
+        self.role_switch: RoleSwitch | None = None  # --enable-pd-role-switch: set by the server's composition
         engine_report.register_engine_gauges(self)
 
     def _start_speculative(self) -> None:
@@ -300,7 +302,23 @@ class Engine:
             tokens,
             cache,
         )
-        return seconds + self.capture_graphs()
+        seconds += self.capture_graphs()
+        self.calibrate()
+        return seconds
+
+    def calibrate(self) -> None:
+        """The start-up measurement (common/engine/forward_stats.py), once the kernels and graphs are ready."""
+        c = self.config
+        chunk = c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens
+        cal = calibrate(self.runner, self.memory, min(CALIBRATION_TOKENS, chunk, self.context_len - 2), c.device)
+        for s in self.schedulers:
+            s.forward_stats.chunk_tokens, s.forward_stats.calibration = chunk, cal
+        log.info(
+            "calibration: a %d-token prefill at %.0f tokens/s, a decode step in %.1f ms",
+            cal.tokens,
+            cal.prefill_tokens_per_s,
+            1000 * cal.decode_step_s,
+        )
 
     def capture_graphs(self) -> float:
         """The decode CUDA graphs graph_plan allows (after the warm-up built the kernels); the seconds."""
@@ -354,6 +372,25 @@ class Engine:
         return self.schedulers[0].role
 
     @property
+    def mode(self) -> str:
+        """The role this server serves now (--disagg-mode, until a role switch)."""
+        return self.config.disagg_mode
+
+    def set_mode(self, mode: str) -> None:
+        """A role switch installed a role of `mode` (common/engine/role_switch.py; on the scheduler thread)."""
+        self.config = self.scheduler.config = self.config.model_copy(update={"disagg_mode": mode})
+        self.metrics.role = mode
+
+    def bootstrap_address(self) -> str | None:
+        """HOST:PORT of the bootstrap registry a prefill registers with (its embedded one, or --bootstrap-url's);
+        None for other roles."""
+        if self.mode != "prefill":
+            return None
+        if self.config.bootstrap_url:
+            return self.config.bootstrap_url.split("://", 1)[-1].rstrip("/")
+        return f"{self.config.public_host}:{self.config.bootstrap_port}"
+
+    @property
     def instance_id(self) -> str | None:
         """The PD role's transfer instance id (what a router passes to decodes), or None."""
         return self.role.instance_id
@@ -382,7 +419,8 @@ class Engine:
     def health_problem(self) -> str | None:
         """Why this server cannot serve right now (/health answers 503 with it), or None."""
         rank_fault = self.ranks.fault if self.ranks is not None else None
-        return rank_fault or self.thread.health_problem() or self.role.health_problem()
+        switch = self.role_switch.problem if self.role_switch is not None else None
+        return rank_fault or switch or self.thread.health_problem() or self.role.health_problem()
 
     # -- API for the HTTP side -----------------------------------------------------------------
     def submit(self, req: Req) -> None:

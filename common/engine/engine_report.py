@@ -30,7 +30,15 @@ def register_engine_gauges(engine: Engine) -> None:
         "KV pages requests hold (total = free + cached + used)",
         lambda: total - free() - cached(),
     )
+    page_bytes = sum(b.bytes_per_page for b in engine.kv_pool.buffer_infos())
+    m.gauge("tandem_kv_page_bytes", "bytes of one KV page (every layer's K and V) on this rank", lambda: page_bytes)
     host_tier.register_gauges(m, engine.memory.prefix_cache)
+    m.registry.register(ss[0].forward_stats)  # DP rank 0's forwards under DP attention (all ranks run each one)
+    m.gauge(
+        "tandem_prefill_queue_tokens",
+        "prompt tokens still to compute of the requests waiting for prefill and the chunked one",
+        lambda: sum(s.prefill.pending_tokens() for s in ss),
+    )
     m.labelled_gauges(
         "tandem_pd_queue_requests",
         "requests in the PD role's queues (prefill: awaiting_decode, deferred, "
@@ -68,6 +76,7 @@ def engine_info(engine: Engine) -> dict:
         "ep": ep_info(engine),
         "kv_events": engine.kv_events.info() if engine.kv_events is not None else None,
         "grammar": engine.grammar.info_dict() if engine.grammar is not None else None,
+        "calibration": ss[0].forward_stats.calibration.to_dict(),
     }
 
 

@@ -43,6 +43,10 @@ class RejectedInputs:
                 raise ValueError(f"rejections at {where!r} are already counted")
             self._sources[where] = read
 
+    def remove_source(self, where: str) -> None:
+        with self._lock:
+            self._sources.pop(where, None)
+
     def values(self) -> dict[str, float]:
         with self._lock:
             values: dict[str, float] = dict(self._counts)
@@ -127,6 +131,12 @@ class EngineMetrics:
         """Report rejections counted elsewhere (e.g. "control": `lambda: manager.counters["rejected_messages"]`)
         as `tandem_rejected_inputs_total{where=...}`; `read` is called from the /metrics handler's thread."""
         self.rejected.add_source(where, read)
+
+    def drop_transfer_metrics(self, collector) -> None:
+        """Stop reporting a PD role's transfer metrics (`collector`, and its "control" rejections): the role ended
+        (a role switch), the next one registers its own."""
+        self.registry.unregister(collector)
+        self.rejected.remove_source("control")
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)

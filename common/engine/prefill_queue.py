@@ -39,6 +39,19 @@ class PrefillQueue:
         if req in self.waiting:
             self.waiting.remove(req)
 
+    def pending_tokens(self) -> int:
+        """Prompt tokens still to compute (read from the /metrics thread: a snapshot, retried if the scheduler
+        changed the queue while it was copied)."""
+        for _ in range(3):
+            try:
+                reqs = [*self.waiting, *([self.chunked] if self.chunked else [])]
+                break
+            except RuntimeError:  # deque mutated during iteration
+                continue
+        else:
+            return 0
+        return sum(max(0, len(r.prompt_ids) + len(r.output_ids) - r.kv_len) for r in reqs)
+
     def requests(self) -> list[Req]:
         return [*self.waiting, *([self.chunked] if self.chunked else [])]
 

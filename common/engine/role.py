@@ -18,10 +18,12 @@ from common.core.request import FinishReason, Req
 from common.memory.manager import MemoryManager
 
 if TYPE_CHECKING:
+    from common.engine.engine import Engine
     from common.engine.scheduler import Scheduler
 
 Sampled = tuple[int, float | None, Any]  # (token, logprob, top logprobs) of a prompt's first sample
 T = TypeVar("T")
+RoleFactory = Callable[["Engine"], list["Role"]]  # a server's PD roles, one per DP rank's scheduler (compose.py)
 
 
 class SchedulerView:
@@ -76,10 +78,14 @@ class SchedulerView:
 class Role:
     mode: str | None = None  # "prefill" or "decode": a PD role serves only requests a router paired
     instance_id: str | None = None  # a PD role's transfer instance (routers pass a prefill's to decodes)
+    interleave_prefill: bool = False  # one decode step between two prefill steps (a decode's own prompts)
 
     def admit(self, req: Req) -> bool:
         """A new request: True if the role queued it itself, False to let the scheduler queue it for prefill."""
         return False
+
+    def close(self) -> None:
+        """The role ends (a role switch, once it holds no request): its transfer instance and threads stop."""
 
     def poll(self) -> None:
         """Once per step: move requests between the role's queues and the scheduler's."""

@@ -2,7 +2,8 @@
 it, commit its results.
 
 Prefill has priority (as in SGLang): a step runs new/chunked prompts when any wait and fit, else one
-decode token for every running request. The scheduler composes a PrefillQueue, a DecodeBatch, the
+decode token for every running request; a decode server's role (`Role.interleave_prefill`) runs one decode
+step between two prefill steps, so a prompt it computes itself holds its batch up by one chunk at a time. The scheduler composes a PrefillQueue, a DecodeBatch, the
 MemoryManager and a Role (PD prefill / decode; the base Role for a monolithic server).
 
 Failure is per request: an exception while handling one request ends that request with a 500 naming
@@ -24,6 +25,7 @@ from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
 from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.decode_batch import DecodeBatch
+from common.engine.forward_stats import ForwardStats
 from common.engine.model_runner import BatchPlan, BatchResult, ModelRunner
 from common.engine.output import OutputProcessor
 from common.engine.prefill_queue import PrefillQueue
@@ -70,6 +72,9 @@ class Scheduler:
         self._live_lock = threading.Lock()
         self.spec_stats: SpecStats | None = None  # speculative decoding's metrics (set with DecodeBatch.spec)
         self.grammars: GrammarQueue | None = None  # requests waiting for their grammar (None: --grammar-backend none)
+        self.last_mode: ForwardMode | None = None  # of the last batch run
+        self.step_start = 0.0  # when the running step's forward began (its cost goes to forward_stats)
+        self.forward_stats = ForwardStats()  # what the forwards cost (the engine exposes it in /metrics)
 
     # -- called from other threads -------------------------------------------------------------
     def wake(self) -> None:
@@ -131,7 +136,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         req.timeline.mark("admitted")
         self.output.prepare(req)
-        problem = rendezvous_problem(self.role.mode, req.rendezvous) if self.role.mode else None
+        problem = rendezvous_problem(self.role.mode, req.rendezvous, req.pd_placement) if self.role.mode else None
         if problem is not None:
             self.fail(req, problem, 400)
         elif req.grammar_spec is not None and self.grammars is None:
@@ -162,6 +167,15 @@ class Scheduler:
             return None
 
     def _next_plan(self) -> BatchPlan | None:
+        """Prefill first; a role that interleaves (a decode's, whose prompts are the few it computes itself) runs
+        its batch's next token between two prefill steps."""
+        if self.role.interleave_prefill and self.last_mode == ForwardMode.EXTEND and self.decode.running:
+            try:
+                plan = self.decode.schedule()
+            except Exception as e:
+                return self._fail_all(list(self.decode.running), f"internal error scheduling a decode batch: {e!r}")
+            if plan is not None:
+                return plan
         try:
             plan = self.prefill.schedule(self.slots_left(), decode_idle=not self.decode.running)
         except Exception as e:
@@ -209,16 +223,19 @@ class Scheduler:
             return
         self.commit(plan, result)
 
-    @staticmethod
-    def starting(plan: BatchPlan) -> None:
+    def starting(self, plan: BatchPlan) -> None:
+        """The first half of a step, before its forward."""
+        self.last_mode = plan.mode
         for req in plan.reqs if plan.mode == ForwardMode.EXTEND else ():
             req.timeline.mark_once("prefill_start")
+        self.step_start = time.perf_counter()
 
     def batch_failed(self, plan: BatchPlan, error: Exception) -> None:
         self._fail_all(plan.reqs, f"internal error running the batch: {error!r}")
 
     def commit(self, plan: BatchPlan, result: BatchResult) -> None:
         """The second half of a step: the forward's results into the batch's requests."""
+        self.forward_stats.record(plan.mode.value, sum(plan.extend_lens), time.perf_counter() - self.step_start)
         for req in plan.reqs if plan.mode == ForwardMode.EXTEND else ():
             req.timeline.mark("forward_done")
         for i, req in enumerate(plan.reqs):
@@ -305,6 +322,12 @@ class Scheduler:
         """Requests submitted, not finished and not in the decode batch: in the inbox, waiting for or in
         a prefill forward, or in the role's queues (read from other threads)."""
         return self._live - len(self.decode.running)
+
+    def idle(self) -> bool:
+        """No request submitted and unfinished, none held by a queue or the role (a role switch waits for this)."""
+        with self._live_lock:
+            live = self._live
+        return live == 0 and not self.has_work()
 
     def has_work(self) -> bool:
         waiting = self.grammars is not None and self.grammars.waiting

@@ -6,6 +6,9 @@ dtype, head dimensions and page size, not on lengths: a short prompt builds the 
 on the CPU the warm-up costs one short forward. Compiled kernels are kept in --kernel-cache-dir across
 restarts (the Helm chart mounts a volume there), so only a first start pays for the build.
 
+Then `calibrate` times one more prompt and decode step: the start-up measurement of what a prompt token and a
+decode step cost on this server (common/engine/forward_stats.py).
+
 The warm-up request is computed like any other (pool, rows, attention metadata, sampler) and leaves
 nothing behind: its KV is freed, never cached, and the pool is checked to be as it was.
 """
@@ -19,6 +22,7 @@ import time
 from common.core.forward_batch import ForwardMode
 from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
+from common.engine.forward_stats import Calibration
 from common.engine.model_runner import BatchPlan, ModelRunner
 from common.memory.manager import MemoryManager
 from common.wire.sampling_params import SamplingParams
@@ -38,6 +42,22 @@ def warm_up(runner: ModelRunner, memory: MemoryManager, prefill_tokens: int, dev
     """A prefill forward of `prefill_tokens` tokens (within the pool) and one decode step of the same
     request; returns the seconds it took."""
     start = time.monotonic()
+    timed_round(runner, memory, prefill_tokens, device)
+    return time.monotonic() - start
+
+
+def calibrate(runner: ModelRunner, memory: MemoryManager, prefill_tokens: int, device: str) -> Calibration:
+    """After the warm-up: one prompt of `prefill_tokens` tokens and one decode step, timed (the start-up
+    measurement the router prices placements with until the server's own counters move)."""
+    tokens, prefill_s, decode_s = timed_round(runner, memory, prefill_tokens, device)
+    return Calibration(tokens, prefill_s, decode_s)
+
+
+def timed_round(
+    runner: ModelRunner, memory: MemoryManager, prefill_tokens: int, device: str
+) -> tuple[int, float, float]:
+    """(tokens, seconds of the prefill forward, seconds of the decode step) of one request of `prefill_tokens`
+    tokens (fewer if the pool is smaller), freed, never cached, and the pool checked to be as it was."""
     page_size = memory.page_size
     tokens = max(1, min(prefill_tokens, (memory.available_pages() - 1) * page_size))
     # every filter of the sampler (FlashInfer's top-k / top-p kernels are built on first use too), seeded
@@ -46,14 +66,18 @@ def warm_up(runner: ModelRunner, memory: MemoryManager, prefill_tokens: int, dev
     memory.admit(req, match_limit=0)
     try:
         slots = memory.extend(req, tokens)
+        start = time.perf_counter()
         out = runner.run(BatchPlan(ForwardMode.EXTEND, [req], [tokens], [slots], [True]))
+        prefill_s = time.perf_counter() - start
         req.output_ids.append(out.token_ids[0])
         decode = DecodeTensors(device).prepare([req])
         decode.upload(memory.alloc_decode_pages([req]), page_size)
         slot = memory.write_decode_slots(decode.req_pool_indices, decode.positions, decode.new_slots)
+        start = time.perf_counter()
         runner.run(BatchPlan(ForwardMode.DECODE, [req], [1], [slot], [True], decode=decode))
+        decode_s = time.perf_counter() - start
     finally:
         req.kv_computed_len = 0  # nothing of it enters the prefix cache
         memory.release(req)
     memory.check_integrity()
-    return time.monotonic() - start
+    return tokens, prefill_s, decode_s

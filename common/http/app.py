@@ -32,7 +32,15 @@ from common.http.serving import (
     stream_choices,
     tokenize_text,
 )
-from common.wire.api import INSTANCE_HEADER, RECOMPUTE_HEADER, GenerateRequest, parse_body
+from common.http.switch_guard import SwitchGuard, add_role_switch_route
+from common.wire.api import (
+    BOOTSTRAP_HEADER,
+    INSTANCE_HEADER,
+    RECOMPUTE_HEADER,
+    ROLE_HEADER,
+    GenerateRequest,
+    parse_body,
+)
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event
@@ -49,6 +57,8 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.engine = engine
     # outermost last: the counting guard sees the API key guard's 401s and the drain's 503s too
+    if engine.role_switch is not None:
+        app.add_middleware(SwitchGuard, switch=engine.role_switch)
     if drain is not None:
         app.add_middleware(DrainGuard, drain=drain)
     app.add_middleware(ApiKeyGuard, api_key=engine.config.api_key, open_paths=OPEN_PATHS)
@@ -70,10 +80,8 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         """Liveness for routers and probes: 503 naming the cause when the scheduler cannot serve.
-        The header names this server's transfer instance (PD roles), which routers pass on."""
-        headers = {INSTANCE_HEADER: engine.instance_id} if engine.instance_id else {}
-        if engine.config.disagg_mode == "decode" and engine.config.kv_load_failure_policy == "recompute":
-            headers[RECOMPUTE_HEADER] = "1"
+        The headers name this server's transfer instance and role (PD roles), which routers follow."""
+        headers = health_headers(engine)
         problem = engine.health_problem()
         if problem is not None:
             return JSONResponse(error_body(problem, "unhealthy", 503), status_code=503, headers=headers)
@@ -98,7 +106,24 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     openai_api.add_routes(app, engine)
+    add_role_switch_route(app, engine)
     return app
+
+
+def health_headers(engine: Engine) -> dict[str, str] | None:
+    """A PD server's instance id, role and (a prefill's) bootstrap registry: what a router needs to follow it through
+    restarts and role switches."""
+    if engine.instance_id is None:
+        return None
+    headers = {INSTANCE_HEADER: engine.instance_id, ROLE_HEADER: engine.mode}
+    bootstrap = engine.bootstrap_address()
+    if bootstrap is not None:
+        headers[BOOTSTRAP_HEADER] = bootstrap
+    if engine.mode == "decode" and engine.config.kv_load_failure_policy == "recompute":
+        headers[RECOMPUTE_HEADER] = (
+            "1"  # it computes a prompt whose KV did not come: its requests outlive their prefill
+        )
+    return headers
 
 
 def _one_token():
@@ -140,6 +165,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         top_logprobs_num=body.top_logprobs_num,
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
+        pd_placement=body.pd_placement,
         priority=check_priority(engine, body.priority),
         migration=body.migration,
         data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),

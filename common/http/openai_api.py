@@ -158,6 +158,7 @@ def _gen_input(
         return_logprob=top is not None,
         top_logprobs_num=top or 0,
         rendezvous=body.rendezvous,
+        pd_placement=body.pd_placement,
         logprob_start_len=0 if prompt_logprobs else -1,
         priority=check_priority(engine, body.priority),
         migration=body.migration,

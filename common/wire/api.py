@@ -27,6 +27,12 @@ INSTANCE_HEADER = "X-Tandem-Instance-Id"  # a PD server's /health names its tran
 # a decode's /health with --kv-load-failure-policy recompute: it computes a prompt whose KV did not arrive itself,
 # so a router lets its requests run on when their prefill fails
 RECOMPUTE_HEADER = "X-Tandem-KV-Recompute"
+ROLE_HEADER = "X-Tandem-Role"  # ... and its role, which a role switch changes (routers follow it)
+BOOTSTRAP_HEADER = "X-Tandem-Bootstrap"  # ... and a prefill's bootstrap registry, HOST:PORT
+# Where a PD request's prompt is computed (docs/placement.md), the router's body field `pd_placement`: on a prefill
+# that sends the KV of the prompt past the decode's cached prefix (remote_suffix, the default), of the whole prompt
+# (remote_full: the decode ignores its cache), or on the decode itself (local: no prefill, no bootstrap fields).
+PLACEMENTS = ("remote_suffix", "remote_full", "local")
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,14 @@ class Rendezvous:
         return replace(self, room_id=(self.room_id + index) % 2**63)
 
 
-def rendezvous_problem(mode: str, rendezvous: Rendezvous | None) -> str | None:
-    """Why a server in `mode` cannot serve a request with this rendezvous, or None: a prefill or decode
-    server serves only what a router paired (it added the bootstrap fields)."""
+def rendezvous_problem(mode: str, rendezvous: Rendezvous | None, placement: str | None = None) -> str | None:
+    """Why a server in `mode` cannot serve a request with this rendezvous and `pd_placement`, or None: a prefill
+    or decode server serves only what a router paired (it added the bootstrap fields), or, a decode, what it
+    is asked to prefill itself (`pd_placement` local, without them)."""
+    if placement == "local" and mode == "prefill":
+        return "pd_placement local asks a decode server to prefill the prompt itself; this is a prefill server"
+    if placement == "local" and mode == "decode":
+        return "pd_placement local takes no bootstrap fields: the decode computes the prompt" if rendezvous else None
     if mode in ("prefill", "decode") and rendezvous is None:
         return (
             f"a {mode} server needs bootstrap_room (and the other bootstrap fields): send requests through the router"
@@ -65,6 +76,7 @@ class PDFields(BaseModel):
     prefill_instance_id: str | None = Field(None, min_length=1, max_length=128)
     migration: Migration | None = None
     data_parallel_rank: int | None = Field(None, ge=0, lt=2**16)  # SGLang's: the DP rank to run on (DP attention)
+    pd_placement: Literal[PLACEMENTS] | None = None  # type: ignore[valid-type]
 
     @property
     def rendezvous(self) -> Rendezvous | None:

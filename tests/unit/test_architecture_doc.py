@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
 MEASUREMENTS = {"performance.md"}
-PACKAGES = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "tandem")
+PACKAGES = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "planner", "tandem")
 PATH = re.compile(r"[A-Za-z_][\w.-]*(/[\w.-]*)+")
 MEMBER = re.compile(r"([A-Z]\w*)\.([A-Za-z_]\w*)")
 

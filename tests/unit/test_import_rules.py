@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = {"common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "tandem"}
+TOP = {"common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "planner", "tandem"}
 # package (folder) -> the packages it may import besides itself; a package not listed here follows its parent.
 # common/config.py, the servers' config, counts as a package of its own.
 ALLOWED = {
@@ -39,11 +39,13 @@ ALLOWED = {
     "prefill_node": {"common", "transfer", "bootstrap"},
     "decode_node": {"common", "transfer", "bootstrap"},
     "router": {"common/wire", "common/edge"},
+    "planner": {"common/wire", "common/edge", "router"},  # the router's worker stats: one reading of the workers
     "tandem": TOP,
 }
 # package -> libraries that no module it imports (ours, at any depth, function bodies included) may import
 FORBIDDEN = {
     "router": {"torch", "uvicorn", "starlette", "fastapi"},
+    "planner": {"torch", "uvicorn", "starlette", "fastapi"},
     "bootstrap": {"torch", "uvicorn", "starlette", "fastapi"},
     "common/wire": {"torch", "uvicorn", "starlette", "fastapi"},
 }

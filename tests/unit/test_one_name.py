@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "tandem")
+PRODUCT = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "planner", "tandem")
 ALLOWED = {"main": "the entry point of a module run with `python -m` (tandem.cli, common.ranks.follower)"}
 
 

@@ -25,5 +25,7 @@ def test_a_metric_with_its_own_role_label_and_an_unknown_role_are_refused():
     Counter("errors", "by worker role", ["role"], registry=registry).labels("prefill").inc()
     with pytest.raises(ValueError, match="metric errors has a label named 'role'.*name that label otherwise"):
         render(registry, "router")
-    with pytest.raises(ValueError, match="role must be one of null, prefill, decode, router, bootstrap, not 'gateway'"):
+    with pytest.raises(
+        ValueError, match="role must be one of null, prefill, decode, router, bootstrap, planner, not 'gateway'"
+    ):
         render(CollectorRegistry(), "gateway")

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "tandem")
+PRODUCT = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "planner", "tandem")
 STRUCTURES = ROOT / "docs" / "structures.md"
 
 

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "tandem")
+PRODUCT = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "planner", "tandem")
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from common.wire.user_error import UserError
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
-from tandem.up import add_up_flags, check_up, plan_children, resolve_device
+from tandem.up import ENGINELESS, add_up_flags, check_up, plan_children, resolve_device
 from tests.conftest import ROOT
 
 
@@ -22,7 +22,7 @@ def children(*args: str):
     add_up_flags(p)
     ns = p.parse_args(["--device", "cuda", *args])
     kids = plan_children(ns)
-    return kids, {c.name: c for c in kids}, [c for c in kids if c.name != "router"]
+    return kids, {c.name: c for c in kids}, [c for c in kids if c.name not in ENGINELESS]
 
 
 def test_enough_gpus_give_every_engine_process_its_own():
@@ -157,6 +157,18 @@ def test_kv_aware_turns_on_every_engines_events_and_sets_the_routers_policy():
     _, by_name, _ = children("--decode-policy", "kv_aware")
     assert "--kv-events-config" in by_name["decode-0"].argv
     assert by_name["router"].argv[-4:] == ["--policy", "cache_aware", "--decode-policy", "kv_aware"]
+
+
+def test_cost_placement_turns_on_events_and_a_planner_makes_every_engine_switchable():
+    _, by_name, engines = children("--num-decode", "2", "--pd-placement", "cost", "--planner", "sla")
+    assert by_name["router"].argv[-2:] == ["--pd-placement", "cost"]
+    assert all("--kv-events-config" in c.argv and "--enable-pd-role-switch" in c.argv for c in engines)
+    boots = [c.argv[c.argv.index("--bootstrap-port") + 1] for c in engines]
+    assert boots == ["8998", "8999", "9000"]  # the prefill's, then one per decode for when it is a prefill
+    planner = by_name["planner"].argv
+    assert planner[planner.index("planner") :][:5] == ["planner", "--router", "http://127.0.0.1:8000", "--mode", "sla"]
+    _, plain, _ = children()
+    assert "planner" not in plain and "--enable-pd-role-switch" not in plain["decode-0"].argv
 
 
 @pytest.mark.parametrize(

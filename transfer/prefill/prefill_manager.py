@@ -9,6 +9,7 @@ the room is in flight), except for a room this process never started writing, wh
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -220,6 +221,7 @@ class PrefillKVManager(KVManager):
         sums = None  # the source pages change no more: hashed while they are written (xxhash lets go of the GIL)
         if a.kv_checksum:
             sums = self.hasher.submit(page_run_sums, a.kv_ptrs, a.bytes_per_page, chunk.src_pages, chunk.dst_pages)
+        start = time.perf_counter()
         written = self.writer.write(
             registration,
             room_request,
@@ -230,6 +232,7 @@ class PrefillKVManager(KVManager):
             chunk.room.mark,
             chunk.room.dp_rank,
         )
+        self.counters["write_microseconds"] += int(1e6 * (time.perf_counter() - start))
         if sums is not None and chunk.aux is None:  # landed: the decode checks these pages now
             self.send(registration.status_endpoint, KVChecksums(chunk.room.room_id, sums.result()))
         elif sums is not None:  # the last chunk's go with the final status

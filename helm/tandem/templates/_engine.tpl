@@ -30,7 +30,11 @@ of a LeaderWorkerSet (the role's nodes > 1: one TP group over `nodes` pods, engi
 - {{ . | quote }}
 {{- end }}
 {{ include "tandem.transfer.args" .root }}
-{{- if eq .component "prefill" }}
+{{- $flips := and $v.planner.enabled (eq $v.planner.actuator "flip") }}
+{{- if $flips }}
+- --enable-pd-role-switch
+{{- end }}
+{{- if or (eq .component "prefill") $flips }}
 - --bootstrap-port
 - {{ $v.bootstrap.port | quote }}
 {{- if $v.bootstrap.standalone.enabled }}
