@@ -88,7 +88,9 @@ def test_warm_up_runs_a_prefill_chunk_and_a_decode_step_and_leaves_nothing_behin
     )
     seconds = engine.warm_up()
     assert seconds > 0
-    assert runs == [(ForwardMode.EXTEND, 33), (ForwardMode.DECODE, 1)]  # two pages and a partial one, a decode step
+    assert runs[:2] == [(ForwardMode.EXTEND, 33), (ForwardMode.DECODE, 1)]  # two pages and a partial one, a decode step
+    cal = engine.scheduler.forward_stats.calibration  # then the start-up calibration's prefill and decode step
+    assert runs[2:] == [(ForwardMode.EXTEND, cal.tokens), (ForwardMode.DECODE, 1)]
     after = engine.memory.check_integrity()
     assert after == before and after.free == after.total  # nothing cached, nothing held
     assert not engine.memory.live
