@@ -13,7 +13,7 @@ from kubernetes_validate.utils import latest_version
 
 from tests.conftest import ServerProcess, free_port
 from tests.helm.chart import component, container, flag, parse_serve, render, service_host
-from tests.helm.test_chart_local_cluster import localize
+from tests.helm.pods import localize
 
 ON = {"kvStore": {"enabled": True, "size": "64MB", "prefetchPolicy": "wait_complete"}}
 
