@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.app import start_in_thread
+from bootstrap.registry import DEFAULTS
 from bootstrap.signing import SIGNATURE_HEADER, sign
 from common.engine.metrics import EngineMetrics
 from common.wire.kv_layout import LAYOUT_KEYS
@@ -38,9 +39,11 @@ VALID = {
     "attention": "mla",
     "kv_scales": "k=1,v=1",
     "speculative": "none",
+    "kv_checksum": False,
+    "experts": "",
 }
-REQUIRED = [f for f in VALID if f not in ("instance_id", "dp_size", "dp_rank", "speculative")]
-INT_FIELDS = [f for f, v in VALID.items() if isinstance(v, int)]
+REQUIRED = [f for f in VALID if f not in DEFAULTS]  # what a registration may leave out
+INT_FIELDS = [f for f, v in VALID.items() if isinstance(v, int) and not isinstance(v, bool)]
 STR_FIELDS = [f for f, v in VALID.items() if isinstance(v, str)]
 
 
