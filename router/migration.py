@@ -121,7 +121,7 @@ class Moves:
     def again(self, error: UpstreamError, prefill: Worker, decode: Worker) -> str | None:
         """Whether `error` moves the request to another pair: the reason it is counted under, or None. The
         worker at fault is avoided from now on."""
-        if not self.on or self.done >= self.limit or not error.upstream or error.cause == CLIENT_ERROR:
+        if not self.on or self.done >= self.limit or not error.upstream or not error.movable:
             return None
         if self.shown_any and all(c.finished for c in self.choices):
             return None  # the client has every token; what is missing is the end of the stream

@@ -46,12 +46,14 @@ class UpstreamError(Exception):
         retriable: bool = False,
         worker_failed: bool = False,
         headers: dict[str, str] | None = None,
+        movable: bool = True,
     ):
         super().__init__(body["error"]["message"])
         self.status, self.body, self.cause, self.worker = status, body, cause, worker
         self.headers = headers or {}  # for the client, e.g. the worker's Retry-After
         self.retriable = retriable  # nothing reached the client or the worker: another pair may be tried
         self.worker_failed = worker_failed  # counts towards taking the worker out of rotation
+        self.movable = movable  # another pair may serve it (router/migration.py); not when the router's setup is wrong
 
     @property
     def upstream(self) -> bool:
@@ -92,7 +94,7 @@ def key_refused(worker: Worker, status: int) -> UpstreamError:
         f"{worker.role} worker {worker.url} refused the router's key (HTTP {status}): give the router the "
         "workers' key (--api-key, or --worker-api-key when it differs from the clients' key)"
     )
-    return UpstreamError(502, error_body(message, "upstream_error", 502), half_cause(worker), worker)
+    return UpstreamError(502, error_body(message, "upstream_error", 502), half_cause(worker), worker, movable=False)
 
 
 def connection_failed(worker: Worker, exc: BaseException, when: str) -> UpstreamError:

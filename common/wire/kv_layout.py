@@ -35,6 +35,7 @@ LAYOUT_KEYS = (
     "dp_size",
     "experts",
 )
+ABSENT = {"kv_checksum": False, "speculative": "none"}  # what a layout without these fields means
 NO_DRAFT_STATE = ("none", "NGRAM")  # what crosses is the same as without speculation
 
 
@@ -123,8 +124,9 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
 
 
 def _differs(key: str, mine: Any, theirs: Any) -> bool:
-    if key == "speculative":  # a prefill registered before the field existed runs none
-        mine, theirs = mine or "none", theirs or "none"
+    if key in ABSENT:  # a side whose layout predates the field runs without it
+        mine, theirs = (ABSENT[key] if v is None else v for v in (mine, theirs))
+    if key == "speculative":
         return mine != theirs and not (mine in NO_DRAFT_STATE and theirs in NO_DRAFT_STATE)
     return mine != theirs
 

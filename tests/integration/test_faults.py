@@ -1,6 +1,6 @@
 """Fault injection with real processes (built-in model, Mooncake TCP, 2 prefill + 2 decode + router):
 SIGKILL and SIGSTOP of prefill and decode servers before, during and after a transfer, and clients
-that vanish. Each test asserts that the client got an error naming the cause within the bound, that
+that vanish, with migration off (`--migration-limit 0`, the path of a fault when no other pair is left). Each test asserts that the client got an error naming the cause within the bound, that
 every surviving node is back to idle with intact pools, and that later requests, also on the
 restarted or resumed node, give exactly the monolithic tokens."""
 
@@ -20,7 +20,8 @@ from tests.integration.test_parity_hf import LONG_TEXT
 
 ENGINE = ("--page-size", "16", "--chunked-prefill-size", "32")
 FAULTS = ("--heartbeat-interval-s", "0.5", "--heartbeat-misses", "3", "--transfer-timeout-s", "5")
-ROUTER = ("--health-check-timeout-s", "1", "--health-failure-threshold", "2")
+# --migration-limit 0: each fault's error reaches the client within its bound (test_migration.py: the moves)
+ROUTER = ("--health-check-timeout-s", "1", "--health-failure-threshold", "2", "--migration-limit", "0")
 BOUND_S = 6.0  # every fault must reach the client within this
 STREAM_TOKENS = 40
 

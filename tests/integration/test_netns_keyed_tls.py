@@ -187,7 +187,7 @@ def http_routes(kind: str) -> list[tuple[str, str]]:
     if kind == "router":
         app = create_router_app(RouterConfig(api_key="k"))
         return sorted({(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"})
-    stub = SimpleNamespace(config=SimpleNamespace(api_key="k", max_request_bytes=1), metrics=None)
+    stub = SimpleNamespace(config=SimpleNamespace(api_key="k", max_request_bytes=1), metrics=None, role_switch=None)
     return [(m, r.path) for r in create_app(stub).routes for m in sorted(r.methods) if m != "HEAD"]
 
 

@@ -51,7 +51,8 @@ class Setup:
 
     def _router(self, decode: ServerProcess) -> ServerProcess:
         prefill = (self.prefill, int(self.prefill.arg("--bootstrap-port")))
-        return spawn_router([prefill], [decode], name=f"ov-router-{decode.name}")
+        # --migration-limit 0: the client sees the servers' own answers (a move would retry a 504 elsewhere)
+        return spawn_router([prefill], [decode], "--migration-limit", "0", name=f"ov-router-{decode.name}")
 
     @property
     def nodes(self) -> list[ServerProcess]:

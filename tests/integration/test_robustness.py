@@ -22,6 +22,7 @@ ENGINE = ("--page-size", "4", "--chunked-prefill-size", "32")  # what the output
 FLAGS = (*ENGINE, "--heartbeat-interval-s", "0.5", "--transfer-timeout-s", "60")
 PROMPTS = random_prompts(6, 12, 40, seed=11)
 NEW = 8
+NO_MOVES = ("--migration-limit", "0")  # the client sees the dead prefill's 502 (test_migration.py: the moves)
 
 
 def body(ids: list[int], new: int = NEW, **extra) -> dict:
@@ -104,7 +105,11 @@ def test_a_killed_prefills_pages_on_the_decode_come_back_within_the_heartbeat_wi
     """The prefill is frozen while the decode holds pages for it, then killed: the decode frees those
     pages one heartbeat interval after declaring it dead, not after --transfer-timeout-s (60 s)."""
     c = start_cluster(
-        "mooncake", n_prefill=2, flags=("--model", str(tiny_model_dir), *FLAGS), standalone_bootstrap=True
+        "mooncake",
+        n_prefill=2,
+        flags=("--model", str(tiny_model_dir), *FLAGS),
+        standalone_bootstrap=True,
+        router_flags=NO_MOVES,
     )
     try:
         decode, victim = c.decodes[0], c.prefills[0]
@@ -143,7 +148,11 @@ def test_a_killed_prefills_pages_on_the_decode_come_back_within_the_heartbeat_wi
 
 def test_a_frozen_prefill_that_wakes_up_writes_nothing_into_reused_pages(tiny_model_dir, expected):
     c = start_cluster(
-        "mooncake", n_prefill=2, flags=("--model", str(tiny_model_dir), *FLAGS), standalone_bootstrap=True
+        "mooncake",
+        n_prefill=2,
+        flags=("--model", str(tiny_model_dir), *FLAGS),
+        standalone_bootstrap=True,
+        router_flags=NO_MOVES,
     )
     try:
         decode, victim = c.decodes[0], c.prefills[0]
