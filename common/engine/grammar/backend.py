@@ -73,16 +73,10 @@ class GrammarBackend:
 
     def _parse(self, spec: GrammarSpec) -> xgr.Grammar:
         kind, value = spec.kind, spec.value
-        if kind == "json_schema":
+        if kind in ("json_schema", "json_object"):  # json_object: any object, as SGLang reads it
+            schema, strict = (value, spec.strict) if kind == "json_schema" else ({"type": "object"}, False)
             return xgr.Grammar.from_json_schema(
-                value,
-                any_whitespace=self.any_whitespace,
-                strict_mode=spec.strict,
-                max_whitespace_cnt=self.max_whitespace,
-            )
-        if kind == "json_object":  # any object, as SGLang reads it
-            return xgr.Grammar.from_json_schema(
-                {"type": "object"}, strict_mode=False, max_whitespace_cnt=self.max_whitespace
+                schema, any_whitespace=self.any_whitespace, strict_mode=strict, max_whitespace_cnt=self.max_whitespace
             )
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
