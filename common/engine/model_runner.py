@@ -94,8 +94,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by the engine's warm-up (common.engine.cuda_graph)
         self.drafter = drafter
         self.forward: Forward = forward or self._forward_here
+        self.hidden: torch.Tensor | None = None  # the last forward's hidden states, for a drafter that reads them
 
     def _forward_here(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.drafter is not None and self.drafter.needs_hidden:
+            return self._forward_keeping_hidden(batch)
         replayed = (
             batch.mode == ForwardMode.DECODE and self.graphs is not None and batch.batch_size <= self.graphs.max_bs
         )
@@ -110,9 +113,27 @@ class ModelRunner:
             )  # the draft's KV of the same tokens (a graph planned its own)
         return logits
 
+    @torch.inference_mode()
+    def _forward_keeping_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The target's forward (eagerly, one rank), its hidden states of every row kept for the drafter."""
+        self.attn.init_forward(batch)
+        self.hidden = self.model.model(batch, self.attn)
+        return self.model.lm_head(self.hidden[batch.logits_indices]).float()
+
     def run(self, plan: BatchPlan) -> BatchResult:
         prepared = self.prepare(plan)
-        return prepared.finish(self.forward(prepared.batch))
+        result = prepared.finish(self.forward(prepared.batch))
+        if self.hidden is not None:  # NEXTN: the MTP layer's inputs (common/engine/spec/nextn.py)
+            self._hand_hidden(plan, result)
+        return result
+
+    def _hand_hidden(self, plan: BatchPlan, result: BatchResult) -> None:
+        hidden, self.hidden = self.hidden, None
+        if result.verified is not None:
+            spans, kept = [v.drafted + 1 for v in result.verified], [len(v.tokens) for v in result.verified]
+            self.drafter.take_hidden(plan.reqs, spans, ForwardMode.VERIFY, hidden, kept)
+        else:
+            self.drafter.take_hidden(plan.reqs, plan.extend_lens, plan.mode, hidden, None)
 
     def prepare(self, plan: BatchPlan) -> Prepared:
         if plan.verify is not None:
