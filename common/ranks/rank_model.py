@@ -30,9 +30,9 @@ from common.memory.static_reserve import (
 from common.model.draft import DraftWeights, draft_config, load_draft, with_draft_layers
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
-from common.model.nextn import MTPLayer, check_nextn, load_mtp
 from common.model.loader import load_model
 from common.model.moe import expert_placement, moe_layers
+from common.model.nextn import MTPLayer, check_nextn, load_mtp
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition

@@ -25,6 +25,7 @@ Cached pages: slot i depends on t_{i+1}, one token past it, so a prefix hit give
 from __future__ import annotations
 
 import weakref
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,16 @@ from common.model.nextn import MTPLayer
 PENDING_MAX = 16  # hidden states a request keeps before the MTP catches up without drafting
 
 
+class HiddenHandoff(Protocol):
+    """What a PD role asks of NEXTN's drafter: the prompt's last hidden state into and out of the aux record."""
+
+    hidden_bytes: int
+
+    def pending_bytes(self, req: Req) -> bytes: ...
+
+    def set_pending_bytes(self, req: Req, raw: bytes) -> None: ...
+
+
 class NextNDrafter(Drafter):
     writes_kv = True
     needs_hidden = True
@@ -51,6 +62,7 @@ class NextNDrafter(Drafter):
         # a request -> (q, the hidden states of positions [q, q + p)): q MTP slots written
         self.pending: weakref.WeakKeyDictionary[Req, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         self.hidden_size = target.config.hidden_size
+        self.hidden_bytes = 4 * self.hidden_size  # in the aux record: float32
 
     # -- the target's hidden states --------------------------------------------------------------
     @torch.inference_mode()
@@ -91,9 +103,10 @@ class NextNDrafter(Drafter):
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, self.hidden_size, device=self.device)
 
-    def set_pending(self, req: Req, hidden: torch.Tensor) -> None:
+    def set_pending_bytes(self, req: Req, raw: bytes) -> None:
         """A PD decode's request: the prompt's last hidden state, from the aux record."""
-        self.pending[req] = (len(req.prompt_ids) - 1, hidden.reshape(1, -1).to(self.device))
+        h = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(1, -1)
+        self.pending[req] = (len(req.prompt_ids) - 1, h.to(self.device, self.mtp.eh_proj.weight.dtype))
 
     def pending_bytes(self, req: Req) -> bytes:
         """A PD prefill's aux record: the prompt's last hidden state, float32."""
