@@ -136,7 +136,9 @@ class ServerConfig(BaseSettings):
 
     # speculative decoding (SGLang's flags; docs/speculative.md)
     speculative_algorithm: Literal["NGRAM", "STANDALONE", "NEXTN", "EAGLE", "EAGLE3"] | None = Field(
-        None, description="draft tokens and verify them in one forward: NGRAM (the request's own tokens) or STANDALONE"
+        None,
+        description="draft tokens and verify them in one forward: NGRAM (the request's own tokens), STANDALONE "
+        "(a draft model) or NEXTN (the checkpoint's MTP layer)",
     )
     speculative_num_steps: int | None = Field(None, ge=1, le=32, description="draft steps per verify (default 3)")
     speculative_eagle_topk: int = Field(1, ge=1, description="draft branches per step: 1 (a chain) is implemented")
