@@ -171,10 +171,10 @@ def test_nextn_pd_carries_the_mtp_kv_and_hidden_state_and_accepts_as_one_engine(
     engine = Engine(config)
     params = SamplingParams(max_new_tokens=TINY_NEW, temperature=0, ignore_eos=True)
     reqs = [Req(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.scheduler.add_request(r)
-    while engine.scheduler.step():
-        pass
+    for r in reqs:  # one at a time, as the pair serves them (in a batch a request's last token may come from a
+        engine.scheduler.add_request(r)  # verify of the others' drafts, and count as one)
+        while engine.scheduler.step():
+            pass
     for ids, mono in zip(prompts, reqs):
         out = generate(servers["nextn_pd"].url, ids, TINY_NEW, sampling={"ignore_eos": True})
         assert out["output_ids"] == mono.output_ids
