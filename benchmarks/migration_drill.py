@@ -5,7 +5,7 @@ byte (a fault-injecting transport on prefill0: tests/integration/kv_faults.py), 
 requests wait on it (restarted; on 1P2D the decodes run --kv-load-failure-policy recompute: they compute
 the prompts themselves). After a kill no new stream starts until the server is back (those running go on):
 each fault hits a cluster with another healthy pair. Half the streams are greedy, half seeded sampling, each
-with its own prompt.
+with its own prompt (seeded: temperature 0.9, top_k 20, so that its top 20 logprobs are all it draws from).
 
 Prints, per topology: streams completed and byte-identical to the no-fault run (tokens, text and
 logprobs), moves by reason, the resume gap (router histogram, interpolated p50/p99), each stream's longest
@@ -98,7 +98,7 @@ def bodies(n: int, max_new: int, seed: int = 0) -> list[dict]:
     out = []
     for i in range(n):
         prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(24, 160))]  # the tiny model's vocabulary: 512
-        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_k": 50, "seed": 1000 + i}
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_k": 20, "seed": 1000 + i}
         out.append(
             {
                 "input_ids": prompt,

@@ -5,7 +5,7 @@ greedy near-tie, or a seeded draw that lands next to the boundary between two to
 `parting` names that point and shows it is such a tie: both answers equal before it, and there the two tokens'
 logprobs within NEAR of each other (greedy), or the seeded uniform within NEAR of the cumulative mass between
 them (re-drawn from each answer's top logprobs exactly as common/engine/sampler.py draws: the drill asks for
-as many as the request's top_k).
+as many as the request's top_k, at most 20).
 """
 
 from __future__ import annotations
