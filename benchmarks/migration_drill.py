@@ -149,12 +149,12 @@ def stream(url: str, body: dict) -> dict:
         }
 
 
-def differences(reqs: list[dict], clean: list[dict], faulted: list[dict]) -> list[dict]:
-    """Each stream not identical to its no-fault run: where they part and whether that is a float near-tie."""
+def differences(reqs: list[dict], ref: list[dict], other: list[dict]) -> list[dict]:
+    """Each stream of `other` not identical to `ref`'s: where they part and whether that is a float near-tie."""
     return [
         {"stream": i, "id": f["id"], "sampling": "greedy" if b["sampling_params"]["temperature"] == 0 else "seeded"}
         | parting(b, a, f)
-        for i, (b, a, f) in enumerate(zip(reqs, clean, faulted))
+        for i, (b, a, f) in enumerate(zip(reqs, ref, other))
         if ok(a) and not same(a, f)
     ]
 
@@ -341,6 +341,7 @@ def drill(ns: argparse.Namespace, model: str, prefills: int) -> dict:
                 "client retries (503 before any byte, no pair)": sum(f["retries"] for f in faulted),
                 "faults": log,
                 "not identical": diffs,
+                "no-fault runs not identical": differences(reqs, clean, baseline),
             }
         finally:
             meter.close()
