@@ -30,11 +30,12 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens. Returns [T, Hq, D]."""
 
-    def prepare_graphs(self, max_bs: int, index_slots: int) -> None:
-        """Allocate what decode graphs of up to `max_bs` rows reading up to `index_slots` pages need."""
+    def prepare_graphs(self, max_bs: int, index_slots: int, tokens: int = 1) -> None:
+        """Allocate what graphs of up to `max_bs` rows reading up to `index_slots` pages need, for steps of
+        `tokens` new tokens per request (1: decode; k + 1: a speculative verify)."""
 
     def init_graph_forward(self, batch: ForwardBatch, size: int) -> None:
-        """Like init_forward, for a decode step replayed from the graph of `size` rows: `batch` is the
+        """Like init_forward, for a step replayed from the graph of `size` rows: `batch` is the
         padded static batch (common.engine.cuda_graph), and what forward() reads must stay at the same
         addresses from step to step. Graphs run on FlashInfer; this default serves CPU tests, replayed
         eagerly."""

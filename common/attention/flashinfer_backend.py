@@ -3,9 +3,10 @@
 The page-major pool gives each layer as a [num_pages + 1, H, page_size, D] view strided across pages
 and heads (FlashInfer's HND paged layout; its kernels take the strides); page ids come from req_to_token.
 
-Decode steps replayed from CUDA graphs (common.engine.cuda_graph) plan one wrapper per graph batch size,
-built with `use_cuda_graph=True` over fixed indptr / indices / last-page-length buffers
-(`prepare_graphs`, `init_graph_forward`), as SGLang does.
+Steps replayed from CUDA graphs (common.engine.cuda_graph) plan one wrapper per graph batch size, built
+with `use_cuda_graph=True` over fixed indptr / indices / last-page-length buffers (`prepare_graphs`,
+`init_graph_forward`), as SGLang does: decode graphs on the decode kernel, speculative verify graphs (k + 1
+query rows per request, causal) on the paged prefill kernel.
 
 The kernel family is pinned (`--flashinfer-backend`, default fa2, as SGLang and mini-sglang pin it):
 FlashInfer's "auto" builds FA3's kernels on Hopper besides FA2's (for the tensor-core decode), several
@@ -13,6 +14,8 @@ ten-file nvcc builds on a first start instead of two.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +25,17 @@ from common.core.page_meta import page_indices
 from common.memory.kv_pool import SlotIndex
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class GraphBuffers:
+    """What the graphs of one kind of step plan into: FlashInfer's fixed index buffers and the new slots."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    qo_indptr: torch.Tensor  # verify graphs: every request's `tokens` query rows
+    out: SlotIndex
 
 
 class FlashInferAttention(AttentionBackend):
@@ -38,39 +52,51 @@ class FlashInferAttention(AttentionBackend):
             self.workspace, "HND", use_tensor_cores=self.use_tensor_cores, backend=backend
         )
         self.page_size = kv_pool.page_size
-        self.graph_wrappers: dict[int, object] = {}
+        self.graph_wrappers: dict[tuple[int, int], object] = {}  # by (batch size, tokens per request)
+        self.graph_buffers: dict[int, GraphBuffers] = {}  # by tokens per request
 
-    def prepare_graphs(self, max_bs: int, index_slots: int) -> None:
-        """The fixed buffers every graph's decode wrapper plans into (shared: one graph runs at a time),
-        and where the new tokens' slots go (page, offset), read by the captured set_kv."""
+    def prepare_graphs(self, max_bs: int, index_slots: int, tokens: int = 1) -> None:
+        """The fixed buffers the graphs of steps of `tokens` new tokens per request plan into (shared by
+        those graphs: one runs at a time), and where the new tokens' slots go (page, offset), read by the
+        captured set_kv. Decode graphs (`tokens` 1) use the decode kernel, verify graphs the prefill one."""
         dev = self.workspace.device
-        self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
-        self.graph_indices = torch.zeros(index_slots, dtype=torch.int32, device=dev)
-        self.graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.graph_out = SlotIndex(*(torch.zeros(max_bs, dtype=torch.int64, device=dev) for _ in range(2)))
+        self.graph_buffers[tokens] = GraphBuffers(
+            indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            indices=torch.zeros(index_slots, dtype=torch.int32, device=dev),
+            last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            qo_indptr=torch.arange(0, (max_bs + 1) * tokens, tokens, dtype=torch.int32, device=dev),
+            out=SlotIndex(*(torch.zeros(max_bs * tokens, dtype=torch.int64, device=dev) for _ in range(2))),
+        )
 
-    def _graph_wrapper(self, size: int):
+    def _graph_wrapper(self, size: int, tokens: int):
         import flashinfer
 
-        if size not in self.graph_wrappers:
-            self.graph_wrappers[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "HND",
-                use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=self.graph_indptr[: size + 1],
-                paged_kv_indices_buffer=self.graph_indices,
-                paged_kv_last_page_len_buffer=self.graph_last_page_len[:size],
-                backend=self.backend,
-            )
-        return self.graph_wrappers[size]
+        if (size, tokens) in self.graph_wrappers:
+            return self.graph_wrappers[size, tokens]
+        b = self.graph_buffers[tokens]
+        fixed = {"use_cuda_graph": True, "backend": self.backend}
+        if tokens == 1:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "HND", use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=b.indptr[: size + 1], paged_kv_indices_buffer=b.indices,
+                paged_kv_last_page_len_buffer=b.last_page_len[:size], **fixed,
+            )  # fmt: skip
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "HND", qo_indptr_buf=b.qo_indptr[: size + 1], paged_kv_indptr_buf=b.indptr[: size + 1],
+                paged_kv_indices_buf=b.indices, paged_kv_last_page_len_buf=b.last_page_len[:size], **fixed,
+            )  # fmt: skip
+        self.graph_wrappers[size, tokens] = wrapper
+        return wrapper
 
     def init_graph_forward(self, batch: ForwardBatch, size: int) -> None:
         """Plan the graph of `size` rows on its own wrapper (plan copies the page table into the fixed
         buffers), and put the new tokens' (page, offset) where the captured forward reads them."""
-        wrapper = self._graph_wrapper(size)
-        self._plan_decode(wrapper, batch)
-        page, offset = self.graph_out.page[:size], self.graph_out.offset[:size]
+        tokens = len(batch.out_cache_loc) // size
+        wrapper = self._graph_wrapper(size, tokens)
+        (self._plan_decode if tokens == 1 else self._plan_prefill)(wrapper, batch)
+        out = self.graph_buffers[tokens].out
+        page, offset = out.page[: size * tokens], out.offset[: size * tokens]
         torch.div(batch.out_cache_loc, self.page_size, rounding_mode="floor", out=page)
         torch.remainder(batch.out_cache_loc, self.page_size, out=offset)
         self._out, self._wrapper = SlotIndex(page, offset), wrapper
@@ -92,17 +118,10 @@ class FlashInferAttention(AttentionBackend):
             kv_data_type=pool.dtype,
         )
 
-    def init_forward(self, batch: ForwardBatch) -> None:
-        """plan() reads the indptr arrays on the host (the pinned views: no read back from the device)
-        and copies them to its buffers; the page ids are gathered on the device."""
-        self._out = self.kv_pool.locate(batch.out_cache_loc)
-        if batch.mode == ForwardMode.DECODE:
-            self._plan_decode(self.decode, batch)
-            self._wrapper = self.decode
-            return
+    def _plan_prefill(self, wrapper, batch: ForwardBatch) -> None:
         meta, pool = batch.pages, self.kv_pool
         indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
-        self.prefill.plan(
+        wrapper.plan(
             meta.qo_indptr,
             meta.kv_indptr,
             indices,
@@ -116,7 +135,13 @@ class FlashInferAttention(AttentionBackend):
             q_data_type=pool.dtype,
             kv_data_type=pool.dtype,
         )
-        self._wrapper = self.prefill
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        """plan() reads the indptr arrays on the host (the pinned views: no read back from the device)
+        and copies them to its buffers; the page ids are gathered on the device."""
+        self._out = self.kv_pool.locate(batch.out_cache_loc)
+        self._wrapper = self.decode if batch.mode == ForwardMode.DECODE else self.prefill
+        (self._plan_decode if batch.mode == ForwardMode.DECODE else self._plan_prefill)(self._wrapper, batch)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch

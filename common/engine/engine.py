@@ -26,7 +26,7 @@ from common.core.page_meta import pages_for
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
 from common.engine import engine_report, host_tier
-from common.engine.cuda_graph import DecodeGraphs
+from common.engine.cuda_graph import StepGraphs
 from common.engine.dp_scheduler import DPScheduler
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
@@ -321,7 +321,8 @@ class Engine:
         )
 
     def capture_graphs(self) -> float:
-        """The decode CUDA graphs graph_plan allows (after the warm-up built the kernels); the seconds."""
+        """The CUDA graphs graph_plan allows (after the warm-up built the kernels), into one memory pool:
+        a speculative server's verify steps (k + 1 tokens per request), then its decode steps; the seconds."""
         c, pool = self.config, self.kv_pool
         backend = resolved_backend(c.attention_backend, c.device, pool.kind, pool.quantized)
         sizes, line = graph_plan(c, backend, model_class(self.hf_config).cuda_graph_capturable and self.dp is None)
@@ -329,27 +330,27 @@ class Engine:
         if not sizes:
             return 0.0
         slots = min(sizes[-1] * pages_for(self.context_len, c.page_size), pool.num_pages + sizes[-1])
-        self.runner.attn.prepare_graphs(sizes[-1], slots)
-        graphs = DecodeGraphs(
-            self.runner.model,
-            self.runner.attn,
-            self.runner.req_to_token,
-            self.memory.req_pool.padding_row,
-            sizes,
-            self.hf_config.vocab_size,
-            c.device,
-        )
-        free = torch.cuda.mem_get_info()[0]
-        seconds = graphs.capture_all()
-        used = free - torch.cuda.mem_get_info()[0]
+        kinds = [1 + c.speculative_draft_len] if c.speculative_draft_len else []
+        free, start, memory = torch.cuda.mem_get_info()[0], time.monotonic(), torch.cuda.graph_pool_handle()
+        for tokens in [*kinds, 1]:
+            self.runner.attn.prepare_graphs(sizes[-1], slots + sizes[-1] * pages_for(tokens, c.page_size), tokens)
+            graphs = StepGraphs(
+                self.runner.model, self.runner.attn, self.runner.req_to_token, self.memory.req_pool.padding_row,
+                sizes, self.hf_config.vocab_size, c.device, tokens=tokens,
+            )  # fmt: skip
+            graphs.capture_all(memory)
+            self.runner.graphs.append(graphs)
+        if kinds:  # a verify a graph can run: every request's full draft
+            self.scheduler.decode.spec.pad_drafts = True
+        seconds, used = time.monotonic() - start, free - torch.cuda.mem_get_info()[0]
         log.info(
-            "CUDA graphs: %d sizes captured in %.1f s, %.0f MiB (%.0f MiB set aside before the KV pool)",
+            "CUDA graphs: %d sizes of %s captured in %.1f s, %.0f MiB (%.0f MiB set aside before the KV pool)",
             len(sizes),
+            " and ".join("verify" if t > 1 else "decode" for t in [*kinds, 1]) + " steps",
             seconds,
             used / 2**20,
             self.reserved.cuda_graphs / 2**20,
         )
-        self.runner.graphs = graphs
         return seconds
 
     def start(self) -> None:

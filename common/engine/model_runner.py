@@ -15,7 +15,7 @@ import torch
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch, ForwardMode
 from common.core.request import Req
-from common.engine.cuda_graph import DecodeGraphs
+from common.engine.cuda_graph import StepGraphs
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.extend_batch import ExtendRow, build_extend_batch
 from common.engine.kv_ready import KVReady, record_kv_ready
@@ -91,22 +91,20 @@ class ModelRunner:
         self.device = device
         self.page_size = attn.kv_pool.page_size
         self.sampler = Sampler(flashinfer_sampling(device))
-        self.graphs: DecodeGraphs | None = None  # captured by the engine's warm-up (common.engine.cuda_graph)
+        self.graphs: list[StepGraphs] = []  # decode and verify graphs, captured by the engine's warm-up (cuda_graph.py)
         self.drafter = drafter
         self.forward: Forward = forward or self._forward_here
 
     def _forward_here(self, batch: ForwardBatch) -> torch.Tensor:
-        replayed = (
-            batch.mode == ForwardMode.DECODE and self.graphs is not None and batch.batch_size <= self.graphs.max_bs
-        )
-        if replayed:
-            logits = self.graphs.run(batch)
+        graphs = next((g for g in self.graphs if g.fits(batch)), None)
+        if graphs is not None:
+            logits = graphs.run(batch)
         else:
             self.attn.init_forward(batch)
             logits = self.model(batch, self.attn)
         if self.drafter is not None and batch.mode != ForwardMode.VERIFY:
             self.drafter.follow(
-                batch, planned=not replayed
+                batch, planned=graphs is None
             )  # the draft's KV of the same tokens (a graph planned its own)
         return logits
 

@@ -50,7 +50,7 @@ def req_to_token_bytes(max_running: int, context_len: int, page_size: int) -> in
 
 
 def attention_bytes(backend: str, graph_wrappers: int = 0) -> int:
-    """FlashInfer's workspaces (prefill and decode wrappers, and one decode wrapper per graph batch size);
+    """FlashInfer's workspaces (prefill and decode wrappers, and one wrapper per graph: decode and verify);
     the torch backend keeps none."""
     if backend != "flashinfer":
         return 0
@@ -107,9 +107,10 @@ def graph_plan(config, attention: str, capturable: bool) -> tuple[list[int], str
     return sizes, f"CUDA graphs for decode batches of up to {max_bs} ({len(sizes)} sizes; --cuda-graph-max-bs)"
 
 
-def graph_bytes(max_bs: int, hidden: int, intermediate: int, vocab: int, itemsize: int, index_slots: int) -> int:
-    """An estimate of the graphs' memory: the static logits, the largest capture's activations (its
-    lm_head output in the weights' dtype and as float32, a layer's hidden states in float32, its MLP),
-    the page-index buffer, and CAPTURE_SLACK."""
+def graph_bytes(rows: int, hidden: int, intermediate: int, vocab: int, itemsize: int, index_slots: int) -> int:
+    """An estimate of the graphs' memory, for `rows` logits rows (the largest decode batch, plus k + 1 per
+    request of the largest verify batch on a speculative server): the static logits, the largest capture's
+    activations (its lm_head output in the weights' dtype and as float32, a layer's hidden states in
+    float32, its MLP), the page-index buffer, and CAPTURE_SLACK."""
     per_row = vocab * 4 + vocab * (itemsize + 4) + 16 * hidden * 4 + 4 * intermediate * itemsize
-    return max_bs * per_row + index_slots * 4 + CAPTURE_SLACK
+    return rows * per_row + index_slots * 4 + CAPTURE_SLACK

@@ -96,10 +96,12 @@ def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quanti
     if sizes:
         slots = sizes[-1] * -(-context // config.page_size)
         itemsize = getattr(torch, config.torch_dtype_name).itemsize
-        graphs = graph_bytes(sizes[-1], hf.hidden_size, hf.intermediate_size, hf.vocab_size, itemsize, slots)
+        k = config.speculative_draft_len  # verify graphs' logits: k + 1 rows per request
+        logits_rows = sizes[-1] * (1 + (k + 1 if k else 0))
+        graphs = graph_bytes(logits_rows, hf.hidden_size, hf.intermediate_size, hf.vocab_size, itemsize, slots)
     return StaticReserve(
         req_to_token=req_to_token_bytes(rows, context, config.page_size),
-        attention=attention_bytes(backend, len(sizes)),
+        attention=attention_bytes(backend, len(sizes) * (2 if config.speculative_draft_len else 1)),  # + verify
         cuda_graphs=graphs,
     )
 

@@ -1,5 +1,6 @@
 """Decode steps replayed from CUDA graphs on a GPU: captured at warm-up, greedy tokens and logprobs
-equal to eager decoding (--disable-cuda-graph) over batches that cross bucket sizes, a step reads back
+equal to eager decoding (--disable-cuda-graph) over batches that cross bucket sizes, speculative verify
+steps replayed from theirs equal too, a step reads back
 only its sampled tokens, and the memory the graphs took is within what the pool's sizing set aside."""
 
 from __future__ import annotations
@@ -44,10 +45,20 @@ def generate(model_dir, **flags) -> tuple[Engine, list[Req]]:
 
 def test_graphs_decode_what_eager_steps_decode(model_dir):
     graphed, got = generate(model_dir)
-    assert graphed.runner.graphs is not None and graphed.runner.graphs.max_bs == 16
+    assert [(g.tokens, g.max_bs) for g in graphed.runner.graphs] == [(1, 16)]
     eager, want = generate(model_dir, disable_cuda_graph=True)
-    assert eager.runner.graphs is None
+    assert eager.runner.graphs == []
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     for a, b in zip(got, want):
         assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 2e-2
     assert graphed.memory.check_integrity().free == eager.memory.check_integrity().free
+
+
+def test_verify_graphs_verify_what_eager_steps_verify(model_dir):
+    """NGRAM on the tiny model's prompts: its verify steps of k + 1 = 4 tokens per request replay graphs."""
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_steps": 3}
+    graphed, got = generate(model_dir, **spec)
+    assert [(g.tokens, g.max_bs) for g in graphed.runner.graphs] == [(4, 16), (1, 16)]
+    eager, want = generate(model_dir, disable_cuda_graph=True, **spec)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert sum(r.spec_verify_ct for r in got) == sum(r.spec_verify_ct for r in want) > 0

@@ -22,9 +22,11 @@ class _Wrapper:
         names = self.PLAN_ARGS[: len(args)]
         plan = dict(zip(names, args), **kwargs)
         if self.kwargs.get("use_cuda_graph"):
-            batch = len(self.kwargs["paged_kv_last_page_len_buffer"])
-            assert len(plan["last_page_len"]) == batch, "a CUDA-graph wrapper is planned at its own batch size"
-            assert len(plan["indices"]) <= len(self.kwargs["paged_kv_indices_buffer"]), "indices overflow the buffer"
+            last_page_len, indices = (self.kwargs[name] for name in self.GRAPH_BUFFERS)
+            assert len(plan["last_page_len"]) == len(last_page_len), (
+                "a CUDA-graph wrapper is planned at its own batch size"
+            )
+            assert len(plan["indices"]) <= len(indices), "indices overflow the buffer"
         self.plans.append(plan)
 
     def run(self, q, cache):
@@ -58,6 +60,7 @@ class _Wrapper:
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     calls: list = []
     PLAN_ARGS = ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size")
+    GRAPH_BUFFERS = ("paged_kv_last_page_len_buffer", "paged_kv_indices_buffer")  # FlashInfer's keyword names
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -72,6 +75,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         "head_dim",
         "page_size",
     )
+    GRAPH_BUFFERS = ("paged_kv_last_page_len_buf", "paged_kv_indices_buf")
 
 
 def install(monkeypatch) -> types.ModuleType:

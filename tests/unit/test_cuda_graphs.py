@@ -12,7 +12,7 @@ import torch
 from common.attention.flashinfer_backend import FlashInferAttention
 from common.config import ServerConfig
 from common.core.request import Req
-from common.engine.cuda_graph import DecodeGraphs, StaticInputs
+from common.engine.cuda_graph import StaticInputs, StepGraphs
 from common.engine.engine import Engine
 from common.memory.static_reserve import capture_sizes, graph_plan
 from common.wire.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ def test_graphs_only_where_they_can_replay_and_the_log_says_why(config, backend,
 
 
 def test_a_step_fills_the_static_buffers_and_pads_to_the_padding_page():
-    inputs = StaticInputs(8, padding_row=99, device="cpu")
+    inputs = StaticInputs(8, padding_row=99, page_size=16, device="cpu")
     engine_batch = FakeDecode([5, 17, 33], page_size=16)
     batch = inputs.fill(engine_batch.batch, 4, torch.zeros(100, 64, dtype=torch.int32))
     assert batch.input_ids.tolist() == [7, 8, 9, 0] and batch.positions.tolist() == [4, 16, 32, 0]
@@ -141,7 +141,7 @@ def test_a_padded_step_replayed_equals_the_eager_step_and_writes_only_the_paddin
 
     capture = EagerCapture()
     attn.prepare_graphs(8, 64)
-    graphs = DecodeGraphs(
+    graphs = StepGraphs(
         runner.model, attn, runner.req_to_token, engine.memory.req_pool.padding_row, [1, 2, 4, 8], 512, "cpu", capture
     )
     graphs.capture_all(pool="the pool")
@@ -157,15 +157,15 @@ def test_a_padded_step_replayed_equals_the_eager_step_and_writes_only_the_paddin
         wrappers = fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper.calls[1:]  # after the eager one
         assert [w.kwargs["use_cuda_graph"] for w in wrappers] == [True] * 4
         assert [len(w.kwargs["paged_kv_last_page_len_buffer"]) for w in wrappers] == [8, 4, 2, 1]
-        assert all(w.kwargs["paged_kv_indices_buffer"] is attn.graph_indices for w in wrappers)
-        replayed = attn.graph_wrappers[4].plans[-1]
+        assert all(w.kwargs["paged_kv_indices_buffer"] is attn.graph_buffers[1].indices for w in wrappers)
+        replayed = attn.graph_wrappers[4, 1].plans[-1]
         assert replayed["indices"][-1] == 0 and replayed["last_page_len"][-1] == 1  # the padding row: page 0
 
 
 def test_the_runner_replays_graphs_up_to_their_largest_size_and_runs_larger_steps_eagerly(model_dir):
     engine = decoding_engine(model_dir, 3)
     runner = engine.runner
-    graphs = DecodeGraphs(
+    graphs = StepGraphs(
         runner.model, runner.attn, runner.req_to_token, engine.memory.req_pool.padding_row, [1, 2], 512, "cpu",
         EagerCapture(),
     )  # fmt: skip
@@ -173,9 +173,84 @@ def test_the_runner_replays_graphs_up_to_their_largest_size_and_runs_larger_step
     replayed = []
     real_run = graphs.run
     graphs.run = lambda batch: replayed.append(batch.batch_size) or real_run(batch)
-    runner.graphs = graphs
+    runner.graphs = [graphs]
     s = engine.scheduler
     s.step()  # 3 running: larger than the largest graph
     s.abort_now(s.decode.running[-1], "aborted by the test", 499)
     s.step()
     assert replayed == [2]
+
+
+def test_a_verify_step_fills_the_static_buffers_with_padding_rows_of_k_plus_1_tokens():
+    from common.core.forward_batch import ForwardMode
+    from common.engine.extend_batch import ExtendRow, build_extend_batch
+
+    req_to_token = torch.arange(100 * 64, dtype=torch.int32).reshape(100, 64)
+    rows = [ExtendRow(3, [7, 8, 9], 4, all_logits=True), ExtendRow(1, [5, 6, 2], 0, all_logits=True)]
+    verify, _ = build_extend_batch(rows, 2, "cpu", req_to_token, ForwardMode.VERIFY)
+    inputs = StaticInputs(4, padding_row=99, page_size=2, device="cpu", tokens=3)
+    batch = inputs.fill(verify, 4, req_to_token)
+    assert batch.mode == ForwardMode.VERIFY and batch.extend_lens.tolist() == [3] * 4
+    assert batch.input_ids.tolist() == [7, 8, 9, 5, 6, 2] + [0] * 6
+    assert batch.positions.tolist() == [4, 5, 6, 0, 1, 2] + [0, 1, 2] * 2
+    assert batch.rope_lens.tolist() == [5, 6, 7, 1, 2, 3] + [1, 2, 3] * 2
+    assert batch.out_cache_loc.tolist() == [196, 197, 198, 64, 65, 66] + [0] * 6
+    assert batch.req_pool_indices.tolist() == [3, 1, 99, 99] and batch.seq_lens.tolist() == [7, 3, 3, 3]
+    meta = batch.pages  # a padding row: 3 tokens on 2 pages (page 0 twice), 1 token in the last
+    assert meta.kv_indptr.tolist() == [0, 4, 6, 8, 10] and meta.last_page_len.tolist() == [1, 1, 1, 1]
+    assert meta.qo_indptr.tolist() == [0, 3, 6, 9, 12] and batch.logits_indices.tolist() == list(range(12))
+    assert (meta.max_len, meta.min_len, meta.total_pages) == (7, 3, 10)
+
+
+def ngram_engine(model_dir, graphs: bool, attention: str, monkeypatch) -> tuple[Engine, list[Req], list[int]]:
+    """Three requests decoded with NGRAM (k = 2) to the end, drafts padded to k, verify steps replayed from
+    graphs of 3 tokens per request when `graphs`; the sizes of the verify steps that replayed one."""
+    config = ServerConfig(
+        model=str(model_dir), max_total_tokens=4096, max_running_requests=16, speculative_algorithm="NGRAM",
+        speculative_num_steps=2,
+    )  # fmt: skip
+    engine = Engine(config)
+    runner, replayed = engine.runner, []
+    if attention == "flashinfer":
+        fake_flashinfer.install(monkeypatch)
+        a = runner.attn
+        runner.attn = FlashInferAttention(engine.kv_pool, a.num_q_heads, a.head_dim, a.scaling)
+    if graphs:
+        runner.attn.prepare_graphs(4, 64, 3)
+        verify = StepGraphs(
+            runner.model, runner.attn, runner.req_to_token, engine.memory.req_pool.padding_row, [1, 2, 4], 512,
+            "cpu", EagerCapture(), tokens=3,
+        )  # fmt: skip
+        verify.capture_all()
+        real_run = verify.run
+        verify.run = lambda batch: replayed.append(batch.batch_size) or real_run(batch)
+        runner.graphs = [verify]
+    engine.scheduler.decode.spec.pad_drafts = True  # as Engine.capture_graphs sets it (eager: the same drafts)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, random_prompts(1, 20, 21)[0]]
+    reqs = [
+        Req(f"r{i}", p, SamplingParams(max_new_tokens=16 + i, ignore_eos=True, temperature=0), return_logprob=True)
+        for i, p in enumerate(prompts)
+    ]
+    for r in reqs:
+        engine.scheduler.add_request(r)
+    while engine.scheduler.step():
+        pass
+    return engine, reqs, replayed
+
+
+@pytest.mark.parametrize("attention", ["torch", "flashinfer"])
+def test_verify_steps_replayed_from_graphs_equal_eager_verify_steps(model_dir, monkeypatch, attention):
+    graphed, got, replayed = ngram_engine(model_dir, True, attention, monkeypatch)
+    prefill_wrappers = fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper.calls  # before the eager run's install
+    eager, want, _ = ngram_engine(model_dir, False, attention, monkeypatch)
+    assert replayed[:3] == [3, 3, 3]  # every verify of full drafts (padded: the third prompt has no n-gram)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.spec_verify_ct for r in got] == [r.spec_verify_ct for r in want] and sum(r.spec_verify_ct for r in got)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=1e-4, atol=1e-4)
+    assert graphed.memory.check_integrity().free == eager.memory.check_integrity().free
+    if attention == "flashinfer":
+        wrappers = [w for w in prefill_wrappers if w.kwargs.get("use_cuda_graph")]
+        assert [len(w.kwargs["qo_indptr_buf"]) for w in wrappers] == [5, 3, 2]  # captured largest first
+        assert all(w.kwargs["paged_kv_indices_buf"] is graphed.runner.attn.graph_buffers[3].indices for w in wrappers)
+        assert wrappers[1].plans[-1]["qo_indptr"].tolist() == [0, 3, 6]  # k + 1 query rows per request

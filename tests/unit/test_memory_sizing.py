@@ -141,3 +141,18 @@ def test_a_gpu_servers_reserve_counts_its_graphs_and_their_wrappers_unless_they_
     for flags in (dict(disable_cuda_graph=True), dict(tp_size=2), dict(attention_backend="torch")):
         off = static_reserve(ServerConfig(device="cuda", **flags), hf, "mha", False)
         assert off.cuda_graphs == 0 and off.attention in (attention_bytes("flashinfer"), 0)
+
+
+def test_a_speculative_gpu_servers_reserve_counts_its_verify_graphs_too():
+    """NGRAM with 3 drafts: graphs of 4 tokens per request besides the decode ones (their logits rows and
+    their FlashInfer wrappers)."""
+    from transformers import LlamaConfig
+
+    from common.config import ServerConfig
+    from common.memory.static_reserve import graph_bytes
+    from common.ranks.rank_model import static_reserve
+
+    hf = LlamaConfig(hidden_size=4096, intermediate_size=14336, vocab_size=128256, architectures=["LlamaForCausalLM"])
+    spec = static_reserve(ServerConfig(device="cuda", speculative_algorithm="NGRAM"), hf, "mha", False)
+    assert spec.attention == attention_bytes("flashinfer", 70)
+    assert spec.cuda_graphs == graph_bytes(256 * (1 + 4), 4096, 14336, 128256, 2, 256 * 2048 // 16)

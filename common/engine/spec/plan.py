@@ -6,6 +6,11 @@ A request gets at most k drafts (`--speculative-num-draft-tokens` - 1), fewer ne
 the context (never a slot past what it may still commit), and none while a grammar constrains it (its
 matcher sees committed tokens only). A verify holds slots for the last token and every draft; when the
 pool cannot hold them all, the step goes without drafts: speculation never retracts a request.
+
+When verify steps replay CUDA graphs (`pad_drafts`, set by the engine once it captured them), NGRAM's
+drafts are padded to each request's limit with its last draft (its last token when it has none), as
+SGLang's NGRAM always proposes its full draft: a graph runs only a verify of k + 1 tokens per request, and
+a padded draft is verified like any other (a guess the target may even accept).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from common.memory.manager import MemoryManager
 class SpecPlanner:
     def __init__(self, drafter: Drafter, draft_len: int, memory: MemoryManager, context_len: int):
         self.drafter, self.draft_len, self.memory, self.context_len = drafter, draft_len, memory, context_len
+        self.pad_drafts = False
 
     def limit(self, req: Req) -> int:
         """The most drafts `req` may get this step: all of them may be committed, with the target's token."""
@@ -36,6 +42,8 @@ class SpecPlanner:
         drafts = None
         if not self.drafter.writes_kv:
             drafts = self.drafter.propose(running, limits)
+            if self.pad_drafts:
+                drafts = [d + [(d or [r.fill_ids[-1]])[-1]] * (k - len(d)) for r, d, k in zip(running, drafts, limits)]
             limits = [len(d) for d in drafts]
         if not any(limits):
             return None
