@@ -27,6 +27,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_slow_tests(items)
 
 
+IMAGE_TEST = "tests/helm/test_chart_image.py"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the image test is selected: it runs last, and the image it builds starts building now, in the
+    background (tests/helm/image.py `start_build`): a cold build's downloads and disk writes overlap the rest."""
+    image = [item for item in session.items if item.nodeid.startswith(IMAGE_TEST)]
+    if not image or session.config.option.collectonly:
+        return
+    session.items[:] = [item for item in session.items if item not in image] + image
+    from tests.helm.image import cannot_build, start_build
+
+    if cannot_build() is None:
+        start_build("cpu")
+
+
+def pytest_sessionfinish() -> None:
+    from tests.helm.image import stop_builds
+
+    stop_builds()
+
+
 # how a server says that a port it was given is taken: its start-up check, or uvicorn's bind after the load
 PORT_TAKEN = re.compile(r"(\d+): another process listens on|address \('[^']*', (\d+)\)[^\n]*in use", re.I)
 
