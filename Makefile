@@ -12,11 +12,9 @@ setup: $(STAMP)
 up: $(STAMP)
 	$(PY) -m tandem up $(ARGS)
 
-# the whole suite (what .ci/run runs), a module per worker (pytest-xdist; TEST_WORKERS=0: one process);
-# the 25 slowest tests printed keep the tiers' split honest
-TEST_WORKERS ?= 2
+# the whole suite (what .ci/run runs); the 25 slowest tests printed keep the tiers' split honest
 test: lint
-	TANDEM_HYPOTHESIS_PROFILE=full $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
+	TANDEM_HYPOTHESIS_PROFILE=full $(PY) -m pytest -q -ra --durations=25 $(ARGS)
 
 # every package in minutes: units, Helm render, the smoke tests (docs/testing.md)
 test-fast: lint

@@ -2,7 +2,9 @@
 per backend. Prints one table, medians of --repeat rounds; a round is one room sent by KVSender, one
 raw write of the same bytes in one piece from the prefill's pool into the decode's pool (page-major
 only: a layer-major room is no one range; "nan"), and one raw write of the room's pieces in one call
-(the backend's own cost per piece, which no caller can remove). ratio = ours / raw.
+(the backend's own cost per piece, which no caller can remove). ratio = ours / raw. With --kv-checksum both,
+rounds with and without checksums alternate in the same two processes, and a last table gives each case's
+time per room with them over without.
 
     .venv/bin/python benchmarks/transfer_bench.py [--backends mooncake nixl] [--device cpu|cuda] [--repeat 5]
         [--layouts page-major layer-major] [--kv-checksum off|on|both]
@@ -152,7 +154,7 @@ def make_manager(mode, backend, device, layout, layers, heads, dim, pages, aux, 
     return manager, bufs
 
 
-def decode_side(backend, device, layout, case, q_out, q_in, checksum=False):
+def decode_side(backend, device, layout, case, q_out, q_in, sums=(False,)):
     import torch
 
     from transfer.decode.receiver import KVReceiver
@@ -161,11 +163,12 @@ def decode_side(backend, device, layout, case, q_out, q_in, checksum=False):
     pages = tokens // PAGE
     aux = torch.zeros(1, 64, dtype=torch.uint8)
     room = pages * max(2, src_tp, dst_tp)  # rank 0's buffer takes the raw one-piece write of every rank's bytes
-    manager, bufs = make_manager("decode", backend, device, layout, layers, heads, dim, room, aux, dst_tp, checksum)
+    manager, bufs = make_manager("decode", backend, device, layout, layers, heads, dim, room, aux, dst_tp, sums[0])
     endpoint, prefill_id, rooms = q_in.get()
     dst = list(range(1, 2 * pages + 1, 2)) if frag else list(range(1, pages + 1))
     q_out.put(manager.instance_id)
     for room_id in range(rooms):
+        manager.args.kv_checksum = sums[room_id % len(sums)]  # in step with the prefill's rounds
         r = KVReceiver(manager, room_id, endpoint, prefill_id)
         r.init(dst, 0)
         wait_until_done(manager, r)
@@ -215,20 +218,22 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results, checksum=False):
+def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results, sums=(False,)):
     from transfer.prefill.kv_writer import rank_peer
 
     layers, heads, dim, tokens, chunks, _, src_tp, dst_tp = CASES[case]
     pages = tokens // PAGE
     room = pages * max(src_tp, dst_tp)  # rank 0's buffer holds the raw one-piece write's bytes
-    manager, bufs = make_manager("prefill", backend, device, layout, layers, heads, dim, room, None, src_tp, checksum)
-    q_out.put((manager.endpoint, manager.instance_id, repeat + 1))
+    manager, bufs = make_manager("prefill", backend, device, layout, layers, heads, dim, room, None, src_tp, sums[0])
+    rounds = (repeat + 1) * len(sums)  # checksums off and on alternate (--kv-checksum both): alike load on both
+    q_out.put((manager.endpoint, manager.instance_id, rounds))
     decode_id = q_in.get()
     a, write, peer = manager.args, manager.backend.write_batch, rank_peer(decode_id, 0)
     total = pages * sum(a.bytes_per_page)
-    times = []  # per round: ours, raw in one piece, raw with the room's pieces
+    times = {on: [] for on in sums}  # per round: ours, raw in one piece, raw with the room's pieces
     try:
-        for room in range(repeat + 1):  # the three alternate, so load from other processes hits them alike
+        for room in range(rounds):  # the three alternate, so load from other processes hits them alike
+            manager.args.kv_checksum = on = sums[room % len(sums)]
             elapsed, dst_pages = send_room(manager, room, pages, chunks)
             registration = manager.registrations[decode_id]
             slices = manager.writer.rank_slices(registration, list(range(1, pages + 1)), dst_pages)
@@ -243,10 +248,10 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results, ch
                 raw = timed(write, peer, *one, a.on_cuda)
             if list(slices) == [(0, 0)]:  # one rank on each side: the room's pieces in one call
                 raw_pieces = timed(write, peer, *slices[0, 0], a.on_cuda)
-            if room:  # the first round warms up connections
-                times.append((elapsed, raw, raw_pieces))
-        medians = [statistics.median(col) for col in zip(*times)]
-        results.put((case, total, len(pieces), *medians))
+            if room >= len(sums):  # the first rounds warm up connections
+                times[on].append((elapsed, raw, raw_pieces))
+        medians = [[statistics.median(col) for col in zip(*times[on])] for on in sums]
+        results.put([(case, total, len(pieces), *m) for m in medians])
     except Exception as e:
         results.put((case, repr(e)))
     q_out.put("done")
@@ -257,14 +262,13 @@ def prefill_side(backend, device, layout, case, repeat, q_out, q_in, results, ch
     os._exit(0)
 
 
-def run_case(backend: str, device: str, layout: str, case: str, repeat: int, checksum: bool = False) -> tuple:
+def run_case(backend: str, device: str, layout: str, case: str, repeat: int, sums: tuple = (False,)) -> list:
+    """One row per checksum setting in `sums` (their rounds alternate in the same two processes)."""
     ctx = mp.get_context("spawn")
     to_dec, to_pre, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=decode_side, args=(backend, device, layout, case, to_pre, to_dec, checksum)),
-        ctx.Process(
-            target=prefill_side, args=(backend, device, layout, case, repeat, to_dec, to_pre, results, checksum)
-        ),
+        ctx.Process(target=decode_side, args=(backend, device, layout, case, to_pre, to_dec, sums)),
+        ctx.Process(target=prefill_side, args=(backend, device, layout, case, repeat, to_dec, to_pre, results, sums)),
     ]
     for p in procs:
         p.start()
@@ -275,7 +279,7 @@ def run_case(backend: str, device: str, layout: str, case: str, repeat: int, che
             p.join(30)
             if p.is_alive():
                 p.kill()
-    if len(out) == 2:
+    if isinstance(out, tuple):
         raise RuntimeError(f"{backend} {case}: {out[1]}")
     return out
 
@@ -299,16 +303,16 @@ def main() -> None:
     # on CUDA the managers choose their transports as servers do (NIXL sets UCX_TLS; Mooncake refuses
     # MC_INTRANODE_NVLINK, whose transport cannot reach the host-memory aux records)
     rows = []
-    checksums = {"off": [False], "on": [True], "both": [False, True]}[ns.kv_checksum]
+    checksums = {"off": (False,), "on": (True,), "both": (False, True)}[ns.kv_checksum]
     for backend in ns.backends:
         for case in ns.cases:
             for layout in ns.layouts:
                 if layout != "page-major" and CASES[case][6:] != (1, 1):
                     continue  # ranks of their own pools: page-major only
-                for checksum in checksums if CASES[case][6:] == (1, 1) else [False]:
-                    out = run_case(backend, ns.device, layout, case, ns.repeat, checksum)
-                    rows.append((backend, layout + (" +sum" if checksum else ""), *out))
-                    print(f"  {backend:9} {case:22} {rows[-1][1]:16} done", flush=True)
+                sums = checksums if CASES[case][6:] == (1, 1) else (False,)
+                for on, out in zip(sums, run_case(backend, ns.device, layout, case, ns.repeat, sums)):
+                    rows.append((backend, layout + (" +sum" if on else ""), *out))
+                print(f"  {backend:9} {case:22} {layout:16} done", flush=True)
     print(
         f"\n{'backend':9} {'case':28} {'layout':16} {'MiB':>6} {'pieces':>6} {'ours GB/s':>9} {'raw GB/s':>8}"
         f" {'ratio':>5} {'raw pieces GB/s':>15} {'ratio':>5}"
@@ -318,6 +322,18 @@ def main() -> None:
             f"{backend:9} {case:28} {layout:16} {total / 2**20:6.1f} {pieces:6d} {total / ours / 1e9:9.3f}"
             f" {total / raw / 1e9:8.3f} {raw / ours:5.2f} {total / raw_pieces / 1e9:15.3f} {raw_pieces / ours:5.2f}"
         )
+    print_checksum_cost(rows)
+
+
+def print_checksum_cost(rows: list[tuple]) -> None:
+    """With --kv-checksum both: each case's time per room with checksums over its time without (same rounds)."""
+    off = {(b, lay, case): ours for b, lay, case, _, _, ours, *_ in rows if not lay.endswith(" +sum")}
+    pairs = [(b, lay[: -len(" +sum")], case, ours) for b, lay, case, _, _, ours, *_ in rows if lay.endswith(" +sum")]
+    if pairs:
+        print(f"\n{'backend':9} {'case':28} {'layout':16} {'ms/room off':>11} {'on':>7} {'on/off':>6}")
+    for b, lay, case, ours in pairs:
+        base = off[b, lay, case]
+        print(f"{b:9} {case:28} {lay:16} {base * 1e3:11.2f} {ours * 1e3:7.2f} {ours / base:6.3f}")
 
 
 if __name__ == "__main__":

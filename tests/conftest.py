@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,28 @@ load_hypothesis_profile()
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_slow_tests(items)
+
+
+IMAGE_TEST = "tests/helm/test_chart_image.py"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the image test is selected: it runs last, and the image it builds starts building now, in the
+    background (tests/helm/image.py `start_build`): a cold build's downloads and disk writes overlap the rest."""
+    image = [item for item in session.items if item.nodeid.startswith(IMAGE_TEST)]
+    if not image or session.config.option.collectonly:
+        return
+    session.items[:] = [item for item in session.items if item not in image] + image
+    from tests.helm.image import cannot_build, start_build
+
+    if cannot_build() is None:
+        start_build("cpu")
+
+
+def pytest_sessionfinish() -> None:
+    from tests.helm.image import stop_builds
+
+    stop_builds()
 
 
 # how a server says that a port it was given is taken: its start-up check, or uvicorn's bind after the load
@@ -268,14 +288,7 @@ def metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-FAULT_TABLE_ENV = "TANDEM_FAULT_TABLE"  # a file: pytest-xdist workers write fault rows, the controller prints
-
-
-def pytest_configure(config) -> None:
-    if not hasattr(config, "workerinput"):  # the controller (or a run without workers): workers inherit the path
-        fd, path = tempfile.mkstemp(prefix="tandem-faults-", suffix=".jsonl")
-        os.close(fd)
-        os.environ[FAULT_TABLE_ENV] = path
+FAULT_ROWS: list[tuple[str, ...]] = []
 
 
 def record_fault(
@@ -283,24 +296,17 @@ def record_fault(
 ) -> None:
     """One row of the fault table printed at the end of the run (and quoted in release notes)."""
     fmt = lambda s: "-" if s is None else f"{s:.2f} s"  # noqa: E731
-    row = (fault, client_saw, fmt(time_to_error_s), str(pages_leaked), fmt(recovery_s))
-    with open(os.environ[FAULT_TABLE_ENV], "a") as f:
-        f.write(json.dumps(row) + "\n")
+    FAULT_ROWS.append((fault, client_saw, fmt(time_to_error_s), str(pages_leaked), fmt(recovery_s)))
 
 
-def pytest_terminal_summary(terminalreporter, config) -> None:
-    if hasattr(config, "workerinput") or not os.path.exists(os.environ.get(FAULT_TABLE_ENV, "")):
-        return
-    path = os.environ[FAULT_TABLE_ENV]
-    rows = [tuple(json.loads(line)) for line in Path(path).read_text().splitlines()]
-    os.unlink(path)
-    if not rows:
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not FAULT_ROWS:
         return
     tr = terminalreporter
     tr.section("faults: what the client saw, time to error, pages leaked, recovery")
     header = ("fault", "client saw", "time to error", "pages leaked", "recovery")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
-    for row in [header, *rows]:
+    widths = [max(len(r[i]) for r in [header, *FAULT_ROWS]) for i in range(5)]
+    for row in [header, *FAULT_ROWS]:
         tr.write_line(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 

@@ -6,7 +6,12 @@ so only the last chunk's wait at the end), and the room succeeds only if every p
 equal. A difference, or a page no hash covers, fails the room: a flipped byte, a write that never landed or
 landed elsewhere is caught, never served, never cached.
 
-    entry: [buffer index, first destination page, pages, xxh3-64]      one per run and buffer
+    entry: [buffer index, first destination page, pages, xxh3-64]      one per piece of a run, per buffer
+
+A run is hashed in pieces of at most PIECE_BYTES (at least a page), on a few threads at once (xxhash lets go
+of the GIL): a chunk's hashes take a fraction of one core's time, which matters most for the last chunk, whose
+check the room's success waits for. The decode hashes whatever pieces the entries name, so a prefill that cuts
+runs otherwise (an older version, during a rolling upgrade) is checked as well.
 
 Host memory at TP 1 on both sides (the pages are read through their addresses; a decode rank of a TP group
 would hash its own pages in its own process): common/config.py refuses the flag elsewhere at start-up.
@@ -15,11 +20,15 @@ would hash its own pages in its own process): common/config.py refuses the flag 
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from common.wire.page_runs import page_runs
 
 Sums = list[list[int]]
+PIECE_BYTES = 4 << 20  # the most one entry covers (at least one page): a chunk's pieces hash in parallel
+_pool: list[ThreadPoolExecutor] = []  # the hasher threads, made on first use (only a server with the flag hashes)
 
 
 def _hash(address: int, nbytes: int) -> int:
@@ -28,16 +37,34 @@ def _hash(address: int, nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest((ctypes.c_ubyte * nbytes).from_address(address))
 
 
+def _hash_all(spans: list[tuple[int, int]]) -> list[int]:
+    """xxh3-64 of each (address, bytes), several at once when there are several."""
+    if len(spans) < 2:
+        return [_hash(*span) for span in spans]
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(min(8, os.cpu_count() or 2), "kv-checksum-piece"))
+    return list(_pool[0].map(lambda span: _hash(*span), spans))
+
+
+def _pieces(n: int, bytes_per_page: int) -> list[tuple[int, int]]:
+    """(first page, pages) of a run of `n` pages cut into pieces of at most PIECE_BYTES (one page at least)."""
+    step = max(1, PIECE_BYTES // bytes_per_page)
+    return [(k, min(step, n - k)) for k in range(0, n, step)]
+
+
 def page_run_sums(
     ptrs: Sequence[int], bytes_per_page: Sequence[int], src_pages: list[int], dst_pages: list[int]
 ) -> Sums:
-    """The entries of one chunk: its source pages hashed, run by run (the writer's pieces), in every buffer."""
+    """The entries of one chunk: its source pages hashed, run by run (the writer's pieces) cut into pieces, in
+    every buffer."""
     src, dst, lengths = (x.tolist() for x in page_runs(src_pages, dst_pages))
-    return [
-        [b, d, n, _hash(ptr + s * bpp, n * bpp)]
-        for b, (ptr, bpp) in enumerate(zip(ptrs, bytes_per_page))
-        for s, d, n in zip(src, dst, lengths)
-    ]
+    entries, spans = [], []
+    for b, (ptr, bpp) in enumerate(zip(ptrs, bytes_per_page)):
+        for s, d, n in zip(src, dst, lengths):
+            for k, m in _pieces(n, bpp):
+                entries.append([b, d + k, m])
+                spans.append((ptr + (s + k) * bpp, m * bpp))
+    return [entry + [digest] for entry, digest in zip(entries, _hash_all(spans))]
 
 
 class PageCheck:
@@ -52,12 +79,13 @@ class PageCheck:
 
     def add(self, sums: Sums) -> str | None:
         """Hash the pages of one chunk's entries now (they landed); why they differ, or None."""
-        for b, first, n, digest in sums:
+        for b, first, n, _ in sums:
             if not 0 <= b < len(self.ptrs) or n < 1:
                 return f"a checksum names buffer {b} / {n} pages, outside this decode's layout"
             self.covered += [(b, p) for p in range(first, first + n)]
-            bpp = self.bytes_per_page[b]
-            if _hash(self.ptrs[b] + first * bpp, n * bpp) != digest:
+        spans = [(self.ptrs[b] + first * self.bytes_per_page[b], n * self.bytes_per_page[b]) for b, first, n, _ in sums]
+        for (b, first, n, digest), got in zip(sums, _hash_all(spans)):
+            if got != digest:
                 self.bad.append(f"buffer {b} pages {first}-{first + n - 1}")
         self.runs += len(sums)
         if self.bad:

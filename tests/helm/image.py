@@ -44,17 +44,40 @@ def buildah(*args: str, timeout: float = 120, check: bool = True) -> str:
     return out.stdout
 
 
-def build(device: str) -> str:
-    """docker/build.sh's build into the tests' store; its output (the log of what it did)."""
+BUILDS: dict[str, subprocess.Popen] = {}  # docker/build.sh runs started by start_build, by device
+
+
+def start_build(device: str) -> None:
+    """docker/build.sh `device` started now, in the background at a lower priority: most of a cold build's
+    minutes are downloads and disk writes, which then overlap the suite's CPU-bound tests (tests/conftest.py
+    starts it when the image test is selected and runs that test last); build() waits for it."""
     log = STORE.parent / f"image-build-{device}.log"
     STORE.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"TANDEM_IMAGE_ROOT": str(STORE)}
     with open(log, "w") as f:
-        code = subprocess.run(
-            ["bash", "docker/build.sh", device], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-            timeout=BUILD_TIMEOUT_S,
-        ).returncode  # fmt: skip
-    text = log.read_text(errors="replace")
+        BUILDS[device] = subprocess.Popen(
+            ["nice", "-n", "10", "bash", "docker/build.sh", device], cwd=ROOT, env=env, stdout=f,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def stop_builds() -> None:
+    """Kill the background builds still running (a run that ended before its image test)."""
+    for proc in BUILDS.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    BUILDS.clear()
+
+
+def build(device: str) -> str:
+    """docker/build.sh's build into the tests' store (the one start_build began, else one started now); its
+    output (the log of what it did)."""
+    if device not in BUILDS:
+        start_build(device)
+    proc = BUILDS.pop(device)
+    code = proc.wait(timeout=BUILD_TIMEOUT_S)
+    text = (STORE.parent / f"image-build-{device}.log").read_text(errors="replace")
     assert code == 0, f"docker/build.sh {device} exited with {code}:\n" + "\n".join(text.splitlines()[-40:])
     return text
 

@@ -12,6 +12,7 @@ import torch
 
 from tests.integration.kv_faults import inject, planned
 from tests.unit.test_transfer_protocol import AUX_BYTES, PAGES, Side, start_room, wait_for
+from transfer import checksum
 from transfer.checksum import mismatch, page_run_sums
 from transfer.messages import BadMessage, Status, decode, encode
 from transfer.poll import KVPoll
@@ -80,6 +81,17 @@ def test_checksums_must_cover_every_page_of_the_room():
     assert "cover 2 of the room's 3 pages" in mismatch(ptrs, bpp, [1, 2, 5], sums[:1])
     buf[41] += 1
     assert "mismatch in 1 of 2 page runs (buffer 0 pages 5-5)" in mismatch(ptrs, bpp, [1, 2, 5], sums)
+
+
+def test_a_long_run_is_hashed_in_pieces_and_a_flip_names_its_piece(monkeypatch):
+    monkeypatch.setattr(checksum, "PIECE_BYTES", 16)  # two 8-byte pages a piece
+    buf = torch.arange(80, dtype=torch.uint8)
+    ptrs, bpp, pages = [buf.data_ptr()], [8], [1, 2, 3, 4, 5, 7]
+    sums = page_run_sums(ptrs, bpp, pages, pages)
+    assert [s[:3] for s in sums] == [[0, 1, 2], [0, 3, 2], [0, 5, 1], [0, 7, 1]]
+    assert mismatch(ptrs, bpp, pages, sums) is None
+    buf[8 * 4 + 3] ^= 0xFF  # page 4: the second piece
+    assert "mismatch in 1 of 4 page runs (buffer 0 pages 3-4)" in mismatch(ptrs, bpp, pages, sums)
 
 
 def test_a_status_carries_well_formed_checksums_only():
