@@ -136,7 +136,9 @@ class ServerConfig(BaseSettings):
 
     # speculative decoding (SGLang's flags; docs/speculative.md)
     speculative_algorithm: Literal["NGRAM", "STANDALONE", "NEXTN", "EAGLE", "EAGLE3"] | None = Field(
-        None, description="draft tokens and verify them in one forward: NGRAM (the request's own tokens) or STANDALONE"
+        None,
+        description="draft tokens and verify them in one forward: NGRAM (the request's own tokens), STANDALONE "
+        "(a draft model) or NEXTN (the checkpoint's MTP layer)",
     )
     speculative_num_steps: int | None = Field(None, ge=1, le=32, description="draft steps per verify (default 3)")
     speculative_eagle_topk: int = Field(1, ge=1, description="draft branches per step: 1 (a chain) is implemented")
@@ -287,10 +289,10 @@ class ServerConfig(BaseSettings):
             if self.speculative_draft_model_path:
                 raise ValueError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE")
             return
-        if algo in ("NEXTN", "EAGLE", "EAGLE3"):
+        if algo in ("EAGLE", "EAGLE3"):
             raise ValueError(
-                f"--speculative-algorithm {algo} is not implemented (it needs the target's hidden states fed to an "
-                "MTP layer or EAGLE head, and those in the PD aux record): use NGRAM or STANDALONE"
+                f"--speculative-algorithm {algo} is not implemented (an EAGLE head over the target's hidden states): "
+                "use NEXTN (a checkpoint's MTP layer), NGRAM or STANDALONE"
             )
         if self.speculative_eagle_topk != 1:
             raise ValueError(
@@ -311,10 +313,8 @@ class ServerConfig(BaseSettings):
                 f"--speculative-algorithm {algo} with --enable-dp-attention is not implemented (each DP rank would "
                 "verify its own drafts in the one shared forward): drop one of the two"
             )
-        if algo == "STANDALONE" and self.tp_size > 1:
-            raise ValueError(
-                "--speculative-algorithm STANDALONE runs its draft on one rank: use --tp-size 1 (or NGRAM)"
-            )
+        if algo in ("STANDALONE", "NEXTN") and self.tp_size > 1:
+            raise ValueError(f"--speculative-algorithm {algo} runs its draft on one rank: use --tp-size 1 (or NGRAM)")
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
             raise ValueError(
                 "--speculative-ngram-min-match-window-size is above --speculative-ngram-max-match-window-size"

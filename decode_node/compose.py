@@ -11,7 +11,7 @@ from common.engine.role import SchedulerView
 from common.wire.kv_layout import model_kv_heads
 from decode_node.peers import PeerDirectory
 from decode_node.role import DecodeRole
-from transfer.aux_record import RECORD_BYTES
+from transfer.aux_record import record_bytes
 from transfer.backends.shared import SharedBackend
 from transfer.decode.aux_pool import AuxPool
 from transfer.decode.decode_manager import DecodeKVManager
@@ -38,10 +38,14 @@ class DecodeComposer:
     def make_role(self, engine: Engine) -> list[DecodeRole]:
         """One role per DP rank's scheduler: one transfer engine, a share of the aux pool each."""
         config = engine.config  # with the batch limits derived for the device
-        aux = self.aux = self.aux or AuxPool((2 * config.max_running_requests + 16) * len(engine.schedulers))
+        slots, size = (
+            (2 * config.max_running_requests + 16) * len(engine.schedulers),
+            record_bytes(engine.aux_hidden_bytes),
+        )
+        aux = self.aux = self.aux or AuxPool(slots, slot_bytes=size)
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         args = kv_args_from_pool(
-            engine.kv_pool, config, aux.data_ptr, RECORD_BYTES, aux.num_slots, kv_heads, engine.followers_transfer
+            engine.kv_pool, config, aux.data_ptr, size, aux.num_slots, kv_heads, engine.followers_transfer
         )
         manager = DecodeKVManager(args, wake_scheduler=engine.scheduler.wake, shared=self.shared)
         engine.metrics.registry.register(manager.metrics)
@@ -53,7 +57,7 @@ class DecodeComposer:
         vocab = engine.hf_config.vocab_size
         shares = aux.shares(len(engine.schedulers))
         roles = [
-            DecodeRole(SchedulerView(s), manager, share, peers.find, vocab, config)
+            DecodeRole(SchedulerView(s), manager, share, peers.find, vocab, config, engine.hidden_handoff)
             for s, share in zip(engine.schedulers, shares)
         ]
         roles[0].on_close += [peers.close, lambda: engine.metrics.drop_transfer_metrics(manager.metrics)]

@@ -57,6 +57,7 @@ from common.config import ServerConfig
 from common.core.request import FinishReason, Req, ReqStatus, queue_position
 from common.engine.decode_batch import decode_reserve
 from common.engine.role import Role, SchedulerView
+from common.engine.spec.nextn import HiddenHandoff
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
 from decode_node.peers import PeerInfo
@@ -94,8 +95,10 @@ class DecodeRole(Role):
         lookup: Lookup,
         vocab_size: int,
         config: ServerConfig,
+        hidden: HiddenHandoff | None = None,
     ):
-        self.scheduler, self.kv_manager, self.aux_pool = scheduler, kv_manager, aux_pool
+        """`hidden`: NEXTN's drafter, which takes the prompt's last hidden state from the aux record."""
+        self.scheduler, self.kv_manager, self.aux_pool, self.hidden = scheduler, kv_manager, aux_pool, hidden
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
         self.instance_id = kv_manager.instance_id
         self.prealloc: list[Req] = []
@@ -224,6 +227,8 @@ class DecodeRole(Role):
         self.transferring.remove(req)
         self._drop_transfer_state(req)
         self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
+        if self.hidden is not None:  # NEXTN: the MTP layer's first input (its KV for the prompt came with the pages)
+            self.hidden.set_pending_bytes(req, raw[len(raw) - self.hidden.hidden_bytes :])
         if inb.finish_ahead is not None:
             self.scheduler.finish(req, inb.finish_ahead)
         else:
@@ -257,7 +262,7 @@ class DecodeRole(Role):
     def _valid_record(self, req: Req, raw: bytes) -> AuxRecord | None:
         """The aux record, or None after failing the request (502) when it is unusable."""
         try:
-            rec = AuxRecord.unpack(raw)
+            rec = AuxRecord.unpack(raw, self.hidden.hidden_bytes if self.hidden is not None else 0)
         except ValueError as e:
             problem: str | None = str(e)
         else:

@@ -14,7 +14,7 @@ from common.engine.engine import Engine
 from common.engine.role import SchedulerView
 from common.wire.kv_layout import LAYOUT_KEYS, model_kv_heads
 from prefill_node.role import PrefillRole
-from transfer.aux_record import RECORD_BYTES
+from transfer.aux_record import record_bytes
 from transfer.backends.shared import SharedBackend
 from transfer.manager import kv_args_from_pool
 from transfer.prefill.prefill_manager import PrefillKVManager
@@ -43,7 +43,9 @@ class PrefillComposer:
         config = engine.config  # with the batch limits derived for the device
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         followers = engine.followers_transfer
-        args = kv_args_from_pool(engine.kv_pool, config, 0, RECORD_BYTES, 0, kv_heads, followers)
+        args = kv_args_from_pool(
+            engine.kv_pool, config, 0, record_bytes(engine.aux_hidden_bytes), 0, kv_heads, followers
+        )
         fault = (lambda: engine.ranks.fault) if engine.ranks is not None else (lambda: None)
         manager = PrefillKVManager(args, rank_fault=fault, wake_scheduler=engine.scheduler.wake, shared=self.shared)
         engine.metrics.registry.register(manager.metrics)
@@ -72,7 +74,7 @@ class PrefillComposer:
             manager.instance_id,
             manager.endpoint,
         )
-        roles = [PrefillRole(SchedulerView(s), manager, config) for s in engine.schedulers]
+        roles = [PrefillRole(SchedulerView(s), manager, config, engine.hidden_handoff) for s in engine.schedulers]
         roles[0].on_close += [stop.set, lambda: engine.metrics.drop_transfer_metrics(manager.metrics)]
         return roles
 

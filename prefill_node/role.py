@@ -39,6 +39,7 @@ from common.core.page_meta import pages_for
 from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.decode_batch import decode_reserve
 from common.engine.role import Role, Sampled, SchedulerView
+from common.engine.spec.nextn import HiddenHandoff
 from common.memory.errors import MemoryIntegrityError
 from transfer.aux_record import AuxRecord
 from transfer.poll import DuplicateRoom, KVPoll
@@ -63,9 +64,16 @@ class Outbound:
 class PrefillRole(Role):
     mode = "prefill"
 
-    def __init__(self, scheduler: SchedulerView, kv_manager: PrefillKVManager, config: ServerConfig):
-        """`kv_manager` wakes `scheduler` (its wake_scheduler) when a room moves."""
-        self.scheduler, self.kv_manager, self.config = scheduler, kv_manager, config
+    def __init__(
+        self,
+        scheduler: SchedulerView,
+        kv_manager: PrefillKVManager,
+        config: ServerConfig,
+        hidden: HiddenHandoff | None = None,
+    ):
+        """`kv_manager` wakes `scheduler` (its wake_scheduler) when a room moves; `hidden`: NEXTN's drafter,
+        whose hidden state of the prompt's last position goes in the aux record."""
+        self.scheduler, self.kv_manager, self.config, self.hidden = scheduler, kv_manager, config, hidden
         self.instance_id = kv_manager.instance_id
         self.inflight: list[Req] = []  # prompt computed, KV on its way (or waiting for the decode to pair)
         self.deferred: list[Req] = []  # not computing until their decode pairs: the bound on computing ahead is reached
@@ -141,8 +149,9 @@ class PrefillRole(Role):
         out.computed_tokens = req.kv_len if sampled is None else len(req.prompt_ids)
         if sampled is not None:  # the last chunk goes with the aux record, once the first token is known
             token, logprob, top = sampled
+            hidden = self.hidden.pending_bytes(req) if self.hidden is not None else b""
             out.aux = AuxRecord(
-                req.rendezvous.room_id, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top
+                req.rendezvous.room_id, token, req.prefix_hit_len, len(req.prompt_ids), logprob, top, hidden
             ).pack()
         self._flush(req, out)  # first: the decode's first token waits on it
         if sampled is None or req.finished:

@@ -94,8 +94,11 @@ class ModelRunner:
         self.graphs: list[StepGraphs] = []  # decode and verify graphs, captured by the engine's warm-up (cuda_graph.py)
         self.drafter = drafter
         self.forward: Forward = forward or self._forward_here
+        self.hidden: torch.Tensor | None = None  # the last forward's hidden states, for a drafter that reads them
 
     def _forward_here(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.drafter is not None and self.drafter.needs_hidden:
+            return self._forward_keeping_hidden(batch)
         graphs = next((g for g in self.graphs if g.fits(batch)), None)
         if graphs is not None:
             logits = graphs.run(batch)
@@ -108,9 +111,27 @@ class ModelRunner:
             )  # the draft's KV of the same tokens (a graph planned its own)
         return logits
 
+    @torch.inference_mode()
+    def _forward_keeping_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The target's forward (eagerly, one rank), its hidden states of every row kept for the drafter."""
+        self.attn.init_forward(batch)
+        self.hidden = self.model.model(batch, self.attn)
+        return self.model.lm_head(self.hidden[batch.logits_indices]).float()
+
     def run(self, plan: BatchPlan) -> BatchResult:
         prepared = self.prepare(plan)
-        return prepared.finish(self.forward(prepared.batch))
+        result = prepared.finish(self.forward(prepared.batch))
+        if self.hidden is not None:  # NEXTN: the MTP layer's inputs (common/engine/spec/nextn.py)
+            self._hand_hidden(plan, result)
+        return result
+
+    def _hand_hidden(self, plan: BatchPlan, result: BatchResult) -> None:
+        hidden, self.hidden = self.hidden, None
+        if result.verified is not None:
+            spans, kept = [v.drafted + 1 for v in result.verified], [len(v.tokens) for v in result.verified]
+            self.drafter.take_hidden(plan.reqs, spans, ForwardMode.VERIFY, hidden, kept)
+        else:
+            self.drafter.take_hidden(plan.reqs, plan.extend_lens, plan.mode, hidden, None)
 
     def prepare(self, plan: BatchPlan) -> Prepared:
         if plan.verify is not None:

@@ -250,6 +250,8 @@ class Scheduler:
             # a decode step wrote its token's KV for every model; with a draft model lagging behind (a verify
             # accepted all its drafts), what the draft lacks stays uncomputed until its next catch-up
             self.memory.mark_computed(req)
+            if self.decode.spec is not None:  # NEXTN's slots lag the target's (common/engine/spec/nextn.py)
+                req.kv_computed_len = min(req.kv_computed_len, self.decode.spec.drafter.computed_cap(req))
         req.kv_ready = result.kv_ready
         if result.input_logprobs[i] is not None:
             self.output.add_input_logprobs(req, plan.extend_lens[i], result.input_logprobs[i])
@@ -272,7 +274,7 @@ class Scheduler:
         if req.finished:
             return
         spec = self.decode.spec
-        finish = commit_verified(self.output, self.memory, spec.drafter.writes_kv, req, verified)
+        finish = commit_verified(self.output, self.memory, spec.drafter, req, verified)
         if self.spec_stats is not None:
             self.spec_stats.observe(verified)
         if finish is not None:

@@ -50,7 +50,17 @@ class PageCounts:
 
 
 class MemoryManager:
-    def __init__(self, req_pool: ReqToTokenPool, allocator: PagedAllocator, prefix_cache: PrefixCache, page_size: int):
+    def __init__(
+        self,
+        req_pool: ReqToTokenPool,
+        allocator: PagedAllocator,
+        prefix_cache: PrefixCache,
+        page_size: int,
+        reuse_cut: bool = False,
+    ):
+        """`reuse_cut`: a prefix hit gives up its last page (NEXTN: the MTP's KV at a page's last slot depends on
+        the token after it, which the hit does not check: common/engine/spec/nextn.py)."""
+        self.reuse_cut = reuse_cut
         self.req_pool = req_pool
         self.allocator = allocator
         self.prefix_cache = prefix_cache
@@ -67,6 +77,8 @@ class MemoryManager:
         self.live[row] = req
         req.req_pool_idx = row
         match = self.prefix_cache.match_prefix(req.fill_ids[: max(match_limit, 0)])
+        if self.reuse_cut and len(match.slots):
+            match = self.prefix_cache.match_prefix(req.fill_ids[: len(match.slots) - self.page_size])
         self.prefix_cache.inc_lock_ref(match.last_node)
         n = len(match.slots)
         self.req_pool.req_to_token[row, :n] = match.slots.to(torch.int32)

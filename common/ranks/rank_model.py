@@ -32,6 +32,7 @@ from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.model.moe import expert_placement, moe_layers
+from common.model.nextn import MTPLayer, check_nextn, load_mtp
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
@@ -48,6 +49,7 @@ class RankModel:
     attn: AttentionBackend
     reserved: StaticReserve  # what the pool's sizing set aside for the buffers allocated after it
     draft: DraftWeights | None = None  # STANDALONE's draft model (TP 1), its KV the pool's last layers
+    mtp: MTPLayer | None = None  # NEXTN's MTP layer (TP 1), its KV the pool's last layer
 
 
 def build_rank_model(
@@ -56,11 +58,16 @@ def build_rank_model(
     """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
     tp = model_layout(tp, config)
     found = draft_config(config.speculative_draft_model_path, hf)  # refused before anything loads
+    if config.speculative_algorithm == "NEXTN":
+        check_nextn(hf, model_dir)
     model = load_model(model_dir, hf, dtype, config.device, tp)
     for moe in moe_layers(model):
         moe.count_loads = config.enable_eplb  # EPLB's measurement (common.model.eplb)
     draft = load_draft(found, dtype, config.device, hf.num_hidden_layers) if found else None
+    mtp = load_mtp(model_dir, hf, model, dtype, config.device) if config.speculative_algorithm == "NEXTN" else None
     whole = with_draft_layers(attention_spec(hf), draft)
+    if mtp is not None:
+        whole = dataclasses.replace(whole, num_layers=whole.num_layers + 1)
     heads = head_partition(whole.q_heads, whole.kv_heads, tp.attn)
     spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's
     store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
@@ -81,7 +88,7 @@ def build_rank_model(
         draft.shares_attn = draft.heads() == (spec.q_heads, spec.head_dim, spec.scaling)
         own = None if draft.shares_attn else make_attention_backend(*backend, *draft.heads(), config.flashinfer_backend)
         draft.attn = own or attn
-    return RankModel(model, heads, plan, pool, attn, reserved, draft)
+    return RankModel(model, heads, plan, pool, attn, reserved, draft, mtp)
 
 
 def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quantized: bool) -> StaticReserve:

@@ -42,3 +42,51 @@ def save_target_and_draft(root: Path) -> tuple[Path, Path]:
     """A 4-layer target whose last two layers are quiet, and its first two layers as the draft."""
     target = save_llama(root / "target", vocab=512, layers=4, quiet_from=2)
     return target, truncate_model(str(target), 2, root / "draft")
+
+
+def save_deepseek_mtp(path: Path, quiet: float = 0.01) -> Path:
+    """A tiny DeepSeek-V3 (tests/integration/moe_models.py) whose layers barely change the residual stream, and
+    an MTP layer (`model.layers.3`, config num_nextn_predict_layers 1) in a shard of its own, as DeepSeek ships
+    it: eh_proj passes the next token's embedding through, so it guesses what the target would (a real
+    acceptance rate, not only rejections), and its random decoder layer is quiet too."""
+    import copy
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.integration.moe_models import save_family
+
+    save_family(path, "deepseek_v3")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config, n, h = model.config, model.config.num_hidden_layers, model.config.hidden_size
+    torch.manual_seed(1)
+    deeper = copy.deepcopy(config)
+    deeper.num_hidden_layers = n + 1
+    layer = AutoModelForCausalLM.from_config(deeper).model.layers[n]  # initialised as transformers does
+    with torch.no_grad():
+        for block in [*model.model.layers, layer]:
+            for name, p in block.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                    p.mul_(quiet)
+    model.save_pretrained(path)
+    eh = torch.cat((torch.eye(h), torch.randn(h, h) * 0.02), dim=1)
+    state = layer.state_dict()
+    gate_up, down = state.pop("mlp.experts.gate_up_proj"), state.pop("mlp.experts.down_proj")  # [E, 2I, H], [E, H, I]
+    for e in range(len(gate_up)):  # the checkpoint's names: one tensor per expert
+        gate, up = gate_up[e].chunk(2)
+        state |= {f"mlp.experts.{e}.gate_proj.weight": gate, f"mlp.experts.{e}.up_proj.weight": up}
+        state[f"mlp.experts.{e}.down_proj.weight"] = down[e]
+    tensors = {f"model.layers.{n}.{k}": v for k, v in state.items()}
+    tensors |= {
+        f"model.layers.{n}.enorm.weight": torch.ones(h),
+        f"model.layers.{n}.hnorm.weight": torch.ones(h),
+        f"model.layers.{n}.eh_proj.weight": eh,
+        f"model.layers.{n}.shared_head.norm.weight": model.model.norm.weight.detach().clone(),
+        f"model.layers.{n}.shared_head.head.weight": model.lm_head.weight.detach().clone(),
+        f"model.layers.{n}.embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+    }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "mtp.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}, indent=2))
+    return path

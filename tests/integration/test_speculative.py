@@ -4,7 +4,9 @@ greedy and seeded-sampled, with penalties, min_tokens, logit bias and stop token
 chain ends the request there; retraction under a small pool resumes exactly; only committed tokens' KV
 enters the prefix cache, and a next turn that reuses it decodes the same; every pool is idle afterwards.
 Sampled acceptance without a seed is lossless in distribution: on an 8-token vocabulary the first two tokens'
-joint frequencies match the target's probabilities (chi-square)."""
+joint frequencies match the target's probabilities (chi-square).
+NEXTN (a tiny DeepSeek-V3 with an MTP layer, prompts in chunks): greedy and seeded tokens and logprobs equal
+decoding without it, with drafts accepted; retraction and a next turn over the prefix cache resume exactly."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from common.core.request import Req
 from common.engine.engine import Engine
 from common.model.truncate import truncate_model
 from common.wire.sampling_params import SamplingParams
-from tests.integration.spec_models import save_llama, save_target_and_draft
+from tests.integration.spec_models import save_deepseek_mtp, save_llama, save_target_and_draft
 from tests.integration.tiny_model import random_prompts
 
 PAGE = 4
@@ -186,3 +188,37 @@ def test_sampled_acceptance_without_a_seed_keeps_the_target_distribution(tmp_pat
     assert chi2 < chi_square_quantile(len(observed) - 1), chi2
     accepted, verified = sum(r.spec_accepted for r in reqs), sum(r.spec_verify_ct for r in reqs)
     assert 0.05 * verified < accepted < 0.95 * verified  # drafts both kept and rejected
+
+
+NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    return save_deepseek_mtp(tmp_path_factory.mktemp("mtp"))
+
+
+def test_nextn_greedy_seeded_and_a_next_turn_equal_decoding_without_it(mtp_model):
+    """Prompts in chunks of 16: the MTP layer runs each chunk's pairs, the last one waits for the sampled token;
+    a next turn hits the prefix cache (less its last page: the MTP's KV there depends on the next token)."""
+    off, nextn = (engine(mtp_model, chunked_prefill_size=16, **flags) for flags in ({}, NEXTN))
+    prompts = repetitive_prompts()[1:3]
+    cases = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}]
+    per_request = [c for c in cases for _ in prompts]
+    base = run(off, prompts * 2, per_request, logprobs=True, max_new_tokens=16)
+    spec = run(nextn, prompts * 2, per_request, logprobs=True, max_new_tokens=16)
+    assert_same(base, spec)
+    assert all(r.spec_verify_ct > 0 for r in spec)
+    assert sum(r.spec_accepted for r in spec) > 10  # eh_proj passes the token through: the MTP guesses well
+    turns = [r.prompt_ids + r.output_ids + p for r, p in zip(spec, random_prompts(2, 5, 5, seed=9))]
+    want, again = run(off, turns, max_new_tokens=16), run(nextn, turns, max_new_tokens=16)
+    assert_same(want, again)
+    assert all(r.prefix_hit_len > 0 for r in again) and sum(r.spec_accepted for r in again) > 0
+
+
+def test_nextn_retraction_under_a_small_pool_resumes_exactly(mtp_model):
+    small = engine(mtp_model, tokens=192, max_running_requests=8, **NEXTN)
+    prompts = repetitive_prompts()
+    want, got = run(engine(mtp_model), prompts, max_new_tokens=40), run(small, prompts, max_new_tokens=40)
+    assert_same(want, got)
+    assert small.scheduler.decode.num_retractions > 0

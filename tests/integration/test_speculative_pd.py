@@ -5,6 +5,8 @@
   drafts as the monolithic server (within 2%), and both count them in meta_info and /metrics;
 - a tiny Llama with a STANDALONE draft (its first two layers) on both PD sides: the draft's KV for the prompt
   travels in the target's pages, tokens equal transformers', drafts accepted as in one engine;
+- a tiny DeepSeek-V3 with NEXTN (its MTP layer) on both PD sides: the MTP's KV of the prompt travels in the
+  pages and the prompt's last hidden state in the aux record; tokens and accepted drafts equal one engine's;
 - a decode without the draft refuses that prefill before any KV moves, naming both sides' `speculative`;
 - NGRAM at --tp-size 2: the verify forward runs on both ranks, tokens equal transformers'.
 """
@@ -22,13 +24,14 @@ from common.engine.engine import Engine
 from common.wire.sampling_params import SamplingParams
 from tests.conftest import metric, start_server
 from tests.integration.cluster import generate, spawn_cluster, start_router
-from tests.integration.spec_models import save_target_and_draft
+from tests.integration.spec_models import save_deepseek_mtp, save_target_and_draft
 from tests.integration.tiny_model import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(900)  # three servers of the built-in model (and the shared reference) start first
 BUILTIN = ("--page-size", "16", "--chunked-prefill-size", "64")  # test_pd.py's reference server
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6")
 TINY_NEW = 24
+NEXTN_FLAGS = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,13 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny, reference_servers):
+def mtp(tmp_path_factory):
+    model = save_deepseek_mtp(tmp_path_factory.mktemp("mtp-pd"))
+    return model, ("--model", str(model), "--page-size", "4", "--chunked-prefill-size", "16", *NEXTN_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, mtp, reference_servers):
     """Started at once: the NGRAM monolithic server, the built-in PD pair, the tiny STANDALONE PD pair and a
     tiny decode without a draft (behind its own router, with the STANDALONE prefill)."""
     _, _, flags, standalone = tiny
@@ -52,13 +61,15 @@ def servers(tiny, reference_servers):
         started.append(ngram_pd)
         draft_pd = spawn_cluster("mooncake", flags=(*flags, *standalone))
         started.append(draft_pd)
+        nextn_pd = spawn_cluster("mooncake", flags=mtp[1])
+        started.append(nextn_pd)
         plain = start_server("--disagg-mode", "decode", "--transfer-backend", "mooncake", *flags, name="decode-plain")
         started.append(plain)
         tp = start_server(*flags, "--tp-size", "2", *NGRAM, name="ngram-tp2")
         started.append(tp)
         for s in (mono, plain, tp):
             s.wait_ready(600)
-        ngram_pd.wait_ready(600), draft_pd.wait_ready(600)
+        ngram_pd.wait_ready(600), draft_pd.wait_ready(600), nextn_pd.wait_ready(600)
         prefill = [(draft_pd.prefills[0], draft_pd.prefill_bootstrap_ports[0])]
         mismatched = start_router(prefill, [plain], name="router-mismatch")
         started.append(mismatched)
@@ -66,6 +77,7 @@ def servers(tiny, reference_servers):
             "mono": mono,
             "ngram_pd": ngram_pd,
             "draft_pd": draft_pd,
+            "nextn_pd": nextn_pd,
             "plain": plain,
             "mismatched": mismatched,
             "tp": tp,
@@ -146,6 +158,29 @@ def test_standalone_pd_carries_the_draft_kv_and_equals_transformers(servers, tin
         assert out["output_ids"] == expected == mono.output_ids
         assert accepted(out) == mono.spec_accepted > 0  # the draft's KV of the prompt arrived with the target's
     servers["draft_pd"].wait_idle()
+
+
+def test_nextn_pd_carries_the_mtp_kv_and_hidden_state_and_accepts_as_one_engine(servers, mtp):
+    """Prompts of 5 to 40 tokens in chunks of 16 (the prefill's MTP runs each chunk); the decode's first draft
+    comes from the aux record's hidden state and the MTP KV that crossed: the same drafts as one engine."""
+    model = mtp[0]
+    prompts = random_prompts(3, 5, 40, seed=35)
+    config = ServerConfig(
+        model=str(model), page_size=4, chunked_prefill_size=16, speculative_algorithm="NEXTN", speculative_num_steps=3
+    )
+    engine = Engine(config)
+    params = SamplingParams(max_new_tokens=TINY_NEW, temperature=0, ignore_eos=True)
+    reqs = [Req(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    for r in reqs:  # one at a time, as the pair serves them (in a batch a request's last token may come from a
+        engine.scheduler.add_request(r)  # verify of the others' drafts, and count as one)
+        while engine.scheduler.step():
+            pass
+    for ids, mono in zip(prompts, reqs):
+        out = generate(servers["nextn_pd"].url, ids, TINY_NEW, sampling={"ignore_eos": True})
+        assert out["output_ids"] == mono.output_ids
+        assert out["meta_info"]["spec_verify_ct"] == mono.spec_verify_ct
+        assert accepted(out) == mono.spec_accepted > 0
+    servers["nextn_pd"].wait_idle()
 
 
 def test_a_decode_without_the_draft_refuses_the_prefill_naming_both(servers):

@@ -1,5 +1,5 @@
 """Speculative decoding's pieces without a model: NGRAM's proposals, acceptance from sampled positions, the
-flags' refusals, and the KV layout's `speculative` field."""
+flags' refusals, the KV layout's `speculative` field, and NEXTN's aux record carrying a hidden state."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from common.engine.sampler import SampleOutput
 from common.engine.spec.ngram import NgramIndex
 from common.engine.spec.verify import accept
 from common.wire.kv_layout import LAYOUT_KEYS, layout_mismatch
+from transfer.aux_record import AuxRecord, record_bytes
 
 
 def propose(tokens: list[int], k: int, windows=range(1, 4)) -> list[int]:
@@ -52,6 +53,9 @@ def test_acceptance_keeps_drafts_up_to_the_first_mismatch_then_the_targets_token
         ({"speculative_draft_model_path": "/x"}, "needs --speculative-algorithm STANDALONE"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6}, "give 4"),
         ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/x", "tp_size": 2}, "--tp-size 1"),
+        ({"speculative_algorithm": "NEXTN", "tp_size": 2}, "NEXTN runs its draft on one rank"),
+        ({"speculative_algorithm": "NEXTN", "tp_size": 2, "enable_dp_attention": True}, "dp-attention"),
+        ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 is not implemented"),
     ],
 )
 def test_flags_that_do_not_fit_are_refused_naming_them(flags, words):
@@ -79,3 +83,18 @@ def test_layouts_pair_only_with_the_same_draft_state():
     message = layout_mismatch(layout("none"), layout(draft))
     assert f"speculative: decode has 'none', prefill has '{draft}'" in message
     assert "speculative: decode has 'NGRAM'" in layout_mismatch(layout("NGRAM"), layout(draft))
+    nextn = "NEXTN mtp=abc layers=1 hidden=64xfloat32"
+    assert "speculative: decode has 'none', prefill has 'NEXTN mtp=abc" in layout_mismatch(
+        layout("none"), layout(nextn)
+    )
+
+
+def test_nextn_aux_record_carries_the_hidden_state_and_is_sized_by_it():
+    hidden = bytes(range(256))
+    raw = AuxRecord(7, 42, 4, 30, -0.5, [(42, -0.5)], hidden).pack()
+    assert len(raw) == record_bytes(256) == record_bytes() + 256
+    rec = AuxRecord.unpack(raw, 256)
+    assert (rec.first_token, rec.top_logprobs, rec.hidden) == (42, [(42, -0.5)], hidden)
+    assert AuxRecord.unpack(AuxRecord(7, 42, 4, 30).pack()).hidden == b""
+    with pytest.raises(ValueError, match="expected"):
+        AuxRecord.unpack(raw)  # a decode expecting no hidden state

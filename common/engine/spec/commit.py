@@ -13,7 +13,8 @@ tokens committed:
                                                                                        written again next step
     kv_computed_len                        tokens whose KV every model wrote: the      only these ever enter the
                                           target's, and a draft model's up to the     prefix cache (release)
-                                          last draft input it accepted
+                                          last draft input it accepted (NEXTN: up to
+                                          the MTP slots of committed pairs, + 1)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client import Counter, Histogram
 from common.core.request import FinishReason, Req
 from common.engine.metrics import EngineMetrics
 from common.engine.output import OutputProcessor
+from common.engine.spec.drafter import Drafter
 from common.engine.spec.verify import Verified
 from common.memory.manager import MemoryManager
 
@@ -50,7 +52,7 @@ class SpecStats:
 
 
 def commit_verified(
-    output: OutputProcessor, memory: MemoryManager, writes_kv: bool, req: Req, v: Verified
+    output: OutputProcessor, memory: MemoryManager, drafter: Drafter, req: Req, v: Verified
 ) -> FinishReason | None:
     """Commit `v`'s tokens into `req` until one ends it; returns that finish (the caller ends the request)."""
     start = req.seq_len - 1  # the position of the last committed token, the verify's first
@@ -62,8 +64,11 @@ def commit_verified(
     req.spec_verify_ct += 1
     req.spec_accepted += v.accepted
     computed = req.seq_len - 1  # the target wrote the KV of every committed token but the newest
-    if writes_kv:  # the draft's inputs were the last token and the drafts before the last: valid while accepted
+    if (
+        drafter.writes_kv and not drafter.needs_hidden
+    ):  # the draft's inputs were the last token and the drafts before the last: valid while accepted
         computed = min(computed, start + 1 + min(v.accepted, v.drafted - 1) if v.drafted else req.kv_computed_len)
+    computed = min(computed, drafter.computed_cap(req))  # NEXTN: its slots lag the target's
     memory.truncate(req, req.seq_len - 1)
     req.kv_computed_len = max(req.kv_computed_len, min(computed, req.kv_len))
     return finish

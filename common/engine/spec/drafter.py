@@ -18,6 +18,7 @@ from common.core.request import Req
 
 class Drafter(ABC):
     writes_kv = False  # a draft model: its KV is part of every page (kv_computed_len covers both models)
+    needs_hidden = False  # NEXTN: the runner hands it the target's hidden states of every forward (take_hidden)
 
     @abstractmethod
     def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
@@ -26,6 +27,10 @@ class Drafter(ABC):
     def follow(self, batch: ForwardBatch, planned: bool = True) -> None:
         """The target just ran `batch` (a prefill chunk or a decode step): write the draft's KV for it too.
         `planned`: the target's attention backend is planned for `batch` (not when a CUDA graph replayed it)."""
+
+    def computed_cap(self, req: Req) -> int:
+        """The most tokens of `req` whose KV every model holds for the prefix cache (NEXTN lags the target)."""
+        return req.seq_len
 
     def describe(self) -> str:
         return type(self).__name__

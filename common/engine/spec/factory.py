@@ -2,30 +2,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from common.config import ServerConfig
 from common.engine.spec.draft_model import DraftModel
 from common.engine.spec.drafter import Drafter
+from common.engine.spec.nextn import NextNDrafter
 from common.engine.spec.ngram import NgramDrafter
-from common.model.draft import DraftWeights
 from common.model.identity import model_identity
+from common.ranks.rank_model import RankModel
 
 
-def make_drafter(config: ServerConfig, draft: DraftWeights | None, req_to_token: torch.Tensor) -> Drafter | None:
-    algo = config.speculative_algorithm
+def make_drafter(built: RankModel, config: ServerConfig, req_to_token: torch.Tensor) -> Drafter | None:
+    algo, draft = config.speculative_algorithm, built.draft
     if algo == "NGRAM":
         return NgramDrafter(
             config.speculative_ngram_min_match_window_size, config.speculative_ngram_max_match_window_size
         )
     if algo == "STANDALONE":
         return DraftModel(draft.model, draft.attn, draft.shares_attn, req_to_token, config.device, draft.model_dir.name)
+    if algo == "NEXTN":
+        return NextNDrafter(built.mtp, built.model, built.attn, req_to_token, config.device)
     return None  # the config refuses what is not implemented
 
 
-def speculative_descriptor(config: ServerConfig, draft: DraftWeights | None) -> str:
-    """The KV layout's `speculative` field: the algorithm, and the identity of a draft whose KV the pages hold."""
-    algo = config.speculative_algorithm
+def speculative_descriptor(config: ServerConfig, built: RankModel, model_dir: Path) -> str:
+    """The KV layout's `speculative` field: the algorithm, and the identity of a draft whose KV the pages hold
+    (NEXTN: the target's, whose MTP layer it is, and the hidden state's size the aux record carries)."""
+    algo, draft = config.speculative_algorithm, built.draft
+    if built.mtp is not None:
+        return f"NEXTN mtp={model_identity(model_dir)} layers=1 hidden={built.model.config.hidden_size}xfloat32"
     if draft is None:
         return algo or "none"
     return f"{algo} draft={model_identity(draft.model_dir)} layers={len(draft.model.model.layers)}"
