@@ -10,7 +10,7 @@ process. Three runs over the same servers, fresh prompts each:
 Per run: SLO attainment (requests whose TTFT and TPOT both met --ttft-ms / --tpot-ms) per phase and overall,
 failed requests, and for the planner when it flipped (seconds and intervals after the shift) and what it decided.
 
-    .venv/bin/python benchmarks/planner_bench.py [--phase-s 60] [--ttft-ms 3000] [--tpot-ms 100]
+    .venv/bin/python benchmarks/planner_bench.py [--phase-s 60] [--ttft-ms 3000] [--tpot-ms 100] [--rates 0.5 1.5]
 """
 
 from __future__ import annotations
@@ -106,12 +106,16 @@ def main() -> None:
     ap.add_argument("--ttft-ms", type=float, default=3000)
     ap.add_argument("--tpot-ms", type=float, default=100)
     ap.add_argument("--interval-s", type=float, default=3)
+    ap.add_argument("--rates", type=float, nargs=2, metavar=("PHASE1", "PHASE2"),
+                    help="requests per second of each phase (default: PHASES')")  # fmt: skip
     ap.add_argument("--runs", nargs="+", default=["2P1D", "1P2D", "planner"])
     ap.add_argument("--model", default="small", help="builtin, small (benchmarks/placement_bench.py) or a path")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread per server: several share a few cores
     model, args.vocab = bench_model(args.model)
+    for phase, rate in zip((1, 2), args.rates or ()):
+        PHASES[phase]["rate"] = rate
     c = Cluster(policy="power_of_two", router_args=("--health-check-interval-s", "0.5"))
     try:
         for name, mode in (("p0", "prefill"), ("s1", "prefill"), ("d2", "decode")):
