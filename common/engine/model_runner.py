@@ -105,10 +105,8 @@ class ModelRunner:
         else:
             self.attn.init_forward(batch)
             logits = self.model(batch, self.attn)
-        if self.drafter is not None and batch.mode != ForwardMode.VERIFY:
-            self.drafter.follow(
-                batch, planned=graphs is None
-            )  # the draft's KV of the same tokens (a graph planned its own)
+        if self.drafter is not None and batch.mode != ForwardMode.VERIFY:  # the draft's KV of the same tokens
+            self.drafter.follow(batch, planned=graphs is None)  # (a graph planned its own attention)
         return logits
 
     @torch.inference_mode()
