@@ -61,7 +61,7 @@ from common.engine.spec.nextn import HiddenHandoff
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
 from decode_node.peers import PeerInfo
-from transfer.aux_record import AuxRecord
+from transfer.aux_record import RECORD_BYTES, AuxRecord
 from transfer.decode.aux_pool import AuxPool
 from transfer.decode.decode_manager import DecodeKVManager
 from transfer.decode.receiver import KVReceiver
@@ -228,7 +228,7 @@ class DecodeRole(Role):
         self._drop_transfer_state(req)
         self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
         if self.hidden is not None:  # NEXTN: the MTP layer's first input (its KV for the prompt came with the pages)
-            self.hidden.set_pending_bytes(req, raw[len(raw) - self.hidden.hidden_bytes :])
+            self.hidden.set_pending_bytes(req, raw[RECORD_BYTES:])  # the record's tail (AuxRecord.hidden)
         if inb.finish_ahead is not None:
             self.scheduler.finish(req, inb.finish_ahead)
         else:

@@ -64,9 +64,8 @@ def commit_verified(
     req.spec_verify_ct += 1
     req.spec_accepted += v.accepted
     computed = req.seq_len - 1  # the target wrote the KV of every committed token but the newest
-    if (
-        drafter.writes_kv and not drafter.needs_hidden
-    ):  # the draft's inputs were the last token and the drafts before the last: valid while accepted
+    if drafter.writes_kv and not drafter.needs_hidden:  # a draft model's inputs: the last token and the drafts
+        # before the last, valid while accepted
         computed = min(computed, start + 1 + min(v.accepted, v.drafted - 1) if v.drafted else req.kv_computed_len)
     computed = min(computed, drafter.computed_cap(req))  # NEXTN: its slots lag the target's
     memory.truncate(req, req.seq_len - 1)

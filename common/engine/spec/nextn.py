@@ -76,7 +76,8 @@ class NextNDrafter(Drafter):
             if mode != ForwardMode.EXTEND:
                 if len(self._pending(req)) >= PENDING_MAX:
                     row, old = self._catch_up(req)
-                    rows.append(row), hs.append(old)
+                    rows.append(row)
+                    hs.append(old)
                 q, old = self.pending.get(req, (req.seq_len - 1, self._empty()))
                 self.pending[req] = (q, torch.cat((old, h[: kept[i]] if kept is not None else h)))
                 continue
