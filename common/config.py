@@ -11,10 +11,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.memory.store.config import parse_store_config
-from common.wire.addresses import split_host_port
+from common.config_checks import check_flags
 from common.wire.body import ARRIVAL_TIMEOUT_S
-from common.wire.kv_events import parse_kv_events_config
 
 DisaggMode = Literal["null", "prefill", "decode"]
 
@@ -250,75 +248,8 @@ class ServerConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
-        if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:
-            raise ValueError(
-                f"--chunked-prefill-size {self.chunked_prefill_size} is not a multiple of --page-size {self.page_size}: "
-                "give a multiple, or 0 to turn chunked prefill off"
-            )
-        if self.ssl_keyfile and not self.ssl_certfile:
-            raise ValueError("ssl_keyfile needs ssl_certfile")
-        self._check_hosts()
-        self._check_dp_ep()
-        if self.kv_events_config:
-            parse_kv_events_config(self.kv_events_config)  # a bad field stops the server at start-up
-        if self.enable_hierarchical_cache and (self.disable_radix_cache or self.tp_size > 1):
-            raise ValueError(
-                "--enable-hierarchical-cache needs the radix cache and --tp-size 1: "
-                "drop --disable-radix-cache, or run it at --tp-size 1"
-            )
-        if self.disaggregation_enable_kv_checksum and (self.tp_size > 1 or self.device == "cuda"):
-            raise ValueError(
-                "--disaggregation-enable-kv-checksum checks the KV in host memory at --tp-size 1 only: "
-                "drop it, or run this server at --tp-size 1 on the CPU"
-            )
-        self._check_speculative()
-        if self.enable_pd_role_switch and (self.disagg_mode == "null" or self.tp_size > 1):
-            raise ValueError(
-                "--enable-pd-role-switch needs --disagg-mode prefill or decode and --tp-size 1: a monolithic server "
-                "has no role to switch, and the ranks of a TP group cannot switch yet"
-            )
-        self._check_store()
-        if self.transfer_backend == "loopback" and self.disagg_mode != "null":
-            raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
+        check_flags(self)  # common/config_checks.py
         return self
-
-    def _check_speculative(self) -> None:
-        """The speculative flags fit together; what is not implemented is refused naming it."""
-        algo = self.speculative_algorithm
-        if algo is None:
-            if self.speculative_draft_model_path:
-                raise ValueError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE")
-            return
-        if algo in ("EAGLE", "EAGLE3"):
-            raise ValueError(
-                f"--speculative-algorithm {algo} is not implemented (an EAGLE head over the target's hidden states): "
-                "use NEXTN (a checkpoint's MTP layer), NGRAM or STANDALONE"
-            )
-        if self.speculative_eagle_topk != 1:
-            raise ValueError(
-                f"--speculative-eagle-topk {self.speculative_eagle_topk}: tree verification is not implemented, use 1"
-            )
-        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if steps is not None and tokens is not None and tokens != steps + 1:
-            raise ValueError(
-                f"--speculative-num-draft-tokens {tokens} with --speculative-num-steps {steps}: a chain (topk 1) "
-                f"verifies the last token and one draft per step, so give {steps + 1} or only one of the two"
-            )
-        if (algo == "STANDALONE") != bool(self.speculative_draft_model_path):
-            raise ValueError(
-                "--speculative-algorithm STANDALONE needs --speculative-draft-model-path, and only it takes one"
-            )
-        if self.enable_dp_attention:
-            raise ValueError(
-                f"--speculative-algorithm {algo} with --enable-dp-attention is not implemented (each DP rank would "
-                "verify its own drafts in the one shared forward): drop one of the two"
-            )
-        if algo in ("STANDALONE", "NEXTN") and self.tp_size > 1:
-            raise ValueError(f"--speculative-algorithm {algo} runs its draft on one rank: use --tp-size 1 (or NGRAM)")
-        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
-            raise ValueError(
-                "--speculative-ngram-min-match-window-size is above --speculative-ngram-max-match-window-size"
-            )
 
     @property
     def speculative_draft_len(self) -> int:
@@ -328,59 +259,6 @@ class ServerConfig(BaseSettings):
         if self.speculative_num_draft_tokens is not None:
             return self.speculative_num_draft_tokens - 1
         return self.speculative_num_steps or 3
-
-    def _check_store(self) -> None:
-        if self.hicache_storage_backend is None:
-            if self.hicache_storage_backend_extra_config:
-                raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend file|mooncake")
-            return
-        if not self.enable_hierarchical_cache:
-            raise ValueError(
-                f"--hicache-storage-backend {self.hicache_storage_backend} is the tier behind the host tier: "
-                "add --enable-hierarchical-cache"
-            )
-        parse_store_config(self.hicache_storage_backend, self.hicache_storage_backend_extra_config)
-
-    def _check_hosts(self) -> None:
-        """--nnodes, --node-rank and --dist-init-addr fit together and with --tp-size (SGLang's meanings)."""
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes}")
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (ranks per host)")
-        if self.dist_init_addr is not None:
-            try:
-                split_host_port(self.dist_init_addr)
-            except ValueError as e:
-                raise ValueError(f"--dist-init-addr {e}") from None
-        if self.nnodes == 1:
-            return
-        if self.dist_init_addr is None:
-            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (host 0's address)")
-
-    def _check_dp_ep(self) -> None:
-        """--ep-size, --enable-dp-attention / --dp-size and EPLB fit together and with --tp-size."""
-        if self.ep_size not in (1, self.tp_size):
-            raise ValueError(
-                f"--ep-size {self.ep_size} must be 1 or --tp-size {self.tp_size} (whole experts over every rank)"
-            )
-        if self.moe_a2a_backend == "deepep":
-            raise ValueError(
-                "--moe-a2a-backend deepep: Tandem does not ship DeepEP's kernels; use --moe-a2a-backend none "
-                "(torch.distributed all-to-all: NCCL on CUDA, gloo on the CPU)"
-            )
-        if self.enable_dp_attention and self.dp_size != self.tp_size:
-            raise ValueError(
-                f"--enable-dp-attention needs --dp-size equal to --tp-size (got {self.dp_size} and {self.tp_size})"
-            )
-        if self.dp_size > 1 and not self.enable_dp_attention:
-            raise ValueError(
-                f"--dp-size {self.dp_size} without --enable-dp-attention: run {self.dp_size} servers behind the router "
-                "instead, or add --enable-dp-attention"
-            )
-        if self.enable_dp_attention and self.nnodes > 1:
-            raise ValueError("--enable-dp-attention with --nnodes > 1 is not supported: run DP attention on one host")
-        if (self.enable_eplb or self.ep_num_redundant_experts) and self.ep_size == 1:
-            raise ValueError("--enable-eplb and --ep-num-redundant-experts need expert parallelism: give --ep-size")
 
     @property
     def lb_method(self) -> str:

@@ -1,0 +1,136 @@
+"""The flag combinations a server cannot run, refused at start-up with one line naming the flags
+(ServerConfig's validator calls `check_flags`; common/config.py holds the flags themselves)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common.memory.store.config import parse_store_config
+from common.wire.addresses import split_host_port
+from common.wire.kv_events import parse_kv_events_config
+
+if TYPE_CHECKING:
+    from common.config import ServerConfig
+
+
+def check_flags(c: ServerConfig) -> None:
+    """Every flag combination the server cannot run is refused here, at start-up, naming the flags."""
+    if c.chunked_prefill_size > 0 and c.chunked_prefill_size % c.page_size:
+        raise ValueError(
+            f"--chunked-prefill-size {c.chunked_prefill_size} is not a multiple of --page-size {c.page_size}: "
+            "give a multiple, or 0 to turn chunked prefill off"
+        )
+    if c.ssl_keyfile and not c.ssl_certfile:
+        raise ValueError("ssl_keyfile needs ssl_certfile")
+    check_hosts(c)
+    check_dp_ep(c)
+    if c.kv_events_config:
+        parse_kv_events_config(c.kv_events_config)  # a bad field stops the server at start-up
+    if c.enable_hierarchical_cache and (c.disable_radix_cache or c.tp_size > 1):
+        raise ValueError(
+            "--enable-hierarchical-cache needs the radix cache and --tp-size 1: "
+            "drop --disable-radix-cache, or run it at --tp-size 1"
+        )
+    if c.disaggregation_enable_kv_checksum and (c.tp_size > 1 or c.device == "cuda"):
+        raise ValueError(
+            "--disaggregation-enable-kv-checksum checks the KV in host memory at --tp-size 1 only: "
+            "drop it, or run this server at --tp-size 1 on the CPU"
+        )
+    check_speculative(c)
+    if c.enable_pd_role_switch and (c.disagg_mode == "null" or c.tp_size > 1):
+        raise ValueError(
+            "--enable-pd-role-switch needs --disagg-mode prefill or decode and --tp-size 1: a monolithic server "
+            "has no role to switch, and the ranks of a TP group cannot switch yet"
+        )
+    check_store(c)
+    if c.transfer_backend == "loopback" and c.disagg_mode != "null":
+        raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
+
+
+def check_speculative(c: ServerConfig) -> None:
+    """The speculative flags fit together; what is not implemented is refused naming it."""
+    algo = c.speculative_algorithm
+    if algo is None:
+        if c.speculative_draft_model_path:
+            raise ValueError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE")
+        return
+    if algo in ("EAGLE", "EAGLE3"):
+        raise ValueError(
+            f"--speculative-algorithm {algo} is not implemented (an EAGLE head over the target's hidden states): "
+            "use NEXTN (a checkpoint's MTP layer), NGRAM or STANDALONE"
+        )
+    if c.speculative_eagle_topk != 1:
+        raise ValueError(
+            f"--speculative-eagle-topk {c.speculative_eagle_topk}: tree verification is not implemented, use 1"
+        )
+    steps, tokens = c.speculative_num_steps, c.speculative_num_draft_tokens
+    if steps is not None and tokens is not None and tokens != steps + 1:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {tokens} with --speculative-num-steps {steps}: a chain (topk 1) "
+            f"verifies the last token and one draft per step, so give {steps + 1} or only one of the two"
+        )
+    if (algo == "STANDALONE") != bool(c.speculative_draft_model_path):
+        raise ValueError(
+            "--speculative-algorithm STANDALONE needs --speculative-draft-model-path, and only it takes one"
+        )
+    if c.enable_dp_attention:
+        raise ValueError(
+            f"--speculative-algorithm {algo} with --enable-dp-attention is not implemented (each DP rank would "
+            "verify its own drafts in the one shared forward): drop one of the two"
+        )
+    if algo in ("STANDALONE", "NEXTN") and c.tp_size > 1:
+        raise ValueError(f"--speculative-algorithm {algo} runs its draft on one rank: use --tp-size 1 (or NGRAM)")
+    if c.speculative_ngram_min_match_window_size > c.speculative_ngram_max_match_window_size:
+        raise ValueError("--speculative-ngram-min-match-window-size is above --speculative-ngram-max-match-window-size")
+
+
+def check_store(c: ServerConfig) -> None:
+    if c.hicache_storage_backend is None:
+        if c.hicache_storage_backend_extra_config:
+            raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend file|mooncake")
+        return
+    if not c.enable_hierarchical_cache:
+        raise ValueError(
+            f"--hicache-storage-backend {c.hicache_storage_backend} is the tier behind the host tier: "
+            "add --enable-hierarchical-cache"
+        )
+    parse_store_config(c.hicache_storage_backend, c.hicache_storage_backend_extra_config)
+
+
+def check_hosts(c: ServerConfig) -> None:
+    """--nnodes, --node-rank and --dist-init-addr fit together and with --tp-size (SGLang's meanings)."""
+    if c.node_rank >= c.nnodes:
+        raise ValueError(f"--node-rank {c.node_rank} must be below --nnodes {c.nnodes}")
+    if c.tp_size % c.nnodes:
+        raise ValueError(f"--tp-size {c.tp_size} must be a multiple of --nnodes {c.nnodes} (ranks per host)")
+    if c.dist_init_addr is not None:
+        try:
+            split_host_port(c.dist_init_addr)
+        except ValueError as e:
+            raise ValueError(f"--dist-init-addr {e}") from None
+    if c.nnodes == 1:
+        return
+    if c.dist_init_addr is None:
+        raise ValueError(f"--nnodes {c.nnodes} needs --dist-init-addr HOST:PORT (host 0's address)")
+
+
+def check_dp_ep(c: ServerConfig) -> None:
+    """--ep-size, --enable-dp-attention / --dp-size and EPLB fit together and with --tp-size."""
+    if c.ep_size not in (1, c.tp_size):
+        raise ValueError(f"--ep-size {c.ep_size} must be 1 or --tp-size {c.tp_size} (whole experts over every rank)")
+    if c.moe_a2a_backend == "deepep":
+        raise ValueError(
+            "--moe-a2a-backend deepep: Tandem does not ship DeepEP's kernels; use --moe-a2a-backend none "
+            "(torch.distributed all-to-all: NCCL on CUDA, gloo on the CPU)"
+        )
+    if c.enable_dp_attention and c.dp_size != c.tp_size:
+        raise ValueError(f"--enable-dp-attention needs --dp-size equal to --tp-size (got {c.dp_size} and {c.tp_size})")
+    if c.dp_size > 1 and not c.enable_dp_attention:
+        raise ValueError(
+            f"--dp-size {c.dp_size} without --enable-dp-attention: run {c.dp_size} servers behind the router "
+            "instead, or add --enable-dp-attention"
+        )
+    if c.enable_dp_attention and c.nnodes > 1:
+        raise ValueError("--enable-dp-attention with --nnodes > 1 is not supported: run DP attention on one host")
+    if (c.enable_eplb or c.ep_num_redundant_experts) and c.ep_size == 1:
+        raise ValueError("--enable-eplb and --ep-num-redundant-experts need expert parallelism: give --ep-size")
