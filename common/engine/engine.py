@@ -20,14 +20,13 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.attention.base import choose_attention_backend, resolved_backend
+from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
-from common.core.page_meta import pages_for
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report
 from common.engine import engine_report, host_tier
-from common.engine.cuda_graph import StepGraphs
 from common.engine.dp_scheduler import DPScheduler
+from common.engine.graph_capture import capture_graphs
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
@@ -45,7 +44,7 @@ from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
 from common.memory.sizing import gpu_batch_limits, plan_context_len
-from common.memory.static_reserve import REQ_SPARE_ROWS, cap_running_requests, graph_plan
+from common.memory.static_reserve import REQ_SPARE_ROWS, cap_running_requests
 from common.memory.store.keys import store_namespace
 from common.model.identity import model_identity, weights_fingerprint
 from common.model.loader import load_hf_config, resolve_model_dir
@@ -306,7 +305,7 @@ class Engine:
             tokens,
             cache,
         )
-        seconds += self.capture_graphs()
+        seconds += capture_graphs(self)
         self.calibrate()
         return seconds
 
@@ -323,39 +322,6 @@ class Engine:
             cal.prefill_tokens_per_s,
             1000 * cal.decode_step_s,
         )
-
-    def capture_graphs(self) -> float:
-        """The CUDA graphs graph_plan allows (after the warm-up built the kernels), into one memory pool:
-        a speculative server's verify steps (k + 1 tokens per request), then its decode steps; the seconds."""
-        c, pool = self.config, self.kv_pool
-        backend = resolved_backend(c.attention_backend, c.device, pool.kind, pool.quantized)
-        sizes, line = graph_plan(c, backend, model_class(self.hf_config).cuda_graph_capturable and self.dp is None)
-        log.info("%s", line)
-        if not sizes:
-            return 0.0
-        slots = min(sizes[-1] * pages_for(self.context_len, c.page_size), pool.num_pages + sizes[-1])
-        kinds = [1 + c.speculative_draft_len] if c.speculative_draft_len else []
-        free, start, memory = torch.cuda.mem_get_info()[0], time.monotonic(), torch.cuda.graph_pool_handle()
-        for tokens in [*kinds, 1]:
-            self.runner.attn.prepare_graphs(sizes[-1], slots + sizes[-1] * pages_for(tokens, c.page_size), tokens)
-            graphs = StepGraphs(
-                self.runner.model, self.runner.attn, self.runner.req_to_token, self.memory.req_pool.padding_row,
-                sizes, self.hf_config.vocab_size, c.device, tokens=tokens,
-            )  # fmt: skip
-            graphs.capture_all(memory)
-            self.runner.graphs.append(graphs)
-        if kinds:  # a verify a graph can run: every request's full draft
-            self.scheduler.decode.spec.pad_drafts = True
-        seconds, used = time.monotonic() - start, free - torch.cuda.mem_get_info()[0]
-        log.info(
-            "CUDA graphs: %d sizes of %s captured in %.1f s, %.0f MiB (%.0f MiB set aside before the KV pool)",
-            len(sizes),
-            " and ".join("verify" if t > 1 else "decode" for t in [*kinds, 1]) + " steps",
-            seconds,
-            used / 2**20,
-            self.reserved.cuda_graphs / 2**20,
-        )
-        return seconds
 
     def start(self) -> None:
         self.thread.start()

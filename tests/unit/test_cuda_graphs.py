@@ -226,7 +226,7 @@ def ngram_engine(model_dir, graphs: bool, attention: str, monkeypatch) -> tuple[
         real_run = verify.run
         verify.run = lambda batch: replayed.append(batch.batch_size) or real_run(batch)
         runner.graphs = [verify]
-    engine.scheduler.decode.spec.pad_drafts = True  # as Engine.capture_graphs sets it (eager: the same drafts)
+    engine.scheduler.decode.spec.pad_drafts = True  # as capture_graphs sets it (eager: the same drafts)
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, random_prompts(1, 20, 21)[0]]
     reqs = [
         Req(f"r{i}", p, SamplingParams(max_new_tokens=16 + i, ignore_eos=True, temperature=0), return_logprob=True)
