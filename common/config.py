@@ -136,7 +136,7 @@ class ServerConfig(BaseSettings):
     speculative_algorithm: Literal["NGRAM", "STANDALONE", "NEXTN", "EAGLE", "EAGLE3"] | None = Field(
         None,
         description="draft tokens and verify them in one forward: NGRAM (the request's own tokens), STANDALONE "
-        "(a draft model) or NEXTN (the checkpoint's MTP layer)",
+        "(a draft model), NEXTN (the checkpoint's MTP layer) or EAGLE (a head in --speculative-draft-model-path)",
     )
     speculative_num_steps: int | None = Field(None, ge=1, le=32, description="draft steps per verify (default 3)")
     speculative_eagle_topk: int = Field(1, ge=1, description="draft branches per step: 1 (a chain) is implemented")
@@ -147,7 +147,9 @@ class ServerConfig(BaseSettings):
         description="tokens one verify scores per request: the last one and the drafts (default steps + 1)",
     )
     speculative_draft_model_path: str | None = Field(
-        None, description="STANDALONE: the draft model (same tokenizer and attention shape as --model)"
+        None,
+        description="STANDALONE: the draft model (same tokenizer and attention shape as --model); EAGLE: the head's "
+        "directory",
     )
     speculative_ngram_min_match_window_size: int = Field(1, ge=1, description="NGRAM: shortest suffix matched")
     speculative_ngram_max_match_window_size: int = Field(12, ge=1, description="NGRAM: longest suffix matched")
@@ -259,6 +261,12 @@ class ServerConfig(BaseSettings):
         if self.speculative_num_draft_tokens is not None:
             return self.speculative_num_draft_tokens - 1
         return self.speculative_num_steps or 3
+
+    @property
+    def drafts_from_hidden(self) -> bool:
+        """NEXTN and EAGLE: a draft head reads the target's hidden states of every forward (TP 1, eager forwards,
+        a prefix hit gives up its last page: common/engine/spec/head_drafter.py)."""
+        return self.speculative_algorithm in ("NEXTN", "EAGLE")
 
     @property
     def lb_method(self) -> str:

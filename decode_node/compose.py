@@ -39,7 +39,7 @@ class DecodeComposer:
         """One role per DP rank's scheduler: one transfer engine, a share of the aux pool each."""
         config = engine.config  # with the batch limits derived for the device
         slots = (2 * config.max_running_requests + 16) * len(engine.schedulers)
-        size = record_bytes(engine.aux_hidden_bytes)  # NEXTN's records carry a hidden state
+        size = record_bytes(engine.aux_hidden_bytes)  # NEXTN's and EAGLE's records carry a hidden state
         aux = self.aux = self.aux or AuxPool(slots, slot_bytes=size)
         kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
         args = kv_args_from_pool(

@@ -57,7 +57,7 @@ from common.config import ServerConfig
 from common.core.request import FinishReason, Req, ReqStatus, queue_position
 from common.engine.decode_batch import decode_reserve
 from common.engine.role import Role, SchedulerView
-from common.engine.spec.nextn import HiddenHandoff
+from common.engine.spec.head_drafter import HiddenHandoff
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
 from decode_node.peers import PeerInfo
@@ -97,7 +97,7 @@ class DecodeRole(Role):
         config: ServerConfig,
         hidden: HiddenHandoff | None = None,
     ):
-        """`hidden`: NEXTN's drafter, which takes the prompt's last hidden state from the aux record."""
+        """`hidden`: NEXTN's or EAGLE's drafter, which takes the prompt's last hidden state from the aux record."""
         self.scheduler, self.kv_manager, self.aux_pool, self.hidden = scheduler, kv_manager, aux_pool, hidden
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
         self.instance_id = kv_manager.instance_id
@@ -227,7 +227,7 @@ class DecodeRole(Role):
         self.transferring.remove(req)
         self._drop_transfer_state(req)
         self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
-        if self.hidden is not None:  # NEXTN: the MTP layer's first input (its KV for the prompt came with the pages)
+        if self.hidden is not None:  # NEXTN, EAGLE: the head's first input (its KV for the prompt came with the pages)
             self.hidden.set_pending_bytes(req, raw[RECORD_BYTES:])  # the record's tail (AuxRecord.hidden)
         if inb.finish_ahead is not None:
             self.scheduler.finish(req, inb.finish_ahead)

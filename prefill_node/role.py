@@ -39,7 +39,7 @@ from common.core.page_meta import pages_for
 from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.decode_batch import decode_reserve
 from common.engine.role import Role, Sampled, SchedulerView
-from common.engine.spec.nextn import HiddenHandoff
+from common.engine.spec.head_drafter import HiddenHandoff
 from common.memory.errors import MemoryIntegrityError
 from transfer.aux_record import AuxRecord
 from transfer.poll import DuplicateRoom, KVPoll
@@ -71,7 +71,7 @@ class PrefillRole(Role):
         config: ServerConfig,
         hidden: HiddenHandoff | None = None,
     ):
-        """`kv_manager` wakes `scheduler` (its wake_scheduler) when a room moves; `hidden`: NEXTN's drafter,
+        """`kv_manager` wakes `scheduler` (its wake_scheduler) when a room moves; `hidden`: NEXTN's or EAGLE's drafter,
         whose hidden state of the prompt's last position goes in the aux record."""
         self.scheduler, self.kv_manager, self.config, self.hidden = scheduler, kv_manager, config, hidden
         self.instance_id = kv_manager.instance_id

@@ -113,7 +113,7 @@ class Engine:
         self.drafter = make_drafter(built, config, self.memory.req_pool.req_to_token)
         # in the KV layout a PD peer must match
         self.speculative = speculative_descriptor(config, built, self.model_dir)
-        # NEXTN: the prompt's last hidden state crosses PD in the aux record
+        # NEXTN, EAGLE: the prompt's last hidden state crosses PD in the aux record
         self.hidden_handoff = self.drafter if self.drafter is not None and self.drafter.needs_hidden else None
         self.aux_hidden_bytes = self.hidden_handoff.hidden_bytes if self.hidden_handoff is not None else 0
         runners = self._runners(built, frozenset(eos_ids))
@@ -191,7 +191,7 @@ class Engine:
         prefix = make_prefix_cache(
             c, allocator, self.kv_pool, self.kv_events, self._store_namespace(), lambda: self.scheduler.wake()
         )
-        return MemoryManager(req_pool, allocator, prefix, c.page_size, reuse_cut=c.speculative_algorithm == "NEXTN")
+        return MemoryManager(req_pool, allocator, prefix, c.page_size, reuse_cut=c.drafts_from_hidden)
 
     def _runners(self, built: RankModel, eos_ids: frozenset[int]) -> list[ModelRunner]:
         """The model runner (rank 0's model sends each batch to the other ranks first), or one per DP rank,

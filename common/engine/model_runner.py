@@ -119,7 +119,7 @@ class ModelRunner:
     def run(self, plan: BatchPlan) -> BatchResult:
         prepared = self.prepare(plan)
         result = prepared.finish(self.forward(prepared.batch))
-        if self.hidden is not None:  # NEXTN: the MTP layer's inputs (common/engine/spec/nextn.py)
+        if self.hidden is not None:  # NEXTN, EAGLE: the head's inputs (common/engine/spec/head_drafter.py)
             self._hand_hidden(plan, result)
         return result
 

@@ -250,7 +250,7 @@ class Scheduler:
             # a decode step wrote its token's KV for every model; with a draft model lagging behind (a verify
             # accepted all its drafts), what the draft lacks stays uncomputed until its next catch-up
             self.memory.mark_computed(req)
-            if self.decode.spec is not None:  # NEXTN's slots lag the target's (common/engine/spec/nextn.py)
+            if self.decode.spec is not None:  # a head's slots lag the target's (common/engine/spec/head_drafter.py)
                 req.kv_computed_len = min(req.kv_computed_len, self.decode.spec.drafter.computed_cap(req))
         req.kv_ready = result.kv_ready
         if result.input_logprobs[i] is not None:

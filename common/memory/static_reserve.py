@@ -98,7 +98,7 @@ def graph_plan(config, attention: str, capturable: bool) -> tuple[list[int], str
         f"--tp-size {config.tp_size} (graphs need 1)": config.tp_size > 1,
         "a prefill server decodes nothing": config.disagg_mode == "prefill",
         "the model's forward reads the device back (MoE expert routing)": not capturable,
-        "NEXTN keeps the target's hidden states of every forward": config.speculative_algorithm == "NEXTN",
+        f"{config.speculative_algorithm} keeps the target's hidden states of every forward": config.drafts_from_hidden,
     }
     off = [why for why, applies in reasons.items() if applies]
     if off:

@@ -52,6 +52,10 @@ class MTPLayer(nn.Module):
         x = self.decoder(x, target.model.rotary_emb(batch, x.dtype), attn, batch)
         return self.head_norm(x)
 
+    def logits(self, target: LlamaForCausalLM, out: torch.Tensor) -> torch.Tensor:
+        """The guesses from the MTP's output: the target's own LM head (DeepSeek shares it)."""
+        return target.lm_head(out)
+
 
 def check_nextn(hf: PretrainedConfig, model_dir: Path) -> None:
     """Refused before anything loads: the checkpoint must hold an MTP layer."""

@@ -28,6 +28,7 @@ from common.memory.static_reserve import (
     req_to_token_bytes,
 )
 from common.model.draft import DraftWeights, draft_config, load_draft, with_draft_layers
+from common.model.eagle import EagleHead, eagle_config, load_eagle_head
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -49,7 +50,7 @@ class RankModel:
     attn: AttentionBackend
     reserved: StaticReserve  # what the pool's sizing set aside for the buffers allocated after it
     draft: DraftWeights | None = None  # STANDALONE's draft model (TP 1), its KV the pool's last layers
-    mtp: MTPLayer | None = None  # NEXTN's MTP layer (TP 1), its KV the pool's last layer
+    draft_head: MTPLayer | EagleHead | None = None  # NEXTN's MTP layer or EAGLE's head (TP 1): the pool's last layer
 
 
 def build_rank_model(
@@ -57,16 +58,22 @@ def build_rank_model(
 ) -> RankModel:
     """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
     tp = model_layout(tp, config)
-    found = draft_config(config.speculative_draft_model_path, hf)  # refused before anything loads
-    if config.speculative_algorithm == "NEXTN":
+    algo, path = config.speculative_algorithm, config.speculative_draft_model_path
+    found = draft_config(path, hf) if algo == "STANDALONE" else None  # refused before anything loads
+    eagle = eagle_config(path, hf) if algo == "EAGLE" else None
+    if algo == "NEXTN":
         check_nextn(hf, model_dir)
     model = load_model(model_dir, hf, dtype, config.device, tp)
     for moe in moe_layers(model):
         moe.count_loads = config.enable_eplb  # EPLB's measurement (common.model.eplb)
     draft = load_draft(found, dtype, config.device, hf.num_hidden_layers) if found else None
-    mtp = load_mtp(model_dir, hf, model, dtype, config.device) if config.speculative_algorithm == "NEXTN" else None
+    head = None
+    if algo == "NEXTN":
+        head = load_mtp(model_dir, hf, model, dtype, config.device)
+    elif eagle is not None:
+        head = load_eagle_head(eagle, model, dtype, config.device)
     whole = with_draft_layers(attention_spec(hf), draft)
-    if mtp is not None:
+    if head is not None:
         whole = dataclasses.replace(whole, num_layers=whole.num_layers + 1)
     heads = head_partition(whole.q_heads, whole.kv_heads, tp.attn)
     spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's
@@ -88,7 +95,7 @@ def build_rank_model(
         draft.shares_attn = draft.heads() == (spec.q_heads, spec.head_dim, spec.scaling)
         own = None if draft.shares_attn else make_attention_backend(*backend, *draft.heads(), config.flashinfer_backend)
         draft.attn = own or attn
-    return RankModel(model, heads, plan, pool, attn, reserved, draft, mtp)
+    return RankModel(model, heads, plan, pool, attn, reserved, draft, head)
 
 
 def static_reserve(config: ServerConfig, hf: PretrainedConfig, kind: str, quantized: bool) -> StaticReserve:

@@ -4,7 +4,7 @@ its bootstrap registration, checked by the decode before it pairs (torch-free).
 model_id: common.model.identity (config and weights' names and shapes); attention: mha | mla; kv_scales:
 the FP8 cache's per-layer scales ("none" unquantized, "k=S,v=S" when every layer shares them, else a
 hash of the list); speculative: the speculative algorithm and its draft's identity ("none", "NGRAM",
-"STANDALONE draft=<model id> layers=<n>"): a draft model's KV is part of every page, so its identity must
+"STANDALONE draft=<model id> layers=<n>", "NEXTN mtp=…", "EAGLE head=…"): a draft's KV is part of every page, so its identity must
 match; NGRAM keeps no state beyond the tokens and pairs with a prefill that runs no speculation.
 dp_size: attention DP ranks (each attention group of tp_size / dp_size ranks holds its
 own requests' KV); experts: how MoE layers are laid out ("tp": a slice of every expert per rank, "ep N"

@@ -90,3 +90,36 @@ def save_deepseek_mtp(path: Path, quiet: float = 0.01) -> Path:
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}, indent=2))
     return path
+
+
+def save_eagle_target_and_head(root: Path, kv_heads: int | None = None) -> tuple[Path, Path]:
+    """A 2-layer Llama whose layers barely change the residual stream (it guesses the next token from the last
+    one, as the NEXTN test model does) and an EAGLE head for it (SGLang's LlamaForCausalLMEagle layout, names
+    without `model.`): fc passes the next token's embedding through plus a little of the hidden state, and
+    its decoder layer is the target's last, so it guesses what the target would, often but not always.
+    `kv_heads`: the head gets another KV head count, so its KV does not fit the target's pages."""
+    import json
+
+    from safetensors.torch import save_file
+
+    target = root / "target"
+    if not target.exists():
+        save_llama(target, vocab=512, layers=2, quiet_from=0, tail_scale=0.01)
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
+    config = model.config.to_dict() | {"num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle"]}
+    config["num_key_value_heads"] = kv_heads or config["num_key_value_heads"]
+    h, d = model.config.hidden_size, model.config.hidden_size // model.config.num_attention_heads
+    torch.manual_seed(2)
+    layer = {f"layers.0.{k}": v for k, v in model.model.layers[-1].state_dict().items()}
+    layer.pop("layers.0.input_layernorm.weight")  # EAGLE's first layer has no input norm
+    for name in ("k_proj", "v_proj") if kv_heads else ():
+        layer[f"layers.0.self_attn.{name}.weight"] = torch.randn(kv_heads * d, h) * 0.02
+    fc = torch.cat((torch.eye(h), torch.randn(h, h) * 0.002), dim=1)
+    head = root / ("head" if kv_heads is None else f"head-{kv_heads}")
+    head.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in (layer | {"fc.weight": fc, "fc.bias": torch.zeros(h)}).items()},
+        head / "model.safetensors",
+    )
+    (head / "config.json").write_text(json.dumps(config, indent=2))
+    return target, head

@@ -5,8 +5,11 @@ chain ends the request there; retraction under a small pool resumes exactly; onl
 enters the prefix cache, and a next turn that reuses it decodes the same; every pool is idle afterwards.
 Sampled acceptance without a seed is lossless in distribution: on an 8-token vocabulary the first two tokens'
 joint frequencies match the target's probabilities (chi-square).
-NEXTN (a tiny DeepSeek-V3 with an MTP layer, prompts in chunks): greedy and seeded tokens and logprobs equal
-decoding without it, with drafts accepted; retraction and a next turn over the prefix cache resume exactly."""
+NEXTN (a tiny DeepSeek-V3 with an MTP layer) and EAGLE (a tiny Llama and a head of one layer in its own
+directory), prompts in chunks: greedy and seeded tokens and logprobs equal decoding without them, with drafts
+accepted; retraction and a next turn over the prefix cache resume exactly. The EAGLE loader takes names with
+or without `model.`, and a head whose KV does not fit the target's pages is refused at start-up naming both
+shapes."""
 
 from __future__ import annotations
 
@@ -14,14 +17,23 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from common.config import ServerConfig
 from common.core.request import Req
 from common.engine.engine import Engine
+from common.model.eagle import eagle_config, load_eagle_head
+from common.model.loader import load_hf_config, load_model
 from common.model.truncate import truncate_model
 from common.wire.sampling_params import SamplingParams
-from tests.integration.spec_models import save_deepseek_mtp, save_llama, save_target_and_draft
+from common.wire.user_error import UserError
+from tests.integration.spec_models import (
+    save_deepseek_mtp,
+    save_eagle_target_and_head,
+    save_llama,
+    save_target_and_draft,
+)
 from tests.integration.tiny_model import random_prompts
 
 PAGE = 4
@@ -190,35 +202,76 @@ def test_sampled_acceptance_without_a_seed_keeps_the_target_distribution(tmp_pat
     assert 0.05 * verified < accepted < 0.95 * verified  # drafts both kept and rejected
 
 
-NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
-
-
 @pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    return save_deepseek_mtp(tmp_path_factory.mktemp("mtp"))
+def eagle_models(tmp_path_factory):
+    """The EAGLE test target and its head."""
+    return save_eagle_target_and_head(tmp_path_factory.mktemp("eagle"))
 
 
-def test_nextn_greedy_seeded_and_a_next_turn_equal_decoding_without_it(mtp_model):
-    """Prompts in chunks of 16: the MTP layer runs each chunk's pairs, the last one waits for the sampled token;
-    a next turn hits the prefix cache (less its last page: the MTP's KV there depends on the next token)."""
-    off, nextn = (engine(mtp_model, chunked_prefill_size=16, **flags) for flags in ({}, NEXTN))
+@pytest.fixture(scope="module", params=["NEXTN", "EAGLE"])
+def head_model(request, tmp_path_factory) -> tuple[str, dict]:
+    """A target with a draft head and the flags that draft with it: NEXTN's MTP layer or an EAGLE head."""
+    flags = {"speculative_algorithm": request.param, "speculative_num_steps": 3}
+    if request.param == "NEXTN":
+        return save_deepseek_mtp(tmp_path_factory.mktemp("mtp")), flags
+    target, head = request.getfixturevalue("eagle_models")
+    return target, flags | {"speculative_draft_model_path": str(head)}
+
+
+def test_a_head_greedy_seeded_and_a_next_turn_equal_decoding_without_it(head_model):
+    """Prompts in chunks of 16: the head runs each chunk's pairs, the last one waits for the sampled token;
+    a next turn hits the prefix cache (less its last page: the head's KV there depends on the next token)."""
+    model, flags = head_model
+    off, spec_engine = (engine(model, chunked_prefill_size=16, **f) for f in ({}, flags))
     prompts = repetitive_prompts()[1:3]
     cases = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}]
     per_request = [c for c in cases for _ in prompts]
     base = run(off, prompts * 2, per_request, logprobs=True, max_new_tokens=16)
-    spec = run(nextn, prompts * 2, per_request, logprobs=True, max_new_tokens=16)
+    spec = run(spec_engine, prompts * 2, per_request, logprobs=True, max_new_tokens=16)
     assert_same(base, spec)
     assert all(r.spec_verify_ct > 0 for r in spec)
-    assert sum(r.spec_accepted for r in spec) > 10  # eh_proj passes the token through: the MTP guesses well
+    assert sum(r.spec_accepted for r in spec) > 10  # eh_proj / fc pass the token through: the head guesses well
     turns = [r.prompt_ids + r.output_ids + p for r, p in zip(spec, random_prompts(2, 5, 5, seed=9))]
-    want, again = run(off, turns, max_new_tokens=16), run(nextn, turns, max_new_tokens=16)
+    want, again = run(off, turns, max_new_tokens=16), run(spec_engine, turns, max_new_tokens=16)
     assert_same(want, again)
     assert all(r.prefix_hit_len > 0 for r in again) and sum(r.spec_accepted for r in again) > 0
 
 
-def test_nextn_retraction_under_a_small_pool_resumes_exactly(mtp_model):
-    small = engine(mtp_model, tokens=192, max_running_requests=8, **NEXTN)
+def test_a_head_retraction_under_a_small_pool_resumes_exactly(head_model):
+    model, flags = head_model
+    small = engine(model, tokens=192, max_running_requests=8, **flags)
     prompts = repetitive_prompts()
-    want, got = run(engine(mtp_model), prompts, max_new_tokens=40), run(small, prompts, max_new_tokens=40)
+    want, got = run(engine(model), prompts, max_new_tokens=40), run(small, prompts, max_new_tokens=40)
     assert_same(want, got)
     assert small.scheduler.decode.num_retractions > 0
+
+
+def test_eagle_head_loads_with_or_without_the_model_prefix(eagle_models, tmp_path):
+    target, head = eagle_models
+    tensors = load_file(head / "model.safetensors")
+    prefixed = tmp_path / "prefixed"
+    prefixed.mkdir()
+    save_file({f"model.{k}": v for k, v in tensors.items()}, prefixed / "model.safetensors")
+    (prefixed / "config.json").write_text((head / "config.json").read_text())
+    hf = load_hf_config(target)
+    model = load_model(target, hf, torch.float32, "cpu")
+    plain, other = (
+        dict(load_eagle_head(eagle_config(str(d), hf), model, torch.float32, "cpu").named_parameters())
+        for d in (head, prefixed)
+    )
+    assert plain.keys() == other.keys() and all(torch.equal(plain[n], other[n]) for n in plain)
+    assert torch.equal(plain["fc.weight"], tensors["fc.weight"])
+    assert torch.equal(plain["decoder.mlp.down_proj.weight"], tensors["layers.0.mlp.down_proj.weight"])
+
+
+def test_an_eagle_head_of_another_kv_shape_is_refused_at_start_up_naming_both(eagle_models):
+    target, _ = eagle_models
+    _, head = save_eagle_target_and_head(target.parent, kv_heads=4)
+    with pytest.raises(UserError) as refused:
+        engine(target, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head))
+    assert str(refused.value) == (
+        f"--speculative-draft-model-path {head}: the EAGLE head's (attention, hidden size, query heads, KV heads, "
+        "head dim, vocabulary) is ('mha', 64, 4, 4, 16, 512), the target's ('mha', 64, 4, 2, 16, 512); it reads "
+        "the target's hidden states and keeps its KV as one more layer of the target's pages, so they must match: "
+        "give the head trained for this target"
+    )

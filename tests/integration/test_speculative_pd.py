@@ -7,6 +7,9 @@
   travels in the target's pages, tokens equal transformers', drafts accepted as in one engine;
 - a tiny DeepSeek-V3 with NEXTN (its MTP layer) on both PD sides: the MTP's KV of the prompt travels in the
   pages and the prompt's last hidden state in the aux record; tokens and accepted drafts equal one engine's;
+- a tiny Llama with an EAGLE head on both PD sides: the head's KV of the prompt travels in the pages and the
+  prompt's last hidden state in the aux record; tokens and logprobs equal decoding without speculation, verifies
+  and accepted drafts one engine's;
 - a decode without the draft refuses that prefill before any KV moves, naming both sides' `speculative`;
 - NGRAM at --tp-size 2: the verify forward runs on both ranks, tokens equal transformers'.
 """
@@ -24,7 +27,7 @@ from common.engine.engine import Engine
 from common.wire.sampling_params import SamplingParams
 from tests.conftest import metric, start_server
 from tests.integration.cluster import generate, spawn_cluster, start_router
-from tests.integration.spec_models import save_deepseek_mtp, save_target_and_draft
+from tests.integration.spec_models import save_deepseek_mtp, save_eagle_target_and_head, save_target_and_draft
 from tests.integration.tiny_model import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(900)  # three servers of the built-in model (and the shared reference) start first
@@ -49,9 +52,17 @@ def mtp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny, mtp, reference_servers):
-    """Started at once: the NGRAM monolithic server, the built-in PD pair, the tiny STANDALONE PD pair and a
-    tiny decode without a draft (behind its own router, with the STANDALONE prefill)."""
+def eagle(tmp_path_factory):
+    target, head = save_eagle_target_and_head(tmp_path_factory.mktemp("eagle-pd"))
+    speculative = ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head))
+    return target, head, ("--model", str(target), "--page-size", "4", "--chunked-prefill-size", "16", *speculative)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, mtp, eagle, reference_servers):
+    """Started at once: the NGRAM monolithic server, the built-in PD pair, the tiny STANDALONE, NEXTN and EAGLE
+    PD pairs, a tiny decode without a draft (behind its own router, with the STANDALONE prefill) and NGRAM at
+    TP 2."""
     _, _, flags, standalone = tiny
     started = []
     try:
@@ -63,13 +74,16 @@ def servers(tiny, mtp, reference_servers):
         started.append(draft_pd)
         nextn_pd = spawn_cluster("mooncake", flags=mtp[1])
         started.append(nextn_pd)
+        eagle_pd = spawn_cluster("mooncake", flags=(*eagle[2], "--speculative-num-steps", "3"))
+        started.append(eagle_pd)
         plain = start_server("--disagg-mode", "decode", "--transfer-backend", "mooncake", *flags, name="decode-plain")
         started.append(plain)
         tp = start_server(*flags, "--tp-size", "2", *NGRAM, name="ngram-tp2")
         started.append(tp)
         for s in (mono, plain, tp):
             s.wait_ready(600)
-        ngram_pd.wait_ready(600), draft_pd.wait_ready(600), nextn_pd.wait_ready(600)
+        for cluster in (ngram_pd, draft_pd, nextn_pd, eagle_pd):
+            cluster.wait_ready(600)
         prefill = [(draft_pd.prefills[0], draft_pd.prefill_bootstrap_ports[0])]
         mismatched = start_router(prefill, [plain], name="router-mismatch")
         started.append(mismatched)
@@ -78,6 +92,7 @@ def servers(tiny, mtp, reference_servers):
             "ngram_pd": ngram_pd,
             "draft_pd": draft_pd,
             "nextn_pd": nextn_pd,
+            "eagle_pd": eagle_pd,
             "plain": plain,
             "mismatched": mismatched,
             "tp": tp,
@@ -160,6 +175,19 @@ def test_standalone_pd_carries_the_draft_kv_and_equals_transformers(servers, tin
     servers["draft_pd"].wait_idle()
 
 
+def one_at_a_time(engine: Engine, prompts: list[list[int]]) -> list[Req]:
+    """Greedy answers of TINY_NEW tokens with logprobs, one request at a time, as the pair serves them (in a
+    batch a request's last token may come from a verify of the others' drafts, and count as one)."""
+    params = SamplingParams(max_new_tokens=TINY_NEW, temperature=0, ignore_eos=True)
+    reqs = [Req(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.return_logprob = True
+        engine.scheduler.add_request(r)
+        while engine.scheduler.step():
+            pass
+    return reqs
+
+
 def test_nextn_pd_carries_the_mtp_kv_and_hidden_state_and_accepts_as_one_engine(servers, mtp):
     """Prompts of 5 to 40 tokens in chunks of 16 (the prefill's MTP runs each chunk); the decode's first draft
     comes from the aux record's hidden state and the MTP KV that crossed: the same drafts as one engine."""
@@ -168,19 +196,32 @@ def test_nextn_pd_carries_the_mtp_kv_and_hidden_state_and_accepts_as_one_engine(
     config = ServerConfig(
         model=str(model), page_size=4, chunked_prefill_size=16, speculative_algorithm="NEXTN", speculative_num_steps=3
     )
-    engine = Engine(config)
-    params = SamplingParams(max_new_tokens=TINY_NEW, temperature=0, ignore_eos=True)
-    reqs = [Req(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    for r in reqs:  # one at a time, as the pair serves them (in a batch a request's last token may come from a
-        engine.scheduler.add_request(r)  # verify of the others' drafts, and count as one)
-        while engine.scheduler.step():
-            pass
+    reqs = one_at_a_time(Engine(config), prompts)
     for ids, mono in zip(prompts, reqs):
         out = generate(servers["nextn_pd"].url, ids, TINY_NEW, sampling={"ignore_eos": True})
         assert out["output_ids"] == mono.output_ids
         assert out["meta_info"]["spec_verify_ct"] == mono.spec_verify_ct
         assert accepted(out) == mono.spec_accepted > 0
     servers["nextn_pd"].wait_idle()
+
+
+def test_eagle_pd_carries_the_head_kv_and_hidden_state_and_equals_decoding_without_it(servers, eagle):
+    """Prompts of 5 to 40 tokens in chunks of 16: the PD pair's tokens and logprobs are those of one engine
+    without speculation, its verifies and accepted drafts those of one EAGLE engine."""
+    target, head, _ = eagle
+    prompts = random_prompts(3, 5, 40, seed=36)
+    common = {"model": str(target), "page_size": 4, "chunked_prefill_size": 16}
+    base = one_at_a_time(Engine(ServerConfig(**common)), prompts)
+    flags = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head), "speculative_num_steps": 3}
+    mono = one_at_a_time(Engine(ServerConfig(**common, **flags)), prompts)
+    for ids, want, spec in zip(prompts, base, mono):
+        out = generate(servers["eagle_pd"].url, ids, TINY_NEW, sampling={"ignore_eos": True}, return_logprob=True)
+        assert out["output_ids"] == want.output_ids == spec.output_ids
+        got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, want.output_logprobs)) < 1e-4
+        assert out["meta_info"]["spec_verify_ct"] == spec.spec_verify_ct
+        assert accepted(out) == spec.spec_accepted > 0
+    servers["eagle_pd"].wait_idle()
 
 
 def test_a_decode_without_the_draft_refuses_the_prefill_naming_both(servers):

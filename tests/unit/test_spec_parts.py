@@ -1,5 +1,6 @@
 """Speculative decoding's pieces without a model: NGRAM's proposals, acceptance from sampled positions, the
-flags' refusals, the KV layout's `speculative` field, and NEXTN's aux record carrying a hidden state."""
+flags' refusals, the KV layout's `speculative` field, NEXTN's aux record carrying a hidden state, and the names
+an EAGLE checkpoint gives its head's weights."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from common.config import ServerConfig
 from common.engine.sampler import SampleOutput
 from common.engine.spec.ngram import NgramIndex
 from common.engine.spec.verify import accept
+from common.model.eagle import head_param_name
 from common.wire.kv_layout import LAYOUT_KEYS, layout_mismatch
 from transfer.aux_record import AuxRecord, record_bytes
 
@@ -46,16 +48,20 @@ def test_acceptance_keeps_drafts_up_to_the_first_mismatch_then_the_targets_token
 @pytest.mark.parametrize(
     "flags, words",
     [
-        ({"speculative_algorithm": "EAGLE"}, "EAGLE is not implemented"),
+        ({"speculative_algorithm": "EAGLE"}, "EAGLE needs --speculative-draft-model-path"),
+        ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/x", "tp_size": 2}, "EAGLE runs its"),
         ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "tree verification"),
-        ({"speculative_algorithm": "STANDALONE"}, "needs --speculative-draft-model-path"),
-        ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/x"}, "only it takes one"),
-        ({"speculative_draft_model_path": "/x"}, "needs --speculative-algorithm STANDALONE"),
+        ({"speculative_algorithm": "STANDALONE"}, "STANDALONE needs --speculative-draft-model-path"),
+        (
+            {"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/x"},
+            "for STANDALONE and EAGLE only, not NGRAM",
+        ),
+        ({"speculative_draft_model_path": "/x"}, "needs --speculative-algorithm STANDALONE or EAGLE"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6}, "give 4"),
         ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/x", "tp_size": 2}, "--tp-size 1"),
         ({"speculative_algorithm": "NEXTN", "tp_size": 2}, "NEXTN runs its draft on one rank"),
         ({"speculative_algorithm": "NEXTN", "tp_size": 2, "enable_dp_attention": True}, "dp-attention"),
-        ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 is not implemented"),
+        ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/x"}, "EAGLE3 is not implemented"),
     ],
 )
 def test_flags_that_do_not_fit_are_refused_naming_them(flags, words):
@@ -87,6 +93,8 @@ def test_layouts_pair_only_with_the_same_draft_state():
     assert "speculative: decode has 'none', prefill has 'NEXTN mtp=abc" in layout_mismatch(
         layout("none"), layout(nextn)
     )
+    eagle = "EAGLE head=def layers=1 hidden=64xfloat32"
+    assert f"speculative: decode has '{eagle}', prefill has '{nextn}'" in layout_mismatch(layout(eagle), layout(nextn))
 
 
 def test_nextn_aux_record_carries_the_hidden_state_and_is_sized_by_it():
@@ -98,3 +106,18 @@ def test_nextn_aux_record_carries_the_hidden_state_and_is_sized_by_it():
     assert AuxRecord.unpack(AuxRecord(7, 42, 4, 30).pack()).hidden == b""
     with pytest.raises(ValueError, match="expected"):
         AuxRecord.unpack(raw)  # a decode expecting no hidden state
+
+
+def test_eagle_checkpoint_names_map_to_the_heads_parameters_with_or_without_the_model_prefix():
+    for prefix in ("", "model."):
+        assert head_param_name(prefix + "fc.weight") == "fc.weight"
+        assert head_param_name(prefix + "fc.bias") == "fc.bias"
+        assert head_param_name(prefix + "embed_tokens.weight") == "embed_tokens.weight"
+        assert head_param_name(prefix + "layers.0.self_attn.q_proj.weight") == "decoder.self_attn.q_proj.weight"
+        assert head_param_name(prefix + "layers.0.mlp.down_proj.weight") == "decoder.mlp.down_proj.weight"
+        assert head_param_name(prefix + "layers.0.post_attention_layernorm.weight") == (
+            "decoder.post_attention_layernorm.weight"
+        )
+        assert head_param_name(prefix + "layers.0.input_layernorm.weight") is None  # EAGLE skips layer 0's
+    assert head_param_name("lm_head.weight") == "lm_head.weight"
+    assert head_param_name("layers.1.mlp.up_proj.weight") == "layers.1.mlp.up_proj.weight"  # no parameter: refused

@@ -12,7 +12,7 @@ class AuxPool:
         self, num_slots: int, buffer: torch.Tensor | None = None, first: int = 0, slot_bytes: int = record_bytes()
     ):
         """`buffer`, `first`: slots [first, first + num_slots) of another pool's buffer (`shares`); `slot_bytes`:
-        one record's size (NEXTN's carries a hidden state)."""
+        one record's size (NEXTN's and EAGLE's carry a hidden state)."""
         self.num_slots, self.first = num_slots, first
         self.buffer = buffer if buffer is not None else torch.zeros(num_slots, slot_bytes, dtype=torch.uint8)
         self._free = list(range(first + num_slots - 1, first - 1, -1))

@@ -13,8 +13,8 @@ tokens committed:
                                                                                        written again next step
     kv_computed_len                        tokens whose KV every model wrote: the      only these ever enter the
                                           target's, and a draft model's up to the     prefix cache (release)
-                                          last draft input it accepted (NEXTN: up to
-                                          the MTP slots of committed pairs, + 1)
+                                          last draft input it accepted (a head: up to
+                                          its slots of committed pairs, + 1)
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def commit_verified(
     if drafter.writes_kv and not drafter.needs_hidden:  # a draft model's inputs: the last token and the drafts
         # before the last, valid while accepted
         computed = min(computed, start + 1 + min(v.accepted, v.drafted - 1) if v.drafted else req.kv_computed_len)
-    computed = min(computed, drafter.computed_cap(req))  # NEXTN: its slots lag the target's
+    computed = min(computed, drafter.computed_cap(req))  # NEXTN, EAGLE: its slots lag the target's
     memory.truncate(req, req.seq_len - 1)
     req.kv_computed_len = max(req.kv_computed_len, min(computed, req.kv_len))
     return finish

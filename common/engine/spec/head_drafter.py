@@ -1,10 +1,12 @@
-"""NEXTN drafting: DeepSeek's MTP layer (common/model/nextn.py) guesses from the target's hidden states.
+"""NEXTN and EAGLE drafting: a draft head guesses from the target's hidden states, either DeepSeek's MTP layer
+read from the target's checkpoint (common/model/nextn.py) or an EAGLE head from its own directory
+(common/model/eagle.py). Both take the same pair and differ only in the module; this drafter runs either.
 
-MTP slot i of a request (its KV: one more layer of the target's pages, at token i's slot) is computed from
+Head slot i of a request (its KV: one more layer of the target's pages, at token i's slot) is computed from
 the pair (h_i, t_{i+1}): the target's hidden state at position i and the token that followed it. So the
-MTP writes slot i once t_{i+1} is committed; the runner hands it the target's hidden states of every
-forward (`take_hidden`), and each request keeps those whose pair the MTP has not run yet: `pending`, the
-hidden states of positions [q, seq_len - 1), where q is the MTP slots written (all of them pairs of
+head writes slot i once t_{i+1} is committed; the runner hands it the target's hidden states of every
+forward (`take_hidden`), and each request keeps those whose pair the head has not run yet: `pending`, the
+hidden states of positions [q, seq_len - 1), where q is the head slots written (all of them pairs of
 committed tokens):
 
     prefill chunk [a, b)   pairs i in [a, b) run at once (t_{i+1} is the prompt's), but for the prompt's
@@ -12,7 +14,7 @@ committed tokens):
     plain decode step      pending += the step's h (its token is committed next)
     verify                 pending += h of the c committed positions
     propose (k drafts)     catch-up: pairs [q, seq_len - 1) in one forward, its last row's logits give draft 1;
-                           each next step feeds (the MTP's own output, the previous draft) at the next slot.
+                           each next step feeds (the head's own output, the previous draft) at the next slot.
                            q = seq_len - 1 after it: the drafting slots are written again by the next catch-up
 
 Across PD the prefill's pending (h of the prompt's last position) travels in the aux record
@@ -34,14 +36,15 @@ from common.core.forward_batch import ForwardMode
 from common.core.request import Req
 from common.engine.extend_batch import ExtendRow, build_extend_batch
 from common.engine.spec.drafter import Drafter
+from common.model.eagle import EagleHead
 from common.model.llama import LlamaForCausalLM
 from common.model.nextn import MTPLayer
 
-PENDING_MAX = 16  # hidden states a request keeps before the MTP catches up without drafting
+PENDING_MAX = 16  # hidden states a request keeps before the head catches up without drafting
 
 
 class HiddenHandoff(Protocol):
-    """What a PD role asks of NEXTN's drafter: the prompt's last hidden state into and out of the aux record."""
+    """What a PD role asks of a head drafter (NEXTN, EAGLE): the prompt's last hidden state into and out of the aux record."""
 
     hidden_bytes: int
 
@@ -50,16 +53,24 @@ class HiddenHandoff(Protocol):
     def set_pending_bytes(self, req: Req, raw: bytes) -> None: ...
 
 
-class NextNDrafter(Drafter):
+class HeadDrafter(Drafter):
     writes_kv = True
     needs_hidden = True
 
     def __init__(
-        self, mtp: MTPLayer, target: LlamaForCausalLM, attn: AttentionBackend, req_to_token: torch.Tensor, device: str
+        self,
+        head: MTPLayer | EagleHead,
+        target: LlamaForCausalLM,
+        attn: AttentionBackend,
+        req_to_token: torch.Tensor,
+        device: str,
+        name: str,
     ):
-        self.mtp, self.target, self.attn = mtp, target, attn
+        """`head`: forward(target, batch, attn, hidden) -> its output, logits(target, output); `name`: describe's."""
+        self.head, self.target, self.attn, self.name = head, target, attn, name
         self.req_to_token, self.device, self.page_size = req_to_token, device, attn.kv_pool.page_size
-        # a request -> (q, the hidden states of positions [q, q + p)): q MTP slots written
+        self.dtype = next(head.parameters()).dtype
+        # a request -> (q, the hidden states of positions [q, q + p)): q head slots written
         self.pending: weakref.WeakKeyDictionary[Req, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         self.hidden_size = target.config.hidden_size
         self.hidden_bytes = 4 * self.hidden_size  # in the aux record: float32
@@ -107,14 +118,14 @@ class NextNDrafter(Drafter):
     def set_pending_bytes(self, req: Req, raw: bytes) -> None:
         """A PD decode's request: the prompt's last hidden state, from the aux record."""
         h = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(1, -1)
-        self.pending[req] = (len(req.prompt_ids) - 1, h.to(self.device, self.mtp.eh_proj.weight.dtype))
+        self.pending[req] = (len(req.prompt_ids) - 1, h.to(self.device, self.dtype))
 
     def pending_bytes(self, req: Req) -> bytes:
         """A PD prefill's aux record: the prompt's last hidden state, float32."""
         return self._pending(req)[-1].float().cpu().numpy().tobytes()
 
     def computed_cap(self, req: Req) -> int:
-        """KV a cache may keep: MTP slot q needs h_q and t_{q+1}, so the tokens [0, q + 1)."""
+        """KV a cache may keep: head slot q needs h_q and t_{q+1}, so the tokens [0, q + 1)."""
         got = self.pending.get(req)
         return req.seq_len if got is None else got[0] + 1
 
@@ -127,7 +138,7 @@ class NextNDrafter(Drafter):
         hidden = torch.cat([h for _, h in caught]) if caught else None
         while active:
             out = self._forward(rows, hidden, ForwardMode.VERIFY)
-            for i, token in zip(active, self.target.lm_head(out).float().argmax(dim=-1).tolist()):
+            for i, token in zip(active, self.head.logits(self.target, out).float().argmax(dim=-1).tolist()):
                 drafts[i].append(token)
             keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
             active, hidden = [active[j] for j in keep], out[keep]
@@ -137,10 +148,10 @@ class NextNDrafter(Drafter):
         return drafts
 
     def _forward(self, rows: list[ExtendRow], hidden: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
-        """The MTP over `rows` (their KV written), the output at each row's last token."""
+        """The head over `rows` (their KV written), the output at each row's last token."""
         batch, _ = build_extend_batch(rows, self.page_size, self.device, self.req_to_token, mode)
         self.attn.init_forward(batch)
-        return self.mtp(self.target, batch, self.attn, hidden)[batch.logits_indices]
+        return self.head(self.target, batch, self.attn, hidden)[batch.logits_indices]
 
     def describe(self) -> str:
-        return f"NEXTN (the checkpoint's MTP layer, layer {self.target.config.num_hidden_layers})"
+        return self.name
