@@ -8,7 +8,8 @@ process. Three runs over the same servers, fresh prompts each:
     planner        2P1D at the start, `tandem planner --mode sla` with the targets below flipping servers
 
 Per run: SLO attainment (requests whose TTFT and TPOT both met --ttft-ms / --tpot-ms) per phase and overall,
-failed requests, and for the planner when it flipped (seconds and intervals after the shift) and what it decided.
+failed requests, and for the planner when it flipped (seconds and intervals after the shift), when after the shift
+its decode pressure first went over 1 (tandem_planner_pressure, read with the split), and what it decided.
 
     .venv/bin/python benchmarks/planner_bench.py [--phase-s 60] [--ttft-ms 3000] [--tpot-ms 100] [--rates 0.5 1.5]
 """
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -92,6 +94,15 @@ async def run(url: str, phase_s: float, seed: int, ttft_s: float, tpot_s: float,
     return {"met": met, "failed": failed, "requests": len(results), "latency": latency}
 
 
+def decode_pressure(answer: httpx.Response) -> float:
+    """The planner's decode pressure in its /metrics answer."""
+    for family in text_string_to_metric_families(answer.text):
+        for x in family.samples:
+            if x.name == "tandem_planner_pressure" and x.labels.get("worker_role") == "decode":
+                return x.value
+    return 0.0
+
+
 def _p(xs: list[float], q: float) -> float | None:
     return round(1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]) if xs else None
 
@@ -157,18 +168,24 @@ def one_run(c: Cluster, name: str, args, seed: int) -> dict:
     )  # fmt: skip
     flips: list[str] = []
 
+    def since_shift(what: str, t: float) -> str:
+        shift = t - args.phase_s
+        return f"{what} at {t:.0f} s ({shift:+.0f} s, {shift / args.interval_s:+.1f} intervals from the shift)"
+
     async def watch(client: httpx.AsyncClient, start: float) -> None:
-        """Every half second, the split the router sees; each change noted with its time from the shift."""
-        last = None
+        """Every half second, the split the router sees and the planner's decode pressure; each change of split noted
+        with its time from the shift, and the first decode pressure over 1 after it."""
+        last, pressed = None, False
         while True:
             workers = (await client.get(c.url + "/workers")).json()["workers"]
             split = "".join(sorted(w["role"][0].upper() for w in workers))  # e.g. "DPP"
             t = time.monotonic() - start
             if last is not None and split != last:
-                shift = t - args.phase_s
-                flips.append(f"{last}->{split} at {t:.0f} s ({shift:+.0f} s, {shift / args.interval_s:+.1f} intervals "
-                             "from the shift)")  # fmt: skip
+                flips.append(since_shift(f"{last}->{split}", t))
             last = split
+            if not pressed and t > args.phase_s and decode_pressure(await client.get(planner.url + "/metrics")) > 1:
+                pressed = True
+                flips.append(since_shift("decode pressure over 1", t))
             await asyncio.sleep(0.5)
 
     try:
@@ -181,6 +198,7 @@ def one_run(c: Cluster, name: str, args, seed: int) -> dict:
     finally:
         planner.stop()
     out["flips"] = "; ".join(flips) or "none"
+    out["planner_log"] = str(planner.log_path)  # every interval's pressures and decision
     return out
 
 

@@ -5,6 +5,7 @@
     tandem_planner_desired_workers{worker_role}    servers of each role it wants
     tandem_planner_pressure{worker_role}           each role's pressure (1: at its limit)
     tandem_planner_ttft_p90_seconds, tandem_planner_itl_p90_seconds    the interval's observed latencies
+    tandem_planner_ttft_predicted_seconds          a prompt arriving now: its time at the prefills (planner/decide.py)
     tandem_planner_decisions_total{action,reason}  every interval's decision (action none included)
     tandem_planner_actions_total{outcome}          changes made: done, failed
 """
@@ -41,6 +42,11 @@ class PlannerMetrics:
         )
         self.ttft = Gauge("tandem_planner_ttft_p90_seconds", "the last interval's p90 time to first token", registry=r)
         self.itl = Gauge("tandem_planner_itl_p90_seconds", "the last interval's p90 inter-token latency", registry=r)
+        self.ttft_predicted = Gauge(
+            "tandem_planner_ttft_predicted_seconds",
+            "a prompt arriving now: the seconds to compute the prompts queued ahead of it and its own",
+            registry=r,
+        )
         self.decisions = Counter(
             "tandem_planner_decisions",
             "decisions, one per interval, by action and reason",
@@ -58,6 +64,7 @@ class PlannerMetrics:
             self.pressure.labels(role).set(decision.pressure.get(role, 0.0))
         self.ttft.set(obs.ttft_p90_s or 0.0)
         self.itl.set(obs.itl_p90_s or 0.0)
+        self.ttft_predicted.set(obs.ttft_predicted_s or 0.0)
         self.decisions.labels(decision.action, decision.reason).inc()
 
 
@@ -89,9 +96,10 @@ class Planner:
         p = decision.pressure
         log.log(
             logging.INFO if decision.action != "none" else logging.DEBUG,
-            "P:D %d:%d, pressure prefill %.2f decode %.2f (queue %.2f s, KV %.0f%%, TTFT p90 %s, ITL p90 %s): %s (%s)",
-            obs.prefill, obs.decode, p["prefill"], p["decode"], obs.queue_s, 100 * obs.kv_use,
-            _ms(obs.ttft_p90_s), _ms(obs.itl_p90_s), decision.action, decision.reason,
+            "P:D %d:%d, pressure prefill %.2f decode %.2f (queue %.2f s, KV %.0f%%, waiting for pages %d, TTFT p90 %s "
+            "predicted %s, ITL p90 %s): %s (%s)",
+            obs.prefill, obs.decode, p["prefill"], p["decode"], obs.queue_s, 100 * obs.kv_use, obs.waiting_for_pages,
+            _ms(obs.ttft_p90_s), _ms(obs.ttft_predicted_s), _ms(obs.itl_p90_s), decision.action, decision.reason,
         )  # fmt: skip
         if decision.action != "none" and self.actuator is not None:
             outcome = await self.actuator.apply(session, decision, obs)

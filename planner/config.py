@@ -15,7 +15,8 @@ class PlannerConfig(BaseSettings):
     mode: Literal["throughput", "latency", "sla"] = Field(
         "throughput",
         description="Dynamo's: throughput and latency hold each role's queue and KV use under thresholds (latency's "
-        "are tighter); sla holds the observed TTFT and ITL (p90) under --ttft-ms and --itl-ms",
+        "are tighter); sla holds the TTFT (the observed p90, or the one the prefills' queue predicts if smaller) and the "
+        "ITL (p90) under --ttft-ms and --itl-ms",
     )
     ttft_ms: float = Field(2000.0, gt=0, description="sla: the time-to-first-token target (p90, milliseconds)")
     itl_ms: float = Field(100.0, gt=0, description="sla: the inter-token latency target (p90, milliseconds)")

@@ -5,7 +5,22 @@ Each role has a pressure, 1 at its limit:
 
     throughput, latency   prefill  seconds to compute the prompts queued / QUEUE_S[mode]
                           decode   max(KV pages in use / KV_USE[mode], requests waiting for pages per decode / WAITING)
-    sla                   prefill  observed p90 TTFT / --ttft-ms           decode  observed p90 ITL / --itl-ms
+    sla                   prefill  min(observed p90 TTFT, predicted TTFT) / --ttft-ms
+                          decode   max(observed p90 ITL / --itl-ms, requests waiting for pages per decode / WAITING)
+
+sla reads leading signals, what a request arriving now would meet, and uses the observed latencies as a check. The
+predicted TTFT (Observation.ttft_predicted_s) is its time at the prefills: the prompt tokens queued ahead of it and
+its own (the mean prompt lately) at the prefills' measured rate, the estimate of Dynamo's load-based planner
+(`estimate_next_ttft`: queued prefill tokens plus the mean input length, at the regressed time per chunk). The
+observed p90 is of the first tokens the interval saw, so it lags: after a shift from long prompts to short ones,
+the long prompts queued before the shift keep it high for many intervals while the queue is already empty, and a
+flip to prefill would fix nothing. With the smaller of the two, a flip to prefill needs both the queue and the first
+tokens to say the target is missed, and the prefill's pressure falls as soon as its queue has drained (Dynamo's SLA
+planner caps its observed-over-expected TTFT correction at 1 for the same reason: queueing must not inflate the
+prefill demand). With no first token in the interval the prediction counts alone while prompts are queued; with no
+rate measured, the observation alone. The decode's ITL p90 is current already (the tokens the decodes made in the
+interval); requests waiting for pages have no ITL yet, and their wait is TTFT that only more decodes remove: they
+count as in latency mode.
 
 Flip (a fixed number of servers): when a role's pressure is over 1, the planner weighs moving one server to it from
 the other role, assuming a role's pressure is inversely proportional to its servers (P servers at pressure p: P + 1
@@ -25,7 +40,7 @@ from planner.observe import Observation
 
 QUEUE_S = {"throughput": 2.0, "latency": 0.5}  # seconds of queued prompts a prefill tolerates
 KV_USE = {"throughput": 0.9, "latency": 0.7}  # decode KV pages in use it tolerates
-WAITING = {"throughput": 4.0, "latency": 1.0}  # decode requests waiting for pages, per decode
+WAITING = {"throughput": 4.0, "latency": 1.0, "sla": 1.0}  # decode requests waiting for pages, per decode
 FILL = 0.8  # scaling aims each role's pressure here
 SCALE_DOWN = 0.4
 
@@ -48,14 +63,22 @@ class Decider:
 
     def pressures(self, obs: Observation) -> dict[str, float]:
         mode = self.config.mode
-        if mode == "sla":
-            ttft, itl = obs.ttft_p90_s, obs.itl_p90_s
-            return {
-                "prefill": ttft / (self.config.ttft_ms / 1000) if ttft is not None else 0.0,
-                "decode": itl / (self.config.itl_ms / 1000) if itl is not None else 0.0,
-            }
         waiting = obs.waiting_for_pages / max(obs.decode, 1) / WAITING[mode]
+        if mode == "sla":
+            itl = obs.itl_p90_s / (self.config.itl_ms / 1000) if obs.itl_p90_s is not None else 0.0
+            return {"prefill": self._ttft(obs) / (self.config.ttft_ms / 1000), "decode": max(itl, waiting)}
         return {"prefill": obs.queue_s / QUEUE_S[mode], "decode": max(obs.kv_use / KV_USE[mode], waiting)}
+
+    @staticmethod
+    def _ttft(obs: Observation) -> float:
+        """sla's TTFT: the smaller of the observed and the predicted; with no first token in the interval the
+        prediction while prompts are queued (an idle cluster misses no target), with no rate the observation."""
+        observed, predicted = obs.ttft_p90_s, obs.ttft_predicted_s
+        if predicted is None:
+            return observed or 0.0
+        if observed is None:
+            return predicted if obs.queue_tokens > 0 else 0.0
+        return min(observed, predicted)
 
     def decide(self, obs: Observation, now: float) -> Decision:
         pressure = self.pressures(obs)

@@ -2,7 +2,9 @@
 each healthy worker's own /metrics, summed per role into one Observation.
 
     prefill   servers; prompt tokens queued (tandem_prefill_queue_tokens) and the prefill rate that drains them
-              (router/worker_stats.py: measured forwards, else the start-up calibration)
+              (router/worker_stats.py: measured forwards, else the start-up calibration); the mean prompt of the
+              requests they finished lately (tandem_prompt_tokens / tandem_requests_finished: their growth over
+              the last interval in which any finished)
     decode    servers; KV pages in use over the total (tandem_kv_pages_*); requests waiting for pages
               (tandem_pd_queue_requests{queue="prealloc"})
     latency   the p90 over the interval of the decodes' time to first token and inter-token latency
@@ -37,6 +39,7 @@ class Observation:
     decode: int = 0
     queue_tokens: float = 0.0  # prompt tokens waiting for the prefills
     prefill_tokens_per_s: float = 0.0  # the prefills' measured rate, summed
+    prompt_tokens: float = 0.0  # mean tokens of the prompts the prefills finished lately (0: none yet)
     kv_use: float = 0.0  # decodes' KV pages in use / total
     waiting_for_pages: float = 0.0  # decode requests waiting for pages (prealloc), summed
     ttft_p90_s: float | None = None  # None: no first token in the interval
@@ -48,6 +51,14 @@ class Observation:
         """Seconds the prefills need to compute what waits for them."""
         return self.queue_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0.0
 
+    @property
+    def ttft_predicted_s(self) -> float | None:
+        """Seconds a prompt arriving now spends at the prefills: the tokens queued ahead of it, spread over the
+        prefills, then its own (a mean prompt) at one prefill's rate; None while no rate is known."""
+        if not self.prefill_tokens_per_s or not self.prefill:
+            return None
+        return (self.queue_tokens + self.prefill * self.prompt_tokens) / self.prefill_tokens_per_s
+
 
 @dataclass
 class WorkerRead:
@@ -55,6 +66,8 @@ class WorkerRead:
 
     pages: dict[str, float] = field(default_factory=dict)  # free, cached, used, total
     prealloc: float = 0.0
+    prompt_tokens: float = 0.0  # counters: prompt tokens of the finished requests, and those requests
+    finished: float = 0.0
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative count
 
 
@@ -66,6 +79,10 @@ def read_sample(text: str) -> WorkerRead:
                 s.pages[x.name.removeprefix("tandem_kv_pages_")] = x.value
             elif x.name == "tandem_pd_queue_requests" and x.labels.get("queue") == "prealloc":
                 s.prealloc = x.value
+            elif x.name == "tandem_prompt_tokens_total":
+                s.prompt_tokens = x.value
+            elif x.name == "tandem_requests_finished_total":
+                s.finished += x.value  # summed over the reasons
             elif x.name in (TTFT + "_bucket", ITL + "_bucket"):
                 le = float(x.labels["le"])
                 s.buckets.setdefault(x.name.removesuffix("_bucket"), {})[le] = x.value
@@ -96,6 +113,7 @@ class Observer:
         self.router, self.headers, self.timeout = router.rstrip("/"), headers, aiohttp.ClientTimeout(total=timeout_s)
         self.last: dict[str, WorkerRead] = {}
         self.rates: dict[str, Stats] = {}
+        self.prompt_tokens = 0.0  # the prefills' mean prompt, kept across intervals in which none finished
 
     async def observe(self, session: aiohttp.ClientSession, now: float) -> Observation:
         async with session.get(self.router + "/workers", headers=self.headers, timeout=self.timeout) as r:
@@ -118,6 +136,7 @@ class Observer:
         used = total = 0.0
         ttft: tuple[dict[float, float], dict[float, float]] = ({}, {})
         itl: tuple[dict[float, float], dict[float, float]] = ({}, {})
+        grown: dict[str, float] = {}  # what the prefills finished in the interval: requests, their prompt tokens
         for w in workers:
             obs.prefill += w.role == "prefill"
             obs.decode += w.role == "decode"
@@ -132,6 +151,9 @@ class Observer:
             if w.role == "prefill":
                 obs.queue_tokens += rates.queue_tokens
                 obs.prefill_tokens_per_s += rates.prefill_tokens_per_s
+                if sample.finished > before.finished and sample.prompt_tokens >= before.prompt_tokens:  # not restarted
+                    _add(grown, {"finished": sample.finished - before.finished,
+                                 "prompt_tokens": sample.prompt_tokens - before.prompt_tokens})  # fmt: skip
                 continue
             used += sample.pages.get("used", 0.0)
             total += sample.pages.get("total", 0.0)
@@ -139,11 +161,15 @@ class Observer:
             for name, (b, a) in ((TTFT, ttft), (ITL, itl)):
                 _add(b, before.buckets.get(name, {}))
                 _add(a, sample.buckets.get(name, {}))
+        if grown:
+            self.prompt_tokens = grown["prompt_tokens"] / grown["finished"]
+        obs.prompt_tokens = self.prompt_tokens
         obs.kv_use = used / total if total else 0.0
         obs.ttft_p90_s, obs.itl_p90_s = quantile(0.9, *ttft), quantile(0.9, *itl)
         return obs
 
 
-def _add(into: dict[float, float], buckets: dict[float, float]) -> None:
-    for le, count in buckets.items():
-        into[le] = into.get(le, 0.0) + count
+def _add(into: dict, counts: dict) -> None:
+    """Add `counts` into `into`, key by key (a histogram's buckets by bound, or named counts)."""
+    for key, count in counts.items():
+        into[key] = into.get(key, 0.0) + count

@@ -39,11 +39,17 @@ tandem_pd_queue_requests{{queue="transferring",role="decode"}} 1
     )
 
 
-def prefill_metrics(queue: int, rate: float = 2000.0) -> str:
+def prefill_metrics(queue: int, rate: float = 2000.0, prompts: int = 0, finished: tuple[int, int] = (0, 0)) -> str:
+    """A prefill's: `prompts` prompt tokens in the requests it finished, `finished` by reason (length, abort)."""
     return f"""# TYPE tandem_prefill_queue_tokens gauge
 tandem_prefill_queue_tokens{{role="prefill"}} {queue}
 # TYPE tandem_calibration_prefill_tokens_per_second gauge
 tandem_calibration_prefill_tokens_per_second{{role="prefill"}} {rate}
+# TYPE tandem_prompt_tokens_total counter
+tandem_prompt_tokens_total{{role="prefill"}} {prompts}
+# TYPE tandem_requests_finished_total counter
+tandem_requests_finished_total{{reason="length",role="prefill"}} {finished[0]}
+tandem_requests_finished_total{{reason="abort",role="prefill"}} {finished[1]}
 """
 
 
@@ -81,6 +87,26 @@ def test_the_observer_sums_each_role_and_reads_latency_between_two_reads():
     assert obs.kv_use == pytest.approx((300 + 100) / 1024)
 
 
+def test_the_predicted_ttft_is_the_queue_and_a_mean_prompt_at_the_measured_rate():
+    observer = Observer("http://router")
+    workers = [WorkerView("http://p0", "prefill", 0), WorkerView("http://p1", "prefill", 0), WORKERS[1]]
+    first = {"http://p0": prefill_metrics(0, prompts=5000, finished=(4, 1)), "http://p1": prefill_metrics(0)}
+    obs = observer.summarize(workers, first, now=1.0)
+    assert obs.prompt_tokens == 0 and obs.ttft_predicted_s == 0  # nothing finished between two reads yet
+    # in the interval: p0 finished 2 + 1 requests of 1500 prompt tokens in all, p1 one of 500
+    second = {
+        "http://p0": prefill_metrics(3000, prompts=6500, finished=(6, 2)),
+        "http://p1": prefill_metrics(1000, prompts=500, finished=(1, 0)),
+        "http://d0": decode_metrics({}, {}),
+    }
+    obs = observer.summarize(workers, second, now=2.0)
+    assert obs.prompt_tokens == 500 and obs.queue_tokens == 4000 and obs.prefill_tokens_per_s == 4000
+    assert obs.ttft_predicted_s == pytest.approx((4000 + 2 * 500) / 4000)  # the queue spread, then its own prompt
+    obs = observer.summarize(workers, second, now=3.0)  # none finished: the mean stays
+    assert obs.prompt_tokens == 500
+    assert Observation(prefill=1, decode=1).ttft_predicted_s is None  # no rate known
+
+
 def sla(**kw) -> PlannerConfig:
     return PlannerConfig(**{"mode": "sla", "ttft_ms": 1000, "itl_ms": 50, "hysteresis": 3, "cooldown_s": 30, **kw})
 
@@ -116,6 +142,41 @@ def test_no_flip_below_the_minimums_or_without_gain():
     assert decider.decide(obs(1, 3, 3.0, 0.095), 0).reason == "no_gain"
     assert decider.decide(obs(2, 2, 0.9, 0.2), 0).action == "to_decode"  # ITL 4x its target
     assert decider.decide(obs(2, 2, 0.9, 0.04), 0).reason == "steady"
+
+
+def leftover(p: int, d: int, queue: float, itl: float, waiting: float = 0) -> Observation:
+    """After a shift to short prompts: the first tokens of long prompts queued before it (30 s, target 10 s)."""
+    return Observation(prefill=p, decode=d, ttft_p90_s=30.0, itl_p90_s=itl, queue_tokens=queue,
+                       prefill_tokens_per_s=1000.0, prompt_tokens=64, waiting_for_pages=waiting)  # fmt: skip
+
+
+def test_a_lagging_ttft_with_the_queue_drained_lets_the_decode_have_its_flip():
+    """The observed TTFT alone keeps the prefill side the worse one (30 / 10 against ITL 2 / 1) and wants nothing
+    (the last decode stays); with the queue drained the predicted TTFT (64 tokens at 500 per prefill: 0.128 s) is
+    the prefill's, and the decode gets a prefill within the hysteresis."""
+    decider = Decider(sla(ttft_ms=10000, itl_ms=250, hysteresis=2))
+    unmeasured = leftover(2, 1, queue=0, itl=0.5)
+    unmeasured.prefill_tokens_per_s = 0.0  # no prediction: the observation alone, as before the leading signals
+    assert [decider.decide(unmeasured, t).reason for t in (0, 3, 6)] == ["min_servers"] * 3
+    decisions = [decider.decide(leftover(2, 1, queue=0, itl=0.5), t) for t in (0, 3)]
+    assert [d.reason for d in decisions] == ["hysteresis", "over_target"]
+    assert (decisions[1].action, decisions[1].prefill, decisions[1].decode) == ("to_decode", 1, 2)
+    assert decisions[1].pressure == {"prefill": pytest.approx(0.128 / 10), "decode": pytest.approx(2.0)}
+    # the decode's ITL on target but 3 requests waiting for pages on it: its TTFT, which only decodes remove
+    assert Decider(sla(ttft_ms=10000, itl_ms=250)).pressures(leftover(2, 1, 0, 0.1, waiting=3))["decode"] == 3.0
+
+
+def test_a_queue_the_first_tokens_confirm_keeps_the_prefill_side():
+    """20000 tokens queued (20 s at 1000 tokens/s, 20.128 s with a prompt) and first tokens at 30 s: both over the
+    target, the smaller counts; with no first token in the interval the queue alone, nothing when idle."""
+    decider = Decider(sla(ttft_ms=5000, itl_ms=250, hysteresis=1))
+    assert decider.pressures(leftover(2, 1, queue=20000, itl=0.1))["prefill"] == pytest.approx(20.128 / 5)
+    # the ITL over too (2), the prefill side worse (4): a decode would be moved to prefill but is the last one
+    assert decider.decide(leftover(2, 1, queue=20000, itl=0.5), 0).reason == "min_servers"
+    no_first_token = Observation(prefill=2, decode=1, queue_tokens=20000, prefill_tokens_per_s=1000, prompt_tokens=64)
+    assert decider.pressures(no_first_token)["prefill"] == pytest.approx(20.128 / 5)
+    idle = Observation(prefill=2, decode=1, prefill_tokens_per_s=1000, prompt_tokens=64)
+    assert decider.pressures(idle) == {"prefill": 0.0, "decode": 0.0}
 
 
 def test_throughput_and_latency_modes_read_queues_and_kv_use():
