@@ -3,7 +3,9 @@ mid-stream, a flipped byte and a dropped write in a KV transfer (checksums on), 
 computes, and a rolling restart of every server under streams longer than the drain timeout. Every request
 completes as the no-fault run of the same requests did (streamed: one stream, no delta repeated or missing;
 n > 1, logprobs, usage), every surviving server ends with no KV page held; with no healthy pair left a
-request still ends with a clear error within its bound."""
+request still ends with a clear error within its bound. The second decode runs NGRAM speculation (it pairs
+with the plain prefills): streams move from a speculating decode to a plain one and back, and still equal
+the no-fault run token for token."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from tests.integration.kv_faults import arm, armed_still, site_env
 pytestmark = pytest.mark.timeout(1200)  # four servers start first; a test restarts up to four of them
 FLAGS = ("--page-size", "16", "--chunked-prefill-size", "64", "--max-total-tokens", "8192")
 PD_FLAGS = (*FLAGS, "--disaggregation-enable-kv-checksum", "--drain-timeout-s", "2", "--heartbeat-interval-s", "1")
+NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4")
 ROUTER_FLAGS = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--migration-limit", "3")
 NEW = 40  # tokens per choice
 STORY = "Tell me a long story about a dragon who learns to bake bread in a small village."
@@ -104,7 +107,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
             servers.append(ServerProcess(args, port, name=f"mig-prefill{i}", env=site_env(faults[i])))
         for j in range(2):
             port = free_port()
-            args = ["serve", "--port", str(port), "--disagg-mode", "decode", *PD_FLAGS]
+            args = ["serve", "--port", str(port), "--disagg-mode", "decode", *PD_FLAGS, *(NGRAM if j else ())]
             servers.append(ServerProcess(args, port, name=f"mig-decode{j}"))
         for s in servers:
             s.wait_ready(600)  # four servers load at once
@@ -249,6 +252,7 @@ def no_fault(cluster) -> dict[str, dict]:
     answers = {name: c.result() for name, c in clients.items()}
     for name, a in answers.items():
         check_continuous(name, a)
+    assert metric(cluster.decodes[1].url, "tandem_spec_verify_total") > 0  # the NGRAM decode took a share
     return {name: a.view(REQUESTS[name][0]) for name, a in answers.items()}
 
 
