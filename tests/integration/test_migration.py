@@ -1,7 +1,7 @@
 """Zero-loss PD (docs/migration.md), drilled on one 2P2D cluster of real processes: a decode killed
 mid-stream, a flipped byte and a dropped write in a KV transfer (checksums on), a prefill killed while it
-computes, and a rolling restart (a prefill, then a decode) under streams longer than the drain timeout. Every request
-completes as the no-fault run of the same requests did (streamed: one stream, no delta repeated or missing;
+computes, and a rolling restart (a prefill, then a decode) under streams longer than the drain timeout.
+Every request completes as the no-fault run of the same requests did (streamed: one stream, no delta repeated or missing;
 n > 1, logprobs, usage), every surviving server ends with no KV page held; with no healthy pair left a
 request still ends with a clear error within its bound. The second decode runs NGRAM speculation (it pairs
 with the plain prefills): streams move from a speculating decode to a plain one and back, and still equal
