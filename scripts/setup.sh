@@ -52,28 +52,33 @@ fi
 [ -x .venv/bin/python ] || run "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip)
 run "${PIP[@]}" install -q --upgrade pip
-has_torch() { [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; }
-torch_cuda() { .venv/bin/python -c "import torch; print((torch.version.cuda or '').split('.')[0])" 2>/dev/null || true; }
+# The torch in .venv: its CUDA major version, "cpu" (a CPU build) or "none" (none yet); one import, which is slow.
+torch_build() {
+  { [ -x .venv/bin/python ] && .venv/bin/python -c "import torch; print((torch.version.cuda or 'cpu').split('.')[0])" 2>/dev/null; } \
+    || echo none
+}
 
 if [ "$DEVICE" = cpu ]; then
   # The CPU build of torch (a local wheel in pip's find-links, else PyTorch's CPU index); a plain `torch`
   # requirement would pull a multi-GB CUDA build from PyPI.
-  if ! has_torch; then
+  if [ "$(torch_build)" = none ]; then
     run "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" 2>/dev/null \
       || run "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" --index-url https://download.pytorch.org/whl/cpu
   fi
   EXTRA=cpu
 else
   # torch's CUDA build (PyPI's default on Linux); a CPU build already in .venv is replaced.
-  if has_torch && [ -z "$(torch_cuda)" ]; then run "${PIP[@]}" uninstall -y -q torch; fi
-  has_torch || run "${PIP[@]}" install -q "torch==$TORCH_VERSION"
-  MAJOR=$(torch_cuda)
-  if [ -z "$MAJOR" ] && [ "$DRY" != 1 ]; then
+  MAJOR=$(torch_build)
+  if [ "$MAJOR" = cpu ]; then run "${PIP[@]}" uninstall -y -q torch; fi
+  if [ "$MAJOR" = cpu ] || [ "$MAJOR" = none ]; then
+    run "${PIP[@]}" install -q "torch==$TORCH_VERSION"
+    if [ "$DRY" = 1 ]; then MAJOR=13; else MAJOR=$(torch_build); fi  # a dry run has no CUDA build to ask
+  fi
+  if [ "$MAJOR" = cpu ] || [ "$MAJOR" = none ]; then
     echo "[setup] the torch in .venv has no CUDA support: install a CUDA build of torch (e.g. pip install torch" \
          "--index-url https://download.pytorch.org/whl/cu130) and run this again" >&2
     exit 2
   fi
-  MAJOR=${MAJOR:-13}  # a dry run may have no torch to ask
   case "$MAJOR" in
     13) EXTRA=cuda ;;
     12) EXTRA=cuda12 ;;
