@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import start_server
 from tests.integration.cluster import start_cluster
@@ -57,10 +58,20 @@ def assert_refused(response: httpx.Response) -> None:
     assert response.json()["error"]["type"] == "unavailable_error"
 
 
-def test_a_server_finishes_what_runs_refuses_the_rest_and_exits_0(builtin_model_dir):
-    server = start_server("--drain-timeout-s", "120", name="drain-finish").wait_ready()
+@pytest.fixture(scope="module")
+def single_servers(builtin_model_dir):
+    """The two single servers the drills stop, started at once: a drain with time to finish, and one of 1 s."""
+    finish = start_server("--drain-timeout-s", "120", name="drain-finish")
+    timeout = start_server("--drain-timeout-s", "1", name="drain-timeout")
+    yield {"finish": finish, "timeout": timeout}
+    finish.stop()
+    timeout.stop()
+
+
+def test_a_server_finishes_what_runs_refuses_the_rest_and_exits_0(single_servers):
+    server = single_servers["finish"].wait_ready()
     try:
-        stream = Stream(server.url, 200)
+        stream = Stream(server.url, 100)
         stream.wait_tokens(5)
         server.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, 10, "/health answering 503")
@@ -69,15 +80,15 @@ def test_a_server_finishes_what_runs_refuses_the_rest_and_exits_0(builtin_model_
         assert_refused(httpx.post(server.url + "/v1/completions", json={"prompt": "Hi"}, timeout=5))
         assert httpx.get(server.url + "/metrics", timeout=5).status_code == 200  # observability stays up
         last = stream.finished()[-1]
-        assert stream.status == 200 and len(last["output_ids"]) == 200
+        assert stream.status == 200 and len(last["output_ids"]) == 100
         assert last["meta_info"]["finish_reason"]["type"] == "length"
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
 
 
-def test_at_the_drain_timeout_requests_in_flight_fail_with_503_and_the_server_exits_0(builtin_model_dir):
-    server = start_server("--drain-timeout-s", "1", name="drain-timeout").wait_ready()
+def test_at_the_drain_timeout_requests_in_flight_fail_with_503_and_the_server_exits_0(single_servers):
+    server = single_servers["timeout"].wait_ready()
     try:
         stream = Stream(server.url, 6000)
         stream.wait_tokens(3)

@@ -2,7 +2,9 @@
 greedy output equals the monolithic server's, a conversation's later turns land where its pages are (the
 prefill's cached tokens, and the decode pages the router's index matched), each router process's index equals
 what every worker really holds, and a restarted worker's pages are forgotten and relearned. A third router picks
-only the decode by kv_aware (`--decode-policy kv_aware`)."""
+only the decode by kv_aware (`--decode-policy kv_aware`). Last, PD at scale on the same four workers: 32
+requests in flight at once equal monolithic; and a decode of another page size refuses their prefill, naming
+both values."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import start_server
 from tests.integration.cluster import generate, start_cluster, start_router
+from tests.integration.test_pd import expected, prompts  # noqa: F401  (module fixtures, over this module's mono)
 
 PAGE = 16
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
@@ -158,3 +162,31 @@ def test_decode_policy_kv_aware_sends_each_turn_to_the_decode_that_holds_the_las
         wait_index(cluster, url=url, processes=1)
     matched = {labels["worker_role"]: v for labels, v in router_samples(url, "tandem_router_kv_matched_tokens_total")}
     assert matched["decode"] >= kept
+
+
+def test_32_concurrent_requests_over_two_prefills_and_two_decodes_equal_monolithic(cluster, prompts, expected):
+    jobs = [i % len(prompts) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: generate(cluster.url, prompts[i])["output_ids"], jobs))
+    assert results == [expected[i] for i in jobs]
+    assert all(node.info()["kv_pages"]["total"] > 0 for node in cluster.nodes)
+    cluster.wait_idle()
+
+
+def test_a_decode_of_another_page_size_refuses_the_prefill_naming_both(cluster, prompts):
+    decode = start_server(
+        "--disagg-mode", "decode", "--transfer-backend", "mooncake", "--page-size", "8", name="d-page8"
+    )
+    router = None
+    try:
+        router = start_router([(cluster.prefills[0], cluster.prefill_bootstrap_ports[0])], [decode.wait_ready()])
+        body = {"input_ids": prompts[3], "sampling_params": {"max_new_tokens": 4}}
+        r = httpx.post(router.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 502, r.text
+        assert "page_size: decode has 8, prefill has 16" in r.json()["error"]["message"]
+        decode.wait_idle()
+        cluster.wait_idle()
+    finally:
+        for server in (router, decode):
+            if server is not None:
+                server.stop()

@@ -14,7 +14,7 @@ decode can be paired with any prefill. The families cover the pool kinds and cac
 The monolithic reference is the engine in this process with the same flags (the server's code, one
 request at a time as the cluster serves them). Mismatched pairs fail at the decode with a message naming
 the field and both values (model, attention kind, KV dtype and scales, transfer backend; page size:
-test_pd_scale) and both layouts (TP sizes may differ: test_tp_pd), and no page leaks on either side.
+test_kv_aware) and both layouts (TP sizes may differ: test_tp_pd), and no page leaks on either side.
 """
 
 from __future__ import annotations

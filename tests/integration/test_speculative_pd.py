@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
@@ -124,10 +126,11 @@ def accepted(out: dict) -> int:
 def test_ngram_monolithic_and_pd_equal_the_reference_and_accept_alike(servers, reference_servers, builtin_prompts):
     ref = reference_servers.get(*BUILTIN)
     totals = {"mono": 0, "pd": 0}
-    for ids in builtin_prompts:
-        want = generate(ref.url, ids, 48, return_logprob=True)
-        mono = generate(servers["mono"].url, ids, 48, return_logprob=True)
-        pd = generate(servers["ngram_pd"].url, ids, 48)
+    for ids in builtin_prompts:  # one request at a time on each server, the three servers at once
+        with ThreadPoolExecutor(3) as pool:
+            asked = [pool.submit(generate, s.url, ids, 48, return_logprob=True) for s in (ref, servers["mono"])]
+            pd = generate(servers["ngram_pd"].url, ids, 48)
+            want, mono = (a.result() for a in asked)
         assert mono["output_ids"] == want["output_ids"] == pd["output_ids"]
         lp = [x[0] for x in want["meta_info"]["output_token_logprobs"]]
         got = [x[0] for x in mono["meta_info"]["output_token_logprobs"]]

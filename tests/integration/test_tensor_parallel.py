@@ -96,9 +96,10 @@ def greedy_reference(model_dir, prompts: list[list[int]], new_tokens: int) -> li
     return out
 
 
-@pytest.mark.parametrize(("kv_heads", "tp_size"), [(4, 2), (4, 4), (2, 4)])
+@pytest.mark.parametrize(("kv_heads", "tp_size"), [(4, 2), (2, 4)])
 def test_tiny_llama_at_tp(tmp_path, kv_heads, tp_size):
-    """8 heads, `kv_heads` KV heads: split across 2 or 4 ranks, or replicated (2 KV heads, 4 ranks)."""
+    """8 heads, `kv_heads` KV heads: split in twos across 2 ranks, or replicated (2 KV heads, 4 ranks); one
+    KV head per rank is the built-in model at TP 3."""
     model_dir = save_tiny_llama(tmp_path / "tiny", heads=8, kv_heads=kv_heads)
     prompts = random_prompts(4, 40, 150, seed=kv_heads + tp_size)
     expected = greedy_reference(model_dir, prompts, 16)

@@ -1,7 +1,8 @@
 """PD across TP sizes (CPU): prefills and decodes at different `--tp-size`, each decode rank receiving
 exactly its KV heads from the prefill rank(s) holding them. The built-in model (3 KV heads) pairs
-(prefill TP, decode TP) = (1, 3), (3, 1), (3, 3) over Mooncake and NIXL; a tiny Llama (8 heads, 4 KV
-heads) pairs (2, 4) and (4, 2). Greedy tokens equal the monolithic server at TP 1 (transformers for the
+(prefill TP, decode TP) = (1, 3), (3, 1), (3, 3) over Mooncake and (1, 3) over NIXL; a tiny Llama (8 heads, 4 KV
+heads) pairs (4, 2) over NIXL (each decode rank takes two prefill ranks' heads; one prefill rank's heads split
+over decode ranks is the built-in (1, 3)). Greedy tokens equal the monolithic server at TP 1 (transformers for the
 tiny model; near-ties reported, see test_tensor_parallel), every pool is clean after, and a prefill at
 TP > 1 counts bytes written by each of its ranks' own transfer engines. A decode of
 a model with other KV heads is refused at pairing with both layouts named.
@@ -104,12 +105,16 @@ def pd_generate_all(servers: Servers, prefill_tp: int, decode_tp: int, prompts: 
     return [r.json() for r in answers]
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+TP3 = {"mooncake": ((3,), (3,)), "nixl": ((), (3,))}  # the TP 3 (prefills, decodes) each backend's pairs need
+PAIRS = [("mooncake", 1, 3), ("mooncake", 3, 1), ("mooncake", 3, 3), ("nixl", 1, 3)]
+
+
+@pytest.fixture(scope="module")
 def builtin(request, shared_clusters):
-    """The TP 3 servers, and test_pd's TP 1 pair of the same backend and flags (tests/conftest.py)."""
+    """The TP 3 servers of a backend, and test_pd's TP 1 pair of the same backend and flags (tests/conftest.py)."""
     flags = FLAGS[request.param]
     pair = shared_clusters.get(request.param, flags)
-    s = start_servers(("--transfer-backend", request.param, *flags), (3,), (3,))
+    s = start_servers(("--transfer-backend", request.param, *flags), *TP3[request.param])
     s.prefills[1], s.decodes[1] = pair.prefills[0], pair.decodes[0]
     s.shared = [pair.prefills[0], pair.decodes[0]]
     yield s
@@ -118,7 +123,7 @@ def builtin(request, shared_clusters):
 
 
 @pytest.mark.timeout(1200)  # eight processes of the built-in model start first
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 3), (3, 1), (3, 3)])
+@pytest.mark.parametrize("builtin,prefill_tp,decode_tp", PAIRS, indirect=["builtin"], scope="module")
 def test_builtin_pd_across_tp_sizes_equals_monolithic_tp1(builtin, prompts, expected, prefill_tp, decode_tp):
     got = pd_generate_all(builtin, prefill_tp, decode_tp, prompts)
     assert_same_tokens(expected, got, f"PD at TP {prefill_tp} -> {decode_tp}")
@@ -145,14 +150,15 @@ def rank_bytes(server: ServerProcess) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The TP servers of a tiny Llama with 4 KV heads, and (started with them) a decode of one with 2."""
+    """A tiny Llama with 4 KV heads at prefill TP 4 and decode TP 2, and (started with them) a decode of one
+    with 2 KV heads."""
     root = tmp_path_factory.mktemp("tiny")
     model_dir = save_tiny_llama(root / "kv4", heads=8, kv_heads=4)
     other = save_tiny_llama(root / "kv2", heads=8, kv_heads=2)
-    mode = ("--transfer-backend", "mooncake", "--chunked-prefill-size", "64")
+    mode = ("--transfer-backend", "nixl", "--chunked-prefill-size", "64")
     other_decode = start_server("--disagg-mode", "decode", "--model", str(other), *mode, name="decode-kv2")
     try:
-        s = start_servers(("--model", str(model_dir), *mode), (2, 4), (2, 4))
+        s = start_servers(("--model", str(model_dir), *mode), (4,), (2,))
         s.model_dir, s.other_decode = model_dir, other_decode
         yield s
         s.stop()
@@ -161,12 +167,11 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 4), (4, 2)])
-def test_tiny_llama_pd_across_tp_sizes_equals_transformers(tiny, prefill_tp, decode_tp):
-    prompts = random_prompts(4, 40, 150, seed=prefill_tp)
+def test_tiny_llama_pd_from_tp4_to_tp2_equals_transformers(tiny):
+    prompts = random_prompts(4, 40, 150, seed=4)
     expected = greedy_reference(tiny.model_dir, prompts, NEW_TOKENS)
-    got = pd_generate_all(tiny, prefill_tp, decode_tp, prompts)
-    assert_same_tokens(expected, got, f"tiny PD at TP {prefill_tp} -> {decode_tp}")
+    got = pd_generate_all(tiny, 4, 2, prompts)
+    assert_same_tokens(expected, got, "tiny PD at TP 4 -> 2")
     for server in tiny.all():
         server.wait_idle()
 
@@ -174,12 +179,12 @@ def test_tiny_llama_pd_across_tp_sizes_equals_transformers(tiny, prefill_tp, dec
 @pytest.mark.timeout(600)
 def test_a_decode_of_other_kv_heads_is_refused_at_pairing_naming_both_layouts(tiny):
     decode = tiny.other_decode.wait_ready()
-    r = pair_call(tiny.prefill(2), decode, random_prompts(1, 20, 20)[0], prefill_timeout=5)
+    r = pair_call(tiny.prefill(4), decode, random_prompts(1, 20, 20)[0], prefill_timeout=5)
     assert r.status_code == 502, r.text
     message = r.json()["error"]["message"]
     assert "kv_heads: decode has 2, prefill has 4" in message
     assert "decode layout: tp_size=1, attention=mha, num_layers=2, kv_heads=2" in message
-    assert "prefill layout: tp_size=2, attention=mha, num_layers=2, kv_heads=4" in message
+    assert "prefill layout: tp_size=4, attention=mha, num_layers=2, kv_heads=4" in message
     decode.wait_idle()
     for server in tiny.all():
         server.wait_idle(60)  # the prefill's half ended when its client went away
