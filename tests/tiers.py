@@ -21,7 +21,7 @@ import pytest
 from hypothesis import settings
 
 PROFILE_ENV = "TANDEM_HYPOTHESIS_PROFILE"
-PROFILES = {"fast": 40, "full": 1500}  # examples per @given test (per phase of the HTTP fuzz)
+PROFILES = {"fast": 40, "full": 500}  # examples per @given test (per phase of the HTTP fuzz)
 
 
 def load_hypothesis_profile() -> None:

@@ -4,7 +4,7 @@ cluster with the greedy tokens of a monolithic server: the chart and the CLI can
 
 from __future__ import annotations
 
-from tests.conftest import free_port, start_server
+from tests.conftest import free_port
 from tests.helm.chart import container, example, objects, render, service_host
 from tests.helm.pods import process
 from tests.integration.cluster import generate
@@ -12,17 +12,15 @@ from tests.integration.cluster import generate
 PROMPT = [504, 3458, 282, 260, 3575, 30, 315, 1186]
 
 
-def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(builtin_model_dir):
+def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(builtin_model_dir, reference_servers):
     docs = render(example("cpu-demo.yaml"))
     assert len(objects(docs, "Secret")) == 1  # the cluster secret every node gets
     p_http, p_boot, d_http, r_http = free_port(), free_port(), free_port(), free_port()
-    mono = start_server(name="chart-mono")  # starts with the chart's prefill and decode
     prefill = decode = router = None
     try:
         prefill = process(docs, "prefill", {"--port": str(p_http), "--bootstrap-port": str(p_boot)}, p_http)
         decode = process(docs, "decode", {"--port": str(d_http)}, d_http)
-        expected = generate(mono.wait_ready().url, PROMPT, 16)["output_ids"]
-        mono.stop()
+        expected = generate(reference_servers.get().url, PROMPT, 16)["output_ids"]  # a plain `tandem serve`
         assert "--max-total-tokens" in prefill.args and "--max-total-tokens" in decode.args  # a small KV pool
         prefill.wait_ready()
         decode.wait_ready()
@@ -42,6 +40,6 @@ def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(bui
         out = generate(router.url, PROMPT, 16)
         assert out["output_ids"] == expected and out["meta_info"]["finish_reason"]["type"] == "length"
     finally:
-        for p in (router, decode, prefill, mono):
+        for p in (router, decode, prefill):
             if p is not None:
                 p.stop()

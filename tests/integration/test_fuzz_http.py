@@ -109,7 +109,7 @@ def assert_well_formed(endpoint: str, r: httpx.Response) -> None:
 
 # derandomize: CI explores the same examples every run (a random seed that finds a new bug would turn a
 # later, unrelated change red); explore more with derandomize=False locally. The four phases share one
-# test's timeout: each explores 4/5 of the Hypothesis profile's examples (tests/tiers.py; 1200 in `full`).
+# test's timeout: each explores 4/5 of the Hypothesis profile's examples (tests/tiers.py; 400 in `full`).
 FUZZ = settings(
     max_examples=settings.default.max_examples * 4 // 5,
     deadline=None,

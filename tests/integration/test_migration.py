@@ -1,7 +1,7 @@
 """Zero-loss PD (docs/migration.md), drilled on one 2P2D cluster of real processes: a decode killed
 mid-stream, a flipped byte and a dropped write in a KV transfer (checksums on), a prefill killed while it
-computes, and a rolling restart of every server under streams longer than the drain timeout. Every request
-completes as the no-fault run of the same requests did (streamed: one stream, no delta repeated or missing;
+computes, and a rolling restart (a prefill, then a decode) under streams longer than the drain timeout.
+Every request completes as the no-fault run of the same requests did (streamed: one stream, no delta repeated or missing;
 n > 1, logprobs, usage), every surviving server ends with no KV page held; with no healthy pair left a
 request still ends with a clear error within its bound. The second decode runs NGRAM speculation (it pairs
 with the plain prefills): streams move from a speculating decode to a plain one and back, and still equal
@@ -347,10 +347,11 @@ def test_requests_go_on_exactly_when_a_prefill_dies_before_its_kv_lands(cluster,
 
 
 def test_a_rolling_restart_under_long_streams_loses_nothing(cluster, no_fault):
-    """Every server in turn gets SIGTERM while streams run that are longer than its drain timeout (2 s): a
-    decode hands its streams to the router at once and exits within seconds, a prefill finishes its
-    transfers; each comes back before the next goes."""
-    for server in cluster.servers:
+    """A prefill, then the speculating decode, get SIGTERM while streams run that are longer than their drain
+    timeout (2 s): the decode hands its streams to the router at once and exits within seconds, the prefill
+    finishes its transfers; each comes back before the next goes (the other two run the same code: one of each
+    kind keeps the drill to two restarts)."""
+    for server in (cluster.prefills[0], cluster.decodes[1]):
         clients = run_all(cluster.router.url)
         wait_until(lambda: started(clients, 4), 120, "streams")
         sent = time.monotonic()
