@@ -136,7 +136,8 @@ class ServerConfig(BaseSettings):
     speculative_algorithm: Literal["NGRAM", "STANDALONE", "NEXTN", "EAGLE", "EAGLE3"] | None = Field(
         None,
         description="draft tokens and verify them in one forward: NGRAM (the request's own tokens), STANDALONE "
-        "(a draft model), NEXTN (the checkpoint's MTP layer) or EAGLE (a head in --speculative-draft-model-path)",
+        "(a draft model), NEXTN (the checkpoint's MTP layer), EAGLE or EAGLE3 (a head in "
+        "--speculative-draft-model-path over the target's last hidden state or three of its layers')",
     )
     speculative_num_steps: int | None = Field(None, ge=1, le=32, description="draft steps per verify (default 3)")
     speculative_eagle_topk: int = Field(1, ge=1, description="draft branches per step: 1 (a chain) is implemented")
@@ -148,8 +149,8 @@ class ServerConfig(BaseSettings):
     )
     speculative_draft_model_path: str | None = Field(
         None,
-        description="STANDALONE: the draft model (same tokenizer and attention shape as --model); EAGLE: the head's "
-        "directory",
+        description="STANDALONE: the draft model (same tokenizer and attention shape as --model); EAGLE, EAGLE3: "
+        "the head's directory",
     )
     speculative_ngram_min_match_window_size: int = Field(1, ge=1, description="NGRAM: shortest suffix matched")
     speculative_ngram_max_match_window_size: int = Field(12, ge=1, description="NGRAM: longest suffix matched")
@@ -264,9 +265,9 @@ class ServerConfig(BaseSettings):
 
     @property
     def drafts_from_hidden(self) -> bool:
-        """NEXTN and EAGLE: a draft head reads the target's hidden states of every forward (TP 1, eager forwards,
-        a prefix hit gives up its last page: common/engine/spec/head_drafter.py)."""
-        return self.speculative_algorithm in ("NEXTN", "EAGLE")
+        """NEXTN, EAGLE and EAGLE3: a draft head reads the target's hidden states of every forward (TP 1, eager
+        forwards, a prefix hit gives up its last page: common/engine/spec/head_drafter.py)."""
+        return self.speculative_algorithm in ("NEXTN", "EAGLE", "EAGLE3")
 
     @property
     def lb_method(self) -> str:

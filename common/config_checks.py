@@ -47,18 +47,16 @@ def check_flags(c: ServerConfig) -> None:
         raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
 
 
+DRAFTS_FROM_PATH = ("STANDALONE", "EAGLE", "EAGLE3")  # what --speculative-draft-model-path gives
+
+
 def check_speculative(c: ServerConfig) -> None:
     """The speculative flags fit together; what is not implemented is refused naming it."""
     algo = c.speculative_algorithm
     if algo is None:
         if c.speculative_draft_model_path:
-            raise ValueError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE or EAGLE")
+            raise ValueError("--speculative-draft-model-path needs --speculative-algorithm STANDALONE, EAGLE or EAGLE3")
         return
-    if algo == "EAGLE3":
-        raise ValueError(
-            "--speculative-algorithm EAGLE3 is not implemented (a head over three of the target's layers' hidden "
-            "states): use EAGLE (a head over the last hidden state), NEXTN, NGRAM or STANDALONE"
-        )
     if c.speculative_eagle_topk != 1:
         raise ValueError(
             f"--speculative-eagle-topk {c.speculative_eagle_topk}: tree verification is not implemented, use 1"
@@ -69,16 +67,16 @@ def check_speculative(c: ServerConfig) -> None:
             f"--speculative-num-draft-tokens {tokens} with --speculative-num-steps {steps}: a chain (topk 1) "
             f"verifies the last token and one draft per step, so give {steps + 1} or only one of the two"
         )
-    if algo in ("STANDALONE", "EAGLE") and not c.speculative_draft_model_path:
+    if algo in DRAFTS_FROM_PATH and not c.speculative_draft_model_path:
         raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (its draft's directory)")
-    if algo not in ("STANDALONE", "EAGLE") and c.speculative_draft_model_path:
-        raise ValueError(f"--speculative-draft-model-path is for STANDALONE and EAGLE only, not {algo}")
+    if algo not in DRAFTS_FROM_PATH and c.speculative_draft_model_path:
+        raise ValueError(f"--speculative-draft-model-path is for STANDALONE, EAGLE and EAGLE3 only, not {algo}")
     if c.enable_dp_attention:
         raise ValueError(
             f"--speculative-algorithm {algo} with --enable-dp-attention is not implemented (each DP rank would "
             "verify its own drafts in the one shared forward): drop one of the two"
         )
-    if algo in ("STANDALONE", "NEXTN", "EAGLE") and c.tp_size > 1:
+    if algo != "NGRAM" and c.tp_size > 1:
         raise ValueError(f"--speculative-algorithm {algo} runs its draft on one rank: use --tp-size 1 (or NGRAM)")
     if c.speculative_ngram_min_match_window_size > c.speculative_ngram_max_match_window_size:
         raise ValueError("--speculative-ngram-min-match-window-size is above --speculative-ngram-max-match-window-size")

@@ -227,7 +227,7 @@ class DecodeRole(Role):
         self.transferring.remove(req)
         self._drop_transfer_state(req)
         self.scheduler.memory.mark_computed(req)  # the prompt's KV arrived whole
-        if self.hidden is not None:  # NEXTN, EAGLE: the head's first input (its KV for the prompt came with the pages)
+        if self.hidden is not None:  # a head's first input (its KV for the prompt came with the pages)
             self.hidden.set_pending_bytes(req, raw[RECORD_BYTES:])  # the record's tail (AuxRecord.hidden)
         if inb.finish_ahead is not None:
             self.scheduler.finish(req, inb.finish_ahead)

@@ -1,6 +1,6 @@
 """The fixed-size aux record prefill writes into the decode's aux slot after the last KV chunk: the first sampled
-token and its logprobs, and for NEXTN and EAGLE the prompt's last hidden state (`hidden`, a size both sides derive from
-the model: `record_bytes`)."""
+token and its logprobs, and for NEXTN, EAGLE and EAGLE3 the prompt's last hidden state (`hidden`, a size both
+sides derive from the model: `record_bytes`; EAGLE3's is three layers' inputs)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class AuxRecord:
     prompt_len: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    hidden: bytes = b""  # NEXTN, EAGLE: the target's hidden state at the prompt's last position (float32)
+    hidden: bytes = b""  # NEXTN, EAGLE, EAGLE3: the target's hidden state at the prompt's last position (float32)
 
     def pack(self) -> bytes:
         top = (self.top_logprobs or [])[:MAX_TOP]
@@ -44,5 +44,5 @@ class AuxRecord:
 
 
 def record_bytes(hidden_bytes: int = 0) -> int:
-    """One record's size: with `hidden_bytes` of hidden state (0 but for NEXTN and EAGLE)."""
+    """One record's size: with `hidden_bytes` of hidden state (0 but for NEXTN, EAGLE and EAGLE3)."""
     return RECORD_BYTES + hidden_bytes

@@ -112,8 +112,8 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.drafter = make_drafter(built, config, self.memory.req_pool.req_to_token)
         # in the KV layout a PD peer must match
-        self.speculative = speculative_descriptor(config, built, self.model_dir)
-        # NEXTN, EAGLE: the prompt's last hidden state crosses PD in the aux record
+        self.speculative = speculative_descriptor(config, built)
+        # NEXTN, EAGLE, EAGLE3: the prompt's last hidden state crosses PD in the aux record
         self.hidden_handoff = self.drafter if self.drafter is not None and self.drafter.needs_hidden else None
         self.aux_hidden_bytes = self.hidden_handoff.hidden_bytes if self.hidden_handoff is not None else 0
         runners = self._runners(built, frozenset(eos_ids))

@@ -111,15 +111,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward_keeping_hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """The target's forward (eagerly, one rank), its hidden states of every row kept for the drafter."""
+        """The target's forward (eagerly, one rank), its hidden states of every row kept for the drafter: the
+        final ones, or (EAGLE3) its captured layers' inputs side by side."""
         self.attn.init_forward(batch)
-        self.hidden = self.model.model(batch, self.attn)
-        return self.model.lm_head(self.hidden[batch.logits_indices]).float()
+        final, captured = self.model.model.forward_capturing(batch, self.attn, self.drafter.capture)
+        self.hidden = torch.cat(captured, dim=-1) if captured else final
+        return self.model.lm_head(final[batch.logits_indices]).float()
 
     def run(self, plan: BatchPlan) -> BatchResult:
         prepared = self.prepare(plan)
         result = prepared.finish(self.forward(prepared.batch))
-        if self.hidden is not None:  # NEXTN, EAGLE: the head's inputs (common/engine/spec/head_drafter.py)
+        if self.hidden is not None:  # NEXTN, EAGLE, EAGLE3: the head's inputs (common/engine/spec/head_drafter.py)
             self._hand_hidden(plan, result)
         return result
 

@@ -58,7 +58,7 @@ class MemoryManager:
         page_size: int,
         reuse_cut: bool = False,
     ):
-        """`reuse_cut`: a prefix hit gives up its last page (NEXTN, EAGLE: the head's KV at a page's last slot
+        """`reuse_cut`: a prefix hit gives up its last page (NEXTN, EAGLE, EAGLE3: the head's KV at a page's last slot
         depends on the token after it, which the hit does not check: common/engine/spec/head_drafter.py)."""
         self.reuse_cut = reuse_cut
         self.req_pool = req_pool

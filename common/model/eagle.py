@@ -23,6 +23,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
+from common.model.draft_head import DraftHead
 from common.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from common.model.loader import materialize, resolve_model_dir
 from common.model.registry import attention_spec
@@ -34,18 +35,19 @@ from common.wire.user_error import UserError
 FLAG = "--speculative-draft-model-path"
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftHead):
+    method = "EAGLE"
+
     def __init__(self, config: PretrainedConfig, layer_id: int, present: set[str]):
         """`present`: the parameter names the checkpoint holds (fc.bias, embed_tokens and lm_head are optional)."""
-        super().__init__()
         h, vocab = config.hidden_size, config.vocab_size
+        super().__init__(h)
         self.fc = nn.Linear(2 * h, h, bias="fc.bias" in present)
         self.decoder = DecoderLayer(config, layer_id)
         self.decoder.input_layernorm = nn.Identity()
         self.rotary_emb = RotaryEmbedding(config)
         self.embed_tokens = VocabParallelEmbedding(vocab, h) if "embed_tokens.weight" in present else None
         self.lm_head = ParallelLMHead(vocab, h) if "lm_head.weight" in present else None
-        self.model_dir: Path | None = None  # set by load_eagle_head: the identity a PD peer must match
 
     def forward(
         self, target: LlamaForCausalLM, batch: ForwardBatch, attn: AttentionBackend, hidden: torch.Tensor
@@ -56,8 +58,8 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((x, hidden.to(x.dtype)), dim=-1))
         return self.decoder(x, self.rotary_emb(batch, x.dtype), attn, batch)
 
-    def logits(self, target: LlamaForCausalLM, out: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head if self.lm_head is not None else target.lm_head)(out)
+    def draft_tokens(self, target: LlamaForCausalLM, out: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head if self.lm_head is not None else target.lm_head)(out).float().argmax(dim=-1)
 
 
 def head_param_name(name: str) -> str | None:
@@ -70,22 +72,23 @@ def head_param_name(name: str) -> str | None:
     return None if rest.startswith("input_layernorm.") else "decoder." + rest
 
 
-def eagle_config(path: str, hf: PretrainedConfig) -> tuple[Path, PretrainedConfig]:
-    """The head's directory and config, refused before anything loads when its shape is not the target's."""
+def eagle_config(path: str, hf: PretrainedConfig, method: str = "EAGLE") -> tuple[Path, PretrainedConfig]:
+    """The head's directory and config (an EAGLE or EAGLE3 head), refused before anything loads when its
+    shape is not the target's."""
     head_dir = resolve_model_dir(path)
     try:
         head_hf = AutoConfig.from_pretrained(head_dir)
     except (OSError, ValueError) as e:
-        raise UserError(f"{FLAG} {path}: no EAGLE head's config.json can be read ({e})") from None
+        raise UserError(f"{FLAG} {path}: no {method} head's config.json can be read ({e})") from None
     if head_hf.num_hidden_layers != 1:
-        raise UserError(f"{FLAG} {path}: an EAGLE head of {head_hf.num_hidden_layers} layers; one is implemented")
+        raise UserError(f"{FLAG} {path}: an {method} head of {head_hf.num_hidden_layers} layers; one is implemented")
     t = attention_spec(hf)
     mine = (t.kind, hf.hidden_size, t.q_heads, t.kv_heads, t.head_dim, hf.vocab_size)
     heads = (head_hf.num_attention_heads, head_hf.num_key_value_heads, head_dim_of(head_hf))
     theirs = ("mha", head_hf.hidden_size, *heads, head_hf.vocab_size)
     if mine != theirs:
         raise UserError(
-            f"{FLAG} {path}: the EAGLE head's (attention, hidden size, query heads, KV heads, head dim, vocabulary) "
+            f"{FLAG} {path}: the {method} head's (attention, hidden size, query heads, KV heads, head dim, vocabulary) "
             f"is {theirs}, the target's {mine}; it reads the target's hidden states and keeps its KV as one more "
             "layer of the target's pages, so they must match: give the head trained for this target"
         )
@@ -97,12 +100,27 @@ def load_eagle_head(
 ) -> EagleHead:
     """The head, its weights read from its directory's shards, its KV the pool's layer after the target's."""
     head_dir, head_hf = found
-    shards = {shard: read_header(shard)[0] for shard in sorted(head_dir.glob("*.safetensors"))}
-    if not shards:
-        raise UserError(f"{FLAG} {head_dir}: no *.safetensors weights; give the directory that holds them")
+    shards = head_shards(head_dir)
     mapped = {n: head_param_name(n) for header in shards.values() for n in header}
     with torch.device("meta"):
         head = EagleHead(head_hf, target.config.num_hidden_layers, {p for p in mapped.values() if p})
+    return load_head_weights(head, head_dir, shards, mapped, dtype, device)
+
+
+def head_shards(head_dir: Path) -> dict[Path, dict[str, dict]]:
+    """Each of the head's shards and its tensors' entries (read_header's)."""
+    shards = {shard: read_header(shard)[0] for shard in sorted(head_dir.glob("*.safetensors"))}
+    if not shards:
+        raise UserError(f"{FLAG} {head_dir}: no *.safetensors weights; give the directory that holds them")
+    return shards
+
+
+def load_head_weights(
+    head: DraftHead, head_dir: Path, shards: dict[Path, dict], mapped: dict[str, str | None], dtype, device: str
+) -> DraftHead:
+    """`head` (built on the meta device) given storage and filled: `mapped` gives each checkpoint tensor's
+    parameter (None: one the head does not use); a tensor it has no parameter for, or a parameter no tensor
+    fills, or another shape, is refused naming them."""
     materialize(head, dtype, device)
     for module in head.modules():
         if isinstance(module, (Attention, MLP)):
@@ -110,13 +128,14 @@ def load_eagle_head(
     params = dict(head.named_parameters())
     unknown = sorted(n for n, p in mapped.items() if p is not None and p not in params)
     missing = sorted(set(params) - set(mapped.values()))
+    what = f"{FLAG} {head_dir}: not an {head.method} head"
     if unknown or missing:
-        raise UserError(f"{FLAG} {head_dir}: not an EAGLE head: tensors {unknown[:4]} unknown, {missing[:4]} missing")
+        raise UserError(f"{what}: tensors {unknown[:4]} unknown, {missing[:4]} missing")
     for shard, header in shards.items():
         names = [n for n in header if mapped[n] is not None]
         wrong = [n for n in names if list(header[n]["shape"]) != list(params[mapped[n]].shape)]
         if wrong:
-            raise UserError(f"{FLAG} {shard}: the EAGLE head's {wrong[:4]} have other shapes than its config's")
+            raise UserError(f"{FLAG} {shard}: the {head.method} head's {wrong[:4]} have other shapes than its config's")
         fill_from_shard(shard, names, {n: params[mapped[n]] for n in names})
     head.model_dir = head_dir
     return head.eval()

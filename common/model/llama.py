@@ -145,11 +145,21 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        return self.forward_capturing(batch, attn, ())[0]
+
+    def forward_capturing(
+        self, batch: ForwardBatch, attn: AttentionBackend, capture: tuple[int, ...]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final (normed) hidden states, and the residual stream at the input of each layer in `capture`,
+        in layer order (EAGLE3's aux hidden states: SGLang's layers_to_capture)."""
         x = self.embed_tokens(batch.input_ids)
         cos_sin = self.rotary_emb(batch, x.dtype)
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured.append(x)
             x = layer(x, cos_sin, attn, batch)
-        return self.norm(x)
+        return self.norm(x), captured
 
 
 class LlamaForCausalLM(nn.Module):

@@ -22,16 +22,19 @@ from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
+from common.model.draft_head import DraftHead
 from common.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from common.model.loader import materialize
 from common.model.weights import fill_from_shard, read_header
 from common.wire.user_error import UserError
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(DraftHead):
+    method, source = "NEXTN", "mtp"
+
     def __init__(self, config: PretrainedConfig, layer_class: type[nn.Module]):
-        super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        super().__init__(h)
         self.enorm, self.hnorm, self.head_norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.decoder = layer_class(config, config.num_hidden_layers)
@@ -52,9 +55,12 @@ class MTPLayer(nn.Module):
         x = self.decoder(x, target.model.rotary_emb(batch, x.dtype), attn, batch)
         return self.head_norm(x)
 
-    def logits(self, target: LlamaForCausalLM, out: torch.Tensor) -> torch.Tensor:
+    def draft_tokens(self, target: LlamaForCausalLM, out: torch.Tensor) -> torch.Tensor:
         """The guesses from the MTP's output: the target's own LM head (DeepSeek shares it)."""
-        return target.lm_head(out)
+        return target.lm_head(out).float().argmax(dim=-1)
+
+    def describe(self) -> str:
+        return f"NEXTN (the checkpoint's MTP layer, layer {self.decoder.self_attn.layer_id})"
 
 
 def check_nextn(hf: PretrainedConfig, model_dir: Path) -> None:
@@ -88,4 +94,5 @@ def load_mtp(model_dir: Path, hf: PretrainedConfig, target: LlamaForCausalLM, dt
     missing = sorted(set(params) - found)
     if missing:
         raise UserError(f"--speculative-algorithm NEXTN: {model_dir} lacks the MTP layer's weights {missing[:4]}")
+    mtp.model_dir = model_dir
     return mtp.eval()

@@ -28,12 +28,14 @@ from common.memory.static_reserve import (
     req_to_token_bytes,
 )
 from common.model.draft import DraftWeights, draft_config, load_draft, with_draft_layers
-from common.model.eagle import EagleHead, eagle_config, load_eagle_head
+from common.model.draft_head import DraftHead
+from common.model.eagle import eagle_config, load_eagle_head
+from common.model.eagle3 import eagle3_config, load_eagle3_head
 from common.model.kv_scales import read_kv_scales
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.model.moe import expert_placement, moe_layers
-from common.model.nextn import MTPLayer, check_nextn, load_mtp
+from common.model.nextn import check_nextn, load_mtp
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
@@ -50,7 +52,7 @@ class RankModel:
     attn: AttentionBackend
     reserved: StaticReserve  # what the pool's sizing set aside for the buffers allocated after it
     draft: DraftWeights | None = None  # STANDALONE's draft model (TP 1), its KV the pool's last layers
-    draft_head: MTPLayer | EagleHead | None = None  # NEXTN's MTP layer or EAGLE's head (TP 1): the pool's last layer
+    draft_head: DraftHead | None = None  # NEXTN's MTP layer, an EAGLE or EAGLE3 head (TP 1): the pool's last layer
 
 
 def build_rank_model(
@@ -60,7 +62,7 @@ def build_rank_model(
     tp = model_layout(tp, config)
     algo, path = config.speculative_algorithm, config.speculative_draft_model_path
     found = draft_config(path, hf) if algo == "STANDALONE" else None  # refused before anything loads
-    eagle = eagle_config(path, hf) if algo == "EAGLE" else None
+    eagle = eagle_config(path, hf) if algo == "EAGLE" else eagle3_config(path, hf) if algo == "EAGLE3" else None
     if algo == "NEXTN":
         check_nextn(hf, model_dir)
     model = load_model(model_dir, hf, dtype, config.device, tp)
@@ -71,7 +73,8 @@ def build_rank_model(
     if algo == "NEXTN":
         head = load_mtp(model_dir, hf, model, dtype, config.device)
     elif eagle is not None:
-        head = load_eagle_head(eagle, model, dtype, config.device)
+        load_head = load_eagle_head if algo == "EAGLE" else load_eagle3_head
+        head = load_head(eagle, model, dtype, config.device)
     whole = with_draft_layers(attention_spec(hf), draft)
     if head is not None:
         whole = dataclasses.replace(whole, num_layers=whole.num_layers + 1)

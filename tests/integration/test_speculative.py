@@ -5,8 +5,8 @@ chain ends the request there; retraction under a small pool resumes exactly; onl
 enters the prefix cache, and a next turn that reuses it decodes the same; every pool is idle afterwards.
 Sampled acceptance without a seed is lossless in distribution: on an 8-token vocabulary the first two tokens'
 joint frequencies match the target's probabilities (chi-square).
-NEXTN (a tiny DeepSeek-V3 with an MTP layer) and EAGLE (a tiny Llama and a head of one layer in its own
-directory), prompts in chunks: greedy and seeded tokens and logprobs equal decoding without them, with drafts
+NEXTN (a tiny DeepSeek-V3 with an MTP layer), EAGLE and EAGLE3 (tiny Llamas and a head of one layer in its own
+directory; EAGLE3's own parts: test_speculative_eagle3.py), prompts in chunks: greedy and seeded tokens and logprobs equal decoding without them, with drafts
 accepted; retraction and a next turn over the prefix cache resume exactly. The EAGLE loader takes names with
 or without `model.`, and a head whose KV does not fit the target's pages is refused at start-up naming both
 shapes."""
@@ -30,6 +30,7 @@ from common.wire.sampling_params import SamplingParams
 from common.wire.user_error import UserError
 from tests.integration.spec_models import (
     save_deepseek_mtp,
+    save_eagle3_target_and_head,
     save_eagle_target_and_head,
     save_llama,
     save_target_and_draft,
@@ -208,13 +209,16 @@ def eagle_models(tmp_path_factory):
     return save_eagle_target_and_head(tmp_path_factory.mktemp("eagle"))
 
 
-@pytest.fixture(scope="module", params=["NEXTN", "EAGLE"])
+@pytest.fixture(scope="module", params=["NEXTN", "EAGLE", "EAGLE3"])
 def head_model(request, tmp_path_factory) -> tuple[str, dict]:
-    """A target with a draft head and the flags that draft with it: NEXTN's MTP layer or an EAGLE head."""
+    """A target with a draft head and the flags that draft with it: NEXTN's MTP layer, an EAGLE or EAGLE3 head."""
     flags = {"speculative_algorithm": request.param, "speculative_num_steps": 3}
     if request.param == "NEXTN":
         return save_deepseek_mtp(tmp_path_factory.mktemp("mtp")), flags
-    target, head = request.getfixturevalue("eagle_models")
+    if request.param == "EAGLE3":
+        target, head = save_eagle3_target_and_head(tmp_path_factory.mktemp("eagle3"))
+    else:
+        target, head = request.getfixturevalue("eagle_models")
     return target, flags | {"speculative_draft_model_path": str(head)}
 
 
@@ -230,7 +234,7 @@ def test_a_head_greedy_seeded_and_a_next_turn_equal_decoding_without_it(head_mod
     spec = run(spec_engine, prompts * 2, per_request, logprobs=True, max_new_tokens=16)
     assert_same(base, spec)
     assert all(r.spec_verify_ct > 0 for r in spec)
-    assert sum(r.spec_accepted for r in spec) > 10  # eh_proj / fc pass the token through: the head guesses well
+    assert sum(r.spec_accepted for r in spec) > 10  # the heads pass the token's embedding on: they guess well
     turns = [r.prompt_ids + r.output_ids + p for r, p in zip(spec, random_prompts(2, 5, 5, seed=9))]
     want, again = run(off, turns, max_new_tokens=16), run(spec_engine, turns, max_new_tokens=16)
     assert_same(want, again)

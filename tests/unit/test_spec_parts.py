@@ -1,17 +1,19 @@
 """Speculative decoding's pieces without a model: NGRAM's proposals, acceptance from sampled positions, the
-flags' refusals, the KV layout's `speculative` field, NEXTN's aux record carrying a hidden state, and the names
-an EAGLE checkpoint gives its head's weights."""
+flags' refusals, the KV layout's `speculative` field, NEXTN's aux record carrying a hidden state, the names
+an EAGLE and an EAGLE3 checkpoint give their head's weights, and the target layers an EAGLE3 head reads."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from transformers import PretrainedConfig
 
 from common.config import ServerConfig
 from common.engine.sampler import SampleOutput
 from common.engine.spec.ngram import NgramIndex
 from common.engine.spec.verify import accept
 from common.model.eagle import head_param_name
+from common.model.eagle3 import capture_layers, eagle3_param_name
 from common.wire.kv_layout import LAYOUT_KEYS, layout_mismatch
 from transfer.aux_record import AuxRecord, record_bytes
 
@@ -54,14 +56,16 @@ def test_acceptance_keeps_drafts_up_to_the_first_mismatch_then_the_targets_token
         ({"speculative_algorithm": "STANDALONE"}, "STANDALONE needs --speculative-draft-model-path"),
         (
             {"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/x"},
-            "for STANDALONE and EAGLE only, not NGRAM",
+            "for STANDALONE, EAGLE and EAGLE3 only, not NGRAM",
         ),
-        ({"speculative_draft_model_path": "/x"}, "needs --speculative-algorithm STANDALONE or EAGLE"),
+        ({"speculative_draft_model_path": "/x"}, "needs --speculative-algorithm STANDALONE, EAGLE or EAGLE3"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6}, "give 4"),
         ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/x", "tp_size": 2}, "--tp-size 1"),
         ({"speculative_algorithm": "NEXTN", "tp_size": 2}, "NEXTN runs its draft on one rank"),
         ({"speculative_algorithm": "NEXTN", "tp_size": 2, "enable_dp_attention": True}, "dp-attention"),
-        ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/x"}, "EAGLE3 is not implemented"),
+        ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 needs --speculative-draft-model-path"),
+        ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/x", "tp_size": 2}, "EAGLE3 runs its"),
+        ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/x", "enable_dp_attention": True}, "dp"),
     ],
 )
 def test_flags_that_do_not_fit_are_refused_naming_them(flags, words):
@@ -121,3 +125,22 @@ def test_eagle_checkpoint_names_map_to_the_heads_parameters_with_or_without_the_
         assert head_param_name(prefix + "layers.0.input_layernorm.weight") is None  # EAGLE skips layer 0's
     assert head_param_name("lm_head.weight") == "lm_head.weight"
     assert head_param_name("layers.1.mlp.up_proj.weight") == "layers.1.mlp.up_proj.weight"  # no parameter: refused
+
+
+def test_eagle3_checkpoint_names_map_to_the_heads_parameters_with_or_without_the_model_prefix():
+    for prefix in ("", "model."):
+        assert eagle3_param_name(prefix + "fc.weight") == "fc.weight"
+        assert eagle3_param_name(prefix + "midlayer.self_attn.q_proj.weight") == "midlayer.self_attn.q_proj.weight"
+        assert eagle3_param_name(prefix + "midlayer.hidden_norm.weight") == "midlayer.hidden_norm.weight"
+        assert eagle3_param_name(prefix + "norm.weight") == "norm.weight"
+        for unused in ("d2t", "t2d", "embed_tokens.weight"):  # d2t is read apart; the target's embedding is used
+            assert eagle3_param_name(prefix + unused) is None
+    assert eagle3_param_name("lm_head.weight") == "lm_head.weight"
+
+
+def test_eagle3_reads_the_layers_sglang_picks():
+    """[2, L // 2, L - 3] of the target's L layers, or one past each configured id (that layer's output)."""
+    assert capture_layers(PretrainedConfig(), 32) == (2, 16, 29)
+    assert capture_layers(PretrainedConfig(), 7) == (2, 3, 4)
+    ids = {"eagle_aux_hidden_state_layer_ids": [30, 1, 15]}
+    assert capture_layers(PretrainedConfig(eagle_config=ids), 32) == (2, 16, 31)  # in layer order

@@ -67,7 +67,7 @@ def commit_verified(
     if drafter.writes_kv and not drafter.needs_hidden:  # a draft model's inputs: the last token and the drafts
         # before the last, valid while accepted
         computed = min(computed, start + 1 + min(v.accepted, v.drafted - 1) if v.drafted else req.kv_computed_len)
-    computed = min(computed, drafter.computed_cap(req))  # NEXTN, EAGLE: its slots lag the target's
+    computed = min(computed, drafter.computed_cap(req))  # NEXTN, EAGLE, EAGLE3: its slots lag the target's
     memory.truncate(req, req.seq_len - 1)
     req.kv_computed_len = max(req.kv_computed_len, min(computed, req.kv_len))
     return finish

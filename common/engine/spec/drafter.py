@@ -18,7 +18,7 @@ from common.core.request import Req
 
 class Drafter(ABC):
     writes_kv = False  # a draft model: its KV is part of every page (kv_computed_len covers both models)
-    needs_hidden = False  # NEXTN, EAGLE: the runner hands it the target's hidden states of every forward (take_hidden)
+    needs_hidden = False  # a head (NEXTN, EAGLE, EAGLE3): the runner hands it the target's hidden states (take_hidden)
 
     @abstractmethod
     def propose(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
@@ -29,7 +29,7 @@ class Drafter(ABC):
         `planned`: the target's attention backend is planned for `batch` (not when a CUDA graph replayed it)."""
 
     def computed_cap(self, req: Req) -> int:
-        """The most tokens of `req` whose KV every model holds for the prefix cache (a head, NEXTN or EAGLE, lags the target)."""
+        """The most tokens of `req` whose KV every model holds for the prefix cache (a draft head lags the target)."""
         return req.seq_len
 
     def describe(self) -> str:

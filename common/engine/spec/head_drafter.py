@@ -1,6 +1,8 @@
-"""NEXTN and EAGLE drafting: a draft head guesses from the target's hidden states, either DeepSeek's MTP layer
-read from the target's checkpoint (common/model/nextn.py) or an EAGLE head from its own directory
-(common/model/eagle.py). Both take the same pair and differ only in the module; this drafter runs either.
+"""NEXTN, EAGLE and EAGLE3 drafting: a draft head guesses from the target's hidden states, either DeepSeek's MTP
+layer read from the target's checkpoint (common/model/nextn.py) or an EAGLE or EAGLE3 head from its own
+directory (common/model/eagle.py, eagle3.py). All take the same pair and differ only in the module (and in
+which of the target's hidden states they read: the final one, or EAGLE3's three layers' inputs, `capture`);
+this drafter runs any of them (common/model/draft_head.py says what it asks of one).
 
 Head slot i of a request (its KV: one more layer of the target's pages, at token i's slot) is computed from
 the pair (h_i, t_{i+1}): the target's hidden state at position i and the token that followed it. So the
@@ -17,8 +19,8 @@ committed tokens):
                            each next step feeds (the head's own output, the previous draft) at the next slot.
                            q = seq_len - 1 after it: the drafting slots are written again by the next catch-up
 
-Across PD the prefill's pending (h of the prompt's last position) travels in the aux record
-(`hidden_bytes`); the decode's first propose catches up over it as one engine does.
+Across PD the prefill's pending (h of the prompt's last position: EAGLE3's is three layers' wide) travels in
+the aux record (`hidden_bytes`); the decode's first propose catches up over it as one engine does.
 
 Cached pages: slot i depends on t_{i+1}, one token past it, so a prefix hit gives up its last page
 (MemoryManager.reuse_cut) and `kv_computed_len` never passes q + 1 (`computed_cap`).
@@ -36,15 +38,15 @@ from common.core.forward_batch import ForwardMode
 from common.core.request import Req
 from common.engine.extend_batch import ExtendRow, build_extend_batch
 from common.engine.spec.drafter import Drafter
-from common.model.eagle import EagleHead
+from common.model.draft_head import DraftHead
 from common.model.llama import LlamaForCausalLM
-from common.model.nextn import MTPLayer
 
 PENDING_MAX = 16  # hidden states a request keeps before the head catches up without drafting
 
 
 class HiddenHandoff(Protocol):
-    """What a PD role asks of a head drafter (NEXTN, EAGLE): the prompt's last hidden state into and out of the aux record."""
+    """What a PD role asks of a head drafter (NEXTN, EAGLE, EAGLE3): the prompt's last hidden state into and out
+    of the aux record."""
 
     hidden_bytes: int
 
@@ -58,21 +60,15 @@ class HeadDrafter(Drafter):
     needs_hidden = True
 
     def __init__(
-        self,
-        head: MTPLayer | EagleHead,
-        target: LlamaForCausalLM,
-        attn: AttentionBackend,
-        req_to_token: torch.Tensor,
-        device: str,
-        name: str,
+        self, head: DraftHead, target: LlamaForCausalLM, attn: AttentionBackend, req_to_token: torch.Tensor, device: str
     ):
-        """`head`: forward(target, batch, attn, hidden) -> its output, logits(target, output); `name`: describe's."""
-        self.head, self.target, self.attn, self.name = head, target, attn, name
+        self.head, self.target, self.attn = head, target, attn
+        self.capture = head.capture  # the runner keeps these layers' inputs of every forward (none: the last hidden)
         self.req_to_token, self.device, self.page_size = req_to_token, device, attn.kv_pool.page_size
         self.dtype = next(head.parameters()).dtype
         # a request -> (q, the hidden states of positions [q, q + p)): q head slots written
         self.pending: weakref.WeakKeyDictionary[Req, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
-        self.hidden_size = target.config.hidden_size
+        self.hidden_size = head.hidden_in  # of the target's hidden state per position
         self.hidden_bytes = 4 * self.hidden_size  # in the aux record: float32
 
     # -- the target's hidden states --------------------------------------------------------------
@@ -138,7 +134,7 @@ class HeadDrafter(Drafter):
         hidden = torch.cat([h for _, h in caught]) if caught else None
         while active:
             out = self._forward(rows, hidden, ForwardMode.VERIFY)
-            for i, token in zip(active, self.head.logits(self.target, out).float().argmax(dim=-1).tolist()):
+            for i, token in zip(active, self.head.draft_tokens(self.target, out).tolist()):
                 drafts[i].append(token)
             keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
             active, hidden = [active[j] for j in keep], out[keep]
@@ -154,4 +150,4 @@ class HeadDrafter(Drafter):
         return self.head(self.target, batch, self.attn, hidden)[batch.logits_indices]
 
     def describe(self) -> str:
-        return self.name
+        return self.head.describe()
