@@ -132,7 +132,9 @@ DRAFT_VOCAB = 384  # the EAGLE3 test head's, of the target's 512
 
 
 def save_eagle3_target_and_head(root: Path, kv_heads: int | None = None, d2t: bool = True) -> tuple[Path, Path]:
-    """A 4-layer Llama whose layers barely change the residual stream (every KV head its own) and an EAGLE3
+    """A 4-layer Llama whose layers barely change the residual stream (output projections x 0.001, so its
+    guess is nearly its LM head over the token's embedding; every KV head its own; its LM head ignores feature
+    0) and an EAGLE3
     head for it (SGLang's LlamaForCausalLMEagle3 layout: `midlayer.*`, fc, norm, lm_head, d2t, t2d) reading
     the inputs of its layers 1, 2 and 3 (eagle_aux_hidden_state_layer_ids [0, 1, 2]), over a draft
     vocabulary of 384 tokens: every one the target guesses after some token (a real head keeps the most
@@ -150,7 +152,11 @@ def save_eagle3_target_and_head(root: Path, kv_heads: int | None = None, d2t: bo
 
     target = root / "eagle3-target"
     if not target.exists():
-        save_llama(target, vocab=512, layers=4, quiet_from=0, tail_scale=0.01, kv_heads=4)
+        save_llama(target, vocab=512, layers=4, quiet_from=0, tail_scale=0.001, kv_heads=4)
+        quiet = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
+        with torch.no_grad():
+            quiet.lm_head.weight[:, 0] = 0.0  # its guesses ignore feature 0, which the head's fc bias fills
+        quiet.save_pretrained(target)
     model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
     hot = hot_tokens(model)
     name = "eagle3-head" + (f"-{kv_heads}" if kv_heads else "") + ("" if d2t else "-no-d2t")
@@ -190,7 +196,7 @@ def eagle3_weights(model: LlamaForCausalLM, hot: list[int], kv_heads: int) -> di
     norm[0] = 0.0
     layer = {
         "self_attn.q_proj.weight": q,
-        "self_attn.k_proj.weight": q[: kv_heads * d],
+        "self_attn.k_proj.weight": q[: kv_heads * d].clone(),
         "self_attn.v_proj.weight": v,
         "self_attn.o_proj.weight": torch.eye(h),
         "mlp.gate_proj.weight": torch.randn(128, h) * 0.02,
