@@ -1,7 +1,8 @@
 """The planner against a shifting workload (docs/placement.md): three servers (`--model`) that may switch
 roles (--enable-pd-role-switch) behind one router, and a workload that shifts after --phase-s seconds from long
 prompts and short outputs (phase 1) to short prompts and long outputs (phase 2), requests arriving as a Poisson
-process. Three runs over the same servers, fresh prompts each:
+process. Three runs over the same servers and the same arrival times (kept to the clock, so a client slowed by
+its own streams does not thin them), fresh prompts each:
 
     static 2P1D    the split phase 1 wants, kept
     static 1P2D    the split phase 2 wants, kept
@@ -56,8 +57,22 @@ def set_split(c: Cluster, prefills: int) -> None:
         time.sleep(0.5)
 
 
+ARRIVALS_SEED = 299
+
+
+def arrivals(phase_s: float) -> list[tuple[int, float]]:
+    """(phase, seconds after the start) of every request: a Poisson process at each phase's rate, the same for
+    every run."""
+    rng, out = random.Random(ARRIVALS_SEED), []
+    for phase in (1, 2):
+        t = (phase - 1) * phase_s
+        while (t := t + rng.expovariate(PHASES[phase]["rate"])) < phase * phase_s:
+            out.append((phase, t))
+    return out
+
+
 async def run(url: str, phase_s: float, seed: int, ttft_s: float, tpot_s: float, vocab: int, watch=None) -> dict:
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # the prompts'
     results: list[tuple[int, float | None, float | None]] = []
 
     async def one(phase: int, client: httpx.AsyncClient) -> None:
@@ -70,11 +85,9 @@ async def run(url: str, phase_s: float, seed: int, ttft_s: float, tpot_s: float,
     async with httpx.AsyncClient(timeout=900) as client:
         watching = asyncio.create_task(watch(client, start)) if watch is not None else None
         tasks = []
-        for phase in (1, 2):
-            end = start + phase * phase_s
-            while time.monotonic() < end:
-                tasks.append(asyncio.create_task(one(phase, client)))
-                await asyncio.sleep(rng.expovariate(PHASES[phase]["rate"]))
+        for phase, at in arrivals(phase_s):
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))  # late: at once
+            tasks.append(asyncio.create_task(one(phase, client)))
         await asyncio.gather(*tasks)
         if watching is not None:
             watching.cancel()
