@@ -7,10 +7,10 @@
   travels in the target's pages, tokens equal transformers', drafts accepted as in one engine;
 - a tiny DeepSeek-V3 with NEXTN (its MTP layer) on both PD sides: the MTP's KV of the prompt travels in the
   pages and the prompt's last hidden state in the aux record; tokens and accepted drafts equal one engine's;
-- a tiny Llama with an EAGLE3 head on both PD sides: the head's KV of the prompt travels in the pages and the
-  inputs of the target's three captured layers at the prompt's last position (three hidden states wide) in the
-  aux record; tokens and logprobs equal decoding without speculation, verifies and accepted drafts one engine's
-  (EAGLE's head takes NEXTN's path across PD: one hidden state, the head drafter);
+- tiny Llamas with an EAGLE and an EAGLE3 head on both PD sides: the head's KV of the prompt travels in the
+  pages, and in the aux record the prompt's last hidden state (EAGLE) or the inputs of the target's three
+  captured layers there (EAGLE3: three hidden states wide); tokens and logprobs equal decoding without
+  speculation, verifies and accepted drafts one engine's;
 - a decode without the draft refuses that prefill before any KV moves, naming both sides' `speculative`;
 - NGRAM at --tp-size 2: the verify forward runs on both ranks, tokens equal transformers'.
 """
@@ -30,7 +30,12 @@ from common.engine.engine import Engine
 from common.wire.sampling_params import SamplingParams
 from tests.conftest import metric, start_server
 from tests.integration.cluster import generate, spawn_cluster, start_router
-from tests.integration.spec_models import save_deepseek_mtp, save_eagle3_target_and_head, save_target_and_draft
+from tests.integration.spec_models import (
+    save_deepseek_mtp,
+    save_eagle3_target_and_head,
+    save_eagle_target_and_head,
+    save_target_and_draft,
+)
 from tests.integration.tiny_model import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(900)  # three servers of the built-in model (and the shared reference) start first
@@ -54,17 +59,25 @@ def mtp(tmp_path_factory):
     return model, ("--model", str(model), "--page-size", "4", "--chunked-prefill-size", "16", *NEXTN_FLAGS)
 
 
-@pytest.fixture(scope="module")
-def eagle3(tmp_path_factory):
-    target, head = save_eagle3_target_and_head(tmp_path_factory.mktemp("eagle3-pd"))
-    speculative = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head))
-    return target, head, ("--model", str(target), "--page-size", "4", "--chunked-prefill-size", "16", *speculative)
+HEADS = {"EAGLE": save_eagle_target_and_head, "EAGLE3": save_eagle3_target_and_head}
 
 
 @pytest.fixture(scope="module")
-def servers(tiny, mtp, eagle3, reference_servers):
-    """Started at once: the NGRAM monolithic server, the built-in PD pair, the tiny STANDALONE, NEXTN and EAGLE3
-    PD pairs, a tiny decode without a draft (behind its own router, with the STANDALONE prefill) and NGRAM at
+def heads(tmp_path_factory) -> dict[str, tuple]:
+    """Each head algorithm's tiny target, its head, and the flags that serve them."""
+    out = {}
+    for algo, save in HEADS.items():
+        target, head = save(tmp_path_factory.mktemp(f"{algo.lower()}-pd"))
+        speculative = ("--speculative-algorithm", algo, "--speculative-draft-model-path", str(head))
+        flags = ("--model", str(target), "--page-size", "4", "--chunked-prefill-size", "16", *speculative)
+        out[algo] = target, head, (*flags, "--speculative-num-steps", "3")
+    return out
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, mtp, heads, reference_servers):
+    """Started at once: the NGRAM monolithic server, the built-in PD pair, the tiny STANDALONE, NEXTN, EAGLE and
+    EAGLE3 PD pairs, a tiny decode without a draft (behind its own router, with the STANDALONE prefill) and NGRAM at
     TP 2."""
     _, _, flags, standalone = tiny
     started = []
@@ -77,15 +90,15 @@ def servers(tiny, mtp, eagle3, reference_servers):
         started.append(draft_pd)
         nextn_pd = spawn_cluster("mooncake", flags=mtp[1])
         started.append(nextn_pd)
-        eagle3_pd = spawn_cluster("mooncake", flags=(*eagle3[2], "--speculative-num-steps", "3"))
-        started.append(eagle3_pd)
+        head_pds = {algo: spawn_cluster("mooncake", flags=flags) for algo, (_, _, flags) in heads.items()}
+        started.extend(head_pds.values())
         plain = start_server("--disagg-mode", "decode", "--transfer-backend", "mooncake", *flags, name="decode-plain")
         started.append(plain)
         tp = start_server(*flags, "--tp-size", "2", *NGRAM, name="ngram-tp2")
         started.append(tp)
         for s in (mono, plain, tp):
             s.wait_ready(600)
-        for cluster in (ngram_pd, draft_pd, nextn_pd, eagle3_pd):
+        for cluster in (ngram_pd, draft_pd, nextn_pd, *head_pds.values()):
             cluster.wait_ready(600)
         prefill = [(draft_pd.prefills[0], draft_pd.prefill_bootstrap_ports[0])]
         mismatched = start_router(prefill, [plain], name="router-mismatch")
@@ -95,7 +108,7 @@ def servers(tiny, mtp, eagle3, reference_servers):
             "ngram_pd": ngram_pd,
             "draft_pd": draft_pd,
             "nextn_pd": nextn_pd,
-            "eagle3_pd": eagle3_pd,
+            **{f"{algo}_pd": cluster for algo, cluster in head_pds.items()},
             "plain": plain,
             "mismatched": mismatched,
             "tp": tp,
@@ -209,23 +222,24 @@ def test_nextn_pd_carries_the_mtp_kv_and_hidden_state_and_accepts_as_one_engine(
     servers["nextn_pd"].wait_idle()
 
 
-def test_eagle3_pd_carries_the_head_kv_and_three_hidden_states_and_equals_decoding_without_it(servers, eagle3):
+@pytest.mark.parametrize("algo", list(HEADS))
+def test_a_head_pd_carries_its_kv_and_hidden_states_and_equals_decoding_without_it(servers, heads, algo):
     """Prompts of 5 to 40 tokens in chunks of 16: the PD pair's tokens and logprobs are those of one engine
-    without speculation, its verifies and accepted drafts those of one EAGLE3 engine."""
-    target, head, _ = eagle3
+    without speculation, its verifies and accepted drafts those of one engine with the head."""
+    target, head, _ = heads[algo]
     prompts = random_prompts(3, 5, 40, seed=36)
     common = {"model": str(target), "page_size": 4, "chunked_prefill_size": 16}
     base = one_at_a_time(Engine(ServerConfig(**common)), prompts)
-    flags = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head), "speculative_num_steps": 3}
+    flags = {"speculative_algorithm": algo, "speculative_draft_model_path": str(head), "speculative_num_steps": 3}
     mono = one_at_a_time(Engine(ServerConfig(**common, **flags)), prompts)
     for ids, want, spec in zip(prompts, base, mono):
-        out = generate(servers["eagle3_pd"].url, ids, TINY_NEW, sampling={"ignore_eos": True}, return_logprob=True)
+        out = generate(servers[f"{algo}_pd"].url, ids, TINY_NEW, sampling={"ignore_eos": True}, return_logprob=True)
         assert out["output_ids"] == want.output_ids == spec.output_ids
         got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got, want.output_logprobs)) < 1e-4
         assert out["meta_info"]["spec_verify_ct"] == spec.spec_verify_ct
         assert accepted(out) == spec.spec_accepted > 0
-    servers["eagle3_pd"].wait_idle()
+    servers[f"{algo}_pd"].wait_idle()
 
 
 def test_a_decode_without_the_draft_refuses_the_prefill_naming_both(servers):
