@@ -137,7 +137,7 @@ class ServerConfig(BaseSettings):
         None,
         description="draft tokens and verify them in one forward: NGRAM (the request's own tokens), STANDALONE "
         "(a draft model), NEXTN (the checkpoint's MTP layer), EAGLE or EAGLE3 (a head in "
-        "--speculative-draft-model-path over the target's last hidden state or three of its layers')",
+        "--speculative-draft-model-path over the target's last hidden state or three of its layers)",
     )
     speculative_num_steps: int | None = Field(None, ge=1, le=32, description="draft steps per verify (default 3)")
     speculative_eagle_topk: int = Field(1, ge=1, description="draft branches per step: 1 (a chain) is implemented")
