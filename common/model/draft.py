@@ -35,7 +35,7 @@ def draft_config(path: str | None, hf: PretrainedConfig) -> tuple[Path, Pretrain
     """The draft's directory and config (None without one), refused naming both shapes when they differ."""
     if not path:
         return None
-    draft_dir = resolve_model_dir(path)
+    draft_dir = resolve_model_dir(path, "--speculative-draft-model-path")
     draft_hf = load_hf_config(draft_dir)
     target, draft = attention_spec(hf), attention_spec(draft_hf)
     mine = (target.kind, target.kv_heads, target.head_dim, target.v_head_dim, hf.vocab_size)

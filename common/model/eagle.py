@@ -75,7 +75,7 @@ def head_param_name(name: str) -> str | None:
 def eagle_config(path: str, hf: PretrainedConfig, method: str = "EAGLE") -> tuple[Path, PretrainedConfig]:
     """The head's directory and config (an EAGLE or EAGLE3 head), refused before anything loads when its
     shape is not the target's."""
-    head_dir = resolve_model_dir(path)
+    head_dir = resolve_model_dir(path, FLAG)
     try:
         head_hf = AutoConfig.from_pretrained(head_dir)
     except (OSError, ValueError) as e:

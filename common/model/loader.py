@@ -24,10 +24,10 @@ from common.wire.user_error import UserError
 log = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: str) -> Path:
-    """Return a Hugging Face directory (config.json + safetensors + tokenizer) for `model`."""
-    found = existing_model_dir(model)
-    return found if found is not None else convert_gguf(*gguf_source(model))
+def resolve_model_dir(model: str, flag: str = "--model") -> Path:
+    """Return a Hugging Face directory (config.json + safetensors + tokenizer) for `model` (given by `flag`)."""
+    found = existing_model_dir(model, flag)
+    return found if found is not None else convert_gguf(*gguf_source(model, flag))
 
 
 def convert_gguf(gguf: Path, name: str) -> Path:

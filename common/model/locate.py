@@ -51,8 +51,9 @@ def builtin_gguf_path() -> Path:
     return Path(ggufs[0].locate())
 
 
-def gguf_source(model: str) -> tuple[Path, str] | None:
-    """(GGUF file, name of its converted directory) when `model` names a GGUF; None for a HF directory."""
+def gguf_source(model: str, flag: str = "--model") -> tuple[Path, str] | None:
+    """(GGUF file, name of its converted directory) when `model` names a GGUF; None for a HF directory. `flag`:
+    the option that gave `model`, which a refusal names."""
     if model in BUILTIN_NAMES:
         return builtin_gguf_path(), BUILTIN_NAME
     path = Path(model).expanduser()
@@ -62,7 +63,7 @@ def gguf_source(model: str) -> tuple[Path, str] | None:
         return None
     what = "a directory without config.json" if path.is_dir() else "not a .gguf file" if path.exists() else "not found"
     raise UserError(
-        f"--model {model}: {what}; give a Hugging Face model directory (with config.json), a .gguf file or 'builtin'"
+        f"{flag} {model}: {what}; give a Hugging Face model directory (with config.json), a .gguf file or 'builtin'"
     )
 
 
@@ -94,9 +95,10 @@ def converted_dir(gguf: Path, name: str) -> Path:
     return cache_dir() / "models" / f"{name}-{key}"
 
 
-def existing_model_dir(model: str) -> Path | None:
-    """The Hugging Face directory of `model` if it exists already; None for a GGUF not converted yet."""
-    source = gguf_source(model)
+def existing_model_dir(model: str, flag: str = "--model") -> Path | None:
+    """The Hugging Face directory of `model` (given by `flag`) if it exists already; None for a GGUF not
+    converted yet."""
+    source = gguf_source(model, flag)
     if source is None:
         return Path(model).expanduser()
     out = converted_dir(*source)

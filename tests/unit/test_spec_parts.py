@@ -12,9 +12,11 @@ from common.config import ServerConfig
 from common.engine.sampler import SampleOutput
 from common.engine.spec.ngram import NgramIndex
 from common.engine.spec.verify import accept
-from common.model.eagle import head_param_name
+from common.model.draft import draft_config
+from common.model.eagle import eagle_config, head_param_name
 from common.model.eagle3 import capture_layers, eagle3_param_name
 from common.wire.kv_layout import LAYOUT_KEYS, layout_mismatch
+from common.wire.user_error import UserError
 from transfer.aux_record import AuxRecord, record_bytes
 
 
@@ -136,6 +138,13 @@ def test_eagle3_checkpoint_names_map_to_the_heads_parameters_with_or_without_the
         for unused in ("d2t", "t2d", "embed_tokens.weight"):  # d2t is read apart; the target's embedding is used
             assert eagle3_param_name(prefix + unused) is None
     assert eagle3_param_name("lm_head.weight") == "lm_head.weight"
+
+
+def test_a_draft_path_that_is_not_there_is_refused_naming_its_flag():
+    for check in (draft_config, eagle_config):
+        with pytest.raises(UserError) as refused:
+            check("/nonexistent/head", PretrainedConfig())
+        assert str(refused.value).startswith("--speculative-draft-model-path /nonexistent/head: not found; give a")
 
 
 def test_eagle3_reads_the_layers_sglang_picks():
