@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.forked import ForkedServer, can_fork, kill_left_over
 from tests.ports import free_port
 from tests.tiers import load_hypothesis_profile, mark_slow_tests, starts_processes
 
@@ -47,6 +48,7 @@ def pytest_sessionfinish() -> None:
     from tests.helm.image import stop_builds
 
     stop_builds()
+    kill_left_over()
 
 
 # how a server says that a port it was given is taken: its start-up check, or uvicorn's bind after the load
@@ -93,6 +95,8 @@ class ServerProcess:
     def _spawn(self) -> subprocess.Popen:
         self._log_start = self.log_path.stat().st_size  # where this start's output begins
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
+        if self.entry == ServerProcess.entry and can_fork(self.args, self.prefix, self.env):
+            return ForkedServer(self.args, env, ROOT, self.log_path)
         return subprocess.Popen(
             [*self.prefix, *self.entry, *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )

@@ -1,0 +1,111 @@
+"""Model servers forked from a process that has already imported what `tandem serve` imports.
+
+A `python -m tandem serve` spends most of its start-up importing torch, transformers and the engine (about 6 of
+the 10 s a built-in model server takes to be ready here). The suite starts a few hundred of them, so each one
+started by ServerProcess is forked from multiprocessing's fork server instead, whose process imported those
+modules once. From the fork on, the child runs what `python -m tandem` runs: `tandem.cli.main` with the same
+arguments, in the test's environment and working directory, its stdout and stderr in the test's log file.
+
+Not forked, but started as `python -m tandem`: a command other than `serve`, a server run inside something
+(a network namespace, a container), one whose environment changes what Python loads (PYTHONPATH: the KV fault
+sites' sitecustomize), and every server when TANDEM_TEST_FORK=0. Nothing here imports CUDA or starts a thread
+before the fork (the fork server only imports), and the rank processes a server starts are `python -m`
+processes as always.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+# what `tandem serve` imports before it loads a model; imported once, in the fork server
+PRELOAD = [
+    "torch",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.configuration_llama",
+    "tandem.cli",
+    "tandem.server",
+    "common.engine.engine",
+    "common.http.app",
+    "prefill_node.compose",
+    "decode_node.compose",
+    "uvicorn",
+]
+_context: multiprocessing.context.ForkServerContext | None = None
+_started: list[ForkedServer] = []
+
+
+def can_fork(argv: list[str], prefix: tuple[str, ...], env: dict[str, str]) -> bool:
+    """Whether this command may run forked (see the module docstring)."""
+    wanted = os.environ.get("TANDEM_TEST_FORK", "1") != "0"
+    return wanted and argv[:1] == ["serve"] and not prefix and "PYTHONPATH" not in env and sys.platform == "linux"
+
+
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def run_tandem(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
+    """In the forked child: what `python -m tandem ARGV` runs, with the test's environment and log file."""
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # as PYTHONUNBUFFERED: each line reaches the log
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from tandem.cli import main
+
+    main(argv)
+
+
+class ForkedServer:
+    """subprocess.Popen's interface (poll, wait, returncode, signals) over a server forked by the fork server."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path):
+        self.args = ["tandem", *argv]
+        self._child = fork_server().Process(target=run_tandem, args=(argv, env, str(cwd), str(log_path)))
+        self._child.start()
+        self.pid = self._child.pid
+        _started.append(self)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.exitcode
+
+    def poll(self) -> int | None:
+        return self._child.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._child.join(timeout)
+        if self._child.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._child.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._child.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def kill_left_over() -> None:
+    """At the session's end: a forked server that a test left running is killed (multiprocessing would wait)."""
+    for server in _started:
+        server.kill()
+        server.wait(10)
