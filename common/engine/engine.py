@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from common.attention.base import choose_attention_backend
 from common.config import ServerConfig
@@ -26,8 +26,14 @@ from common.core.request import OutputEvent, Req
 from common.core.timeline import report
 from common.engine import engine_report, host_tier
 from common.engine.dp_scheduler import DPScheduler
-from common.engine.graph_capture import capture_graphs
-from common.engine.kv_event_publisher import KVEventPublisher
+from common.engine.engine_setup import (
+    batch_limits,
+    context_len_for,
+    eos_token_ids,
+    kv_store_namespace,
+    make_grammar_backend,
+    make_kv_event_publisher,
+)
 from common.engine.metrics import EngineMetrics
 from common.engine.model_runner import ModelRunner
 from common.engine.output import OutputProcessor
@@ -38,15 +44,13 @@ from common.engine.scheduler_thread import SchedulerThread
 from common.engine.spec.commit import SpecStats
 from common.engine.spec.factory import make_drafter, speculative_descriptor
 from common.engine.spec.plan import SpecPlanner
-from common.engine.warmup import calibrate, use_kernel_cache, warm_up
+from common.engine.warmup import use_kernel_cache, warm_up_engine
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache import make_prefix_cache
 from common.memory.req_to_token_pool import ReqToTokenPool
-from common.memory.sizing import gpu_batch_limits, plan_context_len
-from common.memory.static_reserve import REQ_SPARE_ROWS, cap_running_requests
-from common.memory.store.keys import store_namespace
-from common.model.identity import model_identity, weights_fingerprint
+from common.memory.static_reserve import REQ_SPARE_ROWS
+from common.model.identity import model_identity
 from common.model.loader import load_hf_config, resolve_model_dir
 from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
@@ -56,12 +60,10 @@ from common.ranks.launch import FOLLOWER
 from common.ranks.leader import DPForward, ExpertRebalancer, LeaderModel, idle_batch
 from common.ranks.rank_model import RankModel, build_rank_model, describe_rank, rank_report
 from common.ranks.ranks import Ranks
-from common.wire.kv_events import parse_kv_events_config
 from common.wire.kv_layout import experts_layout, kv_layout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CALIBRATION_TOKENS = 256  # the start-up measurement's prompt (at most one chunk)
 
 
 class Engine:
@@ -100,15 +102,15 @@ class Engine:
         self.pool_plan, self.kv_pool, self.reserved = built.pool_plan, built.kv_pool, built.reserved
         self.model = built.model
         log.info("%s", self.pool_plan.describe())
-        self.context_len = self._context_len()
-        self.config = config = self._batch_limits(config)
-        self.kv_events = self._kv_event_publisher()
+        self.context_len = context_len_for(self.hf_config, config, self.pool_plan)
+        self.config = config = batch_limits(config, self.pool_plan, self.context_len, self.hf_config.vocab_size)
+        self.kv_events = make_kv_event_publisher(config, self.metrics)
         self.dp_size = config.tp_size if config.enable_dp_attention else 1
         self.memories = [self._make_memory() for _ in range(self.dp_size)]  # DP attention: one per DP rank
         self.memory = self.memories[0]
         if config.enable_hierarchical_cache:
             log.info("%s", host_tier.summary(self.memory.prefix_cache).removeprefix("; "))
-        eos_ids = self._eos_ids()
+        eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.context_len, self.metrics)
         self.drafter = make_drafter(built, config, self.memory.req_pool.req_to_token)
         # in the KV layout a PD peer must match
@@ -128,7 +130,7 @@ class Engine:
         )
         if self.drafter is not None:
             self._start_speculative()
-        self.grammar = self._grammar_backend(eos_ids)
+        self.grammar = make_grammar_backend(config, self.hf_config.vocab_size, self.tokenizer, eos_ids, self.schedulers)
         if make_role is not None:  # one role per DP rank's scheduler
             for scheduler, role in zip(self.schedulers, make_role(self)):
                 scheduler.role = role
@@ -143,30 +145,6 @@ class Engine:
         self.scheduler.spec_stats = SpecStats(self.metrics, k)
         self.output.speculative = True
         log.info("speculative decoding: %s, %d draft tokens per verify", self.drafter.describe(), k)
-
-    def _grammar_backend(self, eos_ids: set[int]):
-        """xgrammar over this tokenizer (None with --grammar-backend none), and the scheduler's queue of
-        requests waiting for their grammar."""
-        if self.config.grammar_backend == "none":
-            return None
-        from common.engine.grammar.backend import GrammarBackend
-        from common.engine.grammar.queue import GrammarQueue
-
-        c = self.config
-        vocab = max(self.hf_config.vocab_size, len(self.tokenizer))
-        backend = GrammarBackend(
-            self.tokenizer,
-            vocab,
-            eos_ids,
-            c.grammar_cache_size,
-            not c.constrained_json_disable_any_whitespace,
-            c.constrained_json_max_whitespace,
-        )
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        end = "</think>" if c.reasoning_parser else None
-        for scheduler in self.schedulers:  # each DP rank's requests wait in its own queue
-            scheduler.grammars = GrammarQueue(backend, scheduler.wake, decode, end)
-        return backend
 
     def _start_ranks(self) -> Ranks | None:
         """The follower ranks, started and joined (after the sizes were checked), or None at TP 1."""
@@ -188,9 +166,8 @@ class Engine:
         c = self.config
         req_pool = ReqToTokenPool(c.max_running_requests + REQ_SPARE_ROWS, self.context_len + c.page_size, c.device)
         allocator = PagedAllocator(self.pool_plan.num_pages, c.page_size, c.device)
-        prefix = make_prefix_cache(
-            c, allocator, self.kv_pool, self.kv_events, self._store_namespace(), lambda: self.scheduler.wake()
-        )
+        namespace = kv_store_namespace(c, self.kv_pool.buffer, self.model_id, self.model_dir)
+        prefix = make_prefix_cache(c, allocator, self.kv_pool, self.kv_events, namespace, lambda: self.scheduler.wake())
         return MemoryManager(req_pool, allocator, prefix, c.page_size, reuse_cut=c.drafts_from_hidden)
 
     def _runners(self, built: RankModel, eos_ids: frozenset[int]) -> list[ModelRunner]:
@@ -221,107 +198,11 @@ class Engine:
             for d, m in enumerate(self.memories)
         ]
 
-    def _store_namespace(self) -> str:
-        """What names this server's pages in a KV store besides their tokens (common/memory/store/keys.py)."""
-        if not self.config.hicache_storage_backend:
-            return ""
-        buffer = self.kv_pool.buffer
-        return store_namespace(
-            model=self.model_id,
-            weights=weights_fingerprint(self.model_dir),
-            dtype=buffer.dtype,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            page=tuple(buffer.shape[1:]),
-            tp=f"0/{self.config.tp_size}",
-        )
-
-    def _kv_event_publisher(self) -> KVEventPublisher | None:
-        """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
-        events = parse_kv_events_config(self.config.kv_events_config)
-        if events is None or self.config.disable_radix_cache:
-            return None
-        publisher = KVEventPublisher(events, self.config.page_size, self.config.public_host)
-        self.metrics.counter_source(
-            "tandem_kv_events_dropped",
-            "KV cache events dropped because the publisher's queue was full",
-            lambda: publisher.dropped,
-        )
-        self.metrics.counter_source(
-            "tandem_kv_event_batches", "KV cache event batches published", lambda: publisher.batches
-        )
-        return publisher
-
-    def _batch_limits(self, config: ServerConfig) -> ServerConfig:
-        """On CUDA, the batch limits the flags leave unset, derived from the device and the pool."""
-        if config.device != "cuda":
-            return config
-        total = torch.cuda.mem_get_info()[1]
-        derived = gpu_batch_limits(total, self.pool_plan, self.context_len)
-        unset = {k: v for k, v in derived.items() if k not in config.model_fields_set}  # chunks: whole pages (<= 256)
-        running = unset.get("max_running_requests", config.max_running_requests)
-        left = total * (1 - config.mem_fraction_static)  # what the pool's sizing left: the sampler's rows come from it
-        rows = 1 + config.speculative_draft_len  # a verify samples every position
-        capped, warning = cap_running_requests(
-            running, left, self.hf_config.vocab_size, "max_running_requests" not in unset, rows
-        )
-        if warning:
-            log.warning("%s", warning)
-        unset["max_running_requests"] = capped
-        log.info(
-            "batch limits for this GPU and pool: %s (flags override; running requests within what the sampler's "
-            "temporaries leave)",
-            ", ".join(f"{k} {v}" for k, v in unset.items()),
-        )
-        return config.model_copy(update=unset)
-
-    def _context_len(self) -> int:
-        model_max = getattr(self.hf_config, "max_position_embeddings", 4096)
-        context_len, warning = plan_context_len(model_max, self.config.context_length, self.pool_plan)
-        if warning:
-            log.warning("%s", warning)
-        return context_len
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        try:
-            gen = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
-            ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-        except OSError:
-            pass
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
-
     # -- lifecycle -----------------------------------------------------------------------------
     def warm_up(self) -> float:
-        """Build or load every kernel before serving (see warmup.py); returns the seconds it took."""
-        c = self.config
-        tokens = min(2 * c.page_size + 1, self.context_len - 2)  # whole pages and a partial one
-        seconds = sum(warm_up(s.runner, s.memory, tokens, c.device) for s in self.schedulers)  # every DP rank
-        cache = c.kernel_cache_dir or "the default location"
-        log.info(
-            "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
-            seconds,
-            tokens,
-            cache,
-        )
-        seconds += capture_graphs(self)
-        self.calibrate()
-        return seconds
-
-    def calibrate(self) -> None:
-        """The start-up measurement (common/engine/forward_stats.py), once the kernels and graphs are ready."""
-        c = self.config
-        chunk = c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens
-        cal = calibrate(self.runner, self.memory, min(CALIBRATION_TOKENS, chunk, self.context_len - 2), c.device)
-        for s in self.schedulers:
-            s.forward_stats.chunk_tokens, s.forward_stats.calibration = chunk, cal
-        log.info(
-            "calibration: a %d-token prefill at %.0f tokens/s, a decode step in %.1f ms",
-            cal.tokens,
-            cal.prefill_tokens_per_s,
-            1000 * cal.decode_step_s,
-        )
+        """Build or load every kernel, capture the CUDA graphs and calibrate before serving (warmup.py); returns
+        the seconds the kernels and graphs took."""
+        return warm_up_engine(self)
 
     def start(self) -> None:
         self.thread.start()

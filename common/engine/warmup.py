@@ -18,16 +18,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from common.core.forward_batch import ForwardMode
 from common.core.request import Req
 from common.engine.decode_tensors import DecodeTensors
 from common.engine.forward_stats import Calibration
+from common.engine.graph_capture import capture_graphs
 from common.engine.model_runner import BatchPlan, ModelRunner
 from common.memory.manager import MemoryManager
 from common.wire.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from common.engine.engine import Engine
+
 log = logging.getLogger(__name__)
+CALIBRATION_TOKENS = 256  # the start-up measurement's prompt (at most one chunk)
 FLASHINFER_CACHE_ENV = "FLASHINFER_WORKSPACE_BASE"  # FlashInfer keeps its JIT builds under <it>/.cache/flashinfer
 
 
@@ -36,6 +42,39 @@ def use_kernel_cache(directory: str | None) -> None:
     if directory:
         os.makedirs(directory, exist_ok=True)
         os.environ[FLASHINFER_CACHE_ENV] = directory
+
+
+def warm_up_engine(engine: Engine) -> float:
+    """Every DP rank's warm-up, the CUDA graphs, then the calibration; returns the seconds the first two took."""
+    c = engine.config
+    tokens = min(2 * c.page_size + 1, engine.context_len - 2)  # whole pages and a partial one
+    seconds = sum(warm_up(s.runner, s.memory, tokens, c.device) for s in engine.schedulers)
+    cache = c.kernel_cache_dir or "the default location"
+    log.info(
+        "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
+        seconds,
+        tokens,
+        cache,
+    )
+    seconds += capture_graphs(engine)
+    calibrate_engine(engine)
+    return seconds
+
+
+def calibrate_engine(engine: Engine) -> None:
+    """The start-up measurement (common/engine/forward_stats.py), once the kernels and graphs are ready."""
+    c = engine.config
+    chunk = c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens
+    tokens = min(CALIBRATION_TOKENS, chunk, engine.context_len - 2)
+    cal = calibrate(engine.runner, engine.memory, tokens, c.device)
+    for s in engine.schedulers:
+        s.forward_stats.chunk_tokens, s.forward_stats.calibration = chunk, cal
+    log.info(
+        "calibration: a %d-token prefill at %.0f tokens/s, a decode step in %.1f ms",
+        cal.tokens,
+        cal.prefill_tokens_per_s,
+        1000 * cal.decode_step_s,
+    )
 
 
 def warm_up(runner: ModelRunner, memory: MemoryManager, prefill_tokens: int, device: str) -> float:

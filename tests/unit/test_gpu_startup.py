@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
+from functools import partial
 
 import pytest
 
@@ -12,6 +12,7 @@ from common.attention.base import AttentionChoiceError, choose_attention_backend
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
 from common.engine.engine import Engine
+from common.engine.engine_setup import batch_limits
 from common.engine.warmup import FLASHINFER_CACHE_ENV
 from common.memory.sizing import GIB, PoolPlan
 
@@ -100,15 +101,13 @@ def test_on_cuda_the_batch_limits_the_flags_leave_unset_come_from_the_device_and
     """An 80 GiB device with a 400,000-token pool: chunk 8192, budget 16384, 4096 requests, except what
     the flags (or the environment) set; the CPU keeps 512 / 4096 / 32."""
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (70 * GIB, 80 * GIB))
-    engine = SimpleNamespace(
-        pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192, hf_config=SimpleNamespace(vocab_size=32000)
-    )
-    cpu = Engine._batch_limits(engine, ServerConfig())
+    limits = partial(batch_limits, pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192, vocab_size=32000)
+    cpu = limits(ServerConfig())
     assert (cpu.chunked_prefill_size, cpu.max_prefill_tokens, cpu.max_running_requests) == (512, 4096, 32)
-    gpu = Engine._batch_limits(engine, ServerConfig(device="cuda"))
+    gpu = limits(ServerConfig(device="cuda"))
     assert (gpu.chunked_prefill_size, gpu.max_prefill_tokens, gpu.max_running_requests) == (8192, 16384, 4096)
     monkeypatch.setenv("TANDEM_MAX_PREFILL_TOKENS", "9000")
-    config = Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=64))
+    config = limits(ServerConfig(device="cuda", max_running_requests=64))
     assert (config.chunked_prefill_size, config.max_prefill_tokens, config.max_running_requests) == (8192, 9000, 64)
 
 
@@ -116,13 +115,11 @@ def test_on_cuda_the_running_requests_are_capped_to_what_the_sampler_can_sample(
     """80 GiB at --mem-fraction-static 0.85 leaves 12 GiB; a 128,256-token vocabulary costs 10 float32 rows
     of it per request (4.9 MiB): 2,511 rows. A derived 4096 is lowered quietly, a flag's with a warning."""
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (70 * GIB, 80 * GIB))
-    engine = SimpleNamespace(
-        pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192, hf_config=SimpleNamespace(vocab_size=128256)
-    )
+    limits = partial(batch_limits, pool_plan=PoolPlan(25_000, 16, 131072, "test"), context_len=8192, vocab_size=128256)
     rows = int(80 * GIB * 0.15 // (10 * 128256 * 4))
-    assert Engine._batch_limits(engine, ServerConfig(device="cuda")).max_running_requests == rows == 2511
+    assert limits(ServerConfig(device="cuda")).max_running_requests == rows == 2511
     assert not caplog.records
-    config = Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=4000))
+    config = limits(ServerConfig(device="cuda", max_running_requests=4000))
     assert config.max_running_requests == rows
     assert "--max-running-requests 4000 lowered to 2511" in caplog.text and "--mem-fraction-static" in caplog.text
-    assert Engine._batch_limits(engine, ServerConfig(device="cuda", max_running_requests=64)).max_running_requests == 64
+    assert limits(ServerConfig(device="cuda", max_running_requests=64)).max_running_requests == 64
