@@ -1,7 +1,7 @@
 """Model servers forked from a process that has already imported what `tandem serve` imports.
 
-A `python -m tandem serve` spends most of its start-up importing torch, transformers and the engine (about 6 of
-the 10 s a built-in model server takes to be ready here). The suite starts a few hundred of them, so each one
+A `python -m tandem serve` spends most of its start-up importing torch, transformers and the engine (about 7 of
+the 12 s a built-in model server takes to be ready here). The suite starts a few hundred of them, so each one
 started by ServerProcess is forked from multiprocessing's fork server instead, whose process imported those
 modules once. From the fork on, the child runs what `python -m tandem` runs: `tandem.cli.main` with the same
 arguments, in the test's environment and working directory, its stdout and stderr in the test's log file.
@@ -105,7 +105,8 @@ class ForkedServer:
 
 
 def kill_left_over() -> None:
-    """At the session's end: a forked server that a test left running is killed (multiprocessing would wait)."""
+    """At the session's end: a forked server that a test left running is killed (multiprocessing's exit would
+    wait for it)."""
     for server in _started:
         server.kill()
         server.wait(10)
