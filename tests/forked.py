@@ -6,17 +6,19 @@ started by ServerProcess is forked from multiprocessing's fork server instead, w
 modules once. From the fork on, the child runs what `python -m tandem` runs: `tandem.cli.main` with the same
 arguments, in the test's environment and working directory, its stdout and stderr in the test's log file.
 
+A PYTHONPATH the test gives a server is applied as Python's start-up would: its directories go first on
+sys.path and a sitecustomize among them runs, before `main` (the KV fault site, tests/integration/kv_faults.py).
 Not forked, but started as `python -m tandem`: a command other than `serve`, a server run inside something
-(a network namespace, a container), one whose environment changes what Python loads (PYTHONPATH: the KV fault
-sites' sitecustomize), and every server when TANDEM_TEST_FORK=0. Nothing here imports CUDA or starts a thread
-before the fork (the fork server only imports), and the rank processes a server starts are `python -m`
-processes as always.
+(a network namespace, a container), and every server when TANDEM_TEST_FORK=0. Nothing here imports CUDA or
+starts a thread before the fork (the fork server only imports), and the rank processes a server starts are
+`python -m` processes as always.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -42,7 +44,7 @@ _started: list[ForkedServer] = []
 def can_fork(argv: list[str], prefix: tuple[str, ...], env: dict[str, str]) -> bool:
     """Whether this command may run forked (see the module docstring)."""
     wanted = os.environ.get("TANDEM_TEST_FORK", "1") != "0"
-    return wanted and argv[:1] == ["serve"] and not prefix and "PYTHONPATH" not in env and sys.platform == "linux"
+    return wanted and argv[:1] == ["serve"] and not prefix and sys.platform == "linux"
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
@@ -53,8 +55,9 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def run_tandem(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
-    """In the forked child: what `python -m tandem ARGV` runs, with the test's environment and log file."""
+def run_tandem(argv: list[str], env: dict[str, str], cwd: str, log_path: str, site_path: str | None) -> None:
+    """In the forked child: what `python -m tandem ARGV` runs, with the test's environment and log file (and
+    `site_path`, the PYTHONPATH the test gave, applied)."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -65,17 +68,30 @@ def run_tandem(argv: list[str], env: dict[str, str], cwd: str, log_path: str) ->
     os.environ.update(env)
     os.chdir(cwd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if site_path:
+        load_site(site_path)
     from tandem.cli import main
 
     main(argv)
 
 
+def load_site(python_path: str) -> None:
+    """What Python's start-up does with PYTHONPATH: its directories first on sys.path, the first
+    sitecustomize.py among them run."""
+    dirs = [d for d in python_path.split(os.pathsep) if d]
+    sys.path[:0] = dirs
+    site = next((Path(d) / "sitecustomize.py" for d in dirs if (Path(d) / "sitecustomize.py").exists()), None)
+    if site is not None:
+        runpy.run_path(str(site), run_name="sitecustomize")
+
+
 class ForkedServer:
     """subprocess.Popen's interface (poll, wait, returncode, signals) over a server forked by the fork server."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path):
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, site_path: str | None):
         self.args = ["tandem", *argv]
-        self._child = fork_server().Process(target=run_tandem, args=(argv, env, str(cwd), str(log_path)))
+        work = (argv, env, str(cwd), str(log_path), site_path)
+        self._child = fork_server().Process(target=run_tandem, args=work)
         self._child.start()
         self.pid = self._child.pid
         _started.append(self)

@@ -2,6 +2,7 @@
 transfer backends' KV writes suffer the faults the test writes into TANDEM_TEST_KV_FAULTS_FILE."""
 
 import os
+import sys
 
 if os.environ.get("TANDEM_TEST_KV_FAULTS_FILE"):
     import transfer.backends.base as base
@@ -16,3 +17,6 @@ if os.environ.get("TANDEM_TEST_KV_FAULTS_FILE"):
         return backend
 
     base.make_backend = make_backend
+    manager = sys.modules.get("transfer.manager")
+    if manager is not None:  # a server forked after its imports (tests/forked.py): the name is bound already
+        manager.make_backend = make_backend
