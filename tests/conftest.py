@@ -92,10 +92,10 @@ class ServerProcess:
         key = self.args[self.args.index("--api-key") + 1] if "--api-key" in self.args else None
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self) -> subprocess.Popen | ForkedServer:
         self._log_start = self.log_path.stat().st_size  # where this start's output begins
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
-        if self.entry == ServerProcess.entry and can_fork(self.args, self.prefix, self.env):
+        if self.entry == ServerProcess.entry and can_fork(self.args, self.prefix):
             return ForkedServer(self.args, env, ROOT, self.log_path, self.env.get("PYTHONPATH"))
         return subprocess.Popen(
             [*self.prefix, *self.entry, *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env

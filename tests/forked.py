@@ -41,7 +41,7 @@ _context: multiprocessing.context.ForkServerContext | None = None
 _started: list[ForkedServer] = []
 
 
-def can_fork(argv: list[str], prefix: tuple[str, ...], env: dict[str, str]) -> bool:
+def can_fork(argv: list[str], prefix: tuple[str, ...]) -> bool:
     """Whether this command may run forked (see the module docstring)."""
     wanted = os.environ.get("TANDEM_TEST_FORK", "1") != "0"
     return wanted and argv[:1] == ["serve"] and not prefix and sys.platform == "linux"
