@@ -24,6 +24,7 @@ from common.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     fuse_columns,
+    linear,
 )
 from common.parallel.partition import head_partition
 
@@ -74,7 +75,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+            q, k, v = linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -106,7 +107,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

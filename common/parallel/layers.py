@@ -7,6 +7,11 @@ says which (`shards()`: parameter name -> Shard), so the loader reads only that 
     ParallelLMHead         logits of this rank's vocabulary rows, all-gathered and cut to the vocabulary
 
 With the group of one rank (`SINGLE`) each is the plain torch operation, bit for bit.
+
+`linear` is the one matrix product they (and the models' fused projections) call: on the CPU in float32 it
+is oneDNN's, which PyTorch uses for bfloat16 but not for float32 (that goes to MKL, whose float32 GEMV
+and small-batch GEMM take a slow path on AMD CPUs: a decode step of the built-in model 1.2-1.5x slower,
+docs/performance.md). Elsewhere it is `F.linear`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,15 @@ from torch import nn
 
 from common.parallel.group import SINGLE, TensorParallel
 from common.parallel.partition import padded_vocab, split
+
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b, as F.linear; on the CPU in float32 through oneDNN (the module docstring says why)."""
+    if ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu" and weight.is_contiguous():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -43,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.stop - self.start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def shards(self) -> dict[str, Shard]:
         out = {"weight": Shard(0, self.start, self.stop, (self.out_features, self.in_features))}
@@ -67,8 +81,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.tp.enabled and self.reduce):
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def shards(self) -> dict[str, Shard]:
@@ -103,7 +117,7 @@ class ParallelLMHead(nn.Module):
         self.weight = tied.weight if tied is not None else nn.Parameter(torch.empty(self.stop - self.start, dim))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last(linear(hidden, self.weight))
         return logits[..., : self.vocab] if self.tp.enabled else logits
 
     def shards(self) -> dict[str, Shard]:
