@@ -10,18 +10,26 @@ A PYTHONPATH the test gives a server is applied as Python's start-up would: its 
 sys.path and a sitecustomize among them runs, before `main` (the KV fault site, tests/integration/kv_faults.py).
 Not forked, but started as `python -m tandem`: a command other than `serve`, a server run inside something
 (a network namespace, a container), and every server when TANDEM_TEST_FORK=0. Nothing here imports CUDA or
-starts a thread before the fork (the fork server only imports), and the rank processes a server starts are
-`python -m` processes as always.
+starts a thread before the fork (the fork server only imports).
+
+The rank processes a forked TP server starts (common.ranks.launch `start_follower`) are forked by the same fork
+server: the server asks it as its parent would (the fork server's address and "alive" pipe came with the fork),
+and the rank runs `python -m ENTRY ARGV`'s module with the server's environment, its stdin a pipe from the server
+(its end closes when the server dies, however) and its output in the server's log. The fork server reaps it and
+reports its exit code, so a rank's exit is seen as before; it is not joined when the server exits.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.process
 import os
 import runpy
 import signal
 import subprocess
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 # what `tandem serve` imports before it loads a model; imported once, in the fork server
@@ -59,20 +67,41 @@ def run_tandem(argv: list[str], env: dict[str, str], cwd: str, log_path: str, si
     """In the forked child: what `python -m tandem ARGV` runs, with the test's environment and log file (and
     `site_path`, the PYTHONPATH the test gave, applied)."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    become(env, cwd, log)
     os.close(log)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # as PYTHONUNBUFFERED: each line reaches the log
+    if site_path:
+        load_site(site_path)
+    from common.ranks import launch
+    from tandem.cli import main
+
+    multiprocessing.forkserver._forkserver.ensure_running = lambda: None  # ours runs: its address came with us
+    launch.start_follower = fork_follower
+    main(argv)
+
+
+def run_module(entry: str, argv: list[str], env: dict[str, str], cwd: str, stdin: Connection, out: Connection) -> None:
+    """In a forked rank process: what `python -m ENTRY ARGV` runs, with its starter's stdin pipe and output."""
+    os.dup2(stdin.fileno(), 0)
+    sys.stdin = open(0, closefd=False)
+    become(env, cwd, out.fileno())
+    stdin.close()
+    out.close()
+    load_site(env.get("PYTHONPATH", ""))
+    sys.argv = [entry, *argv]
+    runpy.run_module(entry, run_name="__main__", alter_sys=True)
+
+
+def become(env: dict[str, str], cwd: str, out_fd: int) -> None:
+    """The forked child's stdout and stderr on `out_fd` (line-buffered, as PYTHONUNBUFFERED), its environment,
+    working directory and SIGINT as a new Python process has them."""
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if site_path:
-        load_site(site_path)
-    from tandem.cli import main
-
-    main(argv)
 
 
 def load_site(python_path: str) -> None:
@@ -85,16 +114,15 @@ def load_site(python_path: str) -> None:
         runpy.run_path(str(site), run_name="sitecustomize")
 
 
-class ForkedServer:
-    """subprocess.Popen's interface (poll, wait, returncode, signals) over a server forked by the fork server."""
+class ForkedProcess:
+    """subprocess.Popen's interface (poll, wait, returncode, signals, stdin) over a child of the fork server
+    running `target(*work)`."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, site_path: str | None):
-        self.args = ["tandem", *argv]
-        work = (argv, env, str(cwd), str(log_path), site_path)
-        self._child = fork_server().Process(target=run_tandem, args=work)
+    def __init__(self, args: list[str], target, work: tuple, stdin=None):
+        self.args, self.stdin = args, stdin
+        self._child = fork_server().Process(target=target, args=work)
         self._child.start()
         self.pid = self._child.pid
-        _started.append(self)
 
     @property
     def returncode(self) -> int | None:
@@ -118,6 +146,28 @@ class ForkedServer:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+class ForkedServer(ForkedProcess):
+    """`tandem serve ARGV` forked, in the test's environment, working directory and log file."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, site_path: str | None):
+        super().__init__(["tandem", *argv], run_tandem, (argv, env, str(cwd), str(log_path), site_path))
+        _started.append(self)
+
+
+def fork_follower(entry: str, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+    """common.ranks.launch's `start_follower` in a forked server (the module docstring)."""
+    r, w = os.pipe()
+    stdin, out = Connection(r, writable=False), Connection(os.dup(1), readable=False)
+    try:
+        work = (entry, argv, env, os.getcwd(), stdin, out)
+        rank = ForkedProcess(["python", "-m", entry, *argv], run_module, work, stdin=open(w, "wb"))
+    finally:
+        stdin.close()
+        out.close()
+    multiprocessing.process._children.discard(rank._child)  # the server's exit does not wait for it
+    return rank
 
 
 def kill_left_over() -> None:

@@ -47,11 +47,12 @@ def spawn_followers(config: ServerConfig, addr: str, progress_path: str, entry: 
     argv = ["--size", str(config.tp_size), "--addr", addr, "--progress", progress_path]
     argv += ["--config", json.dumps(config.model_dump(mode="json"))]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return [
-        subprocess.Popen([sys.executable, "-m", entry, "--rank", str(rank), *argv], stdin=subprocess.PIPE, env=env)
-        for rank in local_ranks(config)
-        if rank != 0
-    ]
+    return [start_follower(entry, ["--rank", str(rank), *argv], env) for rank in local_ranks(config) if rank != 0]
+
+
+def start_follower(entry: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """`python -m entry ARGV`, its stdin a pipe from this process that is never written (the module docstring)."""
+    return subprocess.Popen([sys.executable, "-m", entry, *argv], stdin=subprocess.PIPE, env=env)
 
 
 def end_followers(procs: list[subprocess.Popen], grace_s: float) -> None:
