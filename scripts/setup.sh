@@ -52,10 +52,14 @@ fi
 [ -x .venv/bin/python ] || run "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip)
 run "${PIP[@]}" install -q --upgrade pip
-# The torch in .venv: its CUDA major version, "cpu" (a CPU build) or "none" (none yet); one import, which is slow.
+# The torch in .venv: its CUDA major version, "cpu" (a CPU build) or "none" (none yet), read from its
+# torch/version.py without importing torch (which takes seconds).
+TORCH_CUDA='import importlib.util, os, runpy
+spec = importlib.util.find_spec("torch")
+cuda = runpy.run_path(os.path.join(os.path.dirname(spec.origin), "version.py"))["cuda"]
+print((cuda or "cpu").split(".")[0])'
 torch_build() {
-  { [ -x .venv/bin/python ] && .venv/bin/python -c "import torch; print((torch.version.cuda or 'cpu').split('.')[0])" 2>/dev/null; } \
-    || echo none
+  { [ -x .venv/bin/python ] && .venv/bin/python -c "$TORCH_CUDA" 2>/dev/null; } || echo none
 }
 
 if [ "$DEVICE" = cpu ]; then

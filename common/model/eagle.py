@@ -124,7 +124,7 @@ def load_head_weights(
     materialize(head, dtype, device)
     for module in head.modules():
         if isinstance(module, (Attention, MLP)):
-            module.fuse()
+            module.fuse(filled=False)
     params = dict(head.named_parameters())
     unknown = sorted(n for n, p in mapped.items() if p is not None and p not in params)
     missing = sorted(set(params) - set(mapped.values()))

@@ -67,9 +67,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse(): one weight for q, k, v
 
-    def fuse(self) -> None:
-        """q_proj, k_proj and v_proj become rows of one weight: one matmul instead of three."""
-        self.qkv = fuse_columns([self.q_proj, self.k_proj, self.v_proj])
+    def fuse(self, filled: bool = True) -> None:
+        """q_proj, k_proj and v_proj become rows of one weight: one matmul instead of three (`filled`:
+        fuse_columns)."""
+        self.qkv = fuse_columns([self.q_proj, self.k_proj, self.v_proj], filled)
         self.qkv_sizes = [p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
@@ -100,9 +101,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp, reduce)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse(): one weight for both
 
-    def fuse(self) -> None:
-        """gate_proj and up_proj become rows of one weight: one matmul instead of two."""
-        self.gate_up = fuse_columns([self.gate_proj, self.up_proj])
+    def fuse(self, filled: bool = True) -> None:
+        """gate_proj and up_proj become rows of one weight: one matmul instead of two (`filled`: fuse_columns)."""
+        self.gate_up = fuse_columns([self.gate_proj, self.up_proj], filled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:

@@ -74,7 +74,7 @@ def load_model(
     materialize(model, dtype, device)
     for module in model.modules():  # fused qkv / gate_up weights, filled through their parts' names
         if isinstance(module, (Attention, MLP)):
-            module.fuse()
+            module.fuse(filled=False)
     # a tied lm_head is not listed: it is the embedding
     params = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
     parts = {model.checkpoint_name(n): s for n, s in param_shards(model).items()} if tp.enabled else {}

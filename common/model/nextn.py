@@ -80,7 +80,7 @@ def load_mtp(model_dir: Path, hf: PretrainedConfig, target: LlamaForCausalLM, dt
     materialize(mtp, dtype, device)
     for module in mtp.modules():
         if isinstance(module, (Attention, MLP)):
-            module.fuse()
+            module.fuse(filled=False)
     params = {mtp.checkpoint_names(hf.num_hidden_layers)[n]: p for n, p in mtp.named_parameters()}
     found: set[str] = set()
     for shard in sorted(model_dir.glob("*.safetensors")):

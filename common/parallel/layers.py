@@ -124,10 +124,11 @@ class ParallelLMHead(nn.Module):
         return {"weight": Shard(0, self.start, self.stop, (self.vocab, self.dim))}
 
 
-def fuse_columns(parts: list[ColumnParallelLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_columns(parts: list[ColumnParallelLinear], filled: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding `parts`' output rows one after another; each part's parameters
     become views of its rows, so the loader fills them by their checkpoint names as before and one
-    matmul computes all of them (vLLM's and SGLang's fused qkv_proj and gate_up_proj, made at load)."""
+    matmul computes all of them (vLLM's and SGLang's fused qkv_proj and gate_up_proj, made at load).
+    `filled=False`: the parts hold no values yet (the loader fuses before it fills), so none are copied."""
     first = parts[0].weight
     weight = torch.empty(sum(p.weight.shape[0] for p in parts), first.shape[1], dtype=first.dtype, device=first.device)
     biased = all(p.bias is not None for p in parts)
@@ -135,10 +136,12 @@ def fuse_columns(parts: list[ColumnParallelLinear]) -> tuple[torch.Tensor, torch
     row = 0
     for p in parts:
         rows = slice(row, row + p.weight.shape[0])
-        weight[rows] = p.weight
+        if filled:
+            weight[rows] = p.weight
         p.weight = nn.Parameter(weight[rows], requires_grad=False)
         if bias is not None:
-            bias[rows] = p.bias
+            if filled:
+                bias[rows] = p.bias
             p.bias = nn.Parameter(bias[rows], requires_grad=False)
         row = rows.stop
     return weight, bias

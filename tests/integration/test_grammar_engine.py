@@ -1,5 +1,6 @@
 """Constrained decoding inside one engine (the built-in model, no server): Hypothesis draws JSON schemas from
-the subset the tests bound (every value has a bounded length, so an answer ends), and every answer,
+the subset the tests bound (every value has a bounded length and the engine allows one whitespace character
+per run, so an answer ends within ANSWER_BOUND tokens whatever the model prefers), and every answer,
 greedy and sampled, validates against its schema (jsonschema); a retracted request's matcher goes on
 where it was, so its output equals an unretracted run's; a request aborted while its grammar compiles
 leaves nothing behind.
@@ -39,11 +40,14 @@ def objects(values) -> st.SearchStrategy:
 
 
 SCHEMAS = objects(st.one_of(LEAVES, objects(LEAVES)))
+# the longest answer: 3 keys of 3-leaf objects, each leaf an 8-character string of multi-token characters with a
+# whitespace character at each place the grammar allows one (about 420 tokens); answers here take 30-110
+ANSWER_BOUND = 512
 
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(ServerConfig(model="builtin", max_total_tokens=4096, page_size=4))
+    e = Engine(ServerConfig(model="builtin", max_total_tokens=4096, page_size=4, constrained_json_max_whitespace=1))
     yield e
     e.stop()
 
@@ -76,8 +80,8 @@ def spec(schema: dict) -> GrammarSpec:
 def test_every_answer_validates_against_its_schema(engine, schema):
     ids = prompt(engine)
     params = [
-        SamplingParams(max_new_tokens=120, temperature=0),
-        SamplingParams(max_new_tokens=120, temperature=1.0, seed=3),
+        SamplingParams(max_new_tokens=ANSWER_BOUND, temperature=0),
+        SamplingParams(max_new_tokens=ANSWER_BOUND, temperature=1.0, seed=3),
     ]
     reqs = [Req(f"r{i}", ids, p, grammar_spec=spec(schema)) for i, p in enumerate(params)]
     run(engine, reqs)
