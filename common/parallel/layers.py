@@ -6,11 +6,11 @@ says which (`shards()`: parameter name -> Shard), so the loader reads only that 
     VocabParallelEmbedding rows of the (padded) vocabulary split: each rank looks up its ids, all-reduce
     ParallelLMHead         logits of this rank's vocabulary rows, all-gathered and cut to the vocabulary
 
-With the group of one rank (`SINGLE`) each is the plain torch operation, bit for bit.
+With the group of one rank (`SINGLE`) each is the single-device operation, with no communication.
 
 `linear` is the one matrix product they (and the models' fused projections) call: on the CPU in float32 it
 is oneDNN's, which PyTorch uses for bfloat16 but not for float32 (that goes to MKL, whose float32 GEMV
-and small-batch GEMM take a slow path on AMD CPUs: a decode step of the built-in model 1.2-1.5x slower,
+and small-batch GEMM take a slow path on AMD CPUs: a decode step of the built-in model up to 1.4x slower,
 docs/performance.md). Elsewhere it is `F.linear`.
 """
 
