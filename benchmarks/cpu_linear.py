@@ -8,15 +8,14 @@ o, gate_up and down, then the tied LM head), then as the engine's whole decode s
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.decode_overhead import timed  # noqa: E402
 from common.config import ServerConfig  # noqa: E402
 from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
@@ -26,22 +25,14 @@ from common.wire.sampling_params import SamplingParams  # noqa: E402
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 
 
-def median_s(fn, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def projections_ms(rows: int, product, n: int) -> float:
     """One forward's projections of the built-in model's shapes at `rows` tokens, in ms."""
     shapes = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS
     weights = [torch.randn(o, i) for o, i in shapes] + [torch.randn(VOCAB, HIDDEN)]
     xs = {i: torch.randn(rows, i) for i in (HIDDEN, INTER)}
-    return 1e3 * median_s(lambda: [product(xs[w.shape[1]], w) for w in weights], n)
+    forward = lambda: [product(xs[w.shape[1]], w) for w in weights]  # noqa: E731
+    forward()  # warm-up
+    return 1e3 * timed(forward, n)
 
 
 def decode_step_ms(engine: Engine, batch: int, n: int) -> float:
@@ -57,7 +48,8 @@ def decode_step_ms(engine: Engine, batch: int, n: int) -> float:
         )
     while len(s.decode.running) < batch:
         s.step()
-    step = median_s(s.step, n)
+    s.step()  # warm-up
+    step = timed(s.step, n)
     assert len(s.decode.running) == batch, "a request finished during the measurement"
     for r in list(s.decode.running):
         s.abort_now(r, "measured", 499)
