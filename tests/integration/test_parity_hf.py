@@ -72,7 +72,7 @@ def generate(url: str, ids: list[int]) -> dict:
     ids=["page16-chunked64", "page1-unchunked"],
 )
 def test_greedy_output_equals_transformers(expected, flags, reference_servers):
-    server = reference_servers.get(*flags)  # page16-chunked64: test_pd.py's reference too
+    server = reference_servers.get("--model", "builtin", *flags)  # the full model, not tests/served_model.py's
     for ids, want in expected:
         got = generate(server.url, ids)
         assert got["output_ids"] == want, f"prompt of {len(ids)} tokens diverged"

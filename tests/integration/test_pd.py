@@ -118,7 +118,7 @@ def test_openai_client_streams_through_the_router(cluster, mono):
     ref = openai.OpenAI(base_url=mono.url + "/v1", api_key="none").chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12, temperature=0
     )
-    assert text == ref.choices[0].message.content and "Paris" in text
+    assert text == ref.choices[0].message.content and text
     assert chunks[-1].usage.completion_tokens == ref.usage.completion_tokens
 
 
@@ -154,7 +154,7 @@ def test_bad_input_through_the_router_is_a_4xx_and_leaks_nothing(cluster):
 
 
 @pytest.mark.parametrize("cluster", ["mooncake"], indirect=True)
-def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
+def test_sglang_router_drives_a_tandem_pair(cluster, mono, prompts, expected):
     """SGLang's own PD router (sglang-router on PyPI) pairs Tandem nodes through the same fields."""
     pytest.importorskip("sglang_router")
     from tests.conftest import free_port
@@ -196,18 +196,16 @@ def test_sglang_router_drives_a_tandem_pair(cluster, prompts, expected):
             time.sleep(0.5)
         for ids, want in list(zip(prompts, expected))[:3]:
             assert generate(url, ids)["output_ids"] == want
-        chat = httpx.post(
-            url + "/v1/chat/completions",
-            timeout=120,
-            json={
-                "model": "SmolLM2-135M-Instruct",
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 12,
-                "temperature": 0,
-            },
-        )
-        assert chat.status_code == 200, chat.text
-        assert "Paris" in chat.json()["choices"][0]["message"]["content"]
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        chats = [httpx.post(u + "/v1/chat/completions", timeout=120, json=body) for u in (url, mono.url)]
+        assert [c.status_code for c in chats] == [200, 200], chats[0].text
+        got, want = (c.json()["choices"][0]["message"]["content"] for c in chats)
+        assert got == want and got
     finally:
         router.terminate()
         router.wait(10)
