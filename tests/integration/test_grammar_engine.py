@@ -22,6 +22,7 @@ from common.core.request import FinishReason, Req
 from common.engine.engine import Engine
 from common.wire.sampling_params import SamplingParams
 from common.wire.structured_output import GrammarSpec, canonical_json
+from tests.served_model import served_model_dir
 
 NAMES = st.sampled_from(["name", "city", "count", "ok", "tags", "size", "kind"])
 LEAVES = st.one_of(
@@ -43,6 +44,7 @@ SCHEMAS = objects(st.one_of(LEAVES, objects(LEAVES)))
 # the longest answer: 3 keys of 3-leaf objects, each leaf an 8-character string of multi-token characters with a
 # whitespace character at each place the grammar allows one (about 420 tokens); answers here take 30-110
 ANSWER_BOUND = 512
+DIGITS = {"type": "string", "pattern": "^[0-9]{1,3}$"}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,21 @@ def engine():
     e = Engine(ServerConfig(model="builtin", max_total_tokens=4096, page_size=4, constrained_json_max_whitespace=1))
     yield e
     e.stop()
+
+
+def test_a_start_builds_no_compiler_and_the_first_constrained_request_does():
+    e = Engine(ServerConfig(model=str(served_model_dir()), max_total_tokens=1024, page_size=4))
+    try:
+        assert e.grammar.compiler is None  # the vocabulary's token table is not built at start-up
+        req = Req("first", prompt(e), SamplingParams(max_new_tokens=8, temperature=0), grammar_spec=spec(DIGITS))
+        run(e, [req])
+        assert e.grammar.compiler is not None and e.grammar.info_dict()["compiles"] == 1
+        assert (
+            req.finish.type == "stop"
+            and json.loads(e.tokenizer.decode(req.output_ids, skip_special_tokens=True)).isdigit()
+        )
+    finally:
+        e.stop()
 
 
 def run(engine: Engine, reqs: list[Req], between=None) -> None:
