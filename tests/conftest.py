@@ -18,7 +18,7 @@ import pytest
 
 from tests.forked import ForkedServer, can_fork, kill_left_over
 from tests.ports import free_port
-from tests.served_model import served_model_dir
+from tests.served_model import served_model_flags
 from tests.tiers import load_hypothesis_profile, mark_slow_tests, starts_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ class ServerProcess:
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
         if args[:1] == ["serve"] and "--model" not in args:  # tests/served_model.py: the cut built-in model
-            args = [*args, "--model", str(served_model_dir())]
+            args = [*args, *served_model_flags()]
         self.args = args
         self._log = open(self.log_path, "wb")
         self.health = health

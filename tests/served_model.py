@@ -1,9 +1,10 @@
 """The model a test server runs when its test names none (`--model`): the built-in model cut to its first
 LAYERS layers (SmolLM2-135M, 4 of its 30), with its tokenizer, chat template and tied embeddings. Its
 tokens come from real embeddings and read as text, not as the full model's answers; a decode step costs
-about a third of the full model's on the CPU, and the suite is mostly decode steps. Tests that need the
-full model's answers ("Paris"), or compare with transformers on the built-in weights, pass `--model builtin`
-(or compare with transformers on this directory)."""
+about a third of the full model's on the CPU, and the suite is mostly decode steps. It is served under the
+built-in model's name, the one the tests' clients send. Tests that need the full model's answers ("Paris",
+a JSON answer that ends, a stop string met), or compare with transformers on the built-in weights, pass
+`--model builtin`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from pathlib import Path
 
 LAYERS = 4
 WEIGHTS = "model.safetensors"
+
+
+def served_model_flags() -> list[str]:
+    """The `tandem serve` flags that run the cut model under the built-in model's name."""
+    from common.model.locate import BUILTIN_NAME
+
+    return ["--model", str(served_model_dir()), "--served-model-name", BUILTIN_NAME]
 
 
 @cache

@@ -66,7 +66,7 @@ def test_the_cpu_image_serves_the_cpu_demo_as_the_chart_runs_it(reference_server
     assert f"[image] built {image} in " in log and image_size(image), log[-2000:]  # the name the chart runs
     config = image_config(image)
     assert config["User"] == "1000" and config["Entrypoint"] == ["tandem"]  # a uid: runAsNonRoot can check it
-    expected = chat(reference_servers.get().url)
+    expected = chat(reference_servers.get("--model", "builtin").url)
     p_http, p_boot, d_http, r_http = free_port(), free_port(), free_port(), free_port()
     servers = []
     with working_container(image) as ctr:

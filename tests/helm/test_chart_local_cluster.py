@@ -20,7 +20,9 @@ def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(bui
     try:
         prefill = process(docs, "prefill", {"--port": str(p_http), "--bootstrap-port": str(p_boot)}, p_http)
         decode = process(docs, "decode", {"--port": str(d_http)}, d_http)
-        expected = generate(reference_servers.get().url, PROMPT, 16)["output_ids"]  # a plain `tandem serve`
+        expected = generate(reference_servers.get("--model", "builtin").url, PROMPT, 16)[
+            "output_ids"
+        ]  # a plain `tandem serve`
         assert "--max-total-tokens" in prefill.args and "--max-total-tokens" in decode.args  # a small KV pool
         prefill.wait_ready()
         decode.wait_ready()

@@ -12,15 +12,15 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tests.integration.test_structured_output import BUILTIN
+
 EOS = 2  # SmolLM2's <|im_end|>
 COMMA = 28
 
 
 @pytest.fixture(scope="module")
 def server(reference_servers):
-    return reference_servers.get(
-        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096"
-    )  # test_monolithic_api.py's
+    return reference_servers.get(*BUILTIN)  # the full model: its EOS, stop strings and runner-ups
 
 
 @pytest.fixture(autouse=True)

@@ -12,13 +12,12 @@ import openai
 import pytest
 
 from tests.conftest import start_server
+from tests.integration.test_structured_output import BUILTIN
 
 
 @pytest.fixture(scope="module")
 def server(reference_servers):
-    return reference_servers.get(
-        "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096"
-    )  # test_api_fields.py's
+    return reference_servers.get(*BUILTIN)  # the full model: "Paris", a stop string met
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,8 @@ import pytest
 
 from tests.integration.scripted_model import THINKING, save_scripted_model
 
-BUILTIN = ("--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096")  # test_api_fields.py's
+# the full model (tests/served_model.py): its answers end; test_api_fields.py's flags
+BUILTIN = ("--model", "builtin", "--page-size", "4", "--chunked-prefill-size", "32", "--max-total-tokens", "4096")
 SCHEMA = {
     "type": "object",
     "properties": {
