@@ -19,7 +19,13 @@ from safetensors.torch import save_file
 from common.model.loader import resolve_model_dir
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (  # the chat template too: transformers may keep it in a file of its own
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def truncate_model(model: str, layers: int, out: Path) -> Path:

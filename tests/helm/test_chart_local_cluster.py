@@ -20,9 +20,8 @@ def test_cpu_demo_containers_form_a_cluster_with_a_monolithic_servers_tokens(bui
     try:
         prefill = process(docs, "prefill", {"--port": str(p_http), "--bootstrap-port": str(p_boot)}, p_http)
         decode = process(docs, "decode", {"--port": str(d_http)}, d_http)
-        expected = generate(reference_servers.get("--model", "builtin").url, PROMPT, 16)[
-            "output_ids"
-        ]  # a plain `tandem serve`
+        mono = reference_servers.get("--model", "builtin")  # a plain `tandem serve` of the containers' model
+        expected = generate(mono.url, PROMPT, 16)["output_ids"]
         assert "--max-total-tokens" in prefill.args and "--max-total-tokens" in decode.args  # a small KV pool
         prefill.wait_ready()
         decode.wait_ready()
