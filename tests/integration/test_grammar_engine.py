@@ -54,10 +54,11 @@ def engine():
     e.stop()
 
 
-def test_a_start_builds_no_compiler_and_the_first_constrained_request_does():
+def test_a_start_builds_no_compiler_and_the_first_constrained_request_does(engine):
     e = Engine(ServerConfig(model=str(served_model_dir()), max_total_tokens=1024, page_size=4))
     try:
         assert e.grammar.compiler is None  # the vocabulary's token table is not built at start-up
+        assert prompt(e) == prompt(engine)  # the cut model (common/model/truncate.py) kept the chat template
         req = Req("first", prompt(e), SamplingParams(max_new_tokens=8, temperature=0), grammar_spec=spec(DIGITS))
         run(e, [req])
         assert e.grammar.compiler is not None and e.grammar.info_dict()["compiles"] == 1
