@@ -138,10 +138,12 @@ def test_a_host_started_first_waits_quietly_with_one_line_then_joins(caplog, cap
     connections, says so once, and joins once host 0's store listens: no c10d stack trace."""
     addr = f"127.0.0.1:{free_port()}"
     stores = []
-    threading.Timer(1.5, lambda: stores.append(host_store(addr, 2, 30))).start()
+    host0 = threading.Timer(1.5, lambda: stores.append(host_store(addr, 2, 30)))
+    host0.start()
     with caplog.at_level(logging.INFO):
         store = join_store(addr, 30, start_s=20, waiting="host 1: waiting for host 0")
     store.set("k", "v")
+    host0.join(30)  # host 0's store may accept host 1 before its own call returns
     assert stores[0].get("k") == b"v"
     assert [r.message for r in caplog.records] == ["host 1: waiting for host 0"]
     assert "c10d" not in capfd.readouterr().err
