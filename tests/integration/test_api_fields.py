@@ -139,10 +139,10 @@ def test_bad_logit_bias_is_a_400_naming_it(server, path, bias, param):
 def test_min_new_tokens_masks_eos_until_it_is_reached(server, chat_ids):
     free = generate(server, chat_ids, max_new_tokens=40)
     assert free["output_ids"] == [504, 3575, 282, 4649, 314, 7042, 30, EOS]  # stops at EOS after 8 tokens
-    got = generate(server, chat_ids, max_new_tokens=40, min_new_tokens=10)
+    got = generate(server, chat_ids, max_new_tokens=14, min_new_tokens=10)
     # the first 10 tokens are those of greedy with EOS never sampled; then greedy goes on unconstrained
     first = generate(server, chat_ids, max_new_tokens=10, logit_bias={str(EOS): -100})["output_ids"]
-    rest = generate(server, chat_ids + first, max_new_tokens=30)["output_ids"]
+    rest = generate(server, chat_ids + first, max_new_tokens=4)["output_ids"]
     assert first[:7] == free["output_ids"][:7] and first[7] != EOS
     assert got["output_ids"] == first + rest
     assert got["meta_info"]["finish_reason"] == {"type": "length", "matched": None}
@@ -150,21 +150,21 @@ def test_min_new_tokens_masks_eos_until_it_is_reached(server, chat_ids):
 
 def test_min_new_tokens_masks_stop_token_ids_until_it_is_reached(server, count_ids):
     assert generate(server, count_ids, max_new_tokens=40, stop_token_ids=[COMMA])["output_ids"] == [216, 38, COMMA]
-    got = generate(server, count_ids, max_new_tokens=40, stop_token_ids=[COMMA], min_new_tokens=5)
+    got = generate(server, count_ids, max_new_tokens=12, stop_token_ids=[COMMA], min_new_tokens=5)
     first = generate(server, count_ids, max_new_tokens=5, logit_bias={str(COMMA): -100})["output_ids"]
-    rest = generate(server, count_ids + first, max_new_tokens=35, stop_token_ids=[COMMA])["output_ids"]
+    rest = generate(server, count_ids + first, max_new_tokens=7, stop_token_ids=[COMMA])["output_ids"]
     assert COMMA not in first
     assert got["output_ids"] == first + rest
 
 
 def test_stop_strings_are_not_searched_before_min_new_tokens_and_are_after(server, count_ids):
-    free = generate(server, count_ids, max_new_tokens=40)["output_ids"]  # " 6, 7, 8, 9, 10, 11, ..." digit by digit
-    early = generate(server, count_ids, max_new_tokens=40, stop=["1"])
+    free = generate(server, count_ids, max_new_tokens=20)["output_ids"]  # " 6, 7, 8, 9, 10, 11, ..." digit by digit
+    early = generate(server, count_ids, max_new_tokens=20, stop=["1"])
     assert early["output_ids"] == free[:14] and early["text"] == " 6, 7, 8, 9, "  # the 1 of 10 is token 14
-    late = generate(server, count_ids, max_new_tokens=40, stop=["1"], min_new_tokens=15)
+    late = generate(server, count_ids, max_new_tokens=20, stop=["1"], min_new_tokens=15)
     assert late["output_ids"] == free[:18] and late["text"] == " 6, 7, 8, 9, 10, "  # the first 1 of 11 is token 18
     assert late["meta_info"]["finish_reason"] == {"type": "stop", "matched": "1"}
-    reached = generate(server, count_ids, max_new_tokens=40, stop=["1"], min_new_tokens=14)  # token 14 counts
+    reached = generate(server, count_ids, max_new_tokens=20, stop=["1"], min_new_tokens=14)  # token 14 counts
     assert reached["output_ids"] == free[:14]
 
 
