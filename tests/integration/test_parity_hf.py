@@ -4,6 +4,7 @@ Face transformers' generate (one prompt at a time)."""
 from __future__ import annotations
 
 import concurrent.futures
+
 import httpx
 import pytest
 import torch
