@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, free_port, record_fault, start_server
+from tests.forked import ForkedServer, can_fork
 from tests.integration.test_tensor_parallel import assert_same_tokens, generate_all, greedy_reference
 from tests.integration.test_tp_faults import in_flight, sigterm_with_a_request_in_flight, wait_gone
 from tests.integration.test_tp_pd import pair_call
@@ -39,9 +40,14 @@ class Host:
 
     def __init__(self, args: list[str], name: str):
         self.log_path = Path("/tmp") / f"tandem-test-{name}.log"
+        self.log_path.write_bytes(b"")
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        if can_fork(["serve"], ()):  # tests/forked.py, as ServerProcess's servers
+            self.proc = ForkedServer(["serve", *args], env, ROOT, self.log_path, None)
+            return
         with open(self.log_path, "wb") as log:
             cmd = [sys.executable, "-m", "tandem", "serve", *args]
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
