@@ -12,6 +12,7 @@ import time
 import uvicorn
 from pydantic import ValidationError
 
+from common.attention.choice import check_attention_device
 from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import with_head_deadline
@@ -73,8 +74,10 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 
 def check_before_loading(config: ServerConfig) -> None:
-    """The user's mistakes that show without loading a model: the model's path and architecture, the ports."""
+    """The user's mistakes that show without loading a model (or torch): the model's path and architecture, the
+    attention backend's device, the ports."""
     check_model(config.model)
+    check_attention_device(config.attention_backend, config.device)
     ports = {"--port": config.port}
     may_prefill = config.disagg_mode == "prefill" or config.enable_pd_role_switch
     if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)

@@ -159,6 +159,12 @@ class ServerProcess:
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not ready after {timeout} s:\n{self.log_tail()}")
 
+    def run_to_exit(self, timeout: float = 120.0) -> tuple[int, str]:
+        """For a command that is to fail at start-up: its exit code and the last line of its output."""
+        code = self.proc.wait(timeout)
+        self._log.close()
+        return code, self.log_tail(1)
+
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 

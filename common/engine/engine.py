@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 from transformers import AutoTokenizer
 
-from common.attention.base import choose_attention_backend
+from common.attention.choice import choose_attention_backend
 from common.config import ServerConfig
 from common.core.request import OutputEvent, Req
 from common.core.timeline import report

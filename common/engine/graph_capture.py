@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.attention.base import resolved_backend
+from common.attention.choice import resolved_backend
 from common.core.page_meta import pages_for
 from common.engine.cuda_graph import StepGraphs
 from common.memory.static_reserve import graph_plan

@@ -11,24 +11,15 @@ import sys
 
 import httpx
 
-from tests.conftest import ROOT, free_port, start_server
+from tests.conftest import ROOT, ServerProcess, free_port, start_server
 
 
 def test_a_context_length_the_pool_cannot_hold_stops_start_up_naming_the_flags(tiny_model_dir):
-    args = [
-        "serve",
-        "--model",
-        str(tiny_model_dir),
-        "--port",
-        str(free_port()),
-        "--context-length",
-        "2000",
-        "--max-total-tokens",
-        "1024",
-    ]
-    out = subprocess.run([sys.executable, "-m", "tandem", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == (
+    port = free_port()
+    args = ["serve", "--model", str(tiny_model_dir), "--port", str(port), "--context-length", "2000"]
+    code, last = ServerProcess([*args, "--max-total-tokens", "1024"], port, name="sizing-refused").run_to_exit()
+    assert code == 1
+    assert last == (
         "tandem serve: --context-length 2000 does not fit the KV pool of 1024 tokens (at most 1008): lower "
         "--context-length, or give the pool more room with --max-total-tokens (CPU) or --mem-fraction-static (CUDA)"
     )

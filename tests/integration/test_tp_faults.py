@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.conftest import ROOT, record_fault, start_server
+from tests.conftest import ServerProcess, free_port, record_fault, start_server
 from tests.integration.tiny_model import save_tiny_llama
 
 WATCHDOG_S = 3.0
@@ -118,7 +117,8 @@ def test_sigterm_drains_every_rank(servers):
 
 
 def test_tp_size_that_does_not_split_the_model_fails_at_startup(model_dir):
-    cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model_dir), "--tp-size", "3"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
-    assert "--tp-size 3 does not divide the model's num_attention_heads 8, num_key_value_heads 4" in out.stderr
+    port = free_port()
+    server = ServerProcess(["serve", "--model", str(model_dir), "--tp-size", "3", "--port", str(port)], port)
+    code, last = server.run_to_exit(300)
+    assert code != 0
+    assert "--tp-size 3 does not divide the model's num_attention_heads 8, num_key_value_heads 4" in last

@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 
-from common.attention.base import AttentionChoiceError, choose_attention_backend
+from common.attention.choice import AttentionChoiceError, choose_attention_backend
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
 from common.engine.engine import Engine
