@@ -99,7 +99,7 @@ class ServerProcess:
         self._log_start = self.log_path.stat().st_size  # where this start's output begins
         env = os.environ | self.env | {"PYTHONUNBUFFERED": "1"}
         if self.entry == ServerProcess.entry and can_fork(self.args, self.prefix):
-            return ForkedServer(self.args, env, ROOT, self.log_path, self.env.get("PYTHONPATH"))
+            return ForkedServer(self.args, env, ROOT, self.log_path, self.env.get("PYTHONPATH"), self.prefix)
         return subprocess.Popen(
             [*self.prefix, *self.entry, *self.args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )

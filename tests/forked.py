@@ -8,12 +8,14 @@ arguments, in the test's environment and working directory, its stdout and stder
 
 A PYTHONPATH the test gives a server is applied as Python's start-up would: its directories go first on
 sys.path and a sitecustomize among them runs, before `main` (the KV fault site, tests/integration/kv_faults.py).
-Not forked, but started as `python -m tandem`: a command other than `serve`, a server run inside something
-(a network namespace, a container), and every server when TANDEM_TEST_FORK=0. Nothing here imports CUDA or
-starts a thread before the fork (the fork server only imports).
+A server run inside a network namespace (`ip netns exec NAME`, tests/integration/netns.py) is forked too: the
+child first does what `ip netns exec` does before it runs its command (`enter_netns`). Not forked, but started
+as `python -m tandem`: a command other than `serve`, a server run inside anything else (a container), and every
+server when TANDEM_TEST_FORK=0. Nothing here imports CUDA or starts a thread before the fork (the fork server
+only imports).
 
 The rank processes a forked TP server starts (common.ranks.launch `start_follower`) are forked by the same fork
-server: the server asks it as its parent would (the fork server's address and "alive" pipe came with the fork),
+server, and enter the server's network namespace if it has one: the server asks it as its parent would (the fork server's address and "alive" pipe came with the fork),
 and the rank runs `python -m ENTRY ARGV`'s module with the server's environment, its stdin a pipe from the server
 (its end closes when the server dies, however) and its output in the server's log. The fork server reaps it and
 reports its exit code, so a rank's exit is seen as before; it is not joined when the server exits.
@@ -21,6 +23,7 @@ reports its exit code, so a rank's exit is seen as before; it is not joined when
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.process
@@ -45,14 +48,46 @@ PRELOAD = [
     "decode_node.compose",
     "uvicorn",
 ]
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000  # <sched.h>
+MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 4096, 16384, 1 << 19, 2  # <sys/mount.h>
 _context: multiprocessing.context.ForkServerContext | None = None
+_netns: str | None = None  # in a forked child: the network namespace it entered
 _started: list[ForkedServer] = []
 
 
 def can_fork(argv: list[str], prefix: tuple[str, ...]) -> bool:
     """Whether this command may run forked (see the module docstring)."""
     wanted = os.environ.get("TANDEM_TEST_FORK", "1") != "0"
-    return wanted and argv[:1] == ["serve"] and not prefix and sys.platform == "linux"
+    inside = not prefix or netns_of(prefix) is not None
+    return wanted and argv[:1] == ["serve"] and inside and sys.platform == "linux"
+
+
+def netns_of(prefix: tuple[str, ...]) -> str | None:
+    """NAME, for the prefix `ip netns exec NAME`."""
+    return prefix[3] if len(prefix) == 4 and prefix[:3] == ("ip", "netns", "exec") else None
+
+
+def enter_netns(name: str) -> None:
+    """In a forked child, before anything else: what `ip netns exec NAME` does before it runs its command
+    (iproute2's netns_switch). Join the network namespace; in a mount namespace of the child's own, mount that
+    network's /sys, and bind /etc/netns/NAME's files over /etc's (the hosts file of `Network.name_hosts`)."""
+    global _netns
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"{what} for network namespace {name}: {os.strerror(ctypes.get_errno())}")
+
+    with open(f"/var/run/netns/{name}") as ns:
+        check(libc.setns(ns.fileno(), CLONE_NEWNET), "setns")
+    check(libc.unshare(CLONE_NEWNS), "unshare")
+    check(libc.mount(b"", b"/", b"none", MS_SLAVE | MS_REC, None), "mount / slave")
+    libc.umount2(b"/sys", MNT_DETACH)  # as ip: none mounted is fine
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount /sys")
+    etc = Path("/etc/netns") / name
+    for f in sorted(etc.iterdir()) if etc.is_dir() else []:
+        check(libc.mount(str(f).encode(), f"/etc/{f.name}".encode(), b"none", MS_BIND, None), f"bind {f}")
+    _netns = name
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
@@ -63,9 +98,13 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def run_tandem(argv: list[str], env: dict[str, str], cwd: str, log_path: str, site_path: str | None) -> None:
+def run_tandem(
+    argv: list[str], env: dict[str, str], cwd: str, log_path: str, site_path: str | None, netns: str | None
+) -> None:
     """In the forked child: what `python -m tandem ARGV` runs, with the test's environment and log file (and
-    `site_path`, the PYTHONPATH the test gave, applied)."""
+    `site_path`, the PYTHONPATH the test gave, applied), inside network namespace `netns` if one is named."""
+    if netns is not None:
+        enter_netns(netns)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     become(env, cwd, log)
     os.close(log)
@@ -79,8 +118,13 @@ def run_tandem(argv: list[str], env: dict[str, str], cwd: str, log_path: str, si
     main(argv)
 
 
-def run_module(entry: str, argv: list[str], env: dict[str, str], cwd: str, stdin: Connection, out: Connection) -> None:
-    """In a forked rank process: what `python -m ENTRY ARGV` runs, with its starter's stdin pipe and output."""
+def run_module(
+    entry: str, argv: list[str], env: dict[str, str], cwd: str, stdin: Connection, out: Connection, netns: str | None
+) -> None:
+    """In a forked rank process: what `python -m ENTRY ARGV` runs, with its starter's stdin pipe and output, in
+    its starter's network namespace."""
+    if netns is not None:
+        enter_netns(netns)
     os.dup2(stdin.fileno(), 0)
     sys.stdin = open(0, closefd=False)
     become(env, cwd, out.fileno())
@@ -151,8 +195,17 @@ class ForkedProcess:
 class ForkedServer(ForkedProcess):
     """`tandem serve ARGV` forked, in the test's environment, working directory and log file."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, site_path: str | None):
-        super().__init__(["tandem", *argv], run_tandem, (argv, env, str(cwd), str(log_path), site_path))
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        log_path: Path,
+        site_path: str | None,
+        prefix: tuple[str, ...] = (),
+    ):
+        work = (argv, env, str(cwd), str(log_path), site_path, netns_of(prefix))
+        super().__init__(["tandem", *argv], run_tandem, work)
         _started.append(self)
 
 
@@ -161,7 +214,7 @@ def fork_follower(entry: str, argv: list[str], env: dict[str, str]) -> ForkedPro
     r, w = os.pipe()
     stdin, out = Connection(r, writable=False), Connection(os.dup(1), readable=False)
     try:
-        work = (entry, argv, env, os.getcwd(), stdin, out)
+        work = (entry, argv, env, os.getcwd(), stdin, out, _netns)
         rank = ForkedProcess(["python", "-m", entry, *argv], run_module, work, stdin=open(w, "wb"))
     finally:
         stdin.close()
