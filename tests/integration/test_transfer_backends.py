@@ -4,12 +4,11 @@ record, a prefill abort and a decode timeout; an idle NIXL agent's CPU use."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import subprocess
-import sys
+import os
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.forked import fork_server
 from tests.tiers import starts_processes
 from tests.unit.test_transfer_protocol import AUX_BYTES, PAGE, Side, wait_for
 
@@ -75,7 +74,7 @@ def decode_proc(backend: str, from_prefill: mp.Queue, to_prefill: mp.Queue, resu
 @starts_processes
 def run_pair(backend: str, scenario: str) -> dict:
     pytest.importorskip(MODULES[backend])
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()  # a fresh process, without importing torch again (tests/forked.py)
     p2d, d2p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
         ctx.Process(target=prefill_proc, args=(backend, p2d, d2p, scenario)),
@@ -112,20 +111,30 @@ def test_decode_times_out_when_prefill_never_sends(backend):
     assert out["state"] == 0 and "no KV arrived within 3 s" in out["reason"]
 
 
-IDLE_AGENT = """
-import os, time
-from transfer.backends.nixl import NixlBackend
-backend = NixlBackend()
-time.sleep(0.5)
-wall, cpu = time.monotonic(), time.process_time()
-time.sleep(2.0)
-print((time.process_time() - cpu) / (time.monotonic() - wall), flush=True)
-os._exit(0)  # a UCX agent can crash at interpreter exit
-"""
+def idle_agent_cpu(results: mp.Queue) -> None:
+    """In a fresh process: the CPU seconds per second an idle NIXL agent uses."""
+    import time
+
+    from transfer.backends.nixl import NixlBackend
+
+    backend = NixlBackend()  # idle from here on
+    time.sleep(0.5)
+    wall, cpu = time.monotonic(), time.process_time()
+    time.sleep(2.0)
+    results.put((time.process_time() - cpu) / (time.monotonic() - wall))
+    results.close()
+    results.join_thread()  # sent, before the exit below skips the queue's own flush
+    del backend
+    os._exit(0)  # a UCX agent can crash at interpreter exit
 
 
 def test_an_idle_nixl_agent_does_not_spin_a_core():
     pytest.importorskip("nixl._api")
-    out = subprocess.run([sys.executable, "-c", IDLE_AGENT], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout.split()[-1]) < 0.1  # CPU seconds per second; its progress thread used to spin one core
+    ctx = fork_server()
+    results = ctx.Queue()
+    agent = ctx.Process(target=idle_agent_cpu, args=(results,))
+    agent.start()
+    try:
+        assert results.get(timeout=60) < 0.1  # its progress thread used to spin one core
+    finally:
+        agent.join(10)
