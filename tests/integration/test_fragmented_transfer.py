@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.forked import fork_server
 from tests.tiers import starts_processes
 
 BUFFERS, PAGES, CHUNKS = 64, 128, 4  # 64 x 128 = 8192 pieces, 2048 per chunk
@@ -96,7 +97,7 @@ def decode_proc(backend: str, from_prefill: mp.Queue, to_prefill: mp.Queue, resu
 @starts_processes
 def run_pair(backend: str) -> dict:
     """A prefill process sends to a decode process; the decode's findings."""
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()  # fresh processes, without importing torch again (tests/forked.py)
     p2d, d2p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
         ctx.Process(target=prefill_proc, args=(backend, p2d, d2p)),
