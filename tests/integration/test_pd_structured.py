@@ -6,6 +6,7 @@ apart) fails that request with an error naming the grammar, and no page stays he
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
@@ -45,23 +46,31 @@ def chat(url: str, content: str = ASK, **fields) -> dict:
     return r.json()["choices"][0]
 
 
+def on_both(mono, cluster, ask):
+    """`ask(url)` of the monolithic server and of the cluster at once (two processes): (mono's, the cluster's)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        want, got = pool.map(ask, (mono.url, cluster.url))
+    return want, got
+
+
 def test_greedy_constrained_tokens_equal_monolithic(mono, cluster, builtin_model_dir):
     for fields in CONSTRAINED:
         body = {"text": "Is Paris the capital of France? Answer:", **fields}
         body["sampling_params"] |= {"max_new_tokens": 40, "temperature": 0}
-        want, got = (httpx.post(u + "/generate", json=body, timeout=300).json() for u in (mono.url, cluster.url))
+        want, got = on_both(mono, cluster, lambda u: httpx.post(u + "/generate", json=body, timeout=300).json())
         assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], fields
         assert got["meta_info"]["finish_reason"]["type"] == "stop"
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
     for fields in [{"response_format": fmt}, {"response_format": {"type": "json_object"}, "max_tokens": 30}]:
-        assert chat(cluster.url, **fields)["message"] == chat(mono.url, **fields)["message"]
+        want, got = on_both(mono, cluster, lambda u: chat(u, **fields))
+        assert got["message"] == want["message"]
     cluster.wait_idle()
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_tool_calls_equal_monolithic(mono, cluster, choice):
     fields = {"tools": [WEATHER, TIME], "tool_choice": choice}
-    want, got = (chat(u, "What is the weather in Paris?", **fields) for u in (mono.url, cluster.url))
+    want, got = on_both(mono, cluster, lambda u: chat(u, "What is the weather in Paris?", **fields))
     strip = lambda calls: [c["function"] for c in calls]  # noqa: E731 (ids are fresh per answer)
     assert strip(got["message"]["tool_calls"]) == strip(want["message"]["tool_calls"])
     assert got["finish_reason"] == want["finish_reason"] == "tool_calls"
