@@ -19,10 +19,12 @@ import pytest
 from tests.forked import ForkedServer, can_fork, kill_left_over
 from tests.ports import free_port
 from tests.served_model import served_model_flags
+from tests.shared_ssl import share_default_ssl_context
 from tests.tiers import load_hypothesis_profile, mark_slow_tests, starts_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 load_hypothesis_profile()
+share_default_ssl_context()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
