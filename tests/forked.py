@@ -15,10 +15,11 @@ server when TANDEM_TEST_FORK=0. Nothing here imports CUDA or starts a thread bef
 only imports).
 
 The rank processes a forked TP server starts (common.ranks.launch `start_follower`) are forked by the same fork
-server, and enter the server's network namespace if it has one: the server asks it as its parent would (the fork server's address and "alive" pipe came with the fork),
-and the rank runs `python -m ENTRY ARGV`'s module with the server's environment, its stdin a pipe from the server
-(its end closes when the server dies, however) and its output in the server's log. The fork server reaps it and
-reports its exit code, so a rank's exit is seen as before; it is not joined when the server exits.
+server: the server asks it as its parent would (the fork server's address and "alive" pipe came with the fork),
+and the rank runs `python -m ENTRY ARGV`'s module with the server's environment and network namespace, its stdin a
+pipe from the server (its end closes when the server dies, however) and its output in the server's log. The fork
+server reaps it and reports its exit code, so a rank's exit is seen as before; it is not joined when the server
+exits.
 """
 
 from __future__ import annotations
