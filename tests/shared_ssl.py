@@ -11,12 +11,18 @@ not change it after building it."""
 from __future__ import annotations
 
 import functools
-
-from httpx._transports import default as transports
+import warnings
 
 
 def share_default_ssl_context() -> None:
-    build = transports.create_ssl_context
+    try:
+        from httpx._transports import default as transports  # httpx's own module: may move in a later httpx
+
+        build = transports.create_ssl_context
+    except (ImportError, AttributeError):
+        moved = "httpx.create_ssl_context moved: each httpx call builds its own SSL context (slower tests)"
+        warnings.warn(moved, stacklevel=2)
+        return
     shared = functools.cache(lambda: build(verify=True, cert=None, trust_env=True))
 
     def create_ssl_context(verify=True, cert=None, trust_env=True):
