@@ -71,7 +71,8 @@ def supervise(argv: list[str], processes: int, stop_wait_s: float) -> int:
                     return proc.returncode or 1
                 log.warning("router process %d exited with %d; starting another", proc.pid, proc.returncode)
                 children[i] = (subprocess.Popen(cmd, env=env), time.monotonic())
-        return _wait_all([proc for proc, _ in children], time.monotonic() + stop_wait_s)
+        asked = {-signum for signum in signals}  # a process still starting ends by the signal itself
+        return _wait_all([proc for proc, _ in children], time.monotonic() + stop_wait_s, asked)
     finally:
         for proc, _ in children:
             if proc.poll() is None:
@@ -80,8 +81,10 @@ def supervise(argv: list[str], processes: int, stop_wait_s: float) -> int:
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def _wait_all(procs: list[subprocess.Popen], deadline: float) -> int:
-    """0 when every process exited with 0 by the deadline (the others are killed then), else 1."""
+def _wait_all(procs: list[subprocess.Popen], deadline: float, asked: set[int]) -> int:
+    """0 when every process stopped cleanly by the deadline (the others are killed then), else 1. Cleanly: it
+    exited with 0 (it drained), or by a signal in `asked` (as a negative exit code), the signal forwarded to it
+    while it was still starting, before it installed its handler (it had served nothing)."""
     for proc in procs:
         try:
             proc.wait(max(deadline - time.monotonic(), 0.1))
@@ -89,7 +92,7 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> int:
             log.warning("router process %d still running; killing it", proc.pid)
             proc.kill()
             proc.wait()
-    return 0 if all(proc.returncode == 0 for proc in procs) else 1
+    return 0 if all(proc.returncode == 0 or proc.returncode in asked for proc in procs) else 1
 
 
 def _forget(pid: int, metrics_dir: str) -> None:
