@@ -163,12 +163,15 @@ def test_a_decode_flips_to_prefill_and_back_under_load_losing_nothing(cluster, m
     cluster.wait_idle()
 
 
-def test_the_planner_flips_a_decode_to_prefill_when_ttft_is_over_its_target(cluster, mono):
+def test_the_planner_flips_a_decode_to_prefill_when_ttft_is_over_its_target(cluster, remote_router, mono):
     """sla mode with a TTFT target no prompt meets and an ITL target every token does: the prefill side is over its
-    target, so one of the two decodes becomes a prefill within a few intervals; no request fails meanwhile."""
+    target, so one of the two decodes becomes a prefill within a few intervals; no request fails meanwhile. The load
+    and the planner go through the router that computes every prompt on the prefill: the cost router places these
+    short prompts on the decodes as often as not, and a prefill that computes nothing adds no TTFT to flip for (the
+    planner rightly keeps its roles then)."""
     port = free_port()
     planner = ServerProcess(
-        ["planner", "--router", cluster.url, "--mode", "sla", "--ttft-ms", "1", "--itl-ms", "100000",
+        ["planner", "--router", remote_router.url, "--mode", "sla", "--ttft-ms", "1", "--itl-ms", "100000",
          "--interval-s", "1", "--hysteresis", "2", "--cooldown-s", "0", "--port", str(port)],
         port, name="planner",
     )  # fmt: skip
@@ -181,7 +184,7 @@ def test_the_planner_flips_a_decode_to_prefill_when_ttft_is_over_its_target(clus
         i = k
         while not stop.is_set():
             try:
-                answers.append((i % len(prompts), ask(cluster.url, prompts[i % len(prompts)], stream=True)))
+                answers.append((i % len(prompts), ask(remote_router.url, prompts[i % len(prompts)], stream=True)))
             except AssertionError as e:
                 answers.append((i % len(prompts), str(e)))
             i += 1
@@ -194,7 +197,7 @@ def test_the_planner_flips_a_decode_to_prefill_when_ttft_is_over_its_target(clus
         planner.wait_ready(60)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and flipped is None:
-            prefills = [u for u, role in roles(cluster.url).items() if role == "prefill"]
+            prefills = [u for u, role in roles(remote_router.url).items() if role == "prefill"]
             flipped = next((d for d in cluster.decodes if d.url in prefills), None)
             time.sleep(0.5)
         decisions = metric(planner.url, "tandem_planner_decisions_total", action="to_prefill")
@@ -208,6 +211,6 @@ def test_the_planner_flips_a_decode_to_prefill_when_ttft_is_over_its_target(clus
     assert decisions == 1 and done == 1  # then min_servers: the last decode stays
     failed = [(i, a) for i, a in answers if a != expected[i]]
     assert failed == [] and len(answers) >= 5, failed[:3]
-    r = httpx.post(cluster.url + "/pd_role_switch", json={"url": flipped.url, "new_role": "decode"}, timeout=400)
+    r = httpx.post(remote_router.url + "/pd_role_switch", json={"url": flipped.url, "new_role": "decode"}, timeout=400)
     assert r.status_code == 200, r.text
     cluster.wait_idle()
