@@ -83,6 +83,8 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         session = app["session"] = aiohttp.ClientSession(
             timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(ssl=tls)
         )
+        if shared:  # one of --processes N: it listens on a port its siblings serve, so it checks its workers
+            await workers.check_all(session)  # first (else the kernel may hand it a client it answers 503)
         tasks = [asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))]
         tasks.append(asyncio.create_task(feeds.follow(session)))
         if config.pd_placement == "cost":

@@ -10,7 +10,8 @@ What the processes share, and what each one derives on its own:
              workers added or     a file in the same directory, rewritten under a lock by the process that
              removed at run time  took the change and followed by the others within half a second
                                   (router/shared_workers.py)
-    derived  worker health        each process checks every worker itself
+    derived  worker health        each process checks every worker itself (once before it listens: a
+                                  process started in place of a dead one answers no 503 for want of it)
              load and policies    each process sees the requests it serves: a worker's requests in flight,
                                   the round-robin position and cache-aware prefixes are per process
              concurrency limit    each process admits its share of --max-concurrent-requests
@@ -28,6 +29,7 @@ import tempfile
 import time
 
 SHARED_DIR_ENV = "TANDEM_ROUTER_SHARED_DIR"  # set by the supervisor for the processes it starts
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # forwarded to every process
 EARLY_EXIT_S = 5.0  # a process that exits by itself this soon after its start would fail again
 
 log = logging.getLogger("tandem.router")
@@ -47,7 +49,7 @@ def supervise(argv: list[str], processes: int, stop_wait_s: float) -> int:
     os.mkdir(metrics_dir)
     env = os.environ | {SHARED_DIR_ENV: shared, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     cmd = [sys.executable, "-m", "tandem", "router", *argv]
-    children = [(subprocess.Popen(cmd, env=env), time.monotonic()) for _ in range(processes)]
+    children: list[tuple[subprocess.Popen, float]] = []
     signals: list[int] = []
 
     def forward(signum: int, _frame) -> None:
@@ -56,9 +58,21 @@ def supervise(argv: list[str], processes: int, stop_wait_s: float) -> int:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    def start(slot: int) -> None:
+        """A process in children[slot], listed before a stop signal can be handled: one that arrives while it
+        starts is held until then, so that it is forwarded to this process too (none is left running)."""
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:  # the child unblocks them before it runs Python
+            proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, held))
+            children[slot : slot + 1] = [(proc, time.monotonic())]
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     try:
+        for slot in range(processes):
+            start(slot)
         while not signals:
             time.sleep(0.2)
             for i, (proc, started) in enumerate(children):
@@ -70,7 +84,7 @@ def supervise(argv: list[str], processes: int, stop_wait_s: float) -> int:
                     forward(signal.SIGINT, None)
                     return proc.returncode or 1
                 log.warning("router process %d exited with %d; starting another", proc.pid, proc.returncode)
-                children[i] = (subprocess.Popen(cmd, env=env), time.monotonic())
+                start(i)
         asked = {-signum for signum in signals}  # a process still starting ends by the signal itself
         return _wait_all([proc for proc, _ in children], time.monotonic() + stop_wait_s, asked)
     finally:

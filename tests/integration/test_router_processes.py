@@ -141,11 +141,13 @@ def test_two_processes_share_the_port_the_metrics_and_the_worker_list(workers):
 
 
 def test_sigterm_while_the_processes_start_is_a_clean_stop(workers):
-    """A process still importing ends by the forwarded SIGTERM itself (its handler is not installed yet): it had
-    served nothing, so the router's exit status is 0."""
+    """SIGTERM as the processes start: every one of them gets it (none is left serving the port), and one still
+    importing ends by it (its handler is not installed yet): it had served nothing, so the exit status is 0."""
     port = free_port()
     args = ["router", "--prefill", workers["prefill"], "8998", "--decode", workers["decode"], "--port", str(port)]
     router = ServerProcess([*args, "--processes", "2"], port, name="router-processes-starting")
     wait_until(lambda: len(children(router)) == 2, 10, "both processes started")
+    pids = children(router)
     router.proc.send_signal(signal.SIGTERM)
     assert router.proc.wait(30) == 0, router.log_tail()
+    assert not any(Path(f"/proc/{p}").exists() for p in pids)
