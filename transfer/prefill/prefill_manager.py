@@ -198,9 +198,9 @@ class PrefillKVManager(KVManager):
         """Send the room's aux record to its decode now, ahead of the KV that carries it too: the decode
         streams the first token without waiting for the write."""
         registration = self.registrations.get(room.room_request.decode_id)
-        if registration is not None:
-            self.send(registration.status_endpoint, FirstToken(room.room_id, record))
+        if registration is not None:  # marked first: the decode may commit the token before send() returns
             room.mark("first_token_sent")
+            self.send(registration.status_endpoint, FirstToken(room.room_id, record))
 
     def enqueue(self, chunk: Chunk) -> None:
         """Hand a chunk to its decode's worker (TransferQueueFull when that queue is full)."""
