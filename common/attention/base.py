@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from common.attention.choice import resolved_backend
+from common.attention.choice import check_attention_device, resolved_backend
 from common.core.forward_batch import ForwardBatch
 from common.memory.kv_pool import KVPool
 
@@ -58,8 +58,7 @@ def make_attention_backend(
 
         return TorchAttention(kv_pool, num_q_heads, head_dim, scaling)
     if name == "flashinfer":
-        if device != "cuda":
-            raise ValueError("attention_backend 'flashinfer' needs --device cuda")
+        check_attention_device(name, device)
         if not plain:
             raise ValueError(
                 "attention_backend 'flashinfer' reads MHA pools in the model's dtype only; this one is "
