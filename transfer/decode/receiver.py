@@ -34,11 +34,11 @@ class KVReceiver:
             return False
         m = self.manager
         m.register_with(self.prefill_endpoint, self.prefill_id)
+        self.room.mark("room_request_sent")  # before the send: the prefill may mark its receipt before send() returns
         m.send(
             self.prefill_endpoint,
             RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot, cached_prefix_len, dp_rank),
         )
-        self.room.mark("room_request_sent")
         self.room.dst_pages = dst_pages
         self.room.requested, self.room.requested_at = True, m.clock()
         self.room.poll.advance(KVPoll.WaitingForInput)

@@ -255,9 +255,9 @@ class PrefillKVManager(KVManager):
             self.counters["rooms_succeeded"] += 1
             self.metrics.latency.observe(self.clock() - room.first_chunk_at)
         registration = self.registrations.get(room.room_request.decode_id)
-        if registration is not None:
-            self.send(registration.status_endpoint, Status(room.room_id, ok, reason, room.checksums if ok else []))
+        if registration is not None:  # marked first, as first_token_sent
             room.mark("status_sent")
+            self.send(registration.status_endpoint, Status(room.room_id, ok, reason, room.checksums if ok else []))
         self.wake_scheduler()  # the request ends now, not at the scheduler's next timeout
 
     def close(self) -> None:
