@@ -152,10 +152,11 @@ def _guard(api_key: str | None, drain: Drain | None):
 
 def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: RouterMetrics) -> None:
     async def models(request: web.Request) -> web.Response:
+        """/v1/models and /v1/models/{id}: a healthy decode's answer."""
         for w in workers.healthy("decode"):
             try:
                 async with app["session"].get(
-                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5), server_hostname=w.tls_name
+                    w.url + request.raw_path, timeout=aiohttp.ClientTimeout(total=5), server_hostname=w.tls_name
                 ) as r:
                     return json_response(await r.read(), r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -183,6 +184,7 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
         ("/metrics", prometheus),
     ):
         app.router.add_get(path, handler)
+    app.router.add_get("/v1/models/{model_id:.+}", models)
 
 
 def _add_cluster_routes(

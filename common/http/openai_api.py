@@ -53,6 +53,15 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
         }
         return {"object": "list", "data": [card]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """The SDK's models.retrieve: this server's one model."""
+        if model_id != engine.model_name:
+            raise NotFound(
+                f"model {model_id!r} does not exist; this server serves {engine.model_name!r}", param="model"
+            )
+        return (await models())["data"][0]
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), CompletionRequest)
@@ -116,14 +125,10 @@ def _chat_shape(engine: Engine, body: ChatCompletionRequest) -> ChatShape:
 
 
 def _chat_constraint(engine: Engine, body: ChatCompletionRequest, shape: ChatShape) -> GrammarSpec | None:
-    """response_format / guided_*, or the tool_choice's schema (not both); after the thinking with a reasoning parser."""
-    spec, tool_spec = body.grammar_spec(), shape.tools.constraint()
-    if spec is not None and tool_spec is not None:
-        raise InvalidRequest(
-            f"tool_choice: {shape.tools.choice} constrains the output; it cannot be combined with {spec.param.split('.')[0]}",
-            param="tool_choice",
-        )
-    spec = spec or tool_spec
+    """The tool_choice's schema (required, named), else response_format / guided_*; after the thinking with a
+    reasoning parser. Both may be given, as OpenAI takes them (the Agents SDK sends both for an agent with an
+    output type): a forced call is constrained by its tool, the format applies to an answer in content."""
+    spec = shape.tools.constraint() or body.grammar_spec()
     return spec.gated(True) if spec is not None and shape.reasoning is not None else spec
 
 
