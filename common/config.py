@@ -128,6 +128,9 @@ class ServerConfig(BaseSettings):
         "come, or at most prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 tokens",
     )
     max_queued_requests: int = Field(1024, ge=1)
+    responses_store_size: int = Field(
+        1000, ge=1, description="stored responses kept for previous_response_id and GET (the oldest evicted first)"
+    )
     enable_priority_scheduling: bool = Field(
         False, description="honour requests' priority field (higher first): admission order and who is retracted"
     )

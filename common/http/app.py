@@ -16,6 +16,7 @@ from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.guard import CountingGuard
+from common.http.responses import add_responses_api
 from common.http.serving import (
     PD_CACHED,
     SPEC_COUNTS,
@@ -106,6 +107,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     openai_api.add_routes(app, engine)
+    add_responses_api(app, engine)
     add_role_switch_route(app, engine)
     return app
 

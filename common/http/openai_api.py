@@ -78,19 +78,25 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), ChatCompletionRequest)
-        _check_model(engine, body)
-        shape = _chat_shape(engine, body)
-        ids = _apply_chat_template(engine, body, shape)
-        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = getattr(body, max_param)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
-        gen.grammar_spec = _chat_constraint(engine, body, shape)
-        if shape.parser is not None and shape.parser.needs_special_tokens:  # its markers are special tokens
-            gen.params = gen.params.model_copy(update={"skip_special_tokens": False})
-        await check_grammar(engine, gen)
-        make_choice = functools.partial(_chat_choice, shape=shape)
-        return await _respond(engine, gen, body, "chat.completion", make_choice, request, shape=shape)
+        return await chat_answer(engine, body, request)
+
+
+async def chat_answer(engine: Engine, body: ChatCompletionRequest, request: Request) -> Response:
+    """A chat completion's answer (JSON, or an SSE stream): /v1/chat/completions', and the Responses API's
+    underneath (common/http/responses.py)."""
+    _check_model(engine, body)
+    shape = _chat_shape(engine, body)
+    ids = _apply_chat_template(engine, body, shape)
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, max_param)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
+    gen.grammar_spec = _chat_constraint(engine, body, shape)
+    if shape.parser is not None and shape.parser.needs_special_tokens:  # its markers are special tokens
+        gen.params = gen.params.model_copy(update={"skip_special_tokens": False})
+    await check_grammar(engine, gen)
+    make_choice = functools.partial(_chat_choice, shape=shape)
+    return await _respond(engine, gen, body, "chat.completion", make_choice, request, shape=shape)
 
 
 def _chat_chunks(
