@@ -98,6 +98,8 @@ class ResponsesRequest(BaseModel):
 
     def format(self) -> dict[str, Any] | None:
         """text.format as chat's response_format (None: plain text)."""
+        if (self.text or {}).get("verbosity") not in (None, "medium"):  # as chat's verbosity
+            raise InvalidRequest("text.verbosity is not supported by this server", param="text.verbosity")
         fmt = (self.text or {}).get("format")
         if fmt is None:
             return None

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from tests.integration.cluster import start_router
 from tests.integration.test_structured_output import BUILTIN, SCHEMA
 
-CLUSTER_USERS = 2  # this module and test_pd_structured share the built-in model's cluster
+CLUSTER_USERS = 3  # this module, test_client_frameworks and test_pd_structured share the built-in model's cluster
 WEATHER = {
     "type": "function",
     "name": "get_weather",

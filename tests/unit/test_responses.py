@@ -70,6 +70,7 @@ def test_items_become_messages_with_tool_calls_and_outputs():
         ({"input": ""}, "input", ""),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type", "only text"),
         ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type", "json_schema"),
+        ({"input": "hi", "text": {"verbosity": "low"}}, "text.verbosity", "not supported"),
         ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice", "give"),
     ],
 )  # fmt: skip
