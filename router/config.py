@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.wire.addresses import split_host_port
 from common.wire.body import ARRIVAL_TIMEOUT_S
-from router.policies import POLICIES
+from router.placement.policies import POLICIES
 
 Policy = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
 POLICY_HELP = "; ".join(f"{name}: {spec.summary}" for name, spec in POLICIES.items())

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from common.model.locate import check_model
 from common.wire.user_error import UserError
-from router.policies import POLICIES
+from router.placement.policies import POLICIES
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
 from tandem.kv_store import add_up_store_flags, up_store
 from tandem.ports import require_free_ports
