@@ -49,17 +49,19 @@ class ServerConfig(BaseSettings):
     tp_size: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"
     )
-    nnodes: int = Field(1, ge=1, le=64, description="hosts the TP group spans: each runs tp_size / nnodes ranks")
+    nnodes: int = Field(
+        1, ge=1, le=64, description="machines (nodes) the TP group spans: each runs tp_size / nnodes ranks"
+    )
     node_rank: int = Field(
-        0, ge=0, description="this host's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
+        0, ge=0, description="this node's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
     )
     dist_init_addr: str | None = Field(
-        None, description="HOST:PORT where host 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
+        None, description="HOST:PORT where node 0 serves the TP group's rendezvous store (needed with --nnodes > 1)"
     )
     dist_timeout: float = Field(
         600.0,
         gt=0,
-        description="seconds a TP group's start-up waits for host 0's rendezvous and for every rank to join it "
+        description="seconds a TP group's start-up waits for node 0's rendezvous store and for every rank to join it "
         "(SGLang's flag); loading the model comes after, unbounded",
     )
     # expert parallelism and DP attention over the --tp-size ranks (SGLang's flags; docs/dp-attention.md)
@@ -182,7 +184,7 @@ class ServerConfig(BaseSettings):
         gt=0,
         description="one interval for three clocks: a decode pings each prefill it waits on and the prefill "
         "watches the pings (a control connection silent this long is dialled again); a prefill re-registers "
-        "with the bootstrap registry (at least every 15 s); the hosts of a TP group spanning machines "
+        "with the bootstrap registry (at least every 15 s); the nodes of a TP group spanning machines "
         "(--nnodes > 1) post their heartbeats",
     )
     heartbeat_misses: int = Field(
@@ -277,7 +279,7 @@ class ServerConfig(BaseSettings):
         return "follow_bootstrap_room" if self.disagg_mode == "decode" else "round_robin"
 
     @property
-    def ranks_per_host(self) -> int:
+    def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
 
     @property

@@ -1,5 +1,5 @@
-"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on host k > 0
-of a TP group spanning hosts (--node-rank), that host's ranks (common.ranks.host)."""
+"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on node k > 0
+of a TP group spanning nodes (--node-rank), that node's ranks (common.ranks.node)."""
 
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ def setup_logging(role: str) -> RoleTag:
 
 def serve_from_args(ns: argparse.Namespace) -> None:
     config = server_config(ns)
-    if config.node_rank > 0:  # another host's share of the TP group: ranks only, no HTTP
+    if config.node_rank > 0:  # another node's share of the TP group: ranks only, no HTTP
         check_model(config.model)
-        setup_logging(f"host{config.node_rank}")
-        from common.ranks.host import run_host
+        setup_logging(f"node{config.node_rank}")
+        from common.ranks.node import run_node
 
-        run_host(config, RANK_FOLLOWER)
+        run_node(config, RANK_FOLLOWER)
     check_before_loading(config)
     serve(config)
 
@@ -82,7 +82,7 @@ def check_before_loading(config: ServerConfig) -> None:
     may_prefill = config.disagg_mode == "prefill" or config.enable_pd_role_switch
     if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)
         ports["--bootstrap-port"] = config.bootstrap_port
-    if config.dist_init_addr is not None:  # rank 0 hosts its TP group's rendezvous there
+    if config.dist_init_addr is not None:  # rank 0 serves its TP group's rendezvous store there
         ports["--dist-init-addr"] = split_host_port(config.dist_init_addr)[1]
     require_free_ports(config.host, ports)
     tls_context(config)  # the certificate and key load
@@ -98,7 +98,7 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
             f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
             "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
             "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
-            "value on every host."
+            "value on every node."
         )
     if config.api_key is None:
         out.append(
