@@ -108,7 +108,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     _add_status_routes(app, workers, metrics)
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
-    add_pd_role_switch_route(app, workers, config.max_request_bytes, config.role_switch_timeout_s)
+    add_pd_role_switch_route(app, workers, config.max_request_bytes, config.pd_role_switch_timeout_s)
     return app
 
 

@@ -7,33 +7,70 @@ import argparse
 import os
 import typing
 
-from pydantic import BaseModel
+from pydantic import AliasChoices, BaseModel
+from pydantic.fields import FieldInfo
 
 from common.wire.user_error import UserError
+from tandem.spellings import SGLANG_ALWAYS_ON, spellings_of
 
 
 def add_model_flags(
-    parser: argparse.ArgumentParser, model: type[BaseModel], skip: frozenset[str] = frozenset()
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    skip: frozenset[str] = frozenset(),
+    command: str | None = None,
 ) -> None:
-    """One --flag per field of a settings model (all but `skip`); flags not given stay unset, so the
-    model's environment variables (its env_prefix, or a field's validation_alias) can fill them."""
+    """One --flag per field of a settings model (all but `skip`), also under its other spellings for
+    `command` (tandem/spellings.py); flags not given stay unset, so the model's environment variables (its
+    env_prefix, or a field's validation_alias) can fill them."""
     prefix = model.model_config.get("env_prefix", "")
+    others = spellings_of(command) if command else {}
     for name, field in model.model_fields.items():
         if name in skip:
             continue
-        env = field.validation_alias if isinstance(field.validation_alias, str) else prefix + name.upper()
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *(s.flag for s in others.get(name, ()))]
         kind = field.annotation
         if type(None) in typing.get_args(kind):  # X | None: the flag is X's
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         args = typing.get_args(kind)
-        help_text = (field.description or "") + f" [env {env}, default {field.default}]"
+        also = "".join(
+            f" [{whose} spelling: {', '.join(s.flag for s in others[name] if s.whose == whose)}]"
+            for whose in dict.fromkeys(s.whose for s in others.get(name, ()))
+        )
+        help_text = (
+            field.description or ""
+        ) + f" [env {env_names(field, prefix + name.upper())}, default {field.default}]"
+        kw = dict(dest=name, default=argparse.SUPPRESS, help=help_text + also)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(kind) is typing.Literal:
-            parser.add_argument(flag, choices=args, default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(*flags, choices=args, **kw)
         else:
-            parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(*flags, **kw)
+    for flag, why in SGLANG_ALWAYS_ON.get(command or "", ()):
+        parser.add_argument(flag, action=AlwaysOn, help=f"accepted: {why}")
+
+
+def env_names(field: FieldInfo, default: str) -> str:
+    """The environment variable(s) a field is read from: its validation_alias (one name, or the choices of
+    a renamed field: the new name first), else the prefixed field name."""
+    alias = field.validation_alias
+    if isinstance(alias, str):
+        return alias
+    if isinstance(alias, AliasChoices):
+        return " or ".join(str(c) for c in alias.choices if str(c).isupper())
+    return default
+
+
+class AlwaysOn(argparse.Action):
+    """An SGLang switch for what Tandem always does: takes no value, sets nothing."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: typing.Any):
+        kwargs["default"] = argparse.SUPPRESS
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        pass
 
 
 class FlagParser(argparse.ArgumentParser):

@@ -53,7 +53,7 @@ def router_parser() -> argparse.ArgumentParser:
     p = FlagParser(prog="tandem router", argument_default=argparse.SUPPRESS)
     p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none]")
     p.add_argument("--decode", action="append", metavar="URL")
-    add_model_flags(p, RouterConfig, skip=frozenset({"prefill", "decode"}))
+    add_model_flags(p, RouterConfig, skip=frozenset({"prefill", "decode"}), command="router")
     add_log_level_flag(p)
     return p
 

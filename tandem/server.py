@@ -79,7 +79,7 @@ def check_before_loading(config: ServerConfig) -> None:
     check_model(config.model)
     check_attention_device(config.attention_backend, config.device)
     ports = {"--port": config.port}
-    may_prefill = config.disagg_mode == "prefill" or config.enable_pd_role_switch
+    may_prefill = config.disaggregation_mode == "prefill" or config.enable_pd_role_switch
     if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)
         ports["--bootstrap-port"] = config.bootstrap_port
     if config.dist_init_addr is not None:  # rank 0 serves its TP group's rendezvous store there
@@ -93,7 +93,7 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
     if config.host in ("127.0.0.1", "localhost", "::1"):
         return []
     out = []
-    if config.cluster_secret is None and config.disagg_mode != "null":
+    if config.cluster_secret is None and config.disaggregation_mode != "null":
         out.append(
             f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
             "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
@@ -123,11 +123,11 @@ def build_engine(config: ServerConfig):
 
     if config.enable_pd_role_switch:
         return build_switchable_engine(config)
-    if config.disagg_mode == "prefill":
+    if config.disaggregation_mode == "prefill":
         from prefill_node.compose import build_prefill_engine
 
         return build_prefill_engine(config, RANK_FOLLOWER)
-    if config.disagg_mode == "decode":
+    if config.disaggregation_mode == "decode":
         from decode_node.compose import build_decode_engine
 
         return build_decode_engine(config, RANK_FOLLOWER)
@@ -153,13 +153,13 @@ def build_switchable_engine(config: ServerConfig):
 
     shared = SharedBackend()
     factories = {"prefill": PrefillComposer(shared).make_role, "decode": DecodeComposer(shared).make_role}
-    engine = Engine(config, factories[config.disagg_mode], RANK_FOLLOWER)
+    engine = Engine(config, factories[config.disaggregation_mode], RANK_FOLLOWER)
     engine.role_switch = RoleSwitch(engine, factories)
     return engine
 
 
 def serve(config: ServerConfig) -> None:
-    role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
+    role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disaggregation_mode]
     tag = setup_logging(role)
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     for warning in exposure_warnings(config):

@@ -86,8 +86,8 @@ def boot_port():
 def groups(model_dir, boot_port):
     """Started together; the PD pair's decode is killed (node 0) after the PD test."""
     pd = {
-        "pd-prefill": ("--disagg-mode", "prefill", "--bootstrap-port", str(boot_port)),
-        "pd-decode": ("--disagg-mode", "decode"),
+        "pd-prefill": ("--disaggregation-mode", "prefill", "--bootstrap-port", str(boot_port)),
+        "pd-decode": ("--disaggregation-mode", "decode"),
     }
     sizes = {"tp4": 4, "hang": 2, "drain": 2, "pd-prefill": 2, "pd-decode": 2}
     started = {name: start_group(model_dir, tp, name, pd.get(name, ())) for name, tp in sizes.items()}
