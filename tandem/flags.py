@@ -4,6 +4,7 @@ a parser whose mistakes take one line, and `--log-level`."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import typing
 
@@ -91,6 +92,15 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         default=argparse.SUPPRESS,
         help=f"debug also prints the traceback of a start-up error [env {LOG_LEVEL_ENV}, default info]",
+    )
+
+
+def log_to_stderr(tag: str) -> None:
+    """A process's log lines, at --log-level's level, each tagged with what the process is (`[router]`)."""
+    logging.basicConfig(
+        level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
+        format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
     )
 
 
