@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
+import sys
 import typing
 
 from pydantic import AliasChoices, BaseModel
@@ -75,10 +77,23 @@ class AlwaysOn(argparse.Action):
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse whose mistakes take one line, naming the flag and where the help is, not the usage text."""
+    """argparse whose mistakes take one line, naming the flag as the user spelled it (of its spellings,
+    tandem/spellings.py) and where the help is, not the usage text."""
+
+    typed: frozenset[str] = frozenset()
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.typed = frozenset(a.partition("=")[0] for a in (sys.argv[1:] if args is None else args))
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> typing.NoReturn:
+        message = re.sub(r"^argument ((?:--[\w-]+/)+--[\w-]+):", self._as_typed, message)
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+    def _as_typed(self, match: re.Match) -> str:
+        """`argument --a/--b:` (argparse names every spelling) as the one spelling the user typed."""
+        spellings = match[1].split("/")
+        return f"argument {next((f for f in spellings if f in self.typed), spellings[0])}:"
 
 
 LOG_LEVEL_ENV = "TANDEM_LOG_LEVEL"  # every Tandem process reads it; `tandem up` hands it to its children

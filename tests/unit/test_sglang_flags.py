@@ -100,3 +100,10 @@ def test_old_environment_names_keep_their_meaning(monkeypatch):
     assert serve_config("").disaggregation_mode == "prefill"  # the new name first
     assert config_from_args([]).pd_role_switch_timeout_s == 13
     assert serve_config("--disagg-mode null").disaggregation_mode == "null"  # a flag wins over the environment
+
+
+@pytest.mark.parametrize("typed", ["--disaggregation-mode", "--disagg-mode"])
+def test_a_bad_value_is_named_by_the_spelling_the_user_typed(typed, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", typed, "both"])
+    assert capsys.readouterr().err.startswith(f"tandem serve: argument {typed}: invalid choice: 'both'")
