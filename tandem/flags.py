@@ -14,7 +14,7 @@ from pydantic import AliasChoices, BaseModel
 from pydantic.fields import FieldInfo
 
 from common.wire.user_error import UserError
-from tandem.spellings import SGLANG_ALWAYS_ON, spellings_of
+from tandem.spellings import SGLANG_ALWAYS_ON, Spelling, spellings_of
 
 
 def add_model_flags(
@@ -31,19 +31,15 @@ def add_model_flags(
     for name, field in model.model_fields.items():
         if name in skip:
             continue
-        flags = ["--" + name.replace("_", "-"), *(s.flag for s in others.get(name, ()))]
+        spellings = others.get(name, [])
+        flags = ["--" + name.replace("_", "-"), *(s.flag for s in spellings)]
         kind = field.annotation
         if type(None) in typing.get_args(kind):  # X | None: the flag is X's
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         args = typing.get_args(kind)
-        also = "".join(
-            f" [{whose} spelling: {', '.join(s.flag for s in others[name] if s.whose == whose)}]"
-            for whose in dict.fromkeys(s.whose for s in others.get(name, ()))
-        )
-        help_text = (
-            field.description or ""
-        ) + f" [env {env_names(field, prefix + name.upper())}, default {field.default}]"
-        kw = dict(dest=name, default=argparse.SUPPRESS, help=help_text + also)
+        env = env_names(field, prefix + name.upper())
+        help_text = f"{field.description or ''} [env {env}, default {field.default}]{also_spelled(spellings)}"
+        kw = dict(dest=name, default=argparse.SUPPRESS, help=help_text)
         if kind is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(kind) is typing.Literal:
@@ -52,6 +48,14 @@ def add_model_flags(
             parser.add_argument(*flags, **kw)
     for flag, why in SGLANG_ALWAYS_ON.get(command or "", ()):
         parser.add_argument(flag, action=AlwaysOn, help=f"accepted: {why}")
+
+
+def also_spelled(spellings: list[Spelling]) -> str:
+    """What --help adds for a flag's other spellings: ` [SGLang's spelling: --tp, --tensor-parallel-size]`."""
+    by_whose: dict[str, list[str]] = {}
+    for s in spellings:
+        by_whose.setdefault(s.whose, []).append(s.flag)
+    return "".join(f" [{whose} spelling: {', '.join(flags)}]" for whose, flags in by_whose.items())
 
 
 def env_names(field: FieldInfo, default: str) -> str:
