@@ -14,7 +14,7 @@ from pydantic import AliasChoices, BaseModel
 from pydantic.fields import FieldInfo
 
 from common.wire.user_error import UserError
-from tandem.spellings import SGLANG_ALWAYS_ON, Spelling, spellings_of
+from tandem.spellings import Spelling, spellings_of
 
 
 def add_model_flags(
@@ -46,8 +46,8 @@ def add_model_flags(
             parser.add_argument(*flags, choices=args, **kw)
         else:
             parser.add_argument(*flags, **kw)
-    for flag, why in SGLANG_ALWAYS_ON.get(command or "", ()):
-        parser.add_argument(flag, action=AlwaysOn, help=f"accepted: {why}")
+    for switch in others.get(None, []):
+        parser.add_argument(switch.flag, action=AlwaysOn, help=f"accepted: {switch.why}")
 
 
 def also_spelled(spellings: list[Spelling]) -> str:

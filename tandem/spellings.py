@@ -4,7 +4,7 @@ SGLang's spellings (sglang.launch_server's server_args.py, sgl-router's launch_r
 the same setting differently, so that an SGLang launch line of a feature Tandem has starts Tandem
 unchanged, and Tandem's own earlier spellings, so that nothing a user types changes meaning. Each is an
 argparse option string of the flag itself (the same value, the same field), shown beside it in `--help`.
-`SGLANG_ALWAYS_ON` are SGLang's switches for what Tandem always does: accepted, and they change nothing.
+A row without a field is an SGLang switch for what Tandem always does: accepted, it changes nothing.
 tests/unit/test_sglang_flags.py parses an SGLang launch line per feature against Tandem's own spelling.
 """
 
@@ -15,9 +15,10 @@ from typing import NamedTuple
 
 class Spelling(NamedTuple):
     command: str  # "serve" or "router"
-    field: str  # of ServerConfig (serve) or RouterConfig (router)
+    field: str | None  # of ServerConfig (serve) or RouterConfig (router); None: a switch Tandem always honours
     flag: str
     whose: str  # "SGLang's", "sgl-router's" or "Tandem's old"
+    why: str = ""  # a switch's: why it changes nothing
 
 
 SPELLINGS: tuple[Spelling, ...] = (
@@ -40,21 +41,19 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("router", "drain_timeout_s", "--shutdown-grace-period-secs", "sgl-router's"),
     Spelling("router", "max_request_bytes", "--max-payload-size", "sgl-router's"),
     Spelling("router", "pd_role_switch_timeout_s", "--role-switch-timeout-s", "Tandem's old"),
+    Spelling("serve", None, "--enable-metrics", "SGLang's", "SGLang's switch for /metrics: Tandem always serves it"),
+    Spelling(
+        "serve", None, "--trust-remote-code", "SGLang's", "Tandem runs only its own model code, never a checkpoint's"
+    ),
+    Spelling(
+        "router", None, "--pd-disaggregation", "sgl-router's", "sgl-router's PD mode: the Tandem router is always PD"
+    ),
 )
 
-# command -> (SGLang's switch, why it changes nothing in Tandem)
-SGLANG_ALWAYS_ON: dict[str, tuple[tuple[str, str], ...]] = {
-    "serve": (
-        ("--enable-metrics", "SGLang's switch for /metrics: Tandem always serves it"),
-        ("--trust-remote-code", "Tandem runs only its own model code (common/model/), never a checkpoint's"),
-    ),
-    "router": (("--pd-disaggregation", "sgl-router's switch for PD mode: the Tandem router is always PD"),),
-}
 
-
-def spellings_of(command: str) -> dict[str, list[Spelling]]:
-    """Field -> its other spellings, for one command."""
-    out: dict[str, list[Spelling]] = {}
+def spellings_of(command: str) -> dict[str | None, list[Spelling]]:
+    """Field -> its other spellings, for one command (None -> the switches Tandem always honours)."""
+    out: dict[str | None, list[Spelling]] = {}
     for s in SPELLINGS:
         if s.command == command:
             out.setdefault(s.field, []).append(s)
