@@ -8,6 +8,7 @@ import shlex
 
 import pytest
 
+from common.wire.user_error import UserError
 from tandem.cli import build_parser
 from tandem.router_cli import config_from_args, router_parser
 from tandem.server import server_config
@@ -104,3 +105,9 @@ def test_a_bad_value_is_named_by_the_spelling_the_user_typed(typed, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", typed, "both"])
     assert capsys.readouterr().err.startswith(f"tandem serve: argument {typed}: invalid choice: 'both'")
+
+
+def test_a_bad_value_under_an_old_environment_name_is_named_by_its_flag(monkeypatch):
+    monkeypatch.setenv("TANDEM_DISAGG_MODE", "both")
+    with pytest.raises(UserError, match=r"^--disaggregation-mode both: Input should be 'null', 'prefill' or 'decode'$"):
+        serve_config("")
