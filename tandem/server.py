@@ -98,7 +98,7 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
             f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
             "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
             "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
-            "value on every node."
+            "value on every server."
         )
     if config.api_key is None:
         out.append(
