@@ -102,39 +102,21 @@ class FlashInferAttention(AttentionBackend):
         self._out, self._wrapper = SlotIndex(page, offset), wrapper
 
     def _plan_decode(self, wrapper, batch: ForwardBatch) -> None:
-        meta, pool = batch.pages, self.kv_pool
-        indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
-        wrapper.plan(
-            meta.kv_indptr,
-            indices,
-            meta.last_page_len,
-            self.num_q_heads,
-            pool.kv_heads,
-            self.head_dim,
-            self.page_size,
-            pos_encoding_mode="NONE",
-            sm_scale=self.scaling,
-            q_data_type=pool.dtype,
-            kv_data_type=pool.dtype,
-        )
+        wrapper.plan(*self._paged(batch), pos_encoding_mode="NONE", **self._dtypes())
 
     def _plan_prefill(self, wrapper, batch: ForwardBatch) -> None:
-        meta, pool = batch.pages, self.kv_pool
+        wrapper.plan(batch.pages.qo_indptr, *self._paged(batch), causal=True, **self._dtypes())
+
+    def _paged(self, batch: ForwardBatch) -> tuple:
+        """What both wrappers' plan() take of the batch's pages, in their order: kv_indptr, the page
+        indices, last_page_len, query heads, KV heads, head dim, page size."""
+        meta = batch.pages
         indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
-        wrapper.plan(
-            meta.qo_indptr,
-            meta.kv_indptr,
-            indices,
-            meta.last_page_len,
-            self.num_q_heads,
-            pool.kv_heads,
-            self.head_dim,
-            self.page_size,
-            causal=True,
-            sm_scale=self.scaling,
-            q_data_type=pool.dtype,
-            kv_data_type=pool.dtype,
-        )
+        shape = (self.num_q_heads, self.kv_pool.kv_heads, self.head_dim, self.page_size)
+        return (meta.kv_indptr, indices, meta.last_page_len, *shape)
+
+    def _dtypes(self) -> dict:
+        return {"sm_scale": self.scaling, "q_data_type": self.kv_pool.dtype, "kv_data_type": self.kv_pool.dtype}
 
     def init_forward(self, batch: ForwardBatch) -> None:
         """plan() reads the indptr arrays on the host (the pinned views: no read back from the device)
