@@ -28,9 +28,12 @@ class Responses:
 
     def cancel(self, rid: str) -> dict[str, Any]:
         """Cancel the running response `rid` (its stream ends at its next event); a 400 naming it when it is not
-        running in this process."""
+        running in this process (nor, in a router group, in progress in another)."""
         response = self.store.get(rid)
         translator = self.running.get(rid)
+        if translator is None and self.store.shared and response["status"] == "in_progress":
+            self.store.request_cancel(rid)  # another process of the group streams it
+            return response | {"status": "cancelled"}
         if translator is None:
             raise InvalidRequest(
                 f"response_id: {rid!r} is {response['status']} and not running in this process: only a response "
@@ -65,7 +68,9 @@ class ResponseCall:
     def translator(self) -> SSETranslator:
         """The stream's translator; a stored response is stored in progress now, and may be cancelled till it
         ends."""
-        translator = SSETranslator(ResponsesStream(self.shell), self.end)
+        store, rid = self.responses.store, self.shell.id
+        poll = (lambda: store.cancel_requested(rid)) if self.stored and store.shared else None
+        translator = SSETranslator(ResponsesStream(self.shell), self.end, poll)
         if self.stored:
             self.responses.store.put(self.shell.response([], "in_progress"), self.items)
             self.responses.running[self.shell.id] = translator

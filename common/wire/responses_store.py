@@ -5,7 +5,9 @@ evicted first; an id evicted, deleted or never stored is a 404 naming it.
 One SQLite database: in memory for a server or a router alone (a restart keeps nothing), a file in the
 group's shared directory for the processes of a `tandem router --processes N` group (router/processes.py), so
 that every process reads what any of them stored; the group's directory, and the store, go with the group.
-Each row is a response and the conversation's items up to it (its input, a previous response's history
+A cancel asked of a process of the group other than the one streaming the response is a flag in its row,
+which the streaming one reads (at most every CANCEL_POLL_S). Each row is a response and the conversation's
+items up to it (its input, a previous response's history
 first): a continuation prepends them, so its prompt starts with the earlier one's (the prefix cache hits).
 """
 
@@ -19,7 +21,8 @@ from typing import Any
 from common.wire.errors import NotFound
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, response TEXT NOT NULL, items TEXT NOT NULL)"""
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, response TEXT NOT NULL, items TEXT NOT NULL,
+    cancel INTEGER NOT NULL DEFAULT 0)"""
 
 
 class ResponsesStore:
@@ -52,6 +55,21 @@ class ResponsesStore:
         """The conversation a continuation of `rid` goes on from: its input items and its output items."""
         response, items = self._row(rid, "previous_response_id")
         return json.loads(items) + json.loads(response)["output"]
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes use this store too (a router group's)."""
+        return self.path is not None
+
+    def request_cancel(self, rid: str) -> None:
+        """Ask the process that streams `rid` to cancel it (it reads cancel_requested as it streams)."""
+        with self._lock:
+            self._db.execute("UPDATE responses SET cancel = 1 WHERE id = ?", (rid,))
+
+    def cancel_requested(self, rid: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT cancel FROM responses WHERE id = ?", (rid,)).fetchone()
+        return bool(row and row[0])
 
     def delete(self, rid: str) -> None:
         with self._lock:

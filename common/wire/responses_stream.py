@@ -19,6 +19,7 @@ the router and the servers feed it what the chat path streams.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from common.wire.responses_output import Shell, call_item, item_id, message_item
 
 PARTS = {"reasoning": "reasoning_text", "message": "output_text"}
 DELTAS = {"reasoning": "response.reasoning_text", "message": "response.output_text"}
+CANCEL_POLL_S = 0.2
 
 
 class ResponsesStream:
@@ -153,9 +155,14 @@ class SSETranslator:
     `cancel_requested` is set, the next feed ends the stream as cancelled (its caller stops reading the chat
     stream: `ended`)."""
 
-    def __init__(self, stream: ResponsesStream, on_end: Callable[[dict[str, Any]], None]):
+    def __init__(
+        self, stream: ResponsesStream, on_end: Callable[[dict[str, Any]], None], poll: Callable[[], bool] | None = None
+    ):
+        """`poll`: whether another process asked to cancel (a router group's shared store), read at most every
+        CANCEL_POLL_S."""
         self.stream, self.on_end, self.started = stream, on_end, False
         self.cancel_requested = False
+        self.poll, self.polled = poll, time.monotonic()
 
     @property
     def ended(self) -> bool:
@@ -165,6 +172,9 @@ class SSETranslator:
         payloads = [line[6:].strip() for line in data.split(b"\n") if line.startswith(b"data: ")]  # not traces
         chunks = [None if p == b"[DONE]" else json.loads(p) for p in payloads]
         events = [] if self.started else self._start(chunks)
+        if self.poll is not None and time.monotonic() - self.polled >= CANCEL_POLL_S:
+            self.polled = time.monotonic()
+            self.cancel_requested = self.cancel_requested or self.poll()
         if self.cancel_requested and not self.ended:
             events += self.stream.cancelled()
             self.on_end(self.stream.final)

@@ -182,19 +182,26 @@ def test_bad_input_is_a_4xx_naming_the_field(mono, cluster, body, status, param)
         assert r.json()["error"]["param"] == param, r.text
 
 
-def test_cancel_ends_a_running_stream_and_frees_its_pages(cluster):
+def cancelled_stream(url: str) -> list[dict]:
+    """The events of a long stream cancelled at its fourth delta (a new connection asks)."""
     body = {"input": "Write a long story about a cat.", "max_output_tokens": 2000, "stream": True, "temperature": 1}
-    with httpx.stream("POST", cluster.url + "/v1/responses", json=body, timeout=120) as r:
-        events = []
+    events = []
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
             events.append(json.loads(line[6:]))
             if events[-1]["type"] == "response.output_text.delta" and len(events) == 8:
                 rid = events[0]["response"]["id"]
-                assert httpx.get(f"{cluster.url}/v1/responses/{rid}").json()["status"] == "in_progress"
-                cancel = httpx.post(f"{cluster.url}/v1/responses/{rid}/cancel", timeout=10)
+                assert httpx.get(f"{url}/v1/responses/{rid}").json()["status"] == "in_progress"
+                cancel = httpx.post(f"{url}/v1/responses/{rid}/cancel", timeout=10)
                 assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled", cancel.text
+    return events
+
+
+def test_cancel_ends_a_running_stream_and_frees_its_pages(cluster):
+    events = cancelled_stream(cluster.url)
+    rid = events[0]["response"]["id"]
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "cancelled"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     stored = httpx.get(f"{cluster.url}/v1/responses/{rid}").json()
@@ -224,5 +231,7 @@ def test_a_router_group_shares_one_bounded_store(cluster):
         cont = {"input": "Again.", "previous_response_id": ids[0], "max_output_tokens": 3}
         r = httpx.post(group.url + "/v1/responses", json=cont, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+        events = cancelled_stream(group.url)  # the cancel may reach the other process: the store carries it
+        assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "cancelled"
     finally:
         group.stop()

@@ -190,3 +190,15 @@ def test_the_store_is_bounded_and_shared_by_processes(tmp_path):
     two.delete("r2")
     with pytest.raises(TandemError):
         one.get("r2")
+
+
+def test_a_cancel_asked_of_another_process_of_the_group_reaches_the_stream(tmp_path, monkeypatch):
+    monkeypatch.setattr("common.wire.responses_stream.CANCEL_POLL_S", 0.0)
+    path = str(tmp_path / "responses.sqlite")
+    streaming, other = Responses(ResponsesStore(4, path)), Responses(ResponsesStore(4, path))
+    call = ResponseCall({"input": "hi", "stream": True}, streaming)
+    translator = call.translator()
+    translator.feed(sse_event(chunk({"content": "a"})))
+    assert other.cancel(call.shell.id)["status"] == "cancelled"
+    assert b'"status": "cancelled"' in translator.feed(sse_event(chunk({"content": "b"})))
+    assert other.store.get(call.shell.id)["status"] == "cancelled" and translator.ended
