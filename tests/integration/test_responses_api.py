@@ -17,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.integration.cluster import start_router
+from tests.integration.scripted_model import THINKING, save_scripted_model
 from tests.integration.test_structured_output import BUILTIN, SCHEMA
 
 CLUSTER_USERS = 3  # this module, test_client_frameworks and test_pd_structured share the built-in model's cluster
@@ -235,3 +236,29 @@ def test_a_router_group_shares_one_bounded_store(cluster):
         assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "cancelled"
     finally:
         group.stop()
+
+
+def test_reasoning_and_an_auto_call_are_items_streamed_and_not(tmp_path_factory, builtin_model_dir, reference_servers):
+    """The reasoning parser's thinking is a reasoning item and the tool parser's call a function_call item (the
+    scripted model writes both), whole and streamed."""
+    path = save_scripted_model(tmp_path_factory.mktemp("scripted"), builtin_model_dir)
+    scripted = reference_servers.get(
+        "--model", str(path), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--page-size", "4"
+    )
+    tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
+    fields = {"model": "scripted", "input": "What time is it?", "tools": [tool], "max_output_tokens": 60}
+    c = client(scripted)
+    fields["model"] = c.models.list().data[0].id
+    whole = c.responses.create(**fields)
+    with c.responses.stream(**fields) as stream:
+        events = list(stream)
+    for r in (whole, stream.get_final_response()):
+        assert [i.type for i in r.output] == ["reasoning", "function_call"] and r.status == "completed"
+        assert r.output[0].content[0].text == THINKING and (r.output[1].name, r.output[1].arguments) == (
+            "get_time",
+            "{}",
+        )
+    types = [e.type for e in events]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THINKING
+    assert types.index("response.function_call_arguments.done") > types.index("response.reasoning_text.done")
+    scripted.wait_idle()
