@@ -244,6 +244,20 @@ def test_json_schema_without_strict_has_only_its_properties(server):
     assert set(json.loads(choice["message"]["content"])) == {"city", "population", "capital"}
 
 
+def test_n_choices_with_tools_and_top_logprobs_each_call_the_tool(server):
+    out = chat(
+        server, "What is the weather in Paris?", tools=[WEATHER], tool_choice="required", n=2, temperature=0.8,
+        seed=1, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for choice in out["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and all(
+            len(t["top_logprobs"]) == 2 for t in choice["logprobs"]["content"]
+        )
+        for call in choice["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
 def test_parallel_tool_calls_false_allows_one_call(server):
     out = chat(server, "Weather in Paris and Rome?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     assert len(out["choices"][0]["message"]["tool_calls"]) == 1
