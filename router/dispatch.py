@@ -1,5 +1,6 @@
 """Serving one generation request: admission, the body, a (prefill, decode) pair, one retry on another
-pair when a worker refused before anything reached the client, moves to another pair when a pair fails
+pair when a worker refused before anything reached the client (and one after each refusal of the role the router
+meant a half for: the worker's role was switched, the router follows it), moves to another pair when a pair fails
 (router/migration.py), and the reply (plain or streamed).
 
 The body is parsed once (to check it and read the few fields the router needs) and forwarded as the
@@ -126,7 +127,8 @@ class Dispatcher:
         self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float, hints: RequestHints
     ) -> web.StreamResponse:
         """Tries on pairs until one answers: once more after a worker refused before anything was sent (a
-        retry), and up to --migration-limit more after a pair failed (a move: router/migration.py)."""
+        retry; after each refusal of the role a worker was meant for, its role switched: common/http/role_guard.py),
+        and up to --migration-limit more after a pair failed (a move: router/migration.py)."""
         reply, moves = Reply(path, request, start), Moves(self.config, path, body)
         extra = self._slo_fields(body, hints)
         retried = False
@@ -141,9 +143,11 @@ class Dispatcher:
                 return await self._serve_on(pair, reply, raw, body, moves, extra)
             except UpstreamError as e:
                 moves.error = e
-                if e.retriable and not retried and not moves.shown_any and e.worker is not None:
+                if e.role_headers is not None:  # its role was switched: follow it, and retry at once
+                    self.workers.follow(e.worker, e.role_headers.get)
+                if e.role_headers is not None or (e.retriable and not retried and not moves.shown_any and e.worker):
                     log.info("retrying on another pair: %s", e)
-                    retried = True
+                    retried = retried or e.role_headers is None
                     moves.exclude.add(e.worker.url)
                     self.metrics.retries.inc()
                     continue
