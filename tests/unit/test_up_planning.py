@@ -216,6 +216,6 @@ def test_up_with_a_mooncake_store_runs_tandem_kv_store_and_points_every_server_a
         argv = by_name[name].argv
         assert argv[argv.index("--hicache-storage-backend") + 1] == "mooncake" and "--enable-hierarchical-cache" in argv
         assert argv[argv.index("--hicache-storage-backend-extra-config") + 1] == extra
-        assert argv[argv.index("--hicache-storage-prefetch-policy") + 1] == "timeout"
+        assert "--hicache-storage-prefetch-policy" not in argv  # a server with a store waits for it by default
     kids, by_name, _ = children("--mode", "monolithic", "--hicache-storage-backend", "file")
     assert [c.name for c in kids] == ["server"] and "--hicache-storage-backend" in by_name["server"].argv
