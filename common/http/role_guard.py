@@ -49,9 +49,10 @@ def role_refusal(engine: Engine, meant: str) -> Conflict | InvalidRequest | None
         return InvalidRequest(f"{ROLE_HEADER}: give prefill or decode, not {meant!r}", param=ROLE_HEADER)
     if meant == engine.mode:
         return None
+    what = f"a {engine.mode} server" if engine.mode in PD_ROLES else "without a role (a role switch failed)"
     return Conflict(
-        f"this server is a {engine.mode} server, not a {meant} one (its role was switched): re-read its role "
-        "(GET /health) and send the request to another pair",
+        f"this server is {what}, not a {meant} one (its role was switched): re-read its role (GET /health) and "
+        "send the request to another pair",
         param=ROLE_HEADER,
     )
 
