@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# Tandem's one-command GPU check (scripts/gpu/README.md; never run on a GPU yet). Three modes, one file:
+# Tandem's one-command GPU check (scripts/gpu/README.md; never run on a GPU yet). Four modes, one file:
 #
-#   bash scripts/gpu/check.sh prep   # on a CPU machine, repo root: fills the ignored .gpu/ (~32 MiB)
-#   bash scripts/gpu/check.sh        # on the GPU machine (carry .gpu/): one command of at most 9 minutes
-#   TANDEM_GPU_CHECK_FAKES=DIR ...   # no GPU: the control flow and summary on canned results (tests/unit/test_gpu_check.py)
+#   bash scripts/gpu/check.sh prep           # on a CPU machine, repo root: fills the ignored .gpu/ (33.3 MiB)
+#   bash scripts/gpu/check.sh prep-kernels   # then, with nvcc 13: FlashInfer's 4 modules, .gpu/kernels/ (3.3 MiB, ~13 min)
+#   bash scripts/gpu/check.sh                # on the GPU machine (carry .gpu/): one command of at most 9 minutes
+#   TANDEM_GPU_CHECK_FAKES=DIR ...           # no GPU: the control flow and summary on canned results (tests/unit/test_gpu_check.py)
 #
-# Assumes on the GPU machine: python3 3.12 with torch 2.11+ for CUDA 13, transformers, numpy, httpx, aiohttp,
-# uvloop, msgpack, prometheus-client, hypothesis, pytest(-timeout), nvcc 13.0, ninja, gcc; no network; one H100/H200.
-# .gpu/site.tar.xz = pip-less site dir built by `prep` (measured 32.4 MiB): flashinfer-python 0.7.2.post1 trimmed
-# to the attention JIT sources, apache-tvm-ffi 0.1.15.post2, nixl 1.5.1 + nixl-cu13 1.5.1 (UCX plugin only),
-# mooncake-transfer-engine-cuda13 0.3.14 (engine.so only), pydantic(-core, -settings), fastapi, starlette,
-# uvicorn, pyzmq, httptools, python-dotenv, annotated-types, typing-inspection, sniffio, typing-extensions.
-# Optional .gpu/flashinfer_aot.tar.xz = the kernels a previous run returned: no nvcc compile then.
-# FlashInfer's wrappers are pinned to fa2 (--flashinfer-backend): five modules to build (prefill and decode
-# at head_dim 128 and 64, sampling). Deselected: the float16 parity params (2 more JIT modules). Writes at
-# most 7 files to $OUT; prints a summary table last.
-# Order: unpack, probe, JIT prewarm in the background (parallel nvcc), transfer checks while it compiles,
-# then the GPU tests (FlashInfer attention and sampling, CUDA graphs), bf16 parity vs transformers (graphs
-# on), the decode roofline with and without graphs, PD TTFT; each step time-boxed, the whole run stops
-# starting steps at DEADLINE seconds (default 540).
+# Assumes on the GPU machine what scripts/gpu/image-modules.txt lists (python3 3.12 with torch 2.11+ for CUDA 13,
+# transformers, numpy, triton, ...), nvcc 13.0, ninja, gcc; no network; one H100/H200.
+# .gpu/site.tar.xz = pip-less site dir built by `prep`: flashinfer-python 0.7.2.post1 trimmed to the attention JIT
+# sources, apache-tvm-ffi 0.1.15.post2, xgrammar 0.2.8 (the grammar backend: an Engine imports it), nixl 1.5.1 +
+# nixl-cu13 1.5.1 (UCX plugin only), mooncake-transfer-engine-cuda13 0.3.14 (engine.so only), pydantic(-core,
+# -settings), fastapi, starlette, uvicorn, pyzmq, httptools, python-dotenv, annotated-types, typing-inspection,
+# sniffio, typing-extensions. .gpu/kernels/<module>.so.xz = prep-kernels' builds (scripts/gpu/kernels.py), one file
+# per module: unpacked where FlashInfer loads ahead-of-time modules; FlashInfer JIT-builds only one that is missing
+# or fails to load. FlashInfer's wrappers are pinned to fa2 (--flashinfer-backend): four modules (the paged
+# prefill at head_dim 128, whose kernels also run the tensor-core decode, and at 64; the decode at 64; sampling).
+# Deselected: the float16 parity params (2 more JIT modules). Writes at most 7 files to $OUT; summary.txt and
+# results.json are rewritten after every step (a run cut at the limit keeps what passed), printed last.
+# Order: unpack, probe, the kernels loaded (or built) in the background, the models generated, the transfer
+# tests; once no nvcc runs, the transfer benchmark (its ratios); the GPU correctness steps (CHECKS, one line
+# each: FlashInfer attention and sampling, CUDA graphs, parity), bf16 parity vs transformers (graphs on), the
+# decode roofline with and without graphs (and their greedy tokens compared), PD TTFT; each step time-boxed,
+# the whole run stops starting steps at DEADLINE seconds (default 540).
 set -o pipefail
 ROOT=$(pwd); [ -f "$ROOT/pyproject.toml" ] || ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT" || exit 1
 
@@ -51,7 +55,8 @@ fi
 
 if [ "${1:-}" = prep-kernels ]; then  # --------------------------------------------------- CPU machine, after prep
   # FlashInfer's modules built here with nvcc 13 for sm_90a (scripts/gpu/kernels.py), one .gpu/kernels/<name>.so.xz
-  # each. Measured: decode64 52 s, sampling 153 s (one nvcc at a time, niced, 2 busy cores); docs/gpu.md.
+  # each. Measured here (one nvcc at a time, niced, 2 shared cores at load 4-8): decode64 74 s, sampling 194 s,
+  # prefill64 210 s, prefill128 317 s, 13 min in all; 3.3 MiB packed. docs/performance.md.
   set -eu
   K=${KERNEL_BUILD:-/tmp/tandem-gpu-kernels}; PY=${PYTHON:-$ROOT/.venv/bin/python}; mkdir -p "$K/site" "$K/dl" "$K/stubs" .gpu/kernels
   [ -x "${CUDA_HOME:=/usr/local/cuda}/bin/nvcc" ] || { echo "prep-kernels: no nvcc in CUDA_HOME=$CUDA_HOME"; exit 1; }
@@ -105,10 +110,13 @@ mkdir -p /tmp/site /tmp/site/_sys
 if [ ! -f /tmp/site/.ok ]; then
   { command -v xz >/dev/null && tar -xJf .gpu/site.tar.xz -C /tmp/site; } ||
     python3 -c "import tarfile; tarfile.open('.gpu/site.tar.xz').extractall('/tmp/site')" || echo "UNPACK FAILED"
-  for f in .gpu/kernels/*.so.xz; do  # prep-kernels' modules, where FlashInfer loads ahead-of-time ones (else JIT)
-    [ -f "$f" ] || continue; n=$(basename "$f" .so.xz); mkdir -p "/tmp/site/flashinfer/data/aot/$n"
-    python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.open(sys.argv[1]).read())" "$f" "/tmp/site/flashinfer/data/aot/$n/$n.so"
-  done
+  python3 - .gpu/kernels /tmp/site/flashinfer/data/aot <<'EOF'  # prep-kernels' modules, where FlashInfer loads
+import lzma, pathlib, sys  # ahead-of-time ones (one that is not there or fails to load: JIT-built, with a warning)
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.so.xz")):
+    n = f.name[: -len(".so.xz")]; d = pathlib.Path(sys.argv[2], n); d.mkdir(parents=True, exist_ok=True)
+    try: (d / "tmp").write_bytes(lzma.decompress(f.read_bytes())); (d / "tmp").rename(d / f"{n}.so")  # whole or not at all
+    except Exception as e: print("kernel not unpacked:", n, repr(e)[:200])
+EOF
   touch /tmp/site/.ok
 fi
 export PYTHONPATH=/tmp/site:$ROOT
@@ -311,7 +319,8 @@ L.append("imports: " + ", ".join(f"{k[7:]}={'FAIL' if str(v).startswith('FAIL') 
 L += [s for s in R["steps"]]
 jit = "".join(open(f, errors="replace").read() for f in sorted(glob.glob(f"{W}/logs/jit/*.log")))
 R["kernels_jit_built"] = sorted(set(re.findall(r"Building JIT module (\S+?);", jit)))
-L.append(f"kernels: {jit.count('Failed to load AOT artifact')} carried failed to load; JIT-built {R['kernels_jit_built'] or 'none'}")
+unloadable = set(re.findall(r"Failed to load AOT artifact (\S+?):", jit))  # FlashInfer warns twice per module
+L.append(f"kernels: {len(unloadable)} carried failed to load; JIT-built {R['kernels_jit_built'] or 'none'}")
 for f in ("parity", "roofline"):  # CUDA graphs: sizes, seconds, memory used against what the pool's sizing set aside
     p = f"{W}/logs/{f}.log"
     L += [f"{f}: " + l.split("CUDA graphs: ", 1)[1].strip() for l in (open(p, errors="replace") if os.path.exists(p) else []) if "CUDA graphs: " in l]

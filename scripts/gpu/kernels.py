@@ -60,11 +60,16 @@ def build(out: Path, only: list[str]) -> None:
         start = time.monotonic()
         builders[short]()  # builds with nvcc (MAX_JOBS units at once), then loads it
         print(f"built {short} in {time.monotonic() - start:.0f} s", flush=True)
+        pack(out)  # after each: a build stopped later keeps the modules done
+
+
+def pack(out: Path) -> None:
+    """Every module built so far as out/<name>.so.xz (unless already packed from this build)."""
     for name, so in built_modules().items():
         packed = out / f"{name}.so.xz"
         if not packed.exists() or packed.stat().st_mtime < so.stat().st_mtime:
             packed.write_bytes(lzma.compress(so.read_bytes(), preset=6))
-        print(f"{packed}: {so.stat().st_size / 2**20:.1f} MiB, packed {packed.stat().st_size / 2**20:.1f} MiB")
+            print(f"{packed}: {so.stat().st_size / 2**20:.1f} MiB, packed {packed.stat().st_size / 2**20:.2f} MiB")
 
 
 def main(argv: list[str]) -> None:

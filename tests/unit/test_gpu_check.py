@@ -269,3 +269,11 @@ def test_every_module_an_engine_imports_is_on_the_gpu_machine_or_in_the_bundle()
     found = engine_imports()
     assert {"torch", "transformers", "xgrammar", "flashinfer"} <= found  # the walk reaches the lazy imports
     assert found - IMAGE - bundled() == set()
+
+
+def test_the_kernels_built_ahead_cover_every_shape_the_check_prewarms():
+    """scripts/gpu/kernels.py builds FlashInfer's modules for SHAPES: the check's prewarm shapes are among them."""
+    kernels = (ROOT / "scripts" / "gpu" / "kernels.py").read_text()
+    shapes = set(ast.literal_eval(re.search(r"^SHAPES = (.+)$", kernels, re.M).group(1)))
+    prewarmed = re.findall(r'"bfloat16 (\d+) (\d+) (\d+) (?:EXTEND|DECODE) \d+"', SCRIPT.read_text())
+    assert len(prewarmed) == 3 and {tuple(map(int, s)) for s in prewarmed} <= shapes
