@@ -60,7 +60,8 @@ if [ "${1:-}" = prep-kernels ]; then  # ----------------------------------------
   set -eu
   K=${KERNEL_BUILD:-/tmp/tandem-gpu-kernels}; PY=${PYTHON:-$ROOT/.venv/bin/python}; mkdir -p "$K/site" "$K/dl" "$K/stubs" .gpu/kernels
   [ -x "${CUDA_HOME:=/usr/local/cuda}/bin/nvcc" ] || { echo "prep-kernels: no nvcc in CUDA_HOME=$CUDA_HOME"; exit 1; }
-  [ -d "$K/site/flashinfer" ] || tar -xJf .gpu/site.tar.xz -C "$K/site" ./flashinfer  # the bundle's own sources
+  if [ ! "$K/site/.from" -nt .gpu/site.tar.xz ]; then  # the bundle's own FlashInfer sources (again after a new prep)
+    rm -rf "$K/site/flashinfer"; tar -xJf .gpu/site.tar.xz -C "$K/site" ./flashinfer; touch "$K/site/.from"; fi
   # what importing flashinfer needs beyond the project's venv, and cuRAND's headers (the sampler includes them)
   python3 -m pip download -q --no-deps --only-binary=:all: -d "$K/dl" nvidia-ml-py==13.615.71 einops==0.8.2 \
     tabulate==0.10.0 nvidia-curand==10.4.0.35
