@@ -241,7 +241,9 @@ class ServerConfig(BaseSettings):
     # structured outputs, tool calls, reasoning (docs/structured-output.md)
     grammar_backend: Literal["xgrammar", "none"] = Field(
         "xgrammar",
-        description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them",
+        description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them. "
+        "Where xgrammar does not import, the default serves unconstrained requests only (one warning); the flag "
+        "given explicitly refuses to start",
     )
     constrained_json_disable_any_whitespace: bool = Field(
         False, description="JSON grammars allow no whitespace but one space after ':' and ','"

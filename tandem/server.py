@@ -17,6 +17,7 @@ from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import with_head_deadline
 from common.edge.tls import behind_tls, server_context
+from common.engine.grammar.availability import check_grammar_backend
 from common.model.locate import check_model
 from common.wire.addresses import split_host_port
 from common.wire.user_error import UserError, config_error
@@ -74,10 +75,11 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 
 def check_before_loading(config: ServerConfig) -> None:
-    """The user's mistakes that show without loading a model (or torch): the model's path and architecture, the
-    attention backend's device, the ports."""
+    """The user's mistakes that show without loading a model (or torch, unless xgrammar is asked for): the model's
+    path and architecture, the attention backend's device, the grammar backend, the ports."""
     check_model(config.model)
     check_attention_device(config.attention_backend, config.device)
+    check_grammar_backend(config)
     ports = {"--port": config.port}
     may_prefill = config.disaggregation_mode == "prefill" or config.enable_pd_role_switch
     if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)
