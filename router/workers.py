@@ -51,6 +51,12 @@ class Worker:
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
+    def get(self, session: aiohttp.ClientSession, path: str, timeout_s: float):
+        """`async with worker.get(...) as r`: GET `path` of this worker within `timeout_s` (an https worker's
+        certificate checked against its tls_name)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        return session.get(self.url + path, timeout=timeout, server_hostname=self.tls_name)
+
     @property
     def registry_host(self) -> str:
         """Where a decode looks this prefill up: its standalone bootstrap registry, or itself."""
@@ -147,11 +153,7 @@ class WorkerRegistry:
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
-            async with session.get(
-                worker.url + "/health",
-                timeout=aiohttp.ClientTimeout(total=self.check_timeout_s),
-                server_hostname=worker.tls_name,
-            ) as r:
+            async with worker.get(session, "/health", self.check_timeout_s) as r:
                 self.follow(worker, r.headers.get)
                 if r.status == 503 and r.headers.get(DRAINING_HEADER):
                     self.set_draining(worker)
