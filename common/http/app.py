@@ -51,7 +51,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.engine = engine
     # outermost last: the counting guard sees the API key guard's 401s and the drain's 503s too
-    if engine.config.disagg_mode != "null":
+    if engine.config.disaggregation_mode != "null":
         app.add_middleware(RoleGuard, engine=engine)
     if engine.role_switch is not None:
         app.add_middleware(SwitchGuard, switch=engine.role_switch)
