@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.attention.base import make_attention_backend
+from common.attention.factory import make_attention_backend
 from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from tests.unit import fake_flashinfer
