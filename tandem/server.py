@@ -178,7 +178,7 @@ def serve(config: ServerConfig) -> None:
     from common.http.app import create_app
     from common.http.drain import engine_drain, fail_in_flight, hand_over
 
-    drain = engine_drain(engine)
+    drain = engine_drain(engine.config)
     app = create_app(engine, drain)
     log.info(
         "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d%s, attention %s; %s",
