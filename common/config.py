@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.config_checks import check_flags
 from common.wire.body import ARRIVAL_TIMEOUT_S
+from common.wire.kv_layout import LOOPBACK_BACKEND, TRANSFER_BACKENDS
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
@@ -166,7 +167,7 @@ class ServerConfig(BaseSettings):
     speculative_ngram_max_match_window_size: int = Field(12, ge=1, description="NGRAM: longest suffix matched")
 
     # PD disaggregation
-    transfer_backend: Literal["mooncake", "nixl", "loopback"] = "mooncake"
+    transfer_backend: Literal[(*TRANSFER_BACKENDS, LOOPBACK_BACKEND)] = TRANSFER_BACKENDS[0]
     transfer_protocol: Literal["tcp", "rdma"] = "tcp"
     transfer_device: str = Field("", description="RDMA device names for Mooncake, e.g. mlx5_0")
     advertise_host: str | None = Field(None, description="address peers use to reach this server (default: --host)")

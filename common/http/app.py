@@ -66,7 +66,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), GenerateRequest)
         gen = generate_input(engine, body)
         gen.grammar_spec = body.grammar_spec()
-        await check_grammar(engine, gen)
+        await check_grammar(engine.grammar, gen)
         if body.stream:
             return sse_response(generate_stream(engine, gen, body))
         choices = await collect(engine, gen, request)
@@ -136,7 +136,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
     if (body.text is None) == (body.input_ids is None):
         raise InvalidRequest("give exactly one of text or input_ids", param="text")
-    ids = body.input_ids if body.input_ids is not None else tokenize_text(engine, body.text, "text")
+    ids = body.input_ids if body.input_ids is not None else tokenize_text(engine.tokenizer, body.text, "text")
     gen = GenInput(
         rid=body.rid or (body.migration.rid if body.migration else new_rid()),
         prompt_ids=ids,
@@ -146,9 +146,9 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
         pd_placement=body.pd_placement,
-        priority=check_priority(engine, body.priority),
+        priority=check_priority(engine.config, body.priority),
         migration=body.migration,
-        data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),
+        data_parallel_rank=check_dp_rank(engine.dp_size, body.data_parallel_rank),
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen
