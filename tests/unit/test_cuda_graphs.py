@@ -132,7 +132,7 @@ def test_a_padded_step_replayed_equals_the_eager_step_and_writes_only_the_paddin
     if attention == "flashinfer":
         fake_flashinfer.install(monkeypatch)
         attn = FlashInferAttention(pool, attn.num_q_heads, attn.head_dim, attn.scaling)
-    plan = engine.scheduler.decode.schedule()
+    plan = engine.scheduler.decode_plan()
     batch = plan.decode.forward_batch(plan.out_cache_locs[0], runner.req_to_token)
     before = pool.buffer.clone()
     attn.init_forward(batch)
@@ -255,3 +255,5 @@ def test_verify_steps_replayed_from_graphs_equal_eager_verify_steps(model_dir, m
         assert [len(w.kwargs["qo_indptr_buf"]) for w in wrappers] == [5, 3, 2]  # captured largest first
         assert all(w.kwargs["paged_kv_indices_buf"] is graphed.runner.attn.graph_buffers[3].indices for w in wrappers)
         assert wrappers[1].plans[-1]["qo_indptr"].tolist() == [0, 3, 6]  # k + 1 query rows per request
+        assert {p["uniform_q_len"] for w in wrappers for p in w.plans} == {3}  # FlashInfer's CUDA-graph planner
+        assert all("uniform_q_len" not in p for p in graphed.runner.attn.prefill.plans)  # eager: ragged
