@@ -56,6 +56,7 @@ from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
 from common.parallel.partition import check_parallel
+from common.quant.scheme import describe_weights, detect_scheme
 from common.ranks.launch import FOLLOWER
 from common.ranks.leader import DPForward, ExpertRebalancer, LeaderModel, idle_batch
 from common.ranks.rank_model import RankModel, build_rank_model, describe_rank, rank_report
@@ -73,6 +74,7 @@ class Engine:
         self.config, self.follower = config, follower
         self.model_dir: Path = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
+        self.weights = describe_weights(detect_scheme(self.model_dir, self.hf_config, config.quantization))
         spec = attention_spec(self.hf_config)
         self.attention_backend, warning = choose_attention_backend(
             config.attention_backend,
@@ -266,6 +268,7 @@ class Engine:
             self.speculative,
             self.dp_size,
             moe,
+            self.weights,
         )
 
     def health_problem(self) -> str | None:

@@ -1,0 +1,70 @@
+"""DeepSeek's FP8 block weights behind the parallel linear layers: the weight stays float8_e4m3fn on the
+device and `weight_scale_inv` holds one float32 per (rows x columns) block, w = q * scale_inv.
+
+On the CPU (and wherever no FP8 GEMM applies) `forward` upcasts one weight at a time into a buffer reused
+by every layer of that shape and multiplies in the activations' dtype: exactly the weight transformers'
+FineGrainedFP8 dequantizes to, and at most one full-precision weight per shape alive at once.
+
+A TP rank holds rows (column-parallel) or columns (row-parallel) [start, stop) of the weight; its scale
+rows or columns are the blocks those cover, [start // block, ceil(stop / block)). A rank whose share starts
+inside a block keeps that block's scale too (`offset`), so any split is exact: blocks shared by two ranks
+are scaled alike on both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.parallel.layers import Shard, linear
+
+FP8 = torch.float8_e4m3fn
+_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class BlockFP8:
+    """One layer's method: `block` (rows, columns); `offset` (rows, columns) of this rank's first weight
+    element inside its first block."""
+
+    block: tuple[int, int]
+    offset: tuple[int, int] = (0, 0)
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """The scale of a weight [rows, cols] whose first element sits at `offset` in its block."""
+        return ceil_div(self.offset[0] + rows, self.block[0]), ceil_div(self.offset[1] + cols, self.block[1])
+
+    def scale_shard(self, weight: Shard) -> Shard:
+        """The scale rows or columns covering the weight's `weight` shard."""
+        b, full = self.block[weight.dim], weight.full_shape
+        stop = min(weight.stop, full[weight.dim])
+        scale_full = (ceil_div(full[0], self.block[0]), ceil_div(full[1], self.block[1]))
+        return Shard(weight.dim, weight.start // b, ceil_div(stop, b), scale_full)
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reuse=True) -> torch.Tensor:
+        """The weight in `dtype`, in the buffer its shape shares (`reuse`) or a fresh tensor."""
+        rows, cols = weight.shape
+        out = _buffer(weight.shape, dtype, weight.device) if reuse else torch.empty_like(weight, dtype=dtype)
+        out.copy_(weight)
+        (bn, bk), (r0, c0) = self.block, self.offset
+        by_row = scale.repeat_interleave(bn, 0)[r0 : r0 + rows]  # [rows, column blocks]
+        if c0 == 0 and cols % bk == 0:
+            out.view(rows, cols // bk, bk).mul_(by_row[:, :, None])
+        else:
+            out.mul_(by_row.repeat_interleave(bk, 1)[:, c0 : c0 + cols])
+        return out
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        return linear(x, self.dequantize(weight, scale, x.dtype), bias)
+
+
+def _buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (tuple(shape), dtype, device)
+    if key not in _buffers:
+        _buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return _buffers[key]
