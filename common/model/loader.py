@@ -43,8 +43,13 @@ def convert_gguf(gguf: Path, name: str) -> Path:
     log.info("converting %s into %s (once; about a minute)", gguf, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, NotImplementedError, KeyError) as e:  # transformers' reader refuses the file
+        raise UserError(
+            f"--model {gguf}: this GGUF cannot be read: {str(e).rstrip('.')}; serve a GGUF of a Llama-family model"
+        ) from e
     model.hf_quantizer = None  # dequantized already; lets save_pretrained write plain safetensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

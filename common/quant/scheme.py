@@ -58,6 +58,9 @@ def describe_weights(scheme: QuantScheme | None) -> str:
 
 
 def quantization_config(hf_config: Any) -> dict | None:
+    """The config's quantization_config (`hf_config`: transformers' config or config.json's dict)."""
+    if isinstance(hf_config, dict):
+        return hf_config.get("quantization_config")
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None or isinstance(qc, dict):
         return qc
