@@ -1,7 +1,8 @@
 """DeepSeek's FP8 block weights behind the parallel linear layers: the weight stays float8_e4m3fn on the
 device and `weight_scale_inv` holds one float32 per (rows x columns) block, w = q * scale_inv.
 
-On the CPU (and wherever no FP8 GEMM applies) `forward` upcasts one weight at a time into a buffer reused
+On CUDA, a layer in DeepSeek's 128x128 blocks runs torch's block-scaled FP8 GEMM (common.quant.fp8_gemm)
+where a probe finds it. On the CPU (and wherever that GEMM does not apply) `forward` upcasts one weight at a time into a buffer reused
 by every layer of that shape and multiplies in the activations' dtype: exactly the weight transformers'
 FineGrainedFP8 dequantizes to, and at most one full-precision weight per shape alive at once.
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from common.parallel.layers import Shard, linear
+from common.quant import fp8_gemm
 
 FP8 = torch.float8_e4m3fn
 _buffers: dict[tuple, torch.Tensor] = {}
@@ -60,6 +62,8 @@ class BlockFP8:
         return out
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        if fp8_gemm.fits(x, weight, self.block, self.offset):
+            return fp8_gemm.block_scaled_mm(x, weight, scale, bias)
         return linear(x, self.dequantize(weight, scale, x.dtype), bias)
 
 
