@@ -100,7 +100,7 @@ def load_model(
     for shard, names in plan_shards(shards, params, skipped, parts).items():
         fill_from_shard(shard, names, params, parts)
     if report is not None:
-        log.info("%s", report.summary(resident_bytes(model), checkpoint_bytes(header, params)))
+        log.info("%s", report.summary(resident_bytes(model), checkpoint_bytes(header, params), device))
     return model.eval()
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from common.parallel.layers import ColumnParallelLinear, QuantizableLinear
 from common.quant.fp8_block import FP8, BlockFP8, ceil_div
+from common.quant.fp8_gemm import GROUP, available
 from common.quant.scheme import ALWAYS_UNQUANTIZED, QuantScheme
 from common.wire.user_error import UserError
 
@@ -31,13 +32,21 @@ class QuantReport:
     quantized: int = 0
     unquantized: set[str] = field(default_factory=set)  # linear layers left in full precision, digits as *
 
-    def summary(self, resident: int, checkpoint: int) -> str:
+    def summary(self, resident: int, checkpoint: int, device: str) -> str:
         kept = f", and linear layers {', '.join(sorted(self.unquantized))}" if self.unquantized else ""
         return (
             f"weights: {self.scheme.describe()} in {self.quantized} linear layers; unquantized: "
             f"{ALWAYS_UNQUANTIZED}{kept}; {resident / 2**20:.2f} MiB resident for {checkpoint / 2**20:.2f} MiB "
-            "in the checkpoint"
+            f"in the checkpoint; {kernel(self.scheme, device)}"
         )
+
+
+def kernel(scheme: QuantScheme, device: str) -> str:
+    """Which product the quantized layers run; on CUDA the GEMM's probe runs here, at load, never during a
+    CUDA graph's capture."""
+    if device == "cuda" and scheme.block == (GROUP, GROUP) and available():
+        return "torch's block-scaled FP8 GEMM where a layer's blocks are whole"
+    return "each layer's weight dequantized at its product"
 
 
 def prepare_quantized(

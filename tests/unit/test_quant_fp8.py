@@ -122,3 +122,11 @@ def test_float8_weights_without_a_quantization_config_are_refused(fp8_dir):
     (fp8_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="is quantized .* but config.json has no quantization_config"):
         load_model(fp8_dir, load_hf_config(fp8_dir), torch.float32, "cpu")
+
+
+def test_nextn_over_a_quantized_checkpoint_is_refused_in_one_line():
+    from common.model.nextn import check_nextn
+
+    hf = SimpleNamespace(num_nextn_predict_layers=1, quantization_config=FP8)
+    with pytest.raises(UserError, match="NEXTN: m is quantized \\(fp8\\) and Tandem reads no quantized MTP layer"):
+        check_nextn(hf, "m")
