@@ -88,6 +88,7 @@ def load_model(
     mine = {model.checkpoint_name(n) for n, _ in model.named_parameters()} if tp.ep else None
     skipped = skipped_names(header, config, mine)
     report = prepare_quantized(model, scheme, header, skipped, model.checkpoint_name) if scheme else None
+    skipped |= report.activation_scales if report else frozenset()
     if scheme is None:
         refuse_quantized_tensors(header, f"--model {model_dir}")
     materialize(model, dtype, device)

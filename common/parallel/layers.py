@@ -48,25 +48,27 @@ class Shard:
 
 class QuantizableLinear(nn.Module):
     """The product both parallel linears compute: `linear` on a full-precision weight or, once the loader
-    set `quant` (common.quant.prepare), the quantized method over the weight and its `weight_scale_inv`."""
+    set `quant` (common.quant.prepare), the quantized method over the FP8 weight and its scale (the
+    parameter the method names: `weight_scale_inv` for DeepSeek's blocks, `weight_scale` for compressed-tensors')."""
 
     quant = None  # a linear method (common.quant.fp8_block.BlockFP8) for a quantized weight
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is None:
             return linear(x, self.weight, bias)
-        return self.quant.apply(x, self.weight, self.weight_scale_inv, bias)
+        return self.quant.apply(x, self.weight, getattr(self, self.quant.scale_name), bias)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` as a tensor of its own (MLA's absorbed products read it whole)."""
         if self.quant is None:
             return self.weight
-        return self.quant.dequantize(self.weight, self.weight_scale_inv, dtype, reuse=False)
+        return self.quant.dequantize(self.weight, getattr(self, self.quant.scale_name), dtype, reuse=False)
 
     def quant_shards(self, out: dict[str, Shard]) -> dict[str, Shard]:
         """`out` with the scale's shard beside the weight's."""
-        if self.quant is not None:
-            out["weight_scale_inv"] = self.quant.scale_shard(out["weight"])
+        scale = self.quant.scale_shard(out["weight"]) if self.quant is not None else None
+        if scale is not None:  # None: the scale is whole on every rank
+            out[self.quant.scale_name] = scale
         return out
 
 

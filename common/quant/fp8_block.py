@@ -36,6 +36,7 @@ class BlockFP8:
 
     block: tuple[int, int]
     offset: tuple[int, int] = (0, 0)
+    scale_name = "weight_scale_inv"
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
         """The scale of a weight [rows, cols] whose first element sits at `offset` in its block."""

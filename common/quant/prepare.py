@@ -16,6 +16,7 @@ from torch import nn
 
 from common.parallel.layers import ColumnParallelLinear, QuantizableLinear
 from common.quant.fp8_block import FP8, BlockFP8, ceil_div
+from common.quant.fp8_channel import ChannelFP8, check_channel_pair
 from common.quant.fp8_gemm import GROUP, available
 from common.quant.scheme import ALWAYS_UNQUANTIZED, QuantScheme
 from common.wire.user_error import UserError
@@ -31,6 +32,7 @@ class QuantReport:
     scheme: QuantScheme
     quantized: int = 0
     unquantized: set[str] = field(default_factory=set)  # linear layers left in full precision, digits as *
+    activation_scales: set[str] = field(default_factory=set)  # static `input_scale`s, unread by the loader
 
     def summary(self, resident: int, checkpoint: int, device: str) -> str:
         kept = f", and linear layers {', '.join(sorted(self.unquantized))}" if self.unquantized else ""
@@ -46,7 +48,10 @@ def kernel(scheme: QuantScheme, device: str) -> str:
     CUDA graph's capture."""
     if device == "cuda" and scheme.block == (GROUP, GROUP) and available():
         return "torch's block-scaled FP8 GEMM where a layer's blocks are whole"
-    return "each layer's weight dequantized at its product"
+    activations = (
+        "" if scheme.strategy == "block" else f" (weight-only: {scheme.activations} FP8 activations not applied)"
+    )
+    return "each layer's weight dequantized at its product" + activations
 
 
 def prepare_quantized(
@@ -55,27 +60,38 @@ def prepare_quantized(
     """Quantize the meta model's layers the checkpoint quantized; `header`: every shard's entries,
     `skipped`: checkpoint tensors no parameter takes, `name_of`: a parameter's checkpoint name."""
     report, done = QuantReport(scheme), set()
+    per_channel = scheme.strategy == "channel"
     for module_name, module in model.named_modules():
         if not isinstance(module, QuantizableLinear):
             continue
         prefix = name_of(f"{module_name}.weight").removesuffix(".weight")
         if prefix + ".weight" in skipped or prefix + ".weight" not in header:
             continue
-        if check_pair(prefix, header, scheme.block):
-            quantize(module, scheme.block)
+        block = scheme.strategy == "block"
+        if check_pair(prefix, header, scheme.block) if block else check_channel_pair(prefix, header, per_channel):
+            quantize(module, scheme.block) if block else quantize_channel(module, per_channel)
             report.quantized += 1
             done.add(prefix)
         else:
             report.unquantized.add(re.sub(r"\.\d+\.", ".*.", prefix))
+    report.activation_scales = refuse_strays(header, done, skipped, scheme)
+    return report
+
+
+def refuse_strays(header: dict[str, dict], done: set[str], skipped: frozenset[str], scheme: QuantScheme) -> set[str]:
+    """Refuses a quantized tensor outside the quantized layers; returns the layers' activation scales
+    (`input_scale`), which the CPU's weight-only product does not read."""
+    activation_scales = {n for n in header if n.endswith(".input_scale") and n.removesuffix(".input_scale") in done}
     for name, entry in header.items():
-        base = name.removesuffix(SCALE).removesuffix(".weight")
-        quantized = entry["dtype"] == FP8_NAME or name.endswith(SCALE)
-        if quantized and base not in done and name not in skipped and name.removesuffix("_scale_inv") not in skipped:
+        base = re.sub(r"\.(weight(_scale(_inv)?)?|input_scale)$", "", name)
+        quantized = entry["dtype"] == FP8_NAME or base != name.removesuffix(".weight")
+        whole = re.sub(r"_scale(_inv)?$", "", name)
+        if quantized and base not in done and name not in skipped and whole not in skipped:
             raise UserError(
                 f"{name}: a quantized tensor outside the linear layers {scheme.method} quantizes; Tandem reads "
                 f"{ALWAYS_UNQUANTIZED} unquantized"
             )
-    return report
+    return activation_scales
 
 
 def refuse_quantized_tensors(header: dict[str, dict], where: str) -> None:
@@ -121,3 +137,14 @@ def quantize(module: QuantizableLinear, block: tuple[int, int]) -> None:
     scale = torch.empty(module.quant.scale_shape(rows, cols), dtype=torch.float32, device=device)
     module.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
     module.param_dtypes = {"weight": FP8, "weight_scale_inv": torch.float32}
+
+
+def quantize_channel(module: QuantizableLinear, per_channel: bool) -> None:
+    """This rank's FP8 weight and per-channel or per-tensor `weight_scale` (meta tensors), and its method."""
+    rows, cols = module.weight.shape
+    module.quant = ChannelFP8(per_channel, isinstance(module, ColumnParallelLinear))
+    device = module.weight.device
+    module.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=device), requires_grad=False)
+    scale = torch.empty(module.quant.local_scale_shape(rows, module.out_features), dtype=torch.float32, device=device)
+    module.weight_scale = nn.Parameter(scale, requires_grad=False)
+    module.param_dtypes = {"weight": FP8, "weight_scale": torch.float32}

@@ -63,3 +63,42 @@ def to_fp8_block(src: Path, out: Path, block: tuple[int, int] = (128, 128), skip
     } | ({"modules_to_not_convert": list(skip)} if skip else {})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def to_compressed_fp8(src: Path, out: Path, strategy: str = "channel", static: bool = False) -> Path:
+    """Rewrite `src` into `out` as llm-compressor writes FP8 (compressed-tensors `float-quantized`): each
+    linear weight float8 with `weight_scale` [rows, 1] (channel) or [1] (tensor); `static`: per-tensor
+    activation scales (`input_scale`) too, else dynamic per-token activations. lm_head stays unquantized."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(shard).items():
+            tensors[name] = t
+            if quantizable(name, t):
+                amax = t.abs().amax(dim=1, keepdim=True) if strategy == "channel" else t.abs().amax().view(1)
+                scale = (amax.float() / FP8_MAX).clamp(min=1e-12)
+                tensors[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+                tensors[name + "_scale"] = scale
+                if static:
+                    tensors[name.removesuffix(".weight") + ".input_scale"] = torch.tensor([0.02])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True}
+    acts |= {"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True}
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+        "ignore": ["lm_head"],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def dequantize_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().view(-1, 1)
