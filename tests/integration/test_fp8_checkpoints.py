@@ -7,7 +7,7 @@ the CPU dequantizes to the checkpoint's meaning (checked here against the format
 tokens equal (TP 2: a divergence only at a reported near-tie), logprobs within LOGPROB_TOL, for
 
     Llama      monolithic TP 1, PD TP 2 (prefill and decode)
-    DeepSeek   monolithic TP 2, PD TP 1
+    DeepSeek   monolithic TP 2 with EP 2 (whole experts per rank), PD TP 1
 
 and the start-up summary names the scheme with resident bytes within 1.1x of the checkpoint's. A decode of
 the FP8 checkpoint refuses a prefill of its unquantized twin, naming both weights.
@@ -56,7 +56,8 @@ def servers(dirs):
     made, started = {}, []
     try:
         for f in BLOCKS:
-            mono = start_server(*flags(dirs[f], MONOLITHIC_TP[f]), name=f"mono-{f}")
+            ep = ("--ep-size", "2") if f == "deepseek_v3" else ()  # whole experts per rank, their scales too
+            mono = start_server(*flags(dirs[f], MONOLITHIC_TP[f]), *ep, name=f"mono-{f}")
             prefill, boot = start_role("prefill", "mooncake", flags(dirs[f], PD_TP[f]), f"p-{f}")
             decode, _ = start_role("decode", "mooncake", flags(dirs[f], PD_TP[f]), f"d-{f}")
             made[f] = (mono, (prefill, boot), decode)
