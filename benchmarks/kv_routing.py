@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from router.policies import POLICIES  # noqa: E402
+from router.placement.policies import POLICIES  # noqa: E402
 from tests.integration.cluster import start_cluster, start_router  # noqa: E402
 
 PAGE, CONVS, TURNS, FIRST, ANSWER, ADDED = 16, 8, 4, 256, 16, 32

@@ -53,12 +53,21 @@ class Cluster:
         for i, path in enumerate(self.faults):
             Path(path).write_text("")
             port, boot = free_port(), free_port()
-            args = ["serve", "--port", str(port), "--disagg-mode", "prefill", "--bootstrap-port", str(boot), *flags]
+            args = [
+                "serve",
+                "--port",
+                str(port),
+                "--disaggregation-mode",
+                "prefill",
+                "--bootstrap-port",
+                str(boot),
+                *flags,
+            ]
             self.prefills.append(ServerProcess(args, port, name=f"drill-prefill{i}", env=site_env(path)))
         policy = ("--kv-load-failure-policy", "recompute") if recompute else ()
         for j in range(2):
             port = free_port()
-            args = ["serve", "--port", str(port), "--disagg-mode", "decode", *flags, *policy]
+            args = ["serve", "--port", str(port), "--disaggregation-mode", "decode", *flags, *policy]
             self.decodes.append(ServerProcess(args, port, name=f"drill-decode{j}"))
         for s in self.servers:
             s.wait_ready(600)

@@ -144,7 +144,7 @@ def main() -> None:
     try:
         for name, mode in (("p0", "prefill"), ("s1", "prefill"), ("d2", "decode")):
             flags = ("--model", model, "--bootstrap-port", str(free_port()), *FLAGS)
-            server = start_server("--disagg-mode", mode, *flags, name=name)
+            server = start_server("--disaggregation-mode", mode, *flags, name=name)
             (c.prefills if mode == "prefill" else c.decodes).append(server)
         c.spawn_router()
         c.wait_ready(900)

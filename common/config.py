@@ -8,23 +8,27 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.config_checks import check_flags
 from common.wire.body import ARRIVAL_TIMEOUT_S
 
-DisaggMode = Literal["null", "prefill", "decode"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
 
 
 class ServerConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid", frozen=True, populate_by_name=True)
 
     model: str = Field("builtin", description="HF safetensors dir, GGUF file, or 'builtin'")
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=1, le=65535)
-    disagg_mode: DisaggMode = "null"
+    disaggregation_mode: DisaggregationMode = Field(
+        "null",
+        validation_alias=AliasChoices("TANDEM_DISAGGREGATION_MODE", "TANDEM_DISAGG_MODE"),  # the old name too
+        description="null: a monolithic server; prefill or decode: one half of a PD pair (SGLang's flag)",
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
@@ -54,17 +58,19 @@ class ServerConfig(BaseSettings):
     tp_size: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"
     )
-    nnodes: int = Field(1, ge=1, le=64, description="hosts the TP group spans: each runs tp_size / nnodes ranks")
+    nnodes: int = Field(
+        1, ge=1, le=64, description="machines (nodes) the TP group spans: each runs tp_size / nnodes ranks"
+    )
     node_rank: int = Field(
-        0, ge=0, description="this host's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
+        0, ge=0, description="this node's index among --nnodes: 0 serves HTTP with rank 0, others only run ranks"
     )
     dist_init_addr: str | None = Field(
-        None, description="HOST:PORT where host 0 hosts the TP group's rendezvous (needed with --nnodes > 1)"
+        None, description="HOST:PORT where node 0 serves the TP group's rendezvous store (needed with --nnodes > 1)"
     )
     dist_timeout: float = Field(
         600.0,
         gt=0,
-        description="seconds a TP group's start-up waits for host 0's rendezvous and for every rank to join it "
+        description="seconds a TP group's start-up waits for node 0's rendezvous store and for every rank to join it "
         "(SGLang's flag); loading the model comes after, unbounded",
     )
     # expert parallelism and DP attention over the --tp-size ranks (SGLang's flags; docs/dp-attention.md)
@@ -181,13 +187,20 @@ class ServerConfig(BaseSettings):
     kv_wait_timeout_s: float = Field(
         300.0, gt=0, description="decode: how long reserved pages wait for the prefill's KV"
     )
-    transfer_timeout_s: float = Field(60.0, gt=0, description="prefill: one batch write to a decode")
+    transfer_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="one bound for four clocks of the KV's way: a prefill's batch write to a decode (the transfer "
+        "engine's own timeout); a prefill rank 0's wait for each TP rank's agent to write its slice (plus a grace); "
+        "a decode's wait for an aborted room's final status before its pages are reused; a decode batch out of "
+        "KV pages waiting for pages in flight to come back before its oldest request ends with 503",
+    )
     heartbeat_interval_s: float = Field(
         5.0,
         gt=0,
         description="one interval for three clocks: a decode pings each prefill it waits on and the prefill "
         "watches the pings (a control connection silent this long is dialled again); a prefill re-registers "
-        "with the bootstrap registry (at least every 15 s); the hosts of a TP group spanning machines "
+        "with the bootstrap registry (at least every 15 s); the nodes of a TP group spanning machines "
         "(--nnodes > 1) post their heartbeats",
     )
     heartbeat_misses: int = Field(
@@ -233,7 +246,9 @@ class ServerConfig(BaseSettings):
     # structured outputs, tool calls, reasoning (docs/structured-output.md)
     grammar_backend: Literal["xgrammar", "none"] = Field(
         "xgrammar",
-        description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them",
+        description="constrained decoding (json_schema, regex, ebnf, tool_choice required/named); none refuses them. "
+        "Where xgrammar does not import, the default serves unconstrained requests only (one warning); the flag "
+        "given explicitly refuses to start",
     )
     constrained_json_disable_any_whitespace: bool = Field(
         False, description="JSON grammars allow no whitespace but one space after ':' and ','"
@@ -279,10 +294,10 @@ class ServerConfig(BaseSettings):
         """--load-balance-method with auto resolved as SGLang does."""
         if self.load_balance_method != "auto":
             return self.load_balance_method
-        return "follow_bootstrap_room" if self.disagg_mode == "decode" else "round_robin"
+        return "follow_bootstrap_room" if self.disaggregation_mode == "decode" else "round_robin"
 
     @property
-    def ranks_per_host(self) -> int:
+    def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
 
     @property

@@ -37,13 +37,13 @@ def check_flags(c: ServerConfig) -> None:
             "drop it, or run this server at --tp-size 1 on the CPU"
         )
     check_speculative(c)
-    if c.enable_pd_role_switch and (c.disagg_mode == "null" or c.tp_size > 1):
+    if c.enable_pd_role_switch and (c.disaggregation_mode == "null" or c.tp_size > 1):
         raise ValueError(
-            "--enable-pd-role-switch needs --disagg-mode prefill or decode and --tp-size 1: a monolithic server "
+            "--enable-pd-role-switch needs --disaggregation-mode prefill or decode and --tp-size 1: a monolithic server "
             "has no role to switch, and the ranks of a TP group cannot switch yet"
         )
     check_store(c)
-    if c.transfer_backend == "loopback" and c.disagg_mode != "null":
+    if c.transfer_backend == "loopback" and c.disaggregation_mode != "null":
         raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
 
 

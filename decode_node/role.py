@@ -56,7 +56,8 @@ from dataclasses import dataclass
 from common.config import ServerConfig
 from common.core.request import FinishReason, Req, ReqStatus, queue_position
 from common.engine.decode_batch import decode_reserve
-from common.engine.role import Role, SchedulerView
+from common.engine.pd_role import PDRole
+from common.engine.role import SchedulerView
 from common.engine.spec.head_drafter import HiddenHandoff
 from common.memory.errors import MemoryIntegrityError
 from common.wire.api import Rendezvous
@@ -83,8 +84,9 @@ class Inbound:
     finish_ahead: FinishReason | None = None  # that token ended the request: it ends once the KV is in
 
 
-class DecodeRole(Role):
+class DecodeRole(PDRole):
     mode = "decode"
+    kv_manager: DecodeKVManager
     interleave_prefill = True  # the running batch's next token is not held up by a whole local prompt
 
     def __init__(
@@ -98,14 +100,13 @@ class DecodeRole(Role):
         hidden: HiddenHandoff | None = None,
     ):
         """`hidden`: NEXTN's or EAGLE's drafter, which takes the prompt's last hidden state from the aux record."""
-        self.scheduler, self.kv_manager, self.aux_pool, self.hidden = scheduler, kv_manager, aux_pool, hidden
+        super().__init__(kv_manager)
+        self.scheduler, self.aux_pool, self.hidden = scheduler, aux_pool, hidden
         self.lookup, self.vocab_size, self.config = lookup, vocab_size, config
-        self.instance_id = kv_manager.instance_id
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
         self.quarantined: list[Req] = []  # ended; their pages wait until no write can land in them
         self.inbound: dict[Req, Inbound] = {}
-        self.on_close: list[Callable[[], None]] = []  # what the composer adds to close()
 
     def admit(self, req: Req) -> bool:
         if req.pd_placement == "local":
@@ -339,12 +340,8 @@ class DecodeRole(Role):
             raise MemoryIntegrityError("decode transfer state held by a request no queue of the role knows")
 
     def info(self) -> dict:
-        return {
-            "instance_id": self.kv_manager.instance_id,
-            "control_endpoint": self.kv_manager.endpoint,
-            **self.queue_depths(),
-            "aux_slots_free": self.aux_pool.num_slots - sum(1 for i in self.inbound.values() if i.aux_slot is not None),
-        }
+        taken = sum(1 for i in self.inbound.values() if i.aux_slot is not None)
+        return super().info() | {"aux_slots_free": self.aux_pool.num_slots - taken}
 
     def queue_depths(self) -> dict[str, int]:
         return {
@@ -352,11 +349,3 @@ class DecodeRole(Role):
             "transferring": len(self.transferring),
             "quarantined": len(self.quarantined),
         }
-
-    def close(self) -> None:
-        self.kv_manager.close()
-        for fn in self.on_close:
-            fn()
-
-    def health_problem(self) -> str | None:
-        return self.kv_manager.health_problem()

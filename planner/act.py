@@ -26,7 +26,7 @@ API = "https://kubernetes.default.svc"
 class Flip:
     def __init__(self, config: PlannerConfig, headers: dict[str, str] | None = None):
         self.router, self.headers = config.router.rstrip("/"), headers
-        self.timeout = aiohttp.ClientTimeout(total=None)  # the router bounds the switch (--role-switch-timeout-s)
+        self.timeout = aiohttp.ClientTimeout(total=None)  # the router bounds the switch (--pd-role-switch-timeout-s)
         self.refused: set[str] = set()  # servers that cannot switch
 
     async def apply(self, session: aiohttp.ClientSession, decision: Decision, obs: Observation) -> str:

@@ -2,7 +2,7 @@
 each healthy worker's own /metrics, summed per role into one Observation.
 
     prefill   servers; prompt tokens queued (tandem_prefill_queue_tokens) and the prefill rate that drains them
-              (router/worker_stats.py: measured forwards, else the start-up calibration); the mean prompt of the
+              (router/placement/worker_stats.py: measured forwards, else the start-up calibration); the mean prompt of the
               requests they finished lately (tandem_prompt_tokens / tandem_requests_finished: their growth over
               the last interval in which any finished)
     decode    servers; KV pages in use over the total (tandem_kv_pages_*); requests waiting for pages
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.worker_stats import Stats, parse_metrics
+from router.placement.worker_stats import Stats, parse_metrics
 
 TTFT = "tandem_time_to_first_token_seconds"
 ITL = "tandem_inter_token_latency_seconds"

@@ -31,14 +31,14 @@ which the decode reuses only after this side's failure status, sent after that w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import ServerConfig
 from common.core.page_meta import pages_for
 from common.core.request import FinishReason, Req, ReqStatus
 from common.engine.decode_batch import decode_reserve
-from common.engine.role import Role, Sampled, SchedulerView
+from common.engine.pd_role import PDRole
+from common.engine.role import Sampled, SchedulerView
 from common.engine.spec.head_drafter import HiddenHandoff
 from common.memory.errors import MemoryIntegrityError
 from transfer.aux_record import AuxRecord
@@ -61,8 +61,9 @@ class Outbound:
     aux: bytes | None = None
 
 
-class PrefillRole(Role):
+class PrefillRole(PDRole):
     mode = "prefill"
+    kv_manager: PrefillKVManager
 
     def __init__(
         self,
@@ -73,13 +74,12 @@ class PrefillRole(Role):
     ):
         """`kv_manager` wakes `scheduler` (its wake_scheduler) when a room moves; `hidden`: NEXTN's or EAGLE's drafter,
         whose hidden state of the prompt's last position goes in the aux record."""
-        self.scheduler, self.kv_manager, self.config, self.hidden = scheduler, kv_manager, config, hidden
-        self.instance_id = kv_manager.instance_id
+        super().__init__(kv_manager)
+        self.scheduler, self.config, self.hidden = scheduler, config, hidden
         self.inflight: list[Req] = []  # prompt computed, KV on its way (or waiting for the decode to pair)
         self.deferred: list[Req] = []  # not computing until their decode pairs: the bound on computing ahead is reached
         self.ahead: dict[Req, int] = {}  # computing or computed while unpaired -> the pages it may take
         self.outbound: dict[Req, Outbound] = {}
-        self.on_close: list[Callable[[], None]] = []  # what the composer adds to close()
         self.ahead_page_limit = scheduler.memory.page_counts().total - self._pages(scheduler.context_len)
 
     # -- admission -----------------------------------------------------------------------------
@@ -217,13 +217,6 @@ class PrefillRole(Role):
         ):
             raise MemoryIntegrityError("a prefill room is held by a finished request, or a queued request has none")
 
-    def info(self) -> dict:
-        return {
-            "instance_id": self.kv_manager.instance_id,
-            "control_endpoint": self.kv_manager.endpoint,
-            **self.queue_depths(),
-        }
-
     def queue_depths(self) -> dict[str, int]:
         """awaiting_decode: requests whose decode has not said where their KV goes (deferred, computing or
         computed); deferred: of those, the ones not computing until it does."""
@@ -232,11 +225,3 @@ class PrefillRole(Role):
             "inflight": len(self.inflight),
             "deferred": len(self.deferred),
         }
-
-    def close(self) -> None:
-        self.kv_manager.close()
-        for fn in self.on_close:
-            fn()
-
-    def health_problem(self) -> str | None:
-        return self.kv_manager.health_problem()

@@ -26,16 +26,16 @@ from router.config import RouterConfig, WorkerChange
 from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher, json_response
 from router.http1 import Pools
-from router.kv_feeds import KVFeeds
-from router.kv_index import KVIndex
-from router.kv_policy import KVAwarePolicy
 from router.metrics import REFRESH_S, RouterMetrics
-from router.placement import Placer, pair_policy, placement_rule
+from router.placement.kv_feeds import KVFeeds
+from router.placement.kv_index import KVIndex
+from router.placement.kv_policy import KVAwarePolicy
+from router.placement.placer import Placer, pair_policy, placement_rule
+from router.placement.worker_stats import WorkerStats
 from router.processes import shared_dir
 from router.role_switch import add_pd_role_switch_route
 from router.shared_workers import SharedWorkers
 from router.tls import client_context
-from router.worker_stats import WorkerStats
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -108,7 +108,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     _add_status_routes(app, workers, metrics)
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
-    add_pd_role_switch_route(app, workers, config.max_request_bytes, config.role_switch_timeout_s)
+    add_pd_role_switch_route(app, workers, config.max_request_bytes, config.pd_role_switch_timeout_s)
     return app
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.wire.addresses import split_host_port
 from common.wire.body import ARRIVAL_TIMEOUT_S
-from router.policies import POLICIES
+from router.placement.policies import POLICIES
 
 Policy = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
 POLICY_HELP = "; ".join(f"{name}: {spec.summary}" for name, spec in POLICIES.items())
@@ -88,8 +88,14 @@ class RouterConfig(BaseSettings):
         description="give a request with an x-slo-ttft-ms header a priority (tighter first, above requests without "
         "one) unless it has one; the workers must run --enable-priority-scheduling",
     )
-    role_switch_timeout_s: float = Field(
-        300.0, gt=0, description="POST /pd_role_switch: how long a worker may take to finish its requests and switch"
+    pd_role_switch_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        validation_alias=AliasChoices(
+            "TANDEM_ROUTER_PD_ROLE_SWITCH_TIMEOUT_S", "TANDEM_ROUTER_ROLE_SWITCH_TIMEOUT_S"
+        ),  # the old name too
+        description="POST /pd_role_switch: how long a worker may take to finish its requests and switch (the "
+        "workers' own --pd-role-switch-timeout-s bounds their side)",
     )
     port: int = Field(8000, ge=1, le=65535)
     health_check_interval_s: float = Field(5.0, gt=0, description="seconds between two health checks of a worker")

@@ -28,7 +28,7 @@ from router.metrics import RouterMetrics
 from router.migration import Moves
 from router.pair_call import Pair, PairCall, pair_fields
 from router.pair_stream import PREFILL_GRACE_S, PairStream
-from router.placement import Placer
+from router.placement.placer import Placer
 from router.request_hints import NONE, RequestHints
 from router.upstream import CLIENT_DISCONNECTED, UpstreamError, read_all, read_chunk
 from router.workers import WorkerRegistry
@@ -82,7 +82,7 @@ class Dispatcher:
         pools: Pools,
         placer: Placer,
     ):
-        """`placer`: picks each try's pair (router/placement.py)."""
+        """`placer`: picks each try's pair (router/placement/placer.py)."""
         self.config, self.workers, self.metrics, self.admission = config, workers, metrics, admission
         self.placer = placer
         self.pools = pools  # each worker's keep-alive connections

@@ -14,7 +14,7 @@ from common.edge.prometheus import render
 from router.workers import WorkerRegistry
 
 if TYPE_CHECKING:
-    from router.kv_feeds import KVFeeds
+    from router.placement.kv_feeds import KVFeeds
 
 REFRESH_S = 0.5
 WORKER_LABELS = ["worker", "worker_role"]

@@ -34,7 +34,7 @@ ROUTER_FIELDS = frozenset(
 
 @dataclass
 class Pair:
-    """Where one try of a request runs (router/placement.py): a prefill and a decode, or a decode alone that
+    """Where one try of a request runs (router/placement/placer.py): a prefill and a decode, or a decode alone that
     computes the prompt itself (`prefill` None, path local)."""
 
     prefill: Worker | None
@@ -42,7 +42,7 @@ class Pair:
     path: str = "remote_suffix"  # remote_suffix | remote_full (what crosses) | local: tandem_router_placement_total
     reason: str = "policy"  # why this path (the metric's other label)
     tpot_slo_s: float | None = None  # the request's x-slo-tpot-ms: a local prefill on its decode must respect it
-    option: Any = None  # the cost placement's priced option (router/placement_cost.py), to learn from its TTFT
+    option: Any = None  # the cost placement's priced option (router/placement/cost.py), to learn from its TTFT
 
 
 def pair_fields(body: dict[str, Any], pair: Pair) -> dict[str, Any]:

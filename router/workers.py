@@ -49,6 +49,12 @@ class Worker:
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
+    def get(self, session: aiohttp.ClientSession, path: str, timeout_s: float):
+        """`async with worker.get(...) as r`: GET `path` of this worker within `timeout_s` (an https worker's
+        certificate checked against its tls_name)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        return session.get(self.url + path, timeout=timeout, server_hostname=self.tls_name)
+
     @property
     def registry_host(self) -> str:
         """Where a decode looks this prefill up: its standalone bootstrap registry, or itself."""
@@ -138,11 +144,7 @@ class WorkerRegistry:
     async def check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
-            async with session.get(
-                worker.url + "/health",
-                timeout=aiohttp.ClientTimeout(total=self.check_timeout_s),
-                server_hostname=worker.tls_name,
-            ) as r:
+            async with worker.get(session, "/health", self.check_timeout_s) as r:
                 worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
                 worker.recomputes = r.headers.get(RECOMPUTE_HEADER) == "1"
                 self.follow_role(worker, r.headers.get(ROLE_HEADER), r.headers.get(BOOTSTRAP_HEADER))

@@ -78,7 +78,7 @@ def build_parser() -> FlagParser:
     parser = FlagParser(prog="tandem", description="Prefill/decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run one engine server (monolithic, prefill or decode)")
-    add_model_flags(serve, ServerConfig)
+    add_model_flags(serve, ServerConfig, command="serve")
     up = sub.add_parser("up", help="bring up a whole local cluster on the built-in model")
     add_up_flags(up)
     bench = sub.add_parser("bench", help="load-test any endpoint")

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 
 from pydantic import ValidationError
 
 from common.wire.user_error import config_error
 from planner.config import PlannerConfig
-from tandem.flags import FlagParser, add_log_level_flag, add_model_flags
+from tandem.flags import FlagParser, add_log_level_flag, add_model_flags, log_to_stderr
 from tandem.ports import require_free_ports
 
 
@@ -24,11 +22,7 @@ def planner_parser() -> argparse.ArgumentParser:
 
 
 def run_planner_cli(argv: list[str]) -> None:
-    logging.basicConfig(
-        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
-        format="%(asctime)s [planner] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    log_to_stderr("planner")
     try:
         config = PlannerConfig(**vars(planner_parser().parse_args(argv)))
     except ValidationError as e:

@@ -18,7 +18,7 @@ from transfer.rank_agent import RankAgent
 def start_agent(config: ServerConfig, pool: KVPool) -> RankAgent | None:
     """This rank's engine on its own device, its pool registered; a prefill's agent serves rank 0; None on a
     monolithic server (no KV crosses)."""
-    if config.disagg_mode == "null":
+    if config.disaggregation_mode == "null":
         return None
     on_cuda = config.device == "cuda"
     backend = create_lowered(
@@ -33,7 +33,7 @@ def start_agent(config: ServerConfig, pool: KVPool) -> RankAgent | None:
         )
     )
     (buffer,) = pool.buffer_infos()
-    serve = config.disagg_mode == "prefill"
+    serve = config.disaggregation_mode == "prefill"
     triple = (buffer.data_ptr, buffer.nbytes, buffer.bytes_per_page)
     return RankAgent(backend, triple, on_cuda, config.public_host, config.cluster_secret, serve, pool.device_index)
 

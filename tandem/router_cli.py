@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import ssl
 from typing import Any
 
@@ -16,7 +15,7 @@ from pydantic import ValidationError
 from common.wire.addresses import split_host_port
 from common.wire.user_error import UserError, config_error
 from router.config import SECRET_FIELDS, PrefillSpec, RouterConfig
-from tandem.flags import FlagParser, add_log_level_flag, add_model_flags
+from tandem.flags import FlagParser, add_log_level_flag, add_model_flags, log_to_stderr
 from tandem.ports import require_free_ports
 
 
@@ -53,7 +52,7 @@ def router_parser() -> argparse.ArgumentParser:
     p = FlagParser(prog="tandem router", argument_default=argparse.SUPPRESS)
     p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT | BOOTSTRAP_HOST:PORT | none]")
     p.add_argument("--decode", action="append", metavar="URL")
-    add_model_flags(p, RouterConfig, skip=frozenset({"prefill", "decode"}))
+    add_model_flags(p, RouterConfig, skip=frozenset({"prefill", "decode"}), command="router")
     add_log_level_flag(p)
     return p
 
@@ -69,11 +68,7 @@ def config_from_args(argv: list[str]) -> RouterConfig:
 
 
 def run_router_cli(argv: list[str]) -> None:
-    logging.basicConfig(
-        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
-        format="%(asctime)s [router] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    log_to_stderr("router")
     try:
         config = config_from_args(argv)
     except ValidationError as e:

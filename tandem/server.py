@@ -1,5 +1,5 @@
-"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on host k > 0
-of a TP group spanning hosts (--node-rank), that host's ranks (common.ranks.host)."""
+"""Start one engine server: config, start-up summary, engine of the right role, uvicorn; or, on node k > 0
+of a TP group spanning nodes (--node-rank), that node's ranks (common.ranks.node)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import with_head_deadline
 from common.edge.tls import behind_tls, server_context
+from common.engine.grammar.availability import check_grammar_backend
 from common.model.locate import check_model
 from common.wire.addresses import split_host_port
 from common.wire.user_error import UserError, config_error
@@ -55,12 +56,12 @@ def setup_logging(role: str) -> RoleTag:
 
 def serve_from_args(ns: argparse.Namespace) -> None:
     config = server_config(ns)
-    if config.node_rank > 0:  # another host's share of the TP group: ranks only, no HTTP
+    if config.node_rank > 0:  # another node's share of the TP group: ranks only, no HTTP
         check_model(config.model)
-        setup_logging(f"host{config.node_rank}")
-        from common.ranks.host import run_host
+        setup_logging(f"node{config.node_rank}")
+        from common.ranks.node import run_node
 
-        run_host(config, RANK_FOLLOWER)
+        run_node(config, RANK_FOLLOWER)
     check_before_loading(config)
     serve(config)
 
@@ -74,15 +75,16 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 
 def check_before_loading(config: ServerConfig) -> None:
-    """The user's mistakes that show without loading a model (or torch): the model's path and architecture, the
-    attention backend's device, the ports."""
+    """The user's mistakes that show without loading a model (or torch, unless xgrammar is asked for): the model's
+    path and architecture, the attention backend's device, the grammar backend, the ports."""
     check_model(config.model, config.quantization)
     check_attention_device(config.attention_backend, config.device)
+    check_grammar_backend(config)
     ports = {"--port": config.port}
-    may_prefill = config.disagg_mode == "prefill" or config.enable_pd_role_switch
+    may_prefill = config.disaggregation_mode == "prefill" or config.enable_pd_role_switch
     if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)
         ports["--bootstrap-port"] = config.bootstrap_port
-    if config.dist_init_addr is not None:  # rank 0 hosts its TP group's rendezvous there
+    if config.dist_init_addr is not None:  # rank 0 serves its TP group's rendezvous store there
         ports["--dist-init-addr"] = split_host_port(config.dist_init_addr)[1]
     require_free_ports(config.host, ports)
     tls_context(config)  # the certificate and key load
@@ -93,12 +95,12 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
     if config.host in ("127.0.0.1", "localhost", "::1"):
         return []
     out = []
-    if config.cluster_secret is None and config.disagg_mode != "null":
+    if config.cluster_secret is None and config.disaggregation_mode != "null":
         out.append(
             f"listening on {config.host} WITHOUT --cluster-secret: anyone who reaches this host can send control "
             "messages (register as a decode, steer which pages a prefill writes, fail rooms) and register fake "
             "prefills with the bootstrap registry. Set --cluster-secret (or TANDEM_CLUSTER_SECRET) to the same "
-            "value on every host."
+            "value on every server."
         )
     if config.api_key is None:
         out.append(
@@ -123,11 +125,11 @@ def build_engine(config: ServerConfig):
 
     if config.enable_pd_role_switch:
         return build_switchable_engine(config)
-    if config.disagg_mode == "prefill":
+    if config.disaggregation_mode == "prefill":
         from prefill_node.compose import build_prefill_engine
 
         return build_prefill_engine(config, RANK_FOLLOWER)
-    if config.disagg_mode == "decode":
+    if config.disaggregation_mode == "decode":
         from decode_node.compose import build_decode_engine
 
         return build_decode_engine(config, RANK_FOLLOWER)
@@ -153,13 +155,13 @@ def build_switchable_engine(config: ServerConfig):
 
     shared = SharedBackend()
     factories = {"prefill": PrefillComposer(shared).make_role, "decode": DecodeComposer(shared).make_role}
-    engine = Engine(config, factories[config.disagg_mode], RANK_FOLLOWER)
+    engine = Engine(config, factories[config.disaggregation_mode], RANK_FOLLOWER)
     engine.role_switch = RoleSwitch(engine, factories)
     return engine
 
 
 def serve(config: ServerConfig) -> None:
-    role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disagg_mode]
+    role = {"null": "server", "prefill": "prefill", "decode": "decode"}[config.disaggregation_mode]
     tag = setup_logging(role)
     log.info("starting Tandem %s with config:\n%s", role, config.summary())
     for warning in exposure_warnings(config):

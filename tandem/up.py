@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from common.model.locate import check_model
 from common.wire.user_error import UserError
-from router.policies import POLICIES
+from router.placement.policies import POLICIES
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
 from tandem.kv_store import add_up_store_flags, up_store
 from tandem.ports import require_free_ports
@@ -89,7 +89,7 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
     children = [Child("kv-store", store_argv, f"http://{ns.host}:{ns.kv_store_port + 2}/health", ports=store_ports)]
     children = children if store_argv else []
     if ns.mode == "monolithic":
-        argv = py + ["serve", "--disagg-mode", "null", "--port", str(ns.port), *common]
+        argv = py + ["serve", "--disaggregation-mode", "null", "--port", str(ns.port), *common]
         children.append(Child("server", argv, f"http://{ns.host}:{ns.port}/health"))
     else:
         children += _pd_children(ns, py, common)
@@ -125,7 +125,7 @@ def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> li
         port, boot = ns.base_port + i, ns.bootstrap_port + i
         argv = py + [
             "serve",
-            "--disagg-mode",
+            "--disaggregation-mode",
             "prefill",
             "--port",
             str(port),
@@ -144,7 +144,7 @@ def _pd_children(ns: argparse.Namespace, py: list[str], common: list[str]) -> li
         port = ns.base_port + 100 + j
         argv = py + [
             "serve",
-            "--disagg-mode",
+            "--disaggregation-mode",
             "decode",
             "--port",
             str(port),
@@ -216,7 +216,7 @@ def place(ns: argparse.Namespace, children: list[Child], gpus: list[str]) -> lis
 
 
 ENGINELESS = ("router", "kv-store", "planner")  # children with no model: no GPU for them
-UP_SETS = ("--model", "--host", "--port", "--device", "--disagg-mode", "--bootstrap-port", "--transfer-backend")
+UP_SETS = ("--model", "--host", "--port", "--device", "--disaggregation-mode", "--bootstrap-port", "--transfer-backend")
 STORE_SETS = ("--hicache-storage-backend", "--hicache-storage-backend-extra-config")
 
 

@@ -83,7 +83,9 @@ class ServerProcess:
         self.prefix = prefix  # runs the command inside something, e.g. ("ip", "netns", "exec", NAME)
         self.name = name
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-test-{name}-{port}.log"
-        if args[:1] == ["serve"] and "--model" not in args:  # tests/served_model.py: the cut built-in model
+        if args[:1] == ["serve"] and not {"--model", "--model-path"} & set(
+            args
+        ):  # tests/served_model.py: the cut built-in model
             args = [*args, *served_model_flags()]
         self.args = args
         self._log = open(self.log_path, "wb")

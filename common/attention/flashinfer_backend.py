@@ -8,6 +8,11 @@ with `use_cuda_graph=True` over fixed indptr / indices / last-page-length buffer
 `init_graph_forward`), as SGLang does: decode graphs on the decode kernel, speculative verify graphs (k + 1
 query rows per request, causal) on the paged prefill kernel.
 
+Each wrapper's plan() fills a pinned host buffer of its own and copies it to the device asynchronously; the
+next plan() on that wrapper rewrites the buffer. Nothing else orders the two on the host: a decode step ends by
+reading its tokens, but consecutive prefill chunks that sample nothing (a prefill server's long prompts) do not.
+So an event is recorded after every plan() and waited on before the same wrapper's next one (`_plan`).
+
 The kernel family is pinned (`--flashinfer-backend`, default fa2, as SGLang and mini-sglang pin it):
 FlashInfer's "auto" builds FA3's kernels on Hopper besides FA2's (for the tensor-core decode), several
 ten-file nvcc builds on a first start instead of two.
@@ -25,6 +30,21 @@ from common.core.page_meta import page_indices
 from common.memory.kv_pool import SlotIndex
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class PlanDone:
+    """On the CPU, what a CUDA event after plan() says: a copy from host memory there is done when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def plan_event(device: torch.device):
+    """The event recorded after a plan() on `device`'s current stream (torch.cuda.Event on CUDA)."""
+    return torch.cuda.Event() if device.type == "cuda" else PlanDone()
 
 
 @dataclass
@@ -54,6 +74,7 @@ class FlashInferAttention(AttentionBackend):
         self.page_size = kv_pool.page_size
         self.graph_wrappers: dict[tuple[int, int], object] = {}  # by (batch size, tokens per request)
         self.graph_buffers: dict[int, GraphBuffers] = {}  # by tokens per request
+        self.planned: dict[int, object] = {}  # id(wrapper) -> the event after its last plan()
 
     def prepare_graphs(self, max_bs: int, index_slots: int, tokens: int = 1) -> None:
         """The fixed buffers the graphs of steps of `tokens` new tokens per request plan into (shared by
@@ -94,54 +115,53 @@ class FlashInferAttention(AttentionBackend):
         buffers), and put the new tokens' (page, offset) where the captured forward reads them."""
         tokens = len(batch.out_cache_loc) // size
         wrapper = self._graph_wrapper(size, tokens)
-        (self._plan_decode if tokens == 1 else self._plan_prefill)(wrapper, batch)
+        self._plan(wrapper, batch, tokens)
         out = self.graph_buffers[tokens].out
         page, offset = out.page[: size * tokens], out.offset[: size * tokens]
         torch.div(batch.out_cache_loc, self.page_size, rounding_mode="floor", out=page)
         torch.remainder(batch.out_cache_loc, self.page_size, out=offset)
         self._out, self._wrapper = SlotIndex(page, offset), wrapper
 
-    def _plan_decode(self, wrapper, batch: ForwardBatch) -> None:
-        meta, pool = batch.pages, self.kv_pool
-        indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
-        wrapper.plan(
-            meta.kv_indptr,
-            indices,
-            meta.last_page_len,
-            self.num_q_heads,
-            pool.kv_heads,
-            self.head_dim,
-            self.page_size,
-            pos_encoding_mode="NONE",
-            sm_scale=self.scaling,
-            q_data_type=pool.dtype,
-            kv_data_type=pool.dtype,
-        )
+    def _plan(self, wrapper, batch: ForwardBatch, graph_tokens: int = 0) -> None:
+        """plan() once the copy out of this wrapper's pinned plan buffer from its previous plan() is done; an
+        event marks this one's. `graph_tokens`: the query rows per request of a verify graph's wrapper."""
+        done = self.planned.get(id(wrapper))
+        if done is None:
+            done = self.planned[id(wrapper)] = plan_event(self.workspace.device)
+        done.synchronize()  # returns at once when the previous copy ran (or there was none)
+        if batch.mode == ForwardMode.DECODE:
+            self._plan_decode(wrapper, batch)
+        else:
+            self._plan_prefill(wrapper, batch, graph_tokens)
+        done.record()
 
-    def _plan_prefill(self, wrapper, batch: ForwardBatch) -> None:
-        meta, pool = batch.pages, self.kv_pool
+    def _plan_decode(self, wrapper, batch: ForwardBatch) -> None:
+        wrapper.plan(*self._paged(batch), pos_encoding_mode="NONE", **self._dtypes())
+
+    def _plan_prefill(self, wrapper, batch: ForwardBatch, graph_tokens: int = 0) -> None:
+        """`graph_tokens` > 1: a verify graph's wrapper, every request (padding rows too) `graph_tokens` query rows,
+        which FlashInfer's CUDA-graph planner is told (`uniform_q_len`: its query tile for those rows, not for
+        the ragged worst case)."""
+        uniform = {"uniform_q_len": graph_tokens} if graph_tokens > 1 else {}
+        wrapper.plan(batch.pages.qo_indptr, *self._paged(batch), causal=True, **self._dtypes(), **uniform)
+
+    def _paged(self, batch: ForwardBatch) -> tuple:
+        """What both wrappers' plan() take of the batch's pages, in their order: kv_indptr, the page
+        indices, last_page_len, query heads, KV heads, head dim, page size."""
+        meta = batch.pages
         indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
-        wrapper.plan(
-            meta.qo_indptr,
-            meta.kv_indptr,
-            indices,
-            meta.last_page_len,
-            self.num_q_heads,
-            pool.kv_heads,
-            self.head_dim,
-            self.page_size,
-            causal=True,
-            sm_scale=self.scaling,
-            q_data_type=pool.dtype,
-            kv_data_type=pool.dtype,
-        )
+        shape = (self.num_q_heads, self.kv_pool.kv_heads, self.head_dim, self.page_size)
+        return (meta.kv_indptr, indices, meta.last_page_len, *shape)
+
+    def _dtypes(self) -> dict:
+        return {"sm_scale": self.scaling, "q_data_type": self.kv_pool.dtype, "kv_data_type": self.kv_pool.dtype}
 
     def init_forward(self, batch: ForwardBatch) -> None:
         """plan() reads the indptr arrays on the host (the pinned views: no read back from the device)
         and copies them to its buffers; the page ids are gathered on the device."""
         self._out = self.kv_pool.locate(batch.out_cache_loc)
         self._wrapper = self.decode if batch.mode == ForwardMode.DECODE else self.prefill
-        (self._plan_decode if batch.mode == ForwardMode.DECODE else self._plan_prefill)(self._wrapper, batch)
+        self._plan(self._wrapper, batch)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch

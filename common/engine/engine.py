@@ -90,7 +90,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_name = config.served_model_name or display_name(config.model)
         self.dtype = getattr(torch, config.torch_dtype_name)
-        self.metrics = EngineMetrics(config.disagg_mode)
+        self.metrics = EngineMetrics(config.disaggregation_mode)
         use_kernel_cache(config.kernel_cache_dir)  # before FlashInfer is imported
         self.ranks = self._start_ranks()
         tp = self.ranks.tp if self.ranks else SINGLE
@@ -227,12 +227,12 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        """The role this server serves now (--disagg-mode, until a role switch)."""
-        return self.config.disagg_mode
+        """The role this server serves now (--disaggregation-mode, until a role switch)."""
+        return self.config.disaggregation_mode
 
     def set_mode(self, mode: str) -> None:
         """A role switch installed a role of `mode` (common/engine/role_switch.py; on the scheduler thread)."""
-        self.config = self.scheduler.config = self.config.model_copy(update={"disagg_mode": mode})
+        self.config = self.scheduler.config = self.config.model_copy(update={"disaggregation_mode": mode})
         self.metrics.role = mode
 
     def bootstrap_address(self) -> str | None:

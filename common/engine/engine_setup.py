@@ -98,9 +98,20 @@ def kv_store_namespace(config: ServerConfig, kv_buffer: torch.Tensor, model_id: 
 
 def make_grammar_backend(config: ServerConfig, vocab_size: int, tokenizer, eos_ids: set[int], schedulers: list):
     """xgrammar over this tokenizer (None with --grammar-backend none), and each scheduler's queue of requests
-    waiting for their grammar (a DP rank's requests wait in its own)."""
+    waiting for their grammar (a DP rank's requests wait in its own). Where xgrammar does not import: a
+    UserError if the flag asked for it, else one warning and GrammarOff (constrained requests get a 400)."""
     if config.grammar_backend == "none":
         return None
+    from common.engine.grammar.availability import GrammarOff, check_grammar_backend, xgrammar_import_error
+
+    check_grammar_backend(config)
+    if (error := xgrammar_import_error()) is not None:
+        log.warning(
+            "constrained decoding is off: xgrammar does not import (%s); unconstrained requests are served, "
+            "constrained ones (json_schema, regex, ebnf, tool_choice required) get a 400",
+            error,
+        )
+        return GrammarOff(error)
     from common.engine.grammar.backend import GrammarBackend
     from common.engine.grammar.queue import GrammarQueue
 

@@ -2,7 +2,7 @@
 running request) the steps run, the tokens they computed and the seconds they took, as counters
 (`tandem_forward_{steps,tokens,seconds}_total{mode}`), and the start-up measurement taken after the warm-up
 (`tandem_calibration_*`: a prompt's tokens per second, one decode step's seconds). The router prices where a
-prompt is computed with them (router/worker_stats.py, docs/placement.md): the calibration until the counters move,
+prompt is computed with them (router/placement/worker_stats.py, docs/placement.md): the calibration until the counters move,
 then their rates.
 
 The scheduler thread records; the /metrics thread reads (a float read is atomic).

@@ -94,7 +94,7 @@ class CounterSource:
 
 class EngineMetrics:
     def __init__(self, role: str) -> None:
-        """`role`: the server's --disagg-mode (null, prefill or decode), the `role` label of its samples."""
+        """`role`: the server's --disaggregation-mode (null, prefill or decode), the `role` label of its samples."""
         self.role = role
         self.registry = CollectorRegistry()
         r = self.registry

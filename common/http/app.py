@@ -89,7 +89,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if engine.config.disagg_mode != "null":
+        if engine.config.disaggregation_mode != "null":
             # a prefill or decode cannot generate without its peer: its scheduler loop answering is the check
             await asyncio.wrap_future(engine.run_on_scheduler(lambda: None))
             return Response(status_code=200)

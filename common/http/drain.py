@@ -27,7 +27,7 @@ async def hand_over(engine: Engine) -> None:
     the router had another decode: common/wire/migration.py) with a 503 at once: the router moves it to another
     pair, which goes on from the tokens shown, so the server exits within seconds whatever its streams' length.
     Others run on to the deadline. A prefill keeps its requests: they end once their KV is sent."""
-    if engine.config.disagg_mode != "decode":
+    if engine.config.disaggregation_mode != "decode":
         return
     message = "this decode server is shutting down; the router moves the request to another pair"
 

@@ -154,7 +154,7 @@ def check_dp_rank(engine: Engine, rank: int | None) -> int | None:
 def check_rendezvous(engine: Engine, gen: GenInput) -> None:
     """A prefill or decode server serves only what a router paired (it added the bootstrap fields), or what a
     decode is asked to prefill itself (pd_placement local)."""
-    problem = rendezvous_problem(engine.config.disagg_mode, gen.rendezvous, gen.pd_placement)
+    problem = rendezvous_problem(engine.config.disaggregation_mode, gen.rendezvous, gen.pd_placement)
     if problem is not None:
         raise InvalidRequest(problem, param="pd_placement" if gen.pd_placement == "local" else "bootstrap_room")
 

@@ -96,7 +96,7 @@ def graph_plan(config, attention: str, capturable: bool) -> tuple[list[int], str
         "--disable-cuda-graph": config.disable_cuda_graph,
         f"--attention-backend {attention} (graphs need flashinfer)": attention != "flashinfer",
         f"--tp-size {config.tp_size} (graphs need 1)": config.tp_size > 1,
-        "a prefill server decodes nothing": config.disagg_mode == "prefill",
+        "a prefill server decodes nothing": config.disaggregation_mode == "prefill",
         "the model's forward reads the device back (MoE expert routing)": not capturable,
         f"{config.speculative_algorithm} keeps the target's hidden states of every forward": config.drafts_from_hidden,
     }

@@ -15,7 +15,9 @@ target's pages (layer id num_hidden_layers of the target), so its attention must
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +35,7 @@ from common.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from common.wire.user_error import UserError
 
 FLAG = "--speculative-draft-model-path"
+H = TypeVar("H", bound=DraftHead)
 
 
 class EagleHead(DraftHead):
@@ -99,12 +102,27 @@ def load_eagle_head(
     found: tuple[Path, PretrainedConfig], target: LlamaForCausalLM, dtype: torch.dtype, device: str
 ) -> EagleHead:
     """The head, its weights read from its directory's shards, its KV the pool's layer after the target's."""
+    return load_head(found, target, EagleHead, head_param_name, dtype, device)
+
+
+def load_head(
+    found: tuple[Path, PretrainedConfig],
+    target: LlamaForCausalLM,
+    build: Callable[[PretrainedConfig, int, set[str]], H],
+    param_name: Callable[[str], str | None],
+    dtype: torch.dtype,
+    device: str,
+) -> H:
+    """An EAGLE or EAGLE3 head: `build(config, layer_id, present)` makes it on the meta device (its layer the
+    pool's after the target's, `present` the parameters the checkpoint holds), `param_name` maps each
+    checkpoint tensor to its parameter, and its weights are read from its directory's shards."""
     head_dir, head_hf = found
     shards = head_shards(head_dir)
-    mapped = {n: head_param_name(n) for header in shards.values() for n in header}
+    mapped = {n: param_name(n) for header in shards.values() for n in header}
     with torch.device("meta"):
-        head = EagleHead(head_hf, target.config.num_hidden_layers, {p for p in mapped.values() if p})
-    return load_head_weights(head, head_dir, shards, mapped, dtype, device)
+        head = build(head_hf, target.config.num_hidden_layers, {p for p in mapped.values() if p})
+    load_head_weights(head, head_dir, shards, mapped, dtype, device)
+    return head
 
 
 def head_shards(head_dir: Path) -> dict[Path, dict[str, dict]]:

@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
 from common.model.draft_head import DraftHead
-from common.model.eagle import FLAG, eagle_config, head_shards, load_head_weights
+from common.model.eagle import FLAG, eagle_config, head_shards, load_head
 from common.model.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
 from common.model.rotary import RotaryEmbedding
 from common.model.weights import read_header
@@ -134,14 +134,13 @@ def load_eagle3_head(
     found: tuple[Path, PretrainedConfig], target: LlamaForCausalLM, dtype: torch.dtype, device: str
 ) -> Eagle3Head:
     """The head, its weights read from its directory's shards, its KV the pool's layer after the target's."""
-    head_dir, head_hf = found
-    shards = head_shards(head_dir)
-    mapped = {n: eagle3_param_name(n) for header in shards.values() for n in header}
     n = target.config.num_hidden_layers
-    with torch.device("meta"):
-        head = Eagle3Head(head_hf, n, capture_layers(head_hf, n), {p for p in mapped.values() if p})
-    load_head_weights(head, head_dir, shards, mapped, dtype, device)
-    head.d2t = read_d2t(shards, head, target.config.vocab_size, device)
+
+    def build(head_hf: PretrainedConfig, layer_id: int, present: set[str]) -> Eagle3Head:
+        return Eagle3Head(head_hf, layer_id, capture_layers(head_hf, n), present)
+
+    head = load_head(found, target, build, eagle3_param_name, dtype, device)
+    head.d2t = read_d2t(head_shards(found[0]), head, target.config.vocab_size, device)
     return head
 
 

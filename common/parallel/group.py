@@ -173,7 +173,7 @@ def _host_group():
     return _HOST_GROUP[0] if _HOST_GROUP else None
 
 
-def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
+def serve_rendezvous(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0: the group's rendezvous store, listening on `addr`'s port (HOST:PORT) on every interface
     (torch's TCPStore binds no one address)."""
     _, port = split_host_port(addr)
@@ -181,9 +181,11 @@ def host_store(addr: str, size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("0.0.0.0", port, size, True, timeout, wait_for_workers=False)
 
 
-def join_store(addr: str, timeout_s: float, start_s: float | None = None, waiting: str | None = None) -> dist.TCPStore:
-    """Any other rank or host: a client of rank 0's store at `addr`; its calls wait up to `timeout_s`. Until
-    the store listens (host 0 may start later) it waits quietly, polling with plain connections (a TCPStore
+def join_rendezvous(
+    addr: str, timeout_s: float, start_s: float | None = None, waiting: str | None = None
+) -> dist.TCPStore:
+    """Any other rank or node: a client of rank 0's rendezvous store at `addr`; its calls wait up to `timeout_s`. Until
+    it listens (node 0 may start later) it waits quietly, polling with plain connections (a TCPStore
     client's own failed tries log a stack trace each), up to `start_s` (default `timeout_s`): `waiting`, if
     given, is logged once, and past the bound a UserError says what to do."""
     host, port = split_host_port(addr)
@@ -192,13 +194,15 @@ def join_store(addr: str, timeout_s: float, start_s: float | None = None, waitin
     while True:
         try_s = max(0.1, min(CONNECT_TRY_S, deadline - time.monotonic()))
         try:
-            store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=try_s), wait_for_workers=False)
+            rendezvous = dist.TCPStore(
+                host, port, None, False, datetime.timedelta(seconds=try_s), wait_for_workers=False
+            )
         except (RuntimeError, TimeoutError):  # not listening yet (torch.distributed.DistError)
             if time.monotonic() >= deadline:
                 raise
             continue
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))  # how long a rank waits for the others
-        return store
+        rendezvous.set_timeout(datetime.timedelta(seconds=timeout_s))  # how long a rank waits for the others
+        return rendezvous
 
 
 def _wait_listening(host: str, port: int, deadline: float, waiting: str | None, addr: str) -> None:
@@ -211,8 +215,8 @@ def _wait_listening(host: str, port: int, deadline: float, waiting: str | None, 
             pass
         if time.monotonic() >= deadline:
             raise UserError(
-                f"nothing listens at --dist-init-addr {addr} after --dist-timeout: start host 0 (--node-rank 0) of "
-                "the TP group with the same --dist-init-addr, or check that this host reaches it"
+                f"nothing listens at --dist-init-addr {addr} after --dist-timeout: start node 0 (--node-rank 0) of "
+                "the TP group with the same --dist-init-addr, or check that this node reaches it"
             )
         if waiting and not said:
             log.info("%s", waiting)
@@ -220,35 +224,37 @@ def _wait_listening(host: str, port: int, deadline: float, waiting: str | None, 
         time.sleep(0.5)
 
 
-def start_barrier(store: dist.Store, rank: int, size: int, timeout_s: float, per_host: int) -> None:
-    """Every rank of the group has joined `store`, waited for at most `timeout_s` (--dist-timeout): past it a
-    UserError names the ranks (and hosts) that did not join. Loading the model comes after, unbounded."""
+def start_barrier(rendezvous: dist.Store, rank: int, size: int, timeout_s: float, per_node: int) -> None:
+    """Every rank of the group has joined the `rendezvous` store, waited for at most `timeout_s` (--dist-timeout): past it a
+    UserError names the ranks (and nodes) that did not join. Loading the model comes after, unbounded."""
     keys = [f"tandem/joined/{r}" for r in range(size)]
-    store.set(keys[rank], "1")
+    rendezvous.set(keys[rank], "1")
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        rendezvous.wait(keys, datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, TimeoutError):  # torch.distributed.DistStoreError
-        missing = [r for r in range(size) if not store.check([keys[r]])]
-        hosts = sorted({r // per_host for r in missing})
+        missing = [r for r in range(size) if not rendezvous.check([keys[r]])]
+        nodes = sorted({r // per_node for r in missing})
         raise UserError(
-            f"tp ranks {missing} (host {', '.join(map(str, hosts))}) did not join the TP group within --dist-timeout "
-            f"{timeout_s:g} s: start every host (--node-rank 0..) with the same --tp-size, --nnodes and --dist-init-addr"
+            f"tp ranks {missing} (node {', '.join(map(str, nodes))}) did not join the TP group within --dist-timeout "
+            f"{timeout_s:g} s: start every node (--node-rank 0..) with the same --tp-size, --nnodes and --dist-init-addr"
         ) from None
 
 
-def init_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float, per_host: int) -> TensorParallel:
-    """Join the group of `size` ranks that meet in `store` (see host_store / join_store); `per_host`
-    ranks share this host: on CUDA the rank's index on its host picks its GPU."""
+def init_group(
+    rank: int, size: int, rendezvous: dist.Store, device: str, timeout_s: float, per_node: int
+) -> TensorParallel:
+    """Join the group of `size` ranks that meet in the `rendezvous` store (see serve_rendezvous / join_rendezvous); `per_node`
+    ranks share this node: on CUDA the rank's index on its node picks its GPU."""
     extra = {}
     if device == "cuda":
-        torch.cuda.set_device(rank % per_host)
+        torch.cuda.set_device(rank % per_node)
         os.environ.setdefault(NCCL_ERROR_HANDLING_ENV, "0")  # the supervisor decides (see above)
-        extra["device_id"] = torch.device("cuda", rank % per_host)  # the communicator is formed now
+        extra["device_id"] = torch.device("cuda", rank % per_node)  # the communicator is formed now
     else:  # the ranks share the cores: more threads each would spin against each other in every collective
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     dist.init_process_group(
         backend="nccl" if device == "cuda" else "gloo",
-        store=store,
+        store=rendezvous,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -30,7 +30,7 @@ from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from common.model.eplb import rebalance_experts
 from common.model.loader import load_hf_config, resolve_model_dir
-from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_store, start_barrier
+from common.parallel.group import PEER_GONE_EXIT, PeerGone, init_group, join_rendezvous, start_barrier
 from common.ranks.progress import Progress
 from common.ranks.rank_model import RankModel, build_rank_model, model_layout, rank_report
 from common.ranks.ranks import GROUP_TIMEOUT_S
@@ -45,7 +45,7 @@ Services = Callable[[ServerConfig, KVPool], Any]  # starts what else a rank runs
 
 
 def exit_with_rank0(files: list[str]) -> None:
-    """Exit as soon as our starter's end of our stdin closes (rank 0, or host k's process, exited however
+    """Exit as soon as our starter's end of our stdin closes (rank 0, or node k's process, exited however
     it did), removing the shared `files` it may not have removed (it died before)."""
 
     def wait() -> None:
@@ -91,15 +91,15 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
     config = ServerConfig.model_validate(json.loads(ns.config))
     exit_with_rank0([ns.progress])
     torch.manual_seed(config.seed)
-    store = join_store(ns.addr, GROUP_TIMEOUT_S)
+    rendezvous = join_rendezvous(ns.addr, GROUP_TIMEOUT_S)
     try:  # rank 0 decides first (its bound is the same, counted earlier) and names the ranks missing
-        start_barrier(store, ns.rank, ns.size, config.dist_timeout + STARTUP_MARGIN_S, config.ranks_per_host)
+        start_barrier(rendezvous, ns.rank, ns.size, config.dist_timeout + STARTUP_MARGIN_S, config.ranks_per_node)
     except (UserError, RuntimeError) as e:
         log.error("%s", str(e).splitlines()[0])
         logging.shutdown()
         os._exit(1)
     tp = model_layout(
-        init_group(ns.rank, ns.size, store, config.device, GROUP_TIMEOUT_S, config.ranks_per_host), config
+        init_group(ns.rank, ns.size, rendezvous, config.device, GROUP_TIMEOUT_S, config.ranks_per_node), config
     )
     model_dir = resolve_model_dir(config.model)
     dtype = getattr(torch, config.torch_dtype_name)

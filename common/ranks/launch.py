@@ -1,4 +1,4 @@
-"""Rank 0 (or, with --nnodes > 1, host k's process) starts this host's follower processes
+"""Rank 0 (or, with --nnodes > 1, node k's process) starts this node's follower processes
 (`python -m ENTRY`: common.ranks.follower, or the entry point its starter names, which adds what else a
 rank runs: `tandem serve`'s adds a PD rank's KV transfer agent) and ends them.
 
@@ -31,18 +31,18 @@ def free_port() -> int:
 
 
 def group_addr(config: ServerConfig) -> str:
-    """Where rank 0 hosts the group's rendezvous: --dist-init-addr, else a free port of this host."""
+    """Where rank 0 serves the group's rendezvous store: --dist-init-addr, else a free port of this node."""
     return config.dist_init_addr or f"127.0.0.1:{free_port()}"
 
 
 def local_ranks(config: ServerConfig) -> range:
-    """The ranks this host runs (--node-rank's share of --tp-size), rank 0 included on host 0."""
-    per = config.ranks_per_host
+    """The ranks this node runs (--node-rank's share of --tp-size), rank 0 included on node 0."""
+    per = config.ranks_per_node
     return range(config.node_rank * per, (config.node_rank + 1) * per)
 
 
 def spawn_followers(config: ServerConfig, addr: str, progress_path: str, entry: str) -> list[subprocess.Popen]:
-    """This host's ranks but rank 0, each `python -m entry` told the group's address, the progress file and
+    """This node's ranks but rank 0, each `python -m entry` told the group's address, the progress file and
     the config."""
     argv = ["--size", str(config.tp_size), "--addr", addr, "--progress", progress_path]
     argv += ["--config", json.dumps(config.model_dump(mode="json"))]

@@ -1,4 +1,4 @@
-"""Rank 0's side of tensor parallelism: it starts this host's followers, hosts and joins the group,
+"""Rank 0's side of tensor parallelism: it starts this node's followers, serves the group's rendezvous and joins it,
 sends every forward to all ranks before running its own share (`forward`), watches them, and stops them.
 
 Faults: a follower that exits, or that has not finished a step within --watchdog-timeout-s, is a fault
@@ -9,8 +9,8 @@ naming the rank (`check_step`, after the step's tokens reached the host: an abor
 and so does every later forward. A follower that exits because a collective failed
 (PEER_GONE_EXIT) is not blamed unless no other rank is named within `grace_s`. A follower that exits
 during start-up ends the server. With
---nnodes > 1 the ranks of other hosts are watched through the host board (common.ranks.remote_hosts),
-and a fault is posted there so that every host ends its ranks.
+--nnodes > 1 the ranks of other nodes are watched through the node board (common.ranks.remote_nodes),
+and a fault is posted there so that every node ends its ranks.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from common.parallel.group import (
     PEER_GONE_EXIT,
     TensorParallel,
     abort_collectives,
-    host_store,
     init_group,
+    serve_rendezvous,
     start_barrier,
 )
-from common.ranks.host_board import HostBoard
 from common.ranks.launch import end_followers, group_addr, kill, spawn_followers, state_of
+from common.ranks.node_board import NodeBoard
 from common.ranks.progress import Progress
 from common.ranks.rank_model import model_layout
-from common.ranks.remote_hosts import RemoteHosts
+from common.ranks.remote_nodes import RemoteNodes
 from common.ranks.step import StepChannel
 
 log = logging.getLogger(__name__)
@@ -62,23 +62,23 @@ class Ranks:
         self.config = config
         self.progress = Progress.create(config.tp_size)
         addr = group_addr(config)
-        store = host_store(addr, config.tp_size, GROUP_TIMEOUT_S)
+        rendezvous = serve_rendezvous(addr, config.tp_size, GROUP_TIMEOUT_S)
         self.procs: list[subprocess.Popen] = spawn_followers(config, addr, self.progress.path, follower)
-        self.remote = RemoteHosts(config, HostBoard(store, 0)) if config.nnodes > 1 else None
-        if self.remote is not None:  # the other hosts' ranks run with it (common.ranks.host)
+        self.remote = RemoteNodes(config, NodeBoard(rendezvous, 0)) if config.nnodes > 1 else None
+        if self.remote is not None:  # the other nodes' ranks run with it (common.ranks.node)
             self.remote.board.post_config(config)
         self.fault: str | None = None
         self.serving = self.stopping = False
         self.step, self.step_started = 0, None
         self._lock = threading.Lock()
-        # how long a failed collective waits for the name of the rank that is gone (a host's silence on
-        # another host), and a follower here that exited because of it is not blamed
+        # how long a failed collective waits for the name of the rank that is gone (a node's silence on
+        # another node), and a follower here that exited because of it is not blamed
         self.grace_s = 2.0 + (self.remote.window_s if self.remote else 0.0)
         self._lost: dict[int, float] = {}  # follower -> when it was seen exited with PEER_GONE_EXIT
         threading.Thread(target=self._watch, name="tp-ranks", daemon=True).start()
-        per_host = config.ranks_per_host
-        start_barrier(store, 0, config.tp_size, config.dist_timeout, per_host)  # a missing host: one clear line
-        group = init_group(0, config.tp_size, store, config.device, GROUP_TIMEOUT_S, per_host)
+        per_node = config.ranks_per_node
+        start_barrier(rendezvous, 0, config.tp_size, config.dist_timeout, per_node)  # a missing node: one clear line
+        group = init_group(0, config.tp_size, rendezvous, config.device, GROUP_TIMEOUT_S, per_node)
         self.tp: TensorParallel = model_layout(group, config)
         self.channel = StepChannel(self.tp, config.device, config.page_size)
 
@@ -113,7 +113,7 @@ class Ranks:
 
     def _diagnose(self, error: Exception) -> str:
         """Why the step failed: a follower that exited (waited for: its collective may end first; on
-        another host, up to the heartbeat window: its host's process may have died with it)."""
+        another node, up to the heartbeat window: its node's process may have died with it)."""
         deadline = time.monotonic() + self.grace_s
         while self.fault is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -159,7 +159,7 @@ class Ranks:
         )
 
     def _describe(self, rank: int) -> str:
-        if rank < self.config.ranks_per_host:  # a follower on this host
+        if rank < self.config.ranks_per_node:  # a follower on this node
             pid = self.procs[rank - 1].pid
             return f"pid {pid}, state {state_of(pid)}"
         return self.remote.describe(rank)
@@ -177,7 +177,7 @@ class Ranks:
         self._post(message)
 
     def _post(self, message: str) -> None:
-        """Tell the other hosts (they end their ranks on any posted fault)."""
+        """Tell the other nodes (they end their ranks on any posted fault)."""
         if self.remote is not None:
             self.remote.board.set_fault(message)
 
@@ -193,8 +193,8 @@ class Ranks:
                 self.channel.send_stop()
             except Exception as e:  # a follower gone meanwhile: end_followers kills the rest
                 log.warning("could not tell the TP ranks to stop: %r", e)
-                self._post(f"host 0 could not stop the TP ranks: {e!r}")
+                self._post(f"node 0 could not stop the TP ranks: {e!r}")
         else:
-            self._post(f"host 0 stopped with the TP group broken or a step stuck: {self.fault or 'a step runs'}")
+            self._post(f"node 0 stopped with the TP group broken or a step stuck: {self.fault or 'a step runs'}")
         end_followers(self.procs, STOP_GRACE_S)
         self.progress.remove()

@@ -7,11 +7,17 @@ from __future__ import annotations
 
 
 class TandemError(Exception):
-    """An error that ends one request. `status` is the HTTP status the client sees."""
+    """An error that ends one request. `status` is the HTTP status the client sees; a subclass names its
+    status, type and (one the client may retry soon) `retry_after` seconds in its class line."""
 
     status: int = 500
     type: str = "internal_error"
     headers: dict[str, str] = {}
+
+    def __init_subclass__(cls, status: int = 500, type: str = "internal_error", retry_after: str | None = None):
+        super().__init_subclass__()
+        cls.status, cls.type = status, type
+        cls.headers = {"Retry-After": retry_after} if retry_after else {}
 
     def __init__(self, message: str, param: str | None = None, status: int | None = None):
         super().__init__(message)
@@ -24,67 +30,40 @@ class TandemError(Exception):
         return error_body(self.message, self.type, self.status, self.param)
 
 
-class InvalidRequest(TandemError):
-    status = 400
-    type = "invalid_request_error"
+class InvalidRequest(TandemError, status=400, type="invalid_request_error"): ...
 
 
-class NotFound(TandemError):
-    status = 404
-    type = "not_found_error"
+class NotFound(TandemError, status=404, type="not_found_error"): ...
 
 
-class PayloadTooLarge(TandemError):
-    status = 413
-    type = "invalid_request_error"
+class PayloadTooLarge(TandemError, status=413, type="invalid_request_error"): ...
 
 
-class BodyTimeout(TandemError):
-    status = 408
-    type = "invalid_request_error"
+class BodyTimeout(TandemError, status=408, type="invalid_request_error"): ...
 
 
-class UnsupportedEncoding(TandemError):
-    status = 415
-    type = "invalid_request_error"
+class UnsupportedEncoding(TandemError, status=415, type="invalid_request_error"): ...
 
 
-class Overloaded(TandemError):
-    status = 503
-    type = "overloaded_error"
-    headers = {"Retry-After": "1"}
+class Overloaded(TandemError, status=503, type="overloaded_error", retry_after="1"): ...
 
 
-class RequestAborted(TandemError):
-    status = 499
-    type = "aborted"
+class RequestAborted(TandemError, status=499, type="aborted"): ...
 
 
-class Conflict(TandemError):
-    status = 409
-    type = "conflict_error"
+class Conflict(TandemError, status=409, type="conflict_error"): ...
 
 
-class Unavailable(TandemError):
+class Unavailable(TandemError, status=503, type="unavailable_error", retry_after="1"):
     """The server cannot serve this request now (memory exhausted, shutting down); another may."""
 
-    status = 503
-    type = "unavailable_error"
-    headers = {"Retry-After": "1"}
 
-
-class UpstreamFailed(TandemError):
+class UpstreamFailed(TandemError, status=502, type="upstream_error"):
     """The PD peer (or the KV it sent) failed this request."""
 
-    status = 502
-    type = "upstream_error"
 
-
-class UpstreamTimeout(TandemError):
+class UpstreamTimeout(TandemError, status=504, type="timeout_error"):
     """The PD peer did not do its part in time."""
-
-    status = 504
-    type = "timeout_error"
 
 
 BY_STATUS: dict[int, type[TandemError]] = {

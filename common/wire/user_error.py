@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+ENV_PREFIXES = ("TANDEM_ROUTER_", "TANDEM_PLANNER_", "TANDEM_")  # the config models' env_prefix, longest first
+
 
 class UserError(Exception):
     """A start-up error the user can fix; the message says what is wrong and what to do."""
@@ -22,5 +24,8 @@ def config_error(e: ValidationError) -> UserError:
     message = err["msg"].removeprefix("Value error, ")
     if not err["loc"]:
         return UserError(message)
-    flag = "--" + ".".join(str(x) for x in err["loc"]).replace("_", "-")
+    where = ".".join(str(x) for x in err["loc"])
+    if where.isupper():  # read from the environment under a field's alias (TANDEM_..._NAME): named by its flag
+        where = next((where.removeprefix(p) for p in ENV_PREFIXES if where.startswith(p)), where).lower()
+    flag = "--" + where.replace("_", "-")
     return UserError(f"{flag} {err.get('input')}: {message}")

@@ -50,7 +50,7 @@ def test_a_group_of_pods_per_replica_with_the_node_flags():
         assert flag(c["args"], "--node-rank") == {"leader": "0", "worker": "$(LWS_WORKER_INDEX)"}[node]
         config = as_launched(c["args"], env)
         assert (config.tp_size, config.nnodes, config.node_rank) == (4, 2, int(env["LWS_WORKER_INDEX"]))
-        assert config.disagg_mode == "prefill"
+        assert config.disaggregation_mode == "prefill"
         assert config.dist_init_addr == f"{LEADER_ENV['LWS_LEADER_ADDRESS']}:5000"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # tpSize / nodes
     leader, worker = (pods[n]["spec"]["containers"][0] for n in ("leader", "worker"))

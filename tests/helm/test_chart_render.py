@@ -41,7 +41,7 @@ def test_the_cli_accepts_every_rendered_command(values_file):
     for role in ("prefill", "decode"):
         c = container(docs, role)
         config = parse_serve(c["args"])
-        assert c["command"] == ["tandem"] and config.disagg_mode == role
+        assert c["command"] == ["tandem"] and config.disaggregation_mode == role
         assert config.transfer_backend == values["transfer"]["backend"] and config.device == values["device"]
         assert config.host == "0.0.0.0" and c["ports"][0] == {"name": "http", "containerPort": config.port}
     router = parse_router(container(docs, "router")["args"])

@@ -31,7 +31,8 @@ class Cluster:
     @property
     def prefill_bootstrap_ports(self) -> list[int]:
         """Each prefill's registry: its embedded one, or the standalone one."""
-        return [int(p.arg("--bootstrap-port") or self.bootstrap.port) for p in self.prefills]
+        own = lambda p: p.arg("--bootstrap-port") or p.arg("--disaggregation-bootstrap-port")  # noqa: E731 (SGLang's)
+        return [int(own(p) or self.bootstrap.port) for p in self.prefills]
 
     def spawn_router(self) -> None:
         pairs = list(zip(self.prefills, self.prefill_bootstrap_ports))
@@ -101,10 +102,10 @@ def spawn_cluster(
             c.bootstrap = ServerProcess(["bootstrap", "--port", str(port)], port, name="bootstrap").wait_ready(60)
         for i in range(n_prefill):
             where = ("--bootstrap-url", c.bootstrap.url) if c.bootstrap else ("--bootstrap-port", str(free_port()))
-            mode = ("--disagg-mode", "prefill", "--transfer-backend", backend, *where)
+            mode = ("--disaggregation-mode", "prefill", "--transfer-backend", backend, *where)
             c.prefills.append(start_server(*mode, *flags, *prefill_flags, name=f"prefill{i}"))
         for j in range(n_decode):
-            mode = ("--disagg-mode", "decode", "--transfer-backend", backend)
+            mode = ("--disaggregation-mode", "decode", "--transfer-backend", backend)
             c.decodes.append(start_server(*mode, *flags, *decode_flags, name=f"decode{j}"))
         c.spawn_router()
         return c

@@ -214,7 +214,7 @@ def start_ns_cluster(
         for role in ("prefill", "decode"):
             host = hosts[role]
             args = ["serve", "--host", "0.0.0.0", "--port", str(PORT), "--advertise-host", host.address]
-            args += ["--disagg-mode", role, "--transfer-backend", backend, "--max-total-tokens", "8192", *flags]
+            args += ["--disaggregation-mode", role, "--transfer-backend", backend, "--max-total-tokens", "8192", *flags]
             if role == "prefill":
                 args += ["--bootstrap-url", c.bootstrap.url]
             (c.prefills if role == "prefill" else c.decodes).append(

@@ -45,7 +45,7 @@ def nodes() -> Iterator[Nodes]:
     try:
         servers.append(
             start_server(
-                "--disagg-mode",
+                "--disaggregation-mode",
                 "prefill",
                 "--bootstrap-port",
                 str(boot),
@@ -55,10 +55,10 @@ def nodes() -> Iterator[Nodes]:
                 name="rf-prefill",
             )
         )
-        servers.append(start_server("--disagg-mode", "decode", *FLAGS, name="rf-decode"))
+        servers.append(start_server("--disaggregation-mode", "decode", *FLAGS, name="rf-decode"))
         servers.append(
             start_server(
-                "--disagg-mode",
+                "--disaggregation-mode",
                 "decode",
                 *FLAGS,
                 "--context-length",

@@ -33,7 +33,7 @@ class Cluster:
         )
         common = ("--model", model, "--transfer-backend", "mooncake", "--cluster-secret", SECRET, *FLAGS)
         self.prefill = start_server(
-            "--disagg-mode",
+            "--disaggregation-mode",
             "prefill",
             "--bootstrap-url",
             f"http://127.0.0.1:{self.boot_port}",
@@ -42,7 +42,7 @@ class Cluster:
             *common,
             name="cp-prefill",
         )
-        self.decode = start_server("--disagg-mode", "decode", *common, name="cp-decode")
+        self.decode = start_server("--disaggregation-mode", "decode", *common, name="cp-decode")
         for node in (self.bootstrap, self.prefill, self.decode):
             node.wait_ready()
         self.router = start_router([(self.prefill, self.boot_port)], [self.decode], "--health-check-interval-s", "0.5")
@@ -179,7 +179,7 @@ def test_a_decode_without_the_cluster_secret_cannot_pair(cluster, tiny_model_dir
     )
     assert r.status_code == 401 and "does not match" in r.json()["error"]["message"]
     stranger = start_server(
-        "--disagg-mode",
+        "--disaggregation-mode",
         "decode",
         "--model",
         str(tiny_model_dir),

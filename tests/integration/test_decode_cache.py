@@ -27,7 +27,7 @@ def pair(tiny_model_dir):
     """One prefill, a decode with its cache (router `on`) and one without (router `off`)."""
     pytest.importorskip("mooncake.engine")
     flags = ("--model", str(tiny_model_dir), "--page-size", str(PAGE), "--chunked-prefill-size", "64")
-    plain_flags = ("--disagg-mode", "decode", "--transfer-backend", "mooncake", "--disable-radix-cache", *flags)
+    plain_flags = ("--disaggregation-mode", "decode", "--transfer-backend", "mooncake", "--disable-radix-cache", *flags)
     plain = start_server(*plain_flags, name="decode-nc")
     c = routers = None
     try:

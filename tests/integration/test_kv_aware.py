@@ -175,7 +175,7 @@ def test_32_concurrent_requests_over_two_prefills_and_two_decodes_equal_monolith
 
 def test_a_decode_of_another_page_size_refuses_the_prefill_naming_both(cluster, prompts):
     decode = start_server(
-        "--disagg-mode", "decode", "--transfer-backend", "mooncake", "--page-size", "8", name="d-page8"
+        "--disaggregation-mode", "decode", "--transfer-backend", "mooncake", "--page-size", "8", name="d-page8"
     )
     router = None
     try:

@@ -103,11 +103,20 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     try:
         for i in range(2):
             port, boot = free_port(), free_port()
-            args = ["serve", "--port", str(port), "--disagg-mode", "prefill", "--bootstrap-port", str(boot), *PD_FLAGS]
+            args = [
+                "serve",
+                "--port",
+                str(port),
+                "--disaggregation-mode",
+                "prefill",
+                "--bootstrap-port",
+                str(boot),
+                *PD_FLAGS,
+            ]
             servers.append(ServerProcess(args, port, name=f"mig-prefill{i}", env=site_env(faults[i])))
         for j in range(2):
             port = free_port()
-            args = ["serve", "--port", str(port), "--disagg-mode", "decode", *PD_FLAGS, *(NGRAM if j else ())]
+            args = ["serve", "--port", str(port), "--disaggregation-mode", "decode", *PD_FLAGS, *(NGRAM if j else ())]
             servers.append(ServerProcess(args, port, name=f"mig-decode{j}"))
         for s in servers:
             s.wait_ready(600)  # four servers load at once

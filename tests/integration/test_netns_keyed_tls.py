@@ -83,7 +83,7 @@ def start_servers(net: Network, certs: Certs, names: dict[str, str]) -> dict[str
     start("bootstrap", boot, BOOTSTRAP_PORT)  # all start at once: the prefill registers once it can
     for role in ("prefill", "decode"):
         args = ["serve", "--host", "0.0.0.0", "--port", str(PORT), "--advertise-host", hosts[role].address]
-        args += ["--disagg-mode", role, "--transfer-backend", "mooncake", *ENGINE, *keyed]
+        args += ["--disaggregation-mode", role, "--transfer-backend", "mooncake", *ENGINE, *keyed]
         if role == "prefill":
             args += ["--bootstrap-url", f"https://{names['bootstrap']}:{BOOTSTRAP_PORT}"]
         start(role, args)

@@ -30,7 +30,7 @@ class Setup:
         common = ("--model", model, "--transfer-backend", "mooncake", *ENGINE)
         self.mono = start_server("--model", model, *ENGINE, name="ov-mono")
         self.prefill = start_server(
-            "--disagg-mode",
+            "--disaggregation-mode",
             "prefill",
             "--bootstrap-port",
             str(free_port()),
@@ -39,9 +39,15 @@ class Setup:
             *common,
             name="ov-prefill",
         )
-        self.patient = start_server("--disagg-mode", "decode", *common, *SMALL_DECODE, name="ov-decode-patient")
+        self.patient = start_server("--disaggregation-mode", "decode", *common, *SMALL_DECODE, name="ov-decode-patient")
         self.hasty = start_server(
-            "--disagg-mode", "decode", *common, *SMALL_DECODE, "--pairing-timeout-s", "0.3", name="ov-decode-hasty"
+            "--disaggregation-mode",
+            "decode",
+            *common,
+            *SMALL_DECODE,
+            "--pairing-timeout-s",
+            "0.3",
+            name="ov-decode-hasty",
         )
         for n in self.nodes:
             n.wait_ready()

@@ -67,7 +67,7 @@ def start_role(role: str, backend: str, flags: tuple[str, ...], name: str) -> tu
     """A prefill (with its embedded bootstrap registry on the returned port) or a decode, not yet ready."""
     boot = free_port()
     where = ("--bootstrap-port", str(boot)) if role == "prefill" else ()
-    return start_server("--disagg-mode", role, "--transfer-backend", backend, *where, *flags, name=name), boot
+    return start_server("--disaggregation-mode", role, "--transfer-backend", backend, *where, *flags, name=name), boot
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -109,7 +109,7 @@ def test_a_first_token_the_grammar_forbids_fails_the_request_and_frees_everythin
     without one expects it constrained: the decode refuses the token, naming the grammar."""
     boot = str(free_port())
     odd = start_server(
-        *("--disagg-mode", "prefill", "--transfer-backend", "mooncake", "--bootstrap-port", boot),
+        *("--disaggregation-mode", "prefill", "--transfer-backend", "mooncake", "--bootstrap-port", boot),
         *BUILTIN,
         *("--reasoning-parser", "deepseek-r1"),
         name="prefill-odd",

@@ -41,7 +41,9 @@ def cluster(mono, tiny_model_dir):
     c = Cluster(policy="kv_aware", router_args=COST)
     try:
         for name, mode in (("prefill0", "prefill"), ("decode0", "decode"), ("decode1", "decode")):
-            server = start_server("--disagg-mode", mode, "--bootstrap-port", str(free_port()), *common, name=name)
+            server = start_server(
+                "--disaggregation-mode", mode, "--bootstrap-port", str(free_port()), *common, name=name
+            )
             (c.prefills if mode == "prefill" else c.decodes).append(server)
         c.spawn_router()
         c.wait_ready(600)

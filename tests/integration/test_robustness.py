@@ -217,7 +217,7 @@ def test_a_decode_registering_another_layout_is_refused_with_the_field_named(clu
 
 def test_a_server_exposed_without_a_cluster_secret_says_so_at_start_up(tiny_model_dir):
     server = start_server(
-        "--disagg-mode", "decode", "--model", str(tiny_model_dir), "--host", "0.0.0.0", name="rb-exposed"
+        "--disaggregation-mode", "decode", "--model", str(tiny_model_dir), "--host", "0.0.0.0", name="rb-exposed"
     )
     try:
         wait_until(lambda: "WITHOUT --cluster-secret" in server.log_path.read_text(errors="replace"), 60, "the warning")

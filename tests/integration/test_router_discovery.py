@@ -11,8 +11,8 @@ from tests.integration.cluster import generate
 
 def test_router_discovers_prefill_and_decode_by_name_and_serves_through_them(builtin_model_dir):
     boot = free_port()
-    prefill = start_server("--disagg-mode", "prefill", "--bootstrap-port", str(boot), name="prefill-disc")
-    decode = start_server("--disagg-mode", "decode", name="decode-disc")
+    prefill = start_server("--disaggregation-mode", "prefill", "--bootstrap-port", str(boot), name="prefill-disc")
+    decode = start_server("--disaggregation-mode", "decode", name="decode-disc")
     router = None
     try:
         prefill.wait_ready()
@@ -59,8 +59,8 @@ def test_decodes_are_sent_to_the_standalone_registry_the_prefills_registered_wit
     boot = free_port()
     registry = ServerProcess(["bootstrap", "--host", "127.0.0.2", "--port", str(boot)], boot, name="bootstrap-disc")
     registry.url = f"http://127.0.0.2:{boot}"
-    prefill = start_server("--disagg-mode", "prefill", "--bootstrap-url", registry.url, name="prefill-boot")
-    decode = start_server("--disagg-mode", "decode", name="decode-boot")
+    prefill = start_server("--disaggregation-mode", "prefill", "--bootstrap-url", registry.url, name="prefill-boot")
+    decode = start_server("--disaggregation-mode", "decode", name="decode-boot")
     router = None
     try:
         for p in (registry, prefill, decode):

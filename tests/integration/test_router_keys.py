@@ -63,7 +63,7 @@ def test_health_generate_and_the_workers_info_pass_the_key_on(cluster):
     assert httpx.get(cluster.url + "/health_generate", headers=AUTH, timeout=60).status_code == 200
     assert httpx.get(cluster.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
     info = httpx.get(cluster.url + "/get_server_info", headers=AUTH, timeout=30).json()
-    assert [("error" in w, w["config"]["disagg_mode"]) for w in info["prefill"] + info["decode"]] == [
+    assert [("error" in w, w["config"]["disaggregation_mode"]) for w in info["prefill"] + info["decode"]] == [
         (False, "prefill"),
         (False, "decode"),
     ]

@@ -271,9 +271,9 @@ def test_get_server_info_gives_the_router_config_and_each_workers_answer_by_role
         [nodes.decode.url, dead],
         False,
     )
-    assert [(p["url"], p["config"]["disagg_mode"]) for p in info["prefill"]] == [(nodes.prefill.url, "prefill")]
+    assert [(p["url"], p["config"]["disaggregation_mode"]) for p in info["prefill"]] == [(nodes.prefill.url, "prefill")]
     alive, gone = info["decode"]
-    assert (alive["url"], alive["config"]["disagg_mode"], alive["kv_pages"]) == (
+    assert (alive["url"], alive["config"]["disaggregation_mode"], alive["kv_pages"]) == (
         nodes.decode.url,
         "decode",
         nodes.decode.info()["kv_pages"],

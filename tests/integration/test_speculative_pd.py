@@ -92,7 +92,9 @@ def servers(tiny, mtp, heads, reference_servers):
         started.append(nextn_pd)
         head_pds = {algo: spawn_cluster("mooncake", flags=flags) for algo, (_, _, flags) in heads.items()}
         started.extend(head_pds.values())
-        plain = start_server("--disagg-mode", "decode", "--transfer-backend", "mooncake", *flags, name="decode-plain")
+        plain = start_server(
+            "--disaggregation-mode", "decode", "--transfer-backend", "mooncake", *flags, name="decode-plain"
+        )
         started.append(plain)
         tp = start_server(*flags, "--tp-size", "2", *NGRAM, name="ngram-tp2")
         started.append(tp)

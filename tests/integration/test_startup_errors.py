@@ -56,14 +56,14 @@ def cases(busy: int, gpt2: Path) -> dict[str, tuple[list[str], int, str]]:
             "tandem serve: --page-size 0: Input should be greater than or equal to 1",
         ),
         "serve-unknown-choice": (
-            [*tandem, "serve", "--disagg-mode", "both"],
+            [*tandem, "serve", "--disaggregation-mode", "both"],
             2,
-            "tandem serve: argument --disagg-mode: invalid choice: 'both' (choose from 'null', 'prefill', "
+            "tandem serve: argument --disaggregation-mode: invalid choice: 'both' (choose from 'null', 'prefill', "
             "'decode') (see `tandem serve --help`)",
         ),
         "serve-port-in-use": ([*tandem, "serve", "--port", str(busy)], 1, f"tandem serve: --port {busy}: {in_use}"),
         "prefill-bootstrap-port-in-use": (
-            [*tandem, "serve", "--disagg-mode", "prefill", "--bootstrap-port", str(busy)],
+            [*tandem, "serve", "--disaggregation-mode", "prefill", "--bootstrap-port", str(busy)],
             1,
             f"tandem serve: --bootstrap-port {busy}: {in_use}",
         ),

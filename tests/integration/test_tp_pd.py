@@ -56,10 +56,12 @@ def start_servers(flags: tuple[str, ...], prefill_tps: tuple[int, ...], decode_t
     s = Servers()
     try:
         for tp in prefill_tps:
-            mode = ("--disagg-mode", "prefill", "--bootstrap-port", str(free_port()))
+            mode = ("--disaggregation-mode", "prefill", "--bootstrap-port", str(free_port()))
             s.prefills[tp] = start_server(*mode, *flags, "--tp-size", str(tp), name=f"prefill-tp{tp}")
         for tp in decode_tps:
-            s.decodes[tp] = start_server("--disagg-mode", "decode", *flags, "--tp-size", str(tp), name=f"decode-tp{tp}")
+            s.decodes[tp] = start_server(
+                "--disaggregation-mode", "decode", *flags, "--tp-size", str(tp), name=f"decode-tp{tp}"
+            )
         for server in s.all():
             server.wait_ready(300)
         return s
@@ -156,7 +158,7 @@ def tiny(tmp_path_factory):
     model_dir = save_tiny_llama(root / "kv4", heads=8, kv_heads=4)
     other = save_tiny_llama(root / "kv2", heads=8, kv_heads=2)
     mode = ("--transfer-backend", "nixl", "--chunked-prefill-size", "64")
-    other_decode = start_server("--disagg-mode", "decode", "--model", str(other), *mode, name="decode-kv2")
+    other_decode = start_server("--disaggregation-mode", "decode", "--model", str(other), *mode, name="decode-kv2")
     try:
         s = start_servers(("--model", str(model_dir), *mode), (4,), (2,))
         s.model_dir, s.other_decode = model_dir, other_decode

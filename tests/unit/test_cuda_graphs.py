@@ -37,12 +37,12 @@ def gpu_config(**flags) -> ServerConfig:
         (gpu_config(disable_cuda_graph=True), "flashinfer", True, "off: --disable-cuda-graph"),
         (gpu_config(), "torch", True, "off: --attention-backend torch"),
         (gpu_config(tp_size=2), "flashinfer", True, "off: --tp-size 2"),
-        (gpu_config(disagg_mode="prefill"), "flashinfer", True, "off: a prefill server decodes nothing"),
+        (gpu_config(disaggregation_mode="prefill"), "flashinfer", True, "off: a prefill server decodes nothing"),
         (gpu_config(), "flashinfer", False, "off: the model's forward reads the device back"),
         (gpu_config(speculative_algorithm="NEXTN"), "flashinfer", True, "off: NEXTN keeps the target's hidden"),
         (gpu_config(), "flashinfer", True, "up to 256 (35 sizes"),
         (gpu_config(cuda_graph_max_bs=48), "flashinfer", True, "up to 48 (9 sizes"),
-        (gpu_config(disagg_mode="decode", max_running_requests=12), "flashinfer", True, "up to 12 (5 sizes"),
+        (gpu_config(disaggregation_mode="decode", max_running_requests=12), "flashinfer", True, "up to 12 (5 sizes"),
     ],
 )
 def test_graphs_only_where_they_can_replay_and_the_log_says_why(config, backend, capturable, says):
@@ -255,3 +255,5 @@ def test_verify_steps_replayed_from_graphs_equal_eager_verify_steps(model_dir, m
         assert [len(w.kwargs["qo_indptr_buf"]) for w in wrappers] == [5, 3, 2]  # captured largest first
         assert all(w.kwargs["paged_kv_indices_buf"] is graphed.runner.attn.graph_buffers[3].indices for w in wrappers)
         assert wrappers[1].plans[-1]["qo_indptr"].tolist() == [0, 3, 6]  # k + 1 query rows per request
+        assert {p["uniform_q_len"] for w in wrappers for p in w.plans} == {3}  # FlashInfer's CUDA-graph planner
+        assert all("uniform_q_len" not in p for p in graphed.runner.attn.prefill.plans)  # eager: ragged

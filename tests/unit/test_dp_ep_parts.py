@@ -78,7 +78,7 @@ def test_the_flags_that_cannot_split_the_model_or_each_other_are_refused():
     for message, flags in bad.items():
         with pytest.raises(ValueError, match=message):
             ServerConfig(**flags)
-    assert ServerConfig(disagg_mode="decode").lb_method == "follow_bootstrap_room"
+    assert ServerConfig(disaggregation_mode="decode").lb_method == "follow_bootstrap_room"
     assert ServerConfig().lb_method == "round_robin"
 
 

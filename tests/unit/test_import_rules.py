@@ -134,6 +134,23 @@ def _is_get_logger(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and ast.unparse(node.func).endswith("getLogger")
 
 
+# the router's placement room (router/placement): what it may import of the rest of the router
+PLACEMENT_INPUTS = {"router.workers", "router.metrics", "router.pair_call", "router.request_hints"}
+
+
+def test_the_placement_room_reads_only_its_inputs():
+    """router/placement decides which pair; it reads the workers, counts metrics and returns a Pair, and
+    reaches no other part of the router (the dispatcher, the app, the config)."""
+    violations = []
+    for path in (ROOT / "router/placement").rglob("*.py"):
+        outside = {
+            m for m in imported_modules(path) if m.startswith("router.") and not m.startswith("router.placement")
+        }
+        if outside - PLACEMENT_INPUTS:
+            violations.append(f"{path.relative_to(ROOT)} imports {sorted(outside - PLACEMENT_INPUTS)}")
+    assert violations == []
+
+
 def test_each_side_imports_only_its_own_transfer_files():
     violations = []
     for side, (files, role) in SIDES.items():

@@ -14,11 +14,11 @@ from common.engine.kv_event_publisher import KVEventPublisher
 from common.memory.allocator import PagedAllocator
 from common.memory.radix_cache import RadixCache
 from common.wire.kv_events import KVEventsConfig, block_hashes
-from router.kv_feeds import WorkerFeed
-from router.kv_index import KVIndex
-from router.kv_policy import KVAwarePolicy
 from router.pair_call import Pair
-from router.placement import pair_policy
+from router.placement.kv_feeds import WorkerFeed
+from router.placement.kv_index import KVIndex
+from router.placement.kv_policy import KVAwarePolicy
+from router.placement.placer import pair_policy
 from router.workers import Worker
 
 PAGE = 4

@@ -26,13 +26,13 @@ def test_on_cuda_the_group_is_formed_on_the_ranks_own_gpu_and_nccl_handles_no_er
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.setdefault("set_device", index))
     monkeypatch.setattr(group.dist, "init_process_group", lambda **kw: calls.setdefault("init", kw))
     monkeypatch.setattr(group.dist, "new_group", lambda **kw: "host-group")
-    tp = group.init_group(5, 8, "store", "cuda", 60.0, per_host=4)
+    tp = group.init_group(5, 8, "store", "cuda", 60.0, per_node=4)
     assert (tp.rank, tp.size) == (5, 8) and calls["set_device"] == 1
     assert calls["init"]["backend"] == "nccl" and calls["init"]["device_id"] == torch.device("cuda", 1)
     assert group.os.environ[group.NCCL_ERROR_HANDLING_ENV] == "0"
     calls.clear()
     monkeypatch.setenv(group.NCCL_ERROR_HANDLING_ENV, "2")  # the operator's choice stays
-    group.init_group(1, 2, "store", "cpu", 60.0, per_host=2)
+    group.init_group(1, 2, "store", "cpu", 60.0, per_node=2)
     assert calls["init"]["backend"] == "gloo" and "device_id" not in calls["init"]
     assert group.os.environ[group.NCCL_ERROR_HANDLING_ENV] == "2"
 

@@ -1,34 +1,40 @@
-"""One name per thing: no top-level function or class name is defined in two product modules, but for the
-few that mean the same thing everywhere (ALLOWED, each with why). A second `describe` or `split_host_port`
-is either the same rule written twice (keep one) or another thing under the same name (rename one)."""
+"""One word per thing (docs/architecture.md's glossary): a machine of a TP group is a node (SGLang's --nnodes),
+never a host (host memory's word); torch's TCPStore is the rendezvous store, never "the store" (the KV
+store's word); the config has one prefix for PD settings and one name for the role-switch timeout."""
 
 from __future__ import annotations
 
-import ast
-from collections import defaultdict
+import re
 from pathlib import Path
 
+from common.config import ServerConfig
+from router.config import RouterConfig
+
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("common", "transfer", "bootstrap", "prefill_node", "decode_node", "router", "planner", "tandem")
-ALLOWED = {"main": "the entry point of a module run with `python -m` (tandem.cli, common.ranks.follower)"}
+# where a TP group's machines and its rendezvous are spoken of
+NODE_TEXTS = [*sorted((ROOT / "common/ranks").glob("*.py")), ROOT / "common/parallel/group.py"]
+NODE_TEXTS += [ROOT / "docs/tensor-parallel.md", ROOT / "tandem/server.py"]
+MACHINE_AS_HOST = re.compile(r"\bhosts\b|\bhost (0|1|k|K)\b|\bhost\d|\bhost_?board\b|\bremote_hosts\b", re.I)
+BARE_STORE = re.compile(r"\b(the|a|its|0's) store\b", re.I)
 
 
-def top_level_names() -> dict[str, list[str]]:
-    """Name -> the product modules that define a function or class of that name at their top level."""
-    found: dict[str, list[str]] = defaultdict(list)
-    for path in sorted(p for pkg in PRODUCT for p in (ROOT / pkg).rglob("*.py")):
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                found[node.name].append(str(path.relative_to(ROOT)))
-    return found
+def test_a_machine_of_a_tp_group_is_a_node_and_its_store_the_rendezvous_store():
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in NODE_TEXTS
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if MACHINE_AS_HOST.search(line) or BARE_STORE.search(line)
+    ]
+    assert found == []
 
 
-def test_no_top_level_name_is_defined_in_two_modules():
-    twice = {name: where for name, where in top_level_names().items() if len(where) > 1 and name not in ALLOWED}
-    assert twice == {}
-
-
-def test_every_allowed_name_is_still_defined_twice():
-    """The allow-list shrinks with the code: an entry no longer needed goes."""
-    names = top_level_names()
-    assert [n for n in ALLOWED if len(names.get(n, [])) < 2] == []
+def test_pd_settings_have_one_prefix_and_the_role_switch_timeout_one_name():
+    fields = set(ServerConfig.model_fields) | set(RouterConfig.model_fields)
+    assert not [f for f in fields if f.startswith("disagg_")]  # SGLang's prefix: disaggregation_
+    assert "disaggregation_mode" in ServerConfig.model_fields
+    timeouts = sorted(f for f in fields if "role_switch" in f and f.endswith("_s"))
+    assert timeouts == ["pd_role_switch_timeout_s"]
+    assert (
+        "pd_role_switch_timeout_s" in ServerConfig.model_fields
+        and "pd_role_switch_timeout_s" in RouterConfig.model_fields
+    )

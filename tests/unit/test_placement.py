@@ -1,5 +1,5 @@
-"""The placement's parts without processes: the cost of each path (router/placement_cost.py), what it picks with
-recorded worker metrics (router/worker_stats.py parses them), the two_way rule, the headers, the learned overhead
+"""The placement's parts without processes: the cost of each path (router/placement/cost.py), what it picks with
+recorded worker metrics (router/placement/worker_stats.py parses them), the two_way rule, the headers, the learned overhead
 and tandem_router_placement_total."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.wire.errors import InvalidRequest
 from router.metrics import RouterMetrics
-from router.placement import Placer, pair_policy
-from router.placement_cost import Overheads, Prompt, Side, Slo, local, remote
-from router.placement_rules import CostPlacement, PendingWork, TwoWay
+from router.placement.cost import Overheads, Prompt, Side, Slo, local, remote
+from router.placement.placer import Placer, pair_policy
+from router.placement.rules import CostPlacement, PendingWork, TwoWay
+from router.placement.worker_stats import Stats, WorkerStats, parse_metrics
 from router.request_hints import NONE, RequestHints
-from router.worker_stats import Stats, WorkerStats, parse_metrics
 from router.workers import WorkerRegistry
 
 PAGE = 16

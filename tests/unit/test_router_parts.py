@@ -12,8 +12,8 @@ from router.dispatch import forward_bodies
 from router.logprobs import PromptLogprobs
 from router.pair_call import Pair
 from router.pair_stream import SSEFramer
-from router.placement import Placer, pair_policy
-from router.policies import POLICIES
+from router.placement.placer import Placer, pair_policy
+from router.placement.policies import POLICIES
 from router.upstream import DECODE_FAILED, answered_error
 from router.workers import WorkerRegistry
 from tandem.router_cli import config_from_args
@@ -55,7 +55,7 @@ def test_decode_policy_is_its_own_flag_and_defaults_to_none(capsys):
 
 
 def test_every_policy_is_a_flag_choice_and_a_row_of_the_readme():
-    """router/policies.py's registry is the one list: the flags' choices and the README's table come from it."""
+    """router/placement/policies.py's registry is the one list: the flags' choices and the README's table come from it."""
     readme = (ROOT / "README.md").read_text()
     for name, spec in POLICIES.items():
         assert config_from_args(["--policy", name, "--decode-policy", name]).decode_policy == name

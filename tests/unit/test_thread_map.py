@@ -37,7 +37,7 @@ def test_every_thread_the_product_names_is_in_the_thread_map():
     text = ARCHITECTURE.read_text()
     section = text[text.index("## 10. Threads") :]
     names = thread_names()
-    assert {"scheduler", "kv-recv", "tp-ranks", "rank0-watch", "host-heartbeat", "kv-backend-init"} <= names
+    assert {"scheduler", "kv-recv", "tp-ranks", "rank0-watch", "node-heartbeat", "kv-backend-init"} <= names
     assert sorted(n for n in names if f"`{n}`" not in section) == []
 
 

@@ -45,7 +45,7 @@ def make_store_cache(
         store_config.retry_interval_s,
         wake,
     )
-    read = config.disagg_mode != "decode"
+    read = config.disaggregation_mode != "decode"
     log.info(
         "KV store: %s, pages named tandem-%s-*, %s, prefetch %s",
         backend.describe(),

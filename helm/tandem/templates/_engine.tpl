@@ -14,7 +14,7 @@ of a LeaderWorkerSet (the role's nodes > 1: one TP group over `nodes` pods, engi
 {{- $v := .root.Values -}}
 {{- $role := index $v .component -}}
 - serve
-- --disagg-mode
+- --disaggregation-mode
 - {{ .component }}
 - --host
 - 0.0.0.0

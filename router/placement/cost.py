@@ -1,6 +1,6 @@
 """The one cost of a placement, in seconds (docs/placement.md): pure functions of what the router measured.
 
-For a prompt of n tokens, a prefill p and a decode d (measured rates: router/worker_stats.py):
+For a prompt of n tokens, a prefill p and a decode d (measured rates: router/placement/worker_stats.py):
 
     remote (p, d)   ttft  = overhead[remote] + queue(p) / rate(p) + (n - hit(p)) / rate(p)
                     wire  = bytes that cross / wire rate(p)          (the first token goes ahead of the KV, so the

@@ -172,11 +172,7 @@ class WorkerStats:
 
     async def scrape(self, session: aiohttp.ClientSession, worker: Worker) -> None:
         try:
-            async with session.get(
-                worker.url + "/metrics",
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                server_hostname=worker.tls_name,
-            ) as r:
+            async with worker.get(session, "/metrics", self.timeout_s) as r:
                 if r.status != 200:
                     return
                 text = await r.text()

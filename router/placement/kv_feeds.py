@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from common.wire.kv_events import END_SEQ, decode_batch
-from router.kv_index import KVIndex
+from router.placement.kv_index import KVIndex
 from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("tandem.router")

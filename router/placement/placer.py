@@ -1,14 +1,14 @@
 """Where a request goes: a (prefill, decode) pair among the healthy workers, some excluded, or a decode alone.
 
     Placer.pick(body, exclude, hints)  the candidates: healthy workers of each role whose url is not in `exclude`
-      └─▶ Placement.place               --pd-placement's rule (router/placement_rules.py): remote, two_way, cost;
+      └─▶ Placement.place               --pd-placement's rule (router/placement/rules.py): remote, two_way, cost;
            └─▶ PairPolicy.pick_pair      the pair (PerSide: --policy's prefill, --decode-policy's decode)
       └─▶ KVAwarePolicy.observe         what the pair held of the prompt, counted under every policy
       └─▶ tandem_router_placement_total{path, reason}
 
 Whatever places a request (the dispatcher's first try, its retry on another pair, a later re-placement) asks
 `Placer.pick` with the workers it must avoid. A policy whose cost is of the pair, not of each side, implements
-`PairPolicy` itself; the policies of one side and their names are router/policies.py.
+`PairPolicy` itself; the policies of one side and their names are router/placement/policies.py.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from router.kv_policy import KVAwarePolicy
 from router.metrics import RouterMetrics
 from router.pair_call import Pair
-from router.placement_rules import AlwaysRemote, CostPlacement, Placement, TwoWay, pick_decode
-from router.policies import POLICIES, SidePolicy, decode_policy_name
+from router.placement.kv_policy import KVAwarePolicy
+from router.placement.policies import POLICIES, SidePolicy, decode_policy_name
+from router.placement.rules import AlwaysRemote, CostPlacement, Placement, TwoWay, pick_decode
+from router.placement.worker_stats import WorkerStats
 from router.request_hints import NONE, RequestHints
-from router.worker_stats import WorkerStats
 from router.workers import Worker, WorkerRegistry
 
 
@@ -44,14 +44,14 @@ class PerSide:
 
 
 def pair_policy(policy: str, decode_policy: str | None, kv: KVAwarePolicy) -> PairPolicy:
-    """--policy and --decode-policy (names of router/policies.py's POLICIES) as one pair policy."""
+    """--policy and --decode-policy (names of router/placement/policies.py's POLICIES) as one pair policy."""
     decode = decode_policy_name(policy, decode_policy)
     return PerSide(POLICIES[policy].build("prefill", kv), POLICIES[decode].build("decode", kv))
 
 
 class Placer:
     """Places every try of a request: the workers it may use, then `placement` (--pd-placement's rule,
-    router/placement_rules.py; always remote by default), or the decode alone when the client's headers force it."""
+    router/placement/rules.py; always remote by default), or the decode alone when the client's headers force it."""
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class Placer:
 
 
 def placement_rule(name: str, policy: PairPolicy, kv: KVAwarePolicy, stats: WorkerStats, threshold: int) -> Placement:
-    """--pd-placement's rule (router/placement_rules.py)."""
+    """--pd-placement's rule (router/placement/rules.py)."""
     if name == "two_way":
         return TwoWay(policy, kv, threshold)
     if name == "cost":

@@ -3,7 +3,7 @@ for a request; `--policy` picks the prefill and, unless `--decode-policy` is giv
 
 `tandem router`'s flags, `tandem up --policy` and the README's table of policies read `POLICIES`: a new policy
 is a class here (or in a file of its own, like kv_aware's) and one entry below. How a pair is made of two
-policies, and which workers are candidates, is router/placement.py.
+policies, and which workers are candidates, is router/placement/placer.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from router.workers import Worker
 
 if TYPE_CHECKING:
-    from router.kv_policy import KVAwarePolicy
+    from router.placement.kv_policy import KVAwarePolicy
 
 BLOCK_CHARS = 64
 MAX_BLOCKS = 100_000

@@ -4,7 +4,7 @@
     two_way   Dynamo's and llm-d's rule: on the decode --policy's pair names when the part of the prompt that
               decode lacks is shorter than --placement-local-threshold tokens, else remote
     cost      the least (SLO misses, cost) of every placement: each (prefill, decode) pair, and each decode alone
-              (router/placement_cost.py prices them from router/worker_stats.py's measurements)
+              (router/placement/cost.py prices them from router/placement/worker_stats.py's measurements)
 
 A rule answers a Pair whose `path` says what crosses (remote_suffix: the KV past the decode's prefix; remote_full:
 all of it, the decode holds none; local: nothing, no prefill) and `reason` why (policy, threshold, least_cost, slo,
@@ -17,15 +17,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from router.kv_policy import KVAwarePolicy
 from router.pair_call import Pair
-from router.placement_cost import Option, Overheads, Prompt, Side, Slo, local, remote
+from router.placement.cost import Option, Overheads, Prompt, Side, Slo, local, remote
+from router.placement.kv_policy import KVAwarePolicy
+from router.placement.worker_stats import WorkerStats
 from router.request_hints import RequestHints
-from router.worker_stats import WorkerStats
 from router.workers import Worker
 
 if TYPE_CHECKING:
-    from router.placement import PairPolicy
+    from router.placement.placer import PairPolicy
 
 
 class Placement(Protocol):

@@ -1,4 +1,4 @@
-"""`--policy kv_aware`: the (prefill, decode) pair of least cost, from the exact KV index (router/kv_index.py).
+"""`--policy kv_aware`: the (prefill, decode) pair of least cost, from the exact KV index (router/placement/kv_index.py).
 
 One cost, in tokens, for a pair (p, d) and a prompt of n tokens whose chained page hashes are h:
 
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from common.wire.kv_events import block_hashes
-from router.kv_feeds import KVFeeds
-from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
+from router.placement.kv_feeds import KVFeeds
+from router.placement.kv_index import KVIndex
 from router.workers import Worker
 
 
