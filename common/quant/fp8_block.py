@@ -52,20 +52,34 @@ class BlockFP8:
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reuse=True) -> torch.Tensor:
         """The weight in `dtype`, in the buffer its shape shares (`reuse`) or a fresh tensor."""
         rows, cols = weight.shape
-        out = _buffer(weight.shape, dtype, weight.device) if reuse else torch.empty_like(weight, dtype=dtype)
-        out.copy_(weight)
+        work = upcast(weight)
         (bn, bk), (r0, c0) = self.block, self.offset
-        by_row = scale.repeat_interleave(bn, 0)[r0 : r0 + rows]  # [rows, column blocks]
+        by_row = scale.float().repeat_interleave(bn, 0)[r0 : r0 + rows]  # [rows, column blocks]
         if c0 == 0 and cols % bk == 0:
-            out.view(rows, cols // bk, bk).mul_(by_row[:, :, None])
+            work.view(rows, cols // bk, bk).mul_(by_row[:, :, None])
         else:
-            out.mul_(by_row.repeat_interleave(bk, 1)[:, c0 : c0 + cols])
-        return out
+            work.mul_(by_row.repeat_interleave(bk, 1)[:, c0 : c0 + cols])
+        return in_dtype(work, dtype, reuse)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         if fp8_gemm.fits(x, weight, self.block, self.offset):
             return fp8_gemm.block_scaled_mm(x, weight, scale, bias)
         return linear(x, self.dequantize(weight, scale, x.dtype), bias)
+
+
+def upcast(weight: torch.Tensor) -> torch.Tensor:
+    """The FP8 weight in float32, in the buffer its shape shares: the scales multiply in float32 (exactly
+    transformers' rounding; a float32 tensor times float32 scales is also 10x faster than a bfloat16 one
+    times float32 scales on the CPU, docs/performance.md)."""
+    return _buffer(weight.shape, torch.float32, weight.device).copy_(weight)
+
+
+def in_dtype(work: torch.Tensor, dtype: torch.dtype, reuse: bool) -> torch.Tensor:
+    """The dequantized float32 `work` in `dtype`: itself, its shape's `dtype` buffer, or a fresh tensor."""
+    if dtype == torch.float32 and reuse:
+        return work
+    out = _buffer(work.shape, dtype, work.device) if reuse else torch.empty_like(work, dtype=dtype)
+    return out.copy_(work)
 
 
 def _buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.parallel.layers import Shard, linear
-from common.quant.fp8_block import _buffer
+from common.quant.fp8_block import in_dtype, upcast
 from common.wire.user_error import UserError
 
 FP8_NAME, SCALE_DTYPES = "F8_E4M3", ("F32", "BF16", "F16")
@@ -43,8 +43,7 @@ class ChannelFP8:
         return (rows if self.column else full_rows, 1)
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reuse=True) -> torch.Tensor:
-        out = _buffer(weight.shape, dtype, weight.device) if reuse else torch.empty_like(weight, dtype=dtype)
-        return out.copy_(weight).mul_(scale.view(-1, 1))
+        return in_dtype(upcast(weight).mul_(scale.float().view(-1, 1)), dtype, reuse)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         return linear(x, self.dequantize(weight, scale, x.dtype), bias)
