@@ -71,7 +71,7 @@ def follower_rank(backend, device, layers, heads, dim, pages, tp, rank, serve, q
 
     from common.memory.kv_pool import KVPool
     from common.wire.kv_heads import rank_heads
-    from transfer.backends.base import make_backend
+    from transfer.backends.factory import make_backend
     from transfer.rank_agent import RankAgent
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

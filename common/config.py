@@ -13,8 +13,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.config_checks import check_flags
 from common.wire.body import ARRIVAL_TIMEOUT_S
+from common.wire.kv_layout import LOOPBACK_BACKEND, TRANSFER_BACKENDS
 
 DisaggregationMode = Literal["null", "prefill", "decode"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+STORE_WAITS = "the default with a KV store: a queued request waits for its prefix from the store, up to the timeout"
 
 
 class ServerConfig(BaseSettings):
@@ -133,10 +136,12 @@ class ServerConfig(BaseSettings):
         description="JSON for the store: Mooncake's names (master_server_address, metadata_server, protocol, "
         "global_segment_size, ...), file_path, prefetch_threshold, prefetch_timeout_base, ... (docs/kv-store.md)",
     )
-    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
-        "best_effort",
-        description="how long a request waits for its prefix to come from the store: not at all, until it has "
-        "come, or at most prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 tokens",
+    hicache_storage_prefetch_policy: PrefetchPolicy = Field(
+        None,  # resolved by _store_waits_by_default: never None once validated
+        description="how long a request waits for its prefix to come from the store: not at all (best_effort), until "
+        "it has come (wait_complete), or at most prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 "
+        "tokens (timeout); default: timeout when --hicache-storage-backend is given (SGLang's best_effort rarely "
+        "waits for any of it: a cold server would compute every prefix the store holds), else best_effort",
     )
     max_queued_requests: int = Field(1024, ge=1)
     enable_priority_scheduling: bool = Field(
@@ -167,7 +172,7 @@ class ServerConfig(BaseSettings):
     speculative_ngram_max_match_window_size: int = Field(12, ge=1, description="NGRAM: longest suffix matched")
 
     # PD disaggregation
-    transfer_backend: Literal["mooncake", "nixl", "loopback"] = "mooncake"
+    transfer_backend: Literal[(*TRANSFER_BACKENDS, LOOPBACK_BACKEND)] = TRANSFER_BACKENDS[0]
     transfer_protocol: Literal["tcp", "rdma"] = "tcp"
     transfer_device: str = Field("", description="RDMA device names for Mooncake, e.g. mlx5_0")
     advertise_host: str | None = Field(None, description="address peers use to reach this server (default: --host)")
@@ -269,6 +274,16 @@ class ServerConfig(BaseSettings):
         description="on SIGTERM: how long requests in flight may run on before they fail with a 503 and the server exits",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _store_waits_by_default(cls, data: object) -> object:
+        """A user who configures a store expects it used: without --hicache-storage-prefetch-policy, a server with a
+        store waits for its prefixes (timeout), one without keeps SGLang's default."""
+        if isinstance(data, dict) and data.get("hicache_storage_prefetch_policy") is None:
+            policy = "timeout" if data.get("hicache_storage_backend") else "best_effort"
+            data = {**data, "hicache_storage_prefetch_policy": policy}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
         check_flags(self)  # common/config_checks.py
@@ -336,5 +351,8 @@ class ServerConfig(BaseSettings):
         items = self.model_dump(exclude={"api_key", "cluster_secret"})
         items["api_key"] = "set" if self.api_key else None
         items["cluster_secret"] = "set" if self.cluster_secret else None
+        notes = {}
+        if self.hicache_storage_backend and self.hicache_storage_prefetch_policy == "timeout":
+            notes["hicache_storage_prefetch_policy"] = f"  ({STORE_WAITS})"
         width = max(len(k) for k in items)
-        return "\n".join(f"  {k:<{width}} = {v}" for k, v in items.items())
+        return "\n".join(f"  {k:<{width}} = {v}{notes.get(k, '')}" for k, v in items.items())

@@ -1,4 +1,4 @@
-"""Compose the prefill role: engine + PrefillKVManager + (embedded) bootstrap registration, at start-up and after
+"""Compose the prefill role from a RoleContext: PrefillKVManager + (embedded) bootstrap registration, at start-up and after
 a role switch to prefill."""
 
 from __future__ import annotations
@@ -8,11 +8,9 @@ import threading
 from typing import Any
 
 from bootstrap.client import register_prefill
-from common.config import ServerConfig
 from common.edge.tls import server_context
-from common.engine.engine import Engine
-from common.engine.role import SchedulerView
-from common.wire.kv_layout import LAYOUT_KEYS, model_kv_heads
+from common.engine.role import RoleContext
+from common.wire.kv_layout import LAYOUT_KEYS
 from prefill_node.role import PrefillRole
 from transfer.aux_record import record_bytes
 from transfer.backends.shared import SharedBackend
@@ -21,12 +19,6 @@ from transfer.prefill.prefill_manager import PrefillKVManager
 
 log = logging.getLogger(__name__)
 REREGISTER_MAX_S = 15.0  # the registry expires entries not refreshed for a minute
-
-
-def build_prefill_engine(config: ServerConfig, follower: str) -> Engine:
-    """A prefill server's engine; `follower`: the module its follower ranks run (one that starts their
-    transfer agents)."""
-    return Engine(config, PrefillComposer().make_role, follower)
 
 
 class PrefillComposer:
@@ -38,31 +30,30 @@ class PrefillComposer:
         self.shared = shared
         self.bootstrap_url: str | None = None
 
-    def make_role(self, engine: Engine) -> list[PrefillRole]:
+    def make_role(self, ctx: RoleContext) -> list[PrefillRole]:
         """One role per DP rank's scheduler, sharing one transfer engine and registered once per DP rank."""
-        config = engine.config  # with the batch limits derived for the device
-        kv_heads = model_kv_heads(engine.kv_pool, engine.hf_config, config.tp_size)
-        followers = engine.followers_transfer
-        args = kv_args_from_pool(
-            engine.kv_pool, config, 0, record_bytes(engine.aux_hidden_bytes), 0, kv_heads, followers
+        config = ctx.config
+        size = record_bytes(ctx.aux_hidden_bytes)
+        args = kv_args_from_pool(ctx.kv_pool, config, 0, size, 0, ctx.kv_heads, ctx.followers_transfer)
+        manager = PrefillKVManager(
+            args, rank_fault=ctx.rank_fault, wake_scheduler=ctx.wake_scheduler, shared=self.shared
         )
-        fault = (lambda: engine.ranks.fault) if engine.ranks is not None else (lambda: None)
-        manager = PrefillKVManager(args, rank_fault=fault, wake_scheduler=engine.scheduler.wake, shared=self.shared)
-        engine.metrics.registry.register(manager.metrics)
-        engine.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
-        bootstrap_url = self._bootstrap_url(engine)
+        ctx.metrics.registry.register(manager.metrics)
+        ctx.metrics.add_rejection_source("control", lambda: manager.counters["rejected_messages"])
+        bootstrap_url = self._bootstrap_url(ctx)
         host, port = manager.endpoint.removeprefix("tcp://").rsplit(":", 1)
         info = {
             "role": "Prefill",
             "instance_id": manager.instance_id,
             "rank_ip": host,
             "rank_port": int(port),
-            **engine.kv_layout(kv_heads),
+            **ctx.kv_layout,
         }
         log.info("KV layout: %s", {k: info[k] for k in LAYOUT_KEYS})
         # one entry per DP rank (SGLang's: a decode may look a DP rank up), all at this control endpoint
-        attn_tp = config.tp_size // engine.dp_size
-        infos = [info | {"dp_rank": d, "tp_rank": d * attn_tp} for d in range(engine.dp_size)]
+        dp_size = len(ctx.views)
+        attn_tp = config.tp_size // dp_size
+        infos = [info | {"dp_rank": d, "tp_rank": d * attn_tp} for d in range(dp_size)]
         verify = config.peer_tls or True  # an https:// --bootstrap-url is verified even where this server is plain
         for entry in infos:
             register_prefill(bootstrap_url, entry, config.cluster_secret, verify=verify)
@@ -74,13 +65,13 @@ class PrefillComposer:
             manager.instance_id,
             manager.endpoint,
         )
-        roles = [PrefillRole(SchedulerView(s), manager, config, engine.hidden_handoff) for s in engine.schedulers]
-        roles[0].on_close += [stop.set, lambda: engine.metrics.drop_transfer_metrics(manager.metrics)]
+        roles = [PrefillRole(view, manager, config, ctx.hidden_handoff) for view in ctx.views]
+        roles[0].on_close += [stop.set, lambda: ctx.metrics.drop_transfer_metrics(manager.metrics)]
         return roles
 
-    def _bootstrap_url(self, engine: Engine) -> str:
+    def _bootstrap_url(self, ctx: RoleContext) -> str:
         """--bootstrap-url, or this server's embedded registry (started by the first prefill role)."""
-        config = engine.config
+        config = ctx.config
         if config.bootstrap_url is not None:
             return config.bootstrap_url
         if self.bootstrap_url is None:
@@ -88,7 +79,7 @@ class PrefillComposer:
 
             tls = server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
             registry = start_in_thread(config.host, config.bootstrap_port, config.cluster_secret, tls)
-            engine.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
+            ctx.metrics.add_rejection_source("bootstrap", lambda: registry.rejected)
             self.bootstrap_url = f"{config.scheme}://{config.public_host}:{config.bootstrap_port}"
         return self.bootstrap_url
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from common.config import ServerConfig
 from common.core.page_meta import pages_for
 from common.core.request import FinishReason, Req, ReqStatus
-from common.engine.decode_batch import decode_reserve
+from common.engine.decode_reserve import decode_reserve
 from common.engine.pd_role import PDRole
 from common.engine.role import Sampled, SchedulerView
 from common.engine.spec.head_drafter import HiddenHandoff

@@ -1,5 +1,6 @@
 """Serving one generation request: admission, the body, a (prefill, decode) pair, one retry on another
-pair when a worker refused before anything reached the client, moves to another pair when a pair fails
+pair when a worker refused before anything reached the client (and one after each refusal of the role the router
+meant a half for: the worker's role was switched, the router follows it), moves to another pair when a pair fails
 (router/migration.py), and the reply (plain or streamed).
 
 The body is parsed once (to check it and read the few fields the router needs) and forwarded as the
@@ -125,8 +126,9 @@ class Dispatcher:
     async def _handle_admitted(
         self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float, hints: RequestHints
     ) -> web.StreamResponse:
-        """Tries on pairs until one answers: once more after a worker refused before anything was sent (a
-        retry), and up to --migration-limit more after a pair failed (a move: router/migration.py)."""
+        """Tries on pairs until one answers: once more after a worker refused before anything was sent, and again
+        after each refusal of the role a worker was meant for (retries: _retries), and up to --migration-limit more
+        after a pair failed (a move: router/migration.py)."""
         reply, moves = Reply(path, request, start), Moves(self.config, path, body)
         extra = self._slo_fields(body, hints)
         retried = False
@@ -141,17 +143,28 @@ class Dispatcher:
                 return await self._serve_on(pair, reply, raw, body, moves, extra)
             except UpstreamError as e:
                 moves.error = e
-                if e.retriable and not retried and not moves.shown_any and e.worker is not None:
-                    log.info("retrying on another pair: %s", e)
-                    retried = True
-                    moves.exclude.add(e.worker.url)
-                    self.metrics.retries.inc()
+                if self._retries(e, moves, retried):
+                    retried = retried or e.role_headers is None
                     continue
                 reason = moves.again(e, pair.prefill, pair.decode)
                 if reason is None:
                     return await self._give_up(reply, e, pair)
                 log.info("moving %s to another pair (%s, move %d): %s", path, reason, moves.done, e)
                 self.metrics.migrations.labels(reason).inc()
+
+    def _retries(self, e: UpstreamError, moves: Moves, retried: bool) -> bool:
+        """Whether `e` is retried on another pair now, its worker avoided from then on: a refusal of the role the
+        worker was meant for (its role was switched; the router follows it here) always, as each changes the
+        registry; another refusal before anything reached the client or the worker, once."""
+        role_refused = e.role_headers is not None
+        if role_refused:
+            self.workers.follow(e.worker, e.role_headers.get)
+        elif retried or not e.retriable or moves.shown_any or e.worker is None:
+            return False
+        log.info("retrying on another pair: %s", e)
+        moves.exclude.add(e.worker.url)
+        self.metrics.retries.inc()
+        return True
 
     def _slo_fields(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
         """With --slo-priority, a request's priority from its TTFT target, unless it has one."""

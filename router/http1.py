@@ -207,14 +207,21 @@ class Pool:
         self.idle: list[Connection] = []
 
     def post(
-        self, path: str, body: bytes, timeout: float, on_done: Callable[[Response], None] | None = None
+        self,
+        path: str,
+        body: bytes,
+        timeout: float,
+        on_done: Callable[[Response], None] | None = None,
+        headers: bytes = b"",
     ) -> Response:
-        """A POST of a JSON body, not yet sent: call `send()` or `start()` on it."""
+        """A POST of a JSON body, not yet sent: call `send()` or `start()` on it. `headers`: this request's own
+        (CRLF-terminated lines) beside the pool's."""
         head = (
             b"POST "
             + (self.prefix + path).encode()
             + b" HTTP/1.1\r\n"
             + self.headers
+            + headers
             + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         )
         return Response(self, head + body, timeout, on_done)

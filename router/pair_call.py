@@ -11,7 +11,8 @@ itself (a callback, no task). The first failure ends the call (`fail`): the pref
 or either worker taken out of rotation (the prefill only until it has answered: from then on the
 request no longer depends on it). A decode with --kv-load-failure-policy recompute (`Worker.recomputes`)
 computes the prompt itself when its KV does not come: the prefill's failure then ends only the prefill half
-(`prefill_answer` holds the error), and the decode's answer goes on. Ending the call makes the decode answer's waits raise that error and
+(`prefill_answer` holds the error), and the decode's answer goes on, unless the prefill refused the role it was
+meant for (no prefill will send that KV: the request moves). Ending the call makes the decode answer's waits raise that error and
 closes both connections, which aborts the request on the workers and frees its KV. A client that goes
 away cancels the handler, whose `close()` does the same. Nothing here polls or runs a task of its own.
 """
@@ -23,10 +24,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from common.wire.api import ROLE_HEADER
 from router.http1 import Pools, Response
 from router.upstream import CLIENT_ERROR, UpstreamError, answer_error, send, worker_dead
 from router.workers import Worker
 
+# each half names the role it is meant for: a worker whose role was switched refuses it at once
+# (common/http/role_guard.py), the router follows the refusal's role headers and moves the request (router/dispatch.py)
+ROLE_LINE = {role: f"{ROLE_HEADER}: {role}\r\n".encode() for role in ("prefill", "decode")}
 ROUTER_FIELDS = frozenset(
     {"prefill_instance_id", "migration", "pd_placement"}
 )  # the router's alone: a client's are dropped
@@ -74,12 +79,14 @@ class PairCall:
     def __init__(self, pools: Pools, pair: Pair, path: str, prefill_body: bytes, decode_body: bytes, timeout: float):
         self.pair, self.error, self.closed = pair, None, False
         self.workers = [w for w in (pair.prefill, pair.decode) if w is not None]
-        self.decode = pools.get(pair.decode.url, pair.decode.tls_name).post(path, decode_body, timeout)
+        self.decode = pools.get(pair.decode.url, pair.decode.tls_name).post(
+            path, decode_body, timeout, headers=ROLE_LINE["decode"]
+        )
         self.prefill_answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._prefill = None
         if pair.prefill is not None:
             self._prefill = pools.get(pair.prefill.url, pair.prefill.tls_name).post(
-                path, prefill_body, timeout, on_done=self._prefill_done
+                path, prefill_body, timeout, on_done=self._prefill_done, headers=ROLE_LINE["prefill"]
             )
         else:  # a local placement: the decode's answer is the whole answer
             self.prefill_answer.set_result(b"")
@@ -111,8 +118,10 @@ class PairCall:
 
     def _decode_goes_on(self, error: UpstreamError) -> bool:
         """Whether the decode answers without this prefill failure's KV: it recomputes, and the failure is the
-        prefill's, not the client request's."""
-        return self.pair.decode.recomputes and error.cause != CLIENT_ERROR and not self.closed and self.error is None
+        prefill's (not the client request's, nor a refusal of its role)."""
+        if error.cause == CLIENT_ERROR or error.role_headers is not None:
+            return False
+        return self.pair.decode.recomputes and not self.closed and self.error is None
 
     def _prefill_lost(self, error: UpstreamError) -> None:
         self.pair.prefill.calls.discard(self)

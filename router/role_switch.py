@@ -2,7 +2,8 @@
 the same endpoint): the worker leaves rotation at once (its requests in flight run on), is asked to switch
 (common/engine/role_switch.py: it finishes them first), and joins the rotation of its new role once its /health
 says so. The worker's own answer is the router's. Every router process follows a switch through the workers'
-/health headers (router/workers.py `follow_role`), whoever asked for it; the planner (planner/) asks here.
+/health headers (router/workers.py `follow`), whoever asked for it, and through a switched worker's refusal of a
+request meant for its old role (common/http/role_guard.py); the planner (planner/) asks here.
 """
 
 from __future__ import annotations

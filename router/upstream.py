@@ -7,13 +7,17 @@ metrics count).
     worker answered 401/403 (refused the      502     names the worker, the key  no       its half / yes
       router's key for its workers)
     worker answered 429, 503 or 5xx           its own its own JSON error         429/503  its half / yes
+    worker refused the role the router meant  409     its own JSON error         always   its half / yes
+      (409 with X-Tandem-Role: a role switch
+      changed it; the router follows it)
     connection refused                        502     names the worker + cause   yes      yes
     connection dropped / reset mid-answer     502     names the worker + cause   no       yes
     timeout                                   502     names the worker + cause   no       its half / yes
     worker taken out of rotation (health)     502     names the worker + reason  no       worker_dead / yes
 
 "Its half" is the cause prefill_failed or decode_failed; only connection failures other than timeouts count
-towards taking the worker out of rotation.
+towards taking the worker out of rotation. A refused role is retried however often (each refusal changes the
+worker's role in the registry, and the request avoids that worker from then on).
 
 A client that goes away is no UpstreamError: its handler is cancelled (router/dispatch.py counts it).
 """
@@ -24,6 +28,7 @@ import asyncio
 import json
 from typing import Any
 
+from common.wire.api import BOOTSTRAP_HEADER, INSTANCE_HEADER, RECOMPUTE_HEADER, ROLE_HEADER
 from common.wire.errors import error_body
 from router.http1 import ConnectFailed, Response
 from router.workers import Worker
@@ -32,6 +37,7 @@ PREFILL_FAILED, DECODE_FAILED = "prefill_failed", "decode_failed"
 WORKER_DEAD, CLIENT_DISCONNECTED, CLIENT_ERROR = "worker_dead", "client_disconnected", "client_error"
 RETRY_STATUSES = frozenset({429, 503})  # the worker is alive but refuses more work: another pair may take it
 KEY_REFUSED = frozenset({401, 403})  # the worker refused the router's key: the router's setup, not the client
+ROLE_HEADERS = (ROLE_HEADER, INSTANCE_HEADER, BOOTSTRAP_HEADER, RECOMPUTE_HEADER)  # what a worker says of its role
 
 
 class UpstreamError(Exception):
@@ -47,6 +53,7 @@ class UpstreamError(Exception):
         worker_failed: bool = False,
         headers: dict[str, str] | None = None,
         movable: bool = True,
+        role_headers: dict[str, str | None] | None = None,
     ):
         super().__init__(body["error"]["message"])
         self.status, self.body, self.cause, self.worker = status, body, cause, worker
@@ -54,6 +61,8 @@ class UpstreamError(Exception):
         self.retriable = retriable  # nothing reached the client or the worker: another pair may be tried
         self.worker_failed = worker_failed  # counts towards taking the worker out of rotation
         self.movable = movable  # another pair may serve it (router/migration.py); not when the router's setup is wrong
+        # a refusal of the role the router meant the half for: the worker's role headers, which the router follows
+        self.role_headers = role_headers
 
     @property
     def upstream(self) -> bool:
@@ -87,6 +96,16 @@ def answered_error(worker: Worker, status: int, raw: bytes, retry_after: str | N
     headers = {"Retry-After": retry_after or "1"} if retriable else None
     cause = CLIENT_ERROR if 400 <= status < 500 and not retriable else half_cause(worker)
     return UpstreamError(status, body, cause, worker, retriable=retriable, headers=headers)
+
+
+def answered(resp: Response, worker: Worker, raw: bytes) -> UpstreamError:
+    """The error of a worker's answer other than 200 (`raw` its body): a refusal of the role the router meant the half
+    for (409 naming the worker's role: common/http/role_guard.py), or the worker's own error (answered_error)."""
+    error = answered_error(worker, resp.status, raw, resp.header("retry-after"))
+    if resp.status != 409 or resp.header(ROLE_HEADER) is None:
+        return error
+    role_headers = {name: resp.header(name) for name in ROLE_HEADERS}
+    return UpstreamError(409, error.body, half_cause(worker), worker, retriable=True, role_headers=role_headers)
 
 
 def key_refused(worker: Worker, status: int) -> UpstreamError:
@@ -127,8 +146,7 @@ async def send(resp: Response, worker: Worker) -> Response:
         raise connection_failed(worker, e, "before answering") from None
     if resp.status == 200:
         return resp
-    raw = await read_all(resp, worker)
-    raise answered_error(worker, resp.status, raw, resp.header("retry-after"))
+    raise answered(resp, worker, await read_all(resp, worker))
 
 
 def answer_error(resp: Response, worker: Worker) -> UpstreamError | None:
@@ -138,7 +156,7 @@ def answer_error(resp: Response, worker: Worker) -> UpstreamError | None:
     if isinstance(resp.error, (ConnectionError, asyncio.TimeoutError)):
         return connection_failed(worker, resp.error, "while answering" if resp.status else "before answering")
     if resp.status != 200:
-        return answered_error(worker, resp.status, resp.body(), resp.header("retry-after"))
+        return answered(resp, worker, resp.body())
     return None
 
 

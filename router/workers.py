@@ -3,7 +3,8 @@
 A worker taken out of rotation ends every request in flight on it at once: each registers in the
 worker's `calls` while it depends on the worker (see router/pair_call.py). A worker that passes a
 health check again is used again. A draining worker (503 + X-Tandem-Draining on /health) leaves the
-rotation without ending its calls: it finishes, or fails, its requests itself.
+rotation without ending its calls: it finishes, or fails, its requests itself. A worker's role (a role switch
+changes it) comes with its /health, and with its refusal of a request meant for its old role (router/dispatch.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlparse
@@ -122,6 +124,13 @@ class WorkerRegistry:
         for call in list(worker.calls):
             call.worker_down(worker)
 
+    def follow(self, worker: Worker, header: Callable[[str], str | None]) -> None:
+        """What a worker's role headers say (`header(name)`: its /health's, or those of its refusal of a request meant
+        for another role, common/http/role_guard.py): its transfer instance, whether it recomputes, its role."""
+        worker.instance_id = header(INSTANCE_HEADER) or worker.instance_id
+        worker.recomputes = header(RECOMPUTE_HEADER) == "1"
+        self.follow_role(worker, header(ROLE_HEADER), header(BOOTSTRAP_HEADER))
+
     def follow_role(self, worker: Worker, role: str | None, bootstrap: str | None) -> None:
         """The role a worker's /health names (a role switch changed it: POST /pd_role_switch), and a prefill's
         bootstrap registry (HOST:PORT)."""
@@ -145,9 +154,7 @@ class WorkerRegistry:
         """One GET /health; slower than the check timeout counts as a failure."""
         try:
             async with worker.get(session, "/health", self.check_timeout_s) as r:
-                worker.instance_id = r.headers.get(INSTANCE_HEADER) or worker.instance_id
-                worker.recomputes = r.headers.get(RECOMPUTE_HEADER) == "1"
-                self.follow_role(worker, r.headers.get(ROLE_HEADER), r.headers.get(BOOTSTRAP_HEADER))
+                self.follow(worker, r.headers.get)
                 if r.status == 503 and r.headers.get(DRAINING_HEADER):
                     self.set_draining(worker)
                     return

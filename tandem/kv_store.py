@@ -180,8 +180,6 @@ def up_store(ns: argparse.Namespace, py: list[str]) -> tuple[list[str], list[str
     flags = ["--hicache-storage-backend", ns.hicache_storage_backend]
     if "--enable-hierarchical-cache" not in ns.extra:
         flags.insert(0, "--enable-hierarchical-cache")
-    if not any(f.startswith("--hicache-storage-prefetch-policy") for f in ns.extra):
-        flags += ["--hicache-storage-prefetch-policy", "timeout"]  # best_effort rarely waits for anything
     if ns.hicache_storage_backend == "file":
         return flags, None, {}
     port = ns.kv_store_port

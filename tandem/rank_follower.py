@@ -10,7 +10,7 @@ from __future__ import annotations
 from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from common.ranks import follower
-from transfer.backends.base import make_backend
+from transfer.backends.factory import make_backend
 from transfer.bulk_priority import create_lowered
 from transfer.rank_agent import RankAgent
 

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 from pydantic import ValidationError
@@ -17,11 +18,14 @@ from common.config import ServerConfig
 from common.edge.draining_server import DrainingServer
 from common.edge.head_deadline import with_head_deadline
 from common.edge.tls import behind_tls, server_context
-from common.engine.grammar.availability import check_grammar_backend
 from common.model.locate import check_model
 from common.wire.addresses import split_host_port
 from common.wire.user_error import UserError, config_error
 from tandem.ports import require_free_ports
+
+if TYPE_CHECKING:
+    from common.engine.role import RoleFactory
+    from transfer.backends.shared import SharedBackend
 
 log = logging.getLogger("tandem")
 RANK_FOLLOWER = "tandem.rank_follower"  # what every follower rank of a server runs (tandem/rank_follower.py)
@@ -75,11 +79,10 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 
 def check_before_loading(config: ServerConfig) -> None:
-    """The user's mistakes that show without loading a model (or torch, unless xgrammar is asked for): the model's
-    path and architecture, the attention backend's device, the grammar backend, the ports."""
+    """The user's mistakes that show without loading a model (or torch): the model's path and architecture, the
+    attention backend's device, the ports."""
     check_model(config.model, config.quantization)
     check_attention_device(config.attention_backend, config.device)
-    check_grammar_backend(config)
     ports = {"--port": config.port}
     may_prefill = config.disaggregation_mode == "prefill" or config.enable_pd_role_switch
     if may_prefill and config.bootstrap_url is None:  # its embedded registry listens too (once it is a prefill)
@@ -121,19 +124,33 @@ def tls_context(config: ServerConfig):
 
 
 def build_engine(config: ServerConfig):
+    """The engine of --disagg-mode, with the roles it may switch to (--enable-pd-role-switch)."""
     from common.engine.engine import Engine
 
-    if config.enable_pd_role_switch:
-        return build_switchable_engine(config)
-    if config.disaggregation_mode == "prefill":
-        from prefill_node.compose import build_prefill_engine
+    return Engine(config, role_factories(config), RANK_FOLLOWER)
 
-        return build_prefill_engine(config, RANK_FOLLOWER)
-    if config.disaggregation_mode == "decode":
-        from decode_node.compose import build_decode_engine
 
-        return build_decode_engine(config, RANK_FOLLOWER)
-    return Engine(config, follower=RANK_FOLLOWER)
+def role_factories(config: ServerConfig) -> dict[str, RoleFactory]:
+    """How to build each PD role the server may serve, by mode: its own, or both where it may switch (their
+    composers then share one transfer engine); none for a monolithic server."""
+    if config.disaggregation_mode == "null":
+        return {}
+    from transfer.backends.shared import SharedBackend
+
+    shared = SharedBackend() if config.enable_pd_role_switch else None
+    modes = ("prefill", "decode") if config.enable_pd_role_switch else (config.disaggregation_mode,)
+    return {mode: composer(mode, shared) for mode in modes}
+
+
+def composer(mode: str, shared: SharedBackend | None) -> RoleFactory:
+    """The role factory of `mode` (prefill_node/compose.py, decode_node/compose.py)."""
+    if mode == "prefill":
+        from prefill_node.compose import PrefillComposer
+
+        return PrefillComposer(shared).make_role
+    from decode_node.compose import DecodeComposer
+
+    return DecodeComposer(shared).make_role
 
 
 def parallel_summary(config: ServerConfig) -> str:
@@ -142,22 +159,6 @@ def parallel_summary(config: ServerConfig) -> str:
     ep = f", EP {config.ep_size}" if config.ep_size > 1 else ""
     eplb = f" with {config.ep_num_redundant_experts} redundant experts" if config.ep_num_redundant_experts else ""
     return dp + ep + eplb + (", EPLB" if config.enable_eplb else "")
-
-
-def build_switchable_engine(config: ServerConfig):
-    """A prefill or decode whose role POST /pd_role_switch may change (common/engine/role_switch.py): both roles'
-    composers share one transfer engine."""
-    from common.engine.engine import Engine
-    from common.engine.role_switch import RoleSwitch
-    from decode_node.compose import DecodeComposer
-    from prefill_node.compose import PrefillComposer
-    from transfer.backends.shared import SharedBackend
-
-    shared = SharedBackend()
-    factories = {"prefill": PrefillComposer(shared).make_role, "decode": DecodeComposer(shared).make_role}
-    engine = Engine(config, factories[config.disaggregation_mode], RANK_FOLLOWER)
-    engine.role_switch = RoleSwitch(engine, factories)
-    return engine
 
 
 def serve(config: ServerConfig) -> None:
@@ -177,7 +178,7 @@ def serve(config: ServerConfig) -> None:
     from common.http.app import create_app
     from common.http.drain import engine_drain, fail_in_flight, hand_over
 
-    drain = engine_drain(engine)
+    drain = engine_drain(engine.config)
     app = create_app(engine, drain)
     log.info(
         "ready in %.1f s: model %s (%d layers, context %d), dtype %s, device %s, tp size %d%s, attention %s; %s",

@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from common.model.locate import check_model
+from common.wire.kv_layout import TRANSFER_BACKENDS
 from common.wire.user_error import UserError
 from router.placement.policies import POLICIES
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
@@ -37,7 +38,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the endpoint clients use")
     p.add_argument("--mode", choices=["pd", "monolithic"], default="pd")
-    p.add_argument("--transfer-backend", choices=["mooncake", "nixl"], default="mooncake")
+    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default=TRANSFER_BACKENDS[0])
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--prefill-tp-size", type=int, default=1, help="--tp-size of every prefill server (pd mode)")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from transfer.backends.base import make_backend
+from transfer.backends.factory import make_backend
 from transfer.backends.shared import SharedBackend
 from transfer.bulk_priority import create_lowered
 from transfer.control_plane import ZmqControlPlane

@@ -6,7 +6,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from common.attention.choice import check_attention_device, resolved_backend
 from common.core.forward_batch import ForwardBatch
 from common.memory.kv_pool import KVPool
 
@@ -40,31 +39,3 @@ class AttentionBackend(ABC):
         addresses from step to step. Graphs run on FlashInfer; this default serves CPU tests, replayed
         eagerly."""
         self.init_forward(batch)
-
-
-def make_attention_backend(
-    name: str,
-    device: str,
-    kv_pool: KVPool,
-    num_q_heads: int,
-    head_dim: int,
-    scaling: float,
-    flashinfer_backend: str = "fa2",
-) -> AttentionBackend:
-    plain = kv_pool.kind == "mha" and not kv_pool.quantized
-    name = resolved_backend(name, device, kv_pool.kind, kv_pool.quantized)
-    if name == "torch":
-        from common.attention.torch_backend import TorchAttention
-
-        return TorchAttention(kv_pool, num_q_heads, head_dim, scaling)
-    if name == "flashinfer":
-        check_attention_device(name, device)
-        if not plain:
-            raise ValueError(
-                "attention_backend 'flashinfer' reads MHA pools in the model's dtype only; this one is "
-                f"{kv_pool.kind.upper()} of {str(kv_pool.dtype).removeprefix('torch.')}: use --attention-backend torch"
-            )
-        from common.attention.flashinfer_backend import FlashInferAttention
-
-        return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling, flashinfer_backend)
-    raise ValueError(f"unknown attention_backend {name!r}; choose torch or flashinfer")

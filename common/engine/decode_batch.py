@@ -2,9 +2,8 @@
 across steps (DecodeTensors) and slots allocated for the whole batch at once. When the pages their next
 tokens need do not fit, requests are retracted (the lowest priority, then the least progress; their KV
 kept in the prefix cache, and with a host tier behind it copied there rather than dropped when evicted;
-the request queued for prefill again, its KV matched back later) until the rest fit. `decode_reserve` is what
-a request needs to join them, the one rule of every admission to decoding (the prefill queue's, a PD prefill's,
-a decode's)."""
+the scheduler queues each for prefill again, its KV matched back later) until the rest fit. What a request needs
+to join them is common/engine/decode_reserve.py's."""
 
 from __future__ import annotations
 
@@ -19,24 +18,14 @@ from common.engine.model_runner import BatchPlan
 from common.memory.manager import MemoryManager
 
 if TYPE_CHECKING:
-    from common.engine.prefill_queue import PrefillQueue
     from common.engine.spec.plan import SpecPlanner
 
 log = logging.getLogger(__name__)
-FIRST_DECODE_STEPS = 16  # token slots kept past a prompt (at most) for its first decode steps
-
-
-def decode_reserve(req: Req) -> int:
-    """The slots a request's first decode steps need beyond its prompt, what admission to decoding asks: the
-    prefill queue keeps them free when it computes a prompt's last chunk, a PD prefill counts them in its bound
-    on computing ahead, and a decode reserves them with the prompt's pages: the deadlock bound of
-    prefill_node/role.py holds only while all three agree, so this is their one definition."""
-    return min(req.params.max_new_tokens, FIRST_DECODE_STEPS)
 
 
 class DecodeBatch:
-    def __init__(self, config: ServerConfig, memory: MemoryManager, prefill: PrefillQueue):
-        self.config, self.memory, self.prefill = config, memory, prefill
+    def __init__(self, config: ServerConfig, memory: MemoryManager):
+        self.config, self.memory = config, memory
         self.running: list[Req] = []
         self.tensors = DecodeTensors(config.device)
         self.num_retractions = 0
@@ -50,22 +39,28 @@ class DecodeBatch:
         if req in self.running:
             self.running.remove(req)
 
-    def schedule(self) -> BatchPlan | None:
-        """One token for every running request, or None: nothing runs, or not even one fits (the
-        caller then ends `running[0]`)."""
-        if not self.running:
+    def verify_plan(self) -> BatchPlan | None:
+        """Speculative decoding's verify of the running requests, their slots allocated; None: no speculation,
+        nothing runs, or the drafts do not fit (a plain step then)."""
+        if self.spec is None or not self.running:
             return None
-        if self.spec is not None:
-            plan = self.spec.plan(self.running)
-            if plan is not None:
-                self.tensors.current = False  # the requests moved on by several tokens: rebuilt next time
-                return plan
+        plan = self.spec.plan(self.running)
+        if plan is not None:
+            self.tensors.current = False  # the requests moved on by several tokens: rebuilt next time
+        return plan
+
+    def fits(self) -> bool:
+        """Whether the pages the running requests' next tokens need are free: one per request whose last page is
+        full (host-side lengths)."""
+        page_size = self.config.page_size
+        return sum(1 for r in self.running if r.kv_len % page_size == 0) <= self.memory.available_pages()
+
+    def schedule(self) -> BatchPlan | None:
+        """One token for every running request, or None: nothing runs, or they do not fit (the scheduler then
+        retracts, or ends `running[0]` when it runs alone)."""
+        if not self.running or not self.fits():
+            return None
         batch = self.tensors.prepare(self.running)
-        while not self._fits(batch):
-            if len(self.running) == 1:
-                return None
-            self.retract(self.victim())
-            batch = self.tensors.prepare(self.running)
         first_slots = self.memory.alloc_decode_pages(batch.reqs)
         try:
             batch.upload(first_slots, self.config.page_size)
@@ -80,15 +75,12 @@ class DecodeBatch:
         """Who is retracted first: the lowest priority, then the least progress, then the newest."""
         return min(reversed(self.running), key=lambda r: (r.priority, len(r.output_ids)))
 
-    def _fits(self, batch: DecodeTensors) -> bool:
-        return batch.new_page_count(self.config.page_size) <= self.memory.available_pages()
-
-    def retract(self, req: Req) -> None:
-        """Give back a running request's KV (kept in the prefix cache) and queue it again."""
+    def retract(self, req: Req) -> Req:
+        """Give back a running request's KV (kept in the prefix cache); returns it, for the scheduler to queue."""
         self.running.remove(req)
         self.tensors.current = False  # they describe a batch with it: a later batch of the same requests rebuilds them
         self.memory.release(req)
         req.status = ReqStatus.WAITING
         self.num_retractions += 1
-        self.prefill.add_front(req)
         log.info("retracted %s (%d output tokens) to free KV pages", req.rid, len(req.output_ids))
+        return req

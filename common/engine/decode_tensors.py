@@ -44,10 +44,6 @@ class DecodeTensors:
         self.extend_lens = torch.ones(len(reqs), dtype=torch.int64)
         self.sampling = None
 
-    def new_page_count(self, page_size: int) -> int:
-        """Pages this step needs: one per request whose last page is full (host-side lengths)."""
-        return sum(1 for r in self.reqs if r.kv_len % page_size == 0)
-
     def upload(self, first_slots: list[int], page_size: int) -> None:
         """This step's metadata, after the requests' `kv_len` counted its token: `first_slots` holds, per
         request, the first slot of the page just allocated for it, or -1 (MemoryManager.alloc_decode_pages)."""

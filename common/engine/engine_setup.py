@@ -1,6 +1,6 @@
 """What an Engine derives at start-up from its config, model and KV pool: the context length, the EOS ids, the
 batch limits on CUDA, the KV event publisher, the grammar backend and the KV store's namespace. Each is a
-function of what it is given (and logs at most a line); common/engine/engine.py calls them in order."""
+function of what it is given (and logs at most a line); common/engine/engine_build.py calls them in order."""
 
 from __future__ import annotations
 

@@ -17,33 +17,40 @@ from common.memory.static_reserve import graph_plan
 from common.model.registry import model_class
 
 if TYPE_CHECKING:
-    from common.engine.engine import Engine
+    from transformers import PretrainedConfig
+
+    from common.config import ServerConfig
+    from common.engine.engine_parts import MemoryParts
+    from common.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 
-def capture_graphs(engine: Engine) -> float:
-    """The CUDA graphs graph_plan allows (after the warm-up built the kernels), into one memory pool:
-    a speculative server's verify steps (k + 1 tokens per request), then its decode steps; the seconds."""
-    c, pool = engine.config, engine.kv_pool
+def capture_graphs(
+    c: ServerConfig, memory: MemoryParts, scheduler: Scheduler, hf_config: PretrainedConfig, dp_attention: bool
+) -> float:
+    """The CUDA graphs graph_plan allows (after the warm-up built the kernels) for `scheduler`'s runner, into one
+    memory pool: a speculative server's verify steps (k + 1 tokens per request), then its decode steps; the
+    seconds. None under DP attention."""
+    pool, runner = memory.kv_pool, scheduler.runner
     backend = resolved_backend(c.attention_backend, c.device, pool.kind, pool.quantized)
-    sizes, line = graph_plan(c, backend, model_class(engine.hf_config).cuda_graph_capturable and engine.dp is None)
+    sizes, line = graph_plan(c, backend, model_class(hf_config).cuda_graph_capturable and not dp_attention)
     log.info("%s", line)
     if not sizes:
         return 0.0
-    slots = min(sizes[-1] * pages_for(engine.context_len, c.page_size), pool.num_pages + sizes[-1])
+    slots = min(sizes[-1] * pages_for(memory.context_len, c.page_size), pool.num_pages + sizes[-1])
     kinds = [1 + c.speculative_draft_len] if c.speculative_draft_len else []
-    free, start, memory = torch.cuda.mem_get_info()[0], time.monotonic(), torch.cuda.graph_pool_handle()
+    free, start, graph_pool = torch.cuda.mem_get_info()[0], time.monotonic(), torch.cuda.graph_pool_handle()
     for tokens in [*kinds, 1]:
-        engine.runner.attn.prepare_graphs(sizes[-1], slots + sizes[-1] * pages_for(tokens, c.page_size), tokens)
+        runner.attn.prepare_graphs(sizes[-1], slots + sizes[-1] * pages_for(tokens, c.page_size), tokens)
         graphs = StepGraphs(
-            engine.runner.model, engine.runner.attn, engine.runner.req_to_token, engine.memory.req_pool.padding_row,
-            sizes, engine.hf_config.vocab_size, c.device, tokens=tokens,
+            runner.model, runner.attn, runner.req_to_token, scheduler.memory.req_pool.padding_row,
+            sizes, hf_config.vocab_size, c.device, tokens=tokens,
         )  # fmt: skip
-        graphs.capture_all(memory)
-        engine.runner.graphs.append(graphs)
+        graphs.capture_all(graph_pool)
+        runner.graphs.append(graphs)
     if kinds:  # a verify a graph can run: every request's full draft
-        engine.scheduler.decode.spec.pad_drafts = True
+        scheduler.decode.spec.pad_drafts = True
     seconds, used = time.monotonic() - start, free - torch.cuda.mem_get_info()[0]
     log.info(
         "CUDA graphs: %d sizes of %s captured in %.1f s, %.0f MiB (%.0f MiB set aside before the KV pool)",
@@ -51,6 +58,6 @@ def capture_graphs(engine: Engine) -> float:
         " and ".join("verify" if t > 1 else "decode" for t in [*kinds, 1]) + " steps",
         seconds,
         used / 2**20,
-        engine.reserved.cuda_graphs / 2**20,
+        memory.reserved.cuda_graphs / 2**20,
     )
     return seconds

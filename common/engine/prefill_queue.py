@@ -9,7 +9,7 @@ from collections import deque
 from common.config import ServerConfig
 from common.core.forward_batch import ForwardMode
 from common.core.request import Req, queue_position
-from common.engine.decode_batch import decode_reserve
+from common.engine.decode_reserve import decode_reserve
 from common.engine.model_runner import BatchPlan
 from common.memory.manager import MemoryManager
 

@@ -12,18 +12,20 @@ the SchedulerView it is built with.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.core.request import FinishReason, Req
 from common.memory.manager import MemoryManager
 
 if TYPE_CHECKING:
-    from common.engine.engine import Engine
+    from common.config import ServerConfig
+    from common.engine.metrics import EngineMetrics
     from common.engine.scheduler import Scheduler
 
 Sampled = tuple[int, float | None, Any]  # (token, logprob, top logprobs) of a prompt's first sample
 T = TypeVar("T")
-RoleFactory = Callable[["Engine"], list["Role"]]  # a server's PD roles, one per DP rank's scheduler (compose.py)
+RoleFactory = Callable[["RoleContext"], list["Role"]]  # a server's PD roles, one per DP rank's scheduler (compose.py)
 
 
 class SchedulerView:
@@ -73,6 +75,25 @@ class SchedulerView:
     def starved(self) -> bool:
         """No running request fits the pool: pages that come back go to the running batch first."""
         return self._scheduler.starved_since is not None
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """What a role composer reads (prefill_node/compose.py, decode_node/compose.py), made once the engine's
+    schedulers exist: at start-up and for every role a switch builds later."""
+
+    config: ServerConfig  # with the batch limits derived for the device
+    views: list[SchedulerView]  # one per DP rank's scheduler
+    kv_pool: Any  # KVPool or MLAPool: what the transfer engine registers
+    kv_heads: int  # the model's KV heads as the layout counts them (common.wire.kv_layout.model_kv_heads)
+    kv_layout: dict[str, Any]  # this server's KV layout (common.wire.kv_layout.kv_layout), what a peer must match
+    vocab_size: int
+    followers_transfer: list  # a PD follower rank's transfer engine and pool each (transfer.rank_agent)
+    hidden_handoff: Any | None  # NEXTN, EAGLE, EAGLE3: the drafter whose hidden state crosses in the aux record
+    aux_hidden_bytes: int  # that hidden state's bytes (0 without one)
+    metrics: EngineMetrics
+    wake_scheduler: Callable[[], None]  # for the KV manager's threads
+    rank_fault: Callable[[], str | None]  # why a follower rank failed, or None
 
 
 class Role:

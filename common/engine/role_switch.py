@@ -23,12 +23,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from common.engine.role import Role, RoleFactory
-
-if TYPE_CHECKING:
-    from common.engine.engine import Engine
+from common.config import ServerConfig
+from common.engine.role import Role, RoleContext, RoleFactory
+from common.engine.scheduler import Scheduler
+from common.engine.scheduler_thread import on_scheduler_thread
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
@@ -42,10 +42,29 @@ class SwitchRefused(Exception):
         self.status = status
 
 
+def bootstrap_address(config: ServerConfig, mode: str) -> str | None:
+    """HOST:PORT of the bootstrap registry a prefill registers with (its embedded one, or --bootstrap-url's);
+    None for other roles."""
+    if mode != "prefill":
+        return None
+    if config.bootstrap_url:
+        return config.bootstrap_url.split("://", 1)[-1].rstrip("/")
+    return f"{config.public_host}:{config.bootstrap_port}"
+
+
 class RoleSwitch:
-    def __init__(self, engine: Engine, factories: dict[str, RoleFactory]):
-        """`factories`: how to build each role (prefill_node/compose.py, decode_node/compose.py)."""
-        self.engine, self.factories = engine, factories
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        context: RoleContext,
+        factories: dict[str, RoleFactory],
+        on_switched: Callable[[str], None],
+    ):
+        """`scheduler`: whose role is replaced (a switchable server has one); `factories`: how to build each role
+        from `context` (prefill_node/compose.py, decode_node/compose.py); `on_switched(mode)`: a role of `mode`
+        was installed (on the scheduler thread)."""
+        self.scheduler, self.context, self.factories, self.on_switched = scheduler, context, factories, on_switched
+        self.mode = context.config.disaggregation_mode  # the role served now
         self.state = "serving"  # serving | draining | switching
         self.target: str | None = None
         self.generating = 0  # generation requests in the HTTP layer (common/http/switch_guard.py counts them)
@@ -58,7 +77,7 @@ class RoleSwitch:
 
     async def switch(self, new_role: str) -> dict[str, Any]:
         """Switch to `new_role` once what runs has finished; what the endpoint answers (SGLang's fields)."""
-        old = self.engine.mode
+        old = self.mode
         if new_role not in self.factories:
             raise SwitchRefused(400, f"new_role must be prefill or decode, not {new_role!r}")
         if self.state != "serving":
@@ -76,24 +95,24 @@ class RoleSwitch:
         finally:
             self.state, self.target = "serving", None
         log.info("switched role %s -> %s in %.1f s (instance %s)", old, new_role, time.monotonic() - start,
-                 self.engine.instance_id)  # fmt: skip
+                 self.scheduler.role.instance_id)  # fmt: skip
         return self._answer(old, new_role, "ok")
 
     async def _wait_idle(self) -> None:
-        timeout = self.engine.config.pd_role_switch_timeout_s
+        timeout = self.context.config.pd_role_switch_timeout_s
         deadline = time.monotonic() + timeout
-        while not (self.generating == 0 and await self._on_scheduler(self.engine.scheduler.idle)):
+        while not (self.generating == 0 and await self._on_scheduler(self.scheduler.idle)):
             if time.monotonic() > deadline:
                 raise SwitchRefused(
                     503,
                     f"requests were still in flight after {timeout:g} s (--pd-role-switch-timeout-s); "
-                    f"the role stays {self.engine.mode}",
+                    f"the role stays {self.mode}",
                 )
             await asyncio.sleep(IDLE_POLL_S)
 
     async def _replace(self, new_role: str) -> None:
         """Out with the old role, in with a new one of `new_role` (or, failing that, of the old kind again)."""
-        old_mode = self.engine.mode
+        old_mode = self.mode
         old = await self._on_scheduler(lambda: self._install(Role(), "null"))
         await asyncio.to_thread(old.close)
         try:
@@ -111,21 +130,22 @@ class RoleSwitch:
 
     def _build(self, mode: str) -> Role:
         """The new role: one, as a switchable server runs at --tp-size 1 (one DP rank)."""
-        [role] = self.factories[mode](self.engine)
+        [role] = self.factories[mode](self.context)
         return role
 
     def _install(self, role: Role, mode: str) -> Role:
         """On the scheduler thread: `role` serves from the next step on; returns the one it replaced."""
-        s = self.engine.scheduler
+        s = self.scheduler
         if not s.idle():
             raise RuntimeError("a request reached the scheduler during a role switch")
         s.check_integrity()
         old, s.role = s.role, role
-        self.engine.set_mode(mode)
+        self.mode = mode
+        self.on_switched(mode)
         return old
 
     async def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.engine.run_on_scheduler(fn))
+        return await asyncio.wrap_future(on_scheduler_thread(self.scheduler, fn))
 
     def _answer(self, old: str, new: str, message: str) -> dict[str, Any]:
         return {
@@ -133,6 +153,6 @@ class RoleSwitch:
             "message": message,
             "old_role": old,
             "new_role": new,
-            "instance_id": self.engine.instance_id,
-            "bootstrap": self.engine.bootstrap_address(),
+            "instance_id": self.scheduler.role.instance_id,
+            "bootstrap": bootstrap_address(self.context.config, self.mode),
         }

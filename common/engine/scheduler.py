@@ -61,7 +61,7 @@ class Scheduler:
         self.dp_rank = dp_rank
         self.clock = clock  # for the roles' timeouts; requests' arrival_time is on this clock
         self.prefill = PrefillQueue(config, memory)
-        self.decode = DecodeBatch(config, memory, self.prefill)
+        self.decode = DecodeBatch(config, memory)
         self.role = role or Role()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.woken = woken or threading.Event()  # set by wake(); the scheduler thread waits on it between steps
@@ -171,7 +171,7 @@ class Scheduler:
         its batch's next token between two prefill steps."""
         if self.role.interleave_prefill and self.last_mode == ForwardMode.EXTEND and self.decode.running:
             try:
-                plan = self.decode.schedule()
+                plan = self.decode_plan()
             except Exception as e:
                 return self._fail_all(list(self.decode.running), f"internal error scheduling a decode batch: {e!r}")
             if plan is not None:
@@ -184,11 +184,26 @@ class Scheduler:
         if plan is not None:
             return plan
         try:
-            plan = self.decode.schedule()
+            plan = self.decode_plan()
         except Exception as e:
             return self._fail_all(list(self.decode.running), f"internal error scheduling a decode batch: {e!r}")
         self._check_starved(plan)
         return plan
+
+    def decode_plan(self) -> BatchPlan | None:
+        """A verify when the drafts fit, else one token for every running request, retracting requests until that
+        fits (each queued for prefill again); None: nothing runs, or not even one request fits."""
+        plan = self.decode.verify_plan()
+        if plan is not None:
+            return plan
+        while not self.decode.fits() and len(self.decode.running) > 1:
+            self.retract(self.decode.victim())
+        return self.decode.schedule()
+
+    def retract(self, req: Req) -> None:
+        """Take a running request out of the decode batch (its KV cached) and queue it for prefill again, ahead
+        of the waiting requests of its priority."""
+        self.prefill.add_front(self.decode.retract(req))
 
     def _check_starved(self, plan: BatchPlan | None) -> None:
         """Not even one running request fits the pool: wait while the role has pages on their way back

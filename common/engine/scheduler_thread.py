@@ -13,16 +13,33 @@ router takes the worker out of rotation.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from common.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 BUSY_POLL_S = 0.02
 IDLE_POLL_S = 0.5
+T = TypeVar("T")
+
+
+def on_scheduler_thread(scheduler: Scheduler, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """`fn()` run on the scheduler thread between two steps; its result (or exception) as a Future."""
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            fut.set_result(fn())
+        except Exception as e:
+            fut.set_exception(e)
+
+    scheduler.run_on_scheduler(call)
+    return fut
 
 
 class SchedulerThread:

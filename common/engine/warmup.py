@@ -30,7 +30,11 @@ from common.memory.manager import MemoryManager
 from common.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from common.engine.engine import Engine
+    from transformers import PretrainedConfig
+
+    from common.config import ServerConfig
+    from common.engine.engine_parts import MemoryParts
+    from common.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 CALIBRATION_TOKENS = 256  # the start-up measurement's prompt (at most one chunk)
@@ -44,11 +48,13 @@ def use_kernel_cache(directory: str | None) -> None:
         os.environ[FLASHINFER_CACHE_ENV] = directory
 
 
-def warm_up_engine(engine: Engine) -> float:
-    """Every DP rank's warm-up, the CUDA graphs, then the calibration; returns the seconds the first two took."""
-    c = engine.config
-    tokens = min(2 * c.page_size + 1, engine.context_len - 2)  # whole pages and a partial one
-    seconds = sum(warm_up(s.runner, s.memory, tokens, c.device) for s in engine.schedulers)
+def warm_up_engine(
+    c: ServerConfig, memory: MemoryParts, schedulers: list[Scheduler], hf_config: PretrainedConfig, dp_attention: bool
+) -> float:
+    """Every DP rank's warm-up, the CUDA graphs (none under DP attention), then the calibration; returns the seconds
+    the first two took."""
+    tokens = min(2 * c.page_size + 1, memory.context_len - 2)  # whole pages and a partial one
+    seconds = sum(warm_up(s.runner, s.memory, tokens, c.device) for s in schedulers)
     cache = c.kernel_cache_dir or "the default location"
     log.info(
         "warm-up: kernels built or loaded in %.2f s (%d-token prefill, decode step; kernel cache: %s)",
@@ -56,18 +62,18 @@ def warm_up_engine(engine: Engine) -> float:
         tokens,
         cache,
     )
-    seconds += capture_graphs(engine)
-    calibrate_engine(engine)
+    seconds += capture_graphs(c, memory, schedulers[0], hf_config, dp_attention)
+    calibrate_engine(c, memory.context_len, schedulers)
     return seconds
 
 
-def calibrate_engine(engine: Engine) -> None:
-    """The start-up measurement (common/engine/forward_stats.py), once the kernels and graphs are ready."""
-    c = engine.config
+def calibrate_engine(c: ServerConfig, context_len: int, schedulers: list[Scheduler]) -> None:
+    """The start-up measurement (common/engine/forward_stats.py) on DP rank 0, once the kernels and graphs are
+    ready; every DP rank's forward stats get it."""
     chunk = c.chunked_prefill_size if c.chunked_prefill_enabled else c.max_prefill_tokens
-    tokens = min(CALIBRATION_TOKENS, chunk, engine.context_len - 2)
-    cal = calibrate(engine.runner, engine.memory, tokens, c.device)
-    for s in engine.schedulers:
+    tokens = min(CALIBRATION_TOKENS, chunk, context_len - 2)
+    cal = calibrate(schedulers[0].runner, schedulers[0].memory, tokens, c.device)
+    for s in schedulers:
         s.forward_stats.chunk_tokens, s.forward_stats.calibration = chunk, cal
     log.info(
         "calibration: a %d-token prefill at %.0f tokens/s, a decode step in %.1f ms",

@@ -16,6 +16,7 @@ from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.guard import CountingGuard
+from common.http.role_guard import RoleGuard, role_headers
 from common.http.serving import (
     PD_CACHED,
     SPEC_COUNTS,
@@ -33,14 +34,7 @@ from common.http.serving import (
     tokenize_text,
 )
 from common.http.switch_guard import SwitchGuard, add_role_switch_route
-from common.wire.api import (
-    BOOTSTRAP_HEADER,
-    INSTANCE_HEADER,
-    RECOMPUTE_HEADER,
-    ROLE_HEADER,
-    GenerateRequest,
-    parse_body,
-)
+from common.wire.api import GenerateRequest, parse_body
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event
@@ -57,6 +51,8 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.engine = engine
     # outermost last: the counting guard sees the API key guard's 401s and the drain's 503s too
+    if engine.config.disaggregation_mode != "null":
+        app.add_middleware(RoleGuard, engine=engine)
     if engine.role_switch is not None:
         app.add_middleware(SwitchGuard, switch=engine.role_switch)
     if drain is not None:
@@ -70,7 +66,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), GenerateRequest)
         gen = generate_input(engine, body)
         gen.grammar_spec = body.grammar_spec()
-        await check_grammar(engine, gen)
+        await check_grammar(engine.grammar, gen)
         if body.stream:
             return sse_response(generate_stream(engine, gen, body))
         choices = await collect(engine, gen, request)
@@ -81,7 +77,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     async def health() -> Response:
         """Liveness for routers and probes: 503 naming the cause when the scheduler cannot serve.
         The headers name this server's transfer instance and role (PD roles), which routers follow."""
-        headers = health_headers(engine)
+        headers = role_headers(engine)
         problem = engine.health_problem()
         if problem is not None:
             return JSONResponse(error_body(problem, "unhealthy", 503), status_code=503, headers=headers)
@@ -108,22 +104,6 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     openai_api.add_routes(app, engine)
     add_role_switch_route(app, engine)
     return app
-
-
-def health_headers(engine: Engine) -> dict[str, str] | None:
-    """A PD server's instance id, role and (a prefill's) bootstrap registry: what a router needs to follow it through
-    restarts and role switches."""
-    if engine.instance_id is None:
-        return None
-    headers = {INSTANCE_HEADER: engine.instance_id, ROLE_HEADER: engine.mode}
-    bootstrap = engine.bootstrap_address()
-    if bootstrap is not None:
-        headers[BOOTSTRAP_HEADER] = bootstrap
-    if engine.mode == "decode" and engine.config.kv_load_failure_policy == "recompute":
-        headers[RECOMPUTE_HEADER] = (
-            "1"  # it computes a prompt whose KV did not come: its requests outlive their prefill
-        )
-    return headers
 
 
 def _one_token():
@@ -156,7 +136,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
     if (body.text is None) == (body.input_ids is None):
         raise InvalidRequest("give exactly one of text or input_ids", param="text")
-    ids = body.input_ids if body.input_ids is not None else tokenize_text(engine, body.text, "text")
+    ids = body.input_ids if body.input_ids is not None else tokenize_text(engine.tokenizer, body.text, "text")
     gen = GenInput(
         rid=body.rid or (body.migration.rid if body.migration else new_rid()),
         prompt_ids=ids,
@@ -166,9 +146,9 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
         rendezvous=body.rendezvous,
         pd_placement=body.pd_placement,
-        priority=check_priority(engine, body.priority),
+        priority=check_priority(engine.config, body.priority),
         migration=body.migration,
-        data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),
+        data_parallel_rank=check_dp_rank(engine.dp_size, body.data_parallel_rank),
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
     return gen

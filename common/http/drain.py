@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from common.config import ServerConfig
 from common.engine.engine import Engine
 from common.wire.drain import Drain
 
@@ -18,8 +19,9 @@ REFUSED_WHILE_DRAINING = frozenset(
 )
 
 
-def engine_drain(engine: Engine) -> Drain:
-    return Drain(engine.config.drain_timeout_s, REFUSED_WHILE_DRAINING)
+def engine_drain(config: ServerConfig) -> Drain:
+    """The drain of a server: --drain-timeout-s, and the paths it refuses meanwhile."""
+    return Drain(config.drain_timeout_s, REFUSED_WHILE_DRAINING)
 
 
 async def hand_over(engine: Engine) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from common.config import ServerConfig
 from common.core.request import GenInput
 from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
@@ -56,12 +57,12 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), CompletionRequest)
-        _check_model(engine, body)
-        ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine, body.prompt, "prompt")
+        _check_model(engine.model_name, body)
+        ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine.tokenizer, body.prompt, "prompt")
         echo_logprobs = body.echo and body.logprobs is not None  # the prompt's logprobs are computed only then
         gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs, echo_logprobs)
         gen.grammar_spec = body.grammar_spec()
-        await check_grammar(engine, gen)
+        await check_grammar(engine.grammar, gen)
         echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)) if body.echo else None
         make_choice = functools.partial(_completion_choice, echo=echo)
         return await _respond(engine, gen, body, "text_completion", make_choice, request, echo)
@@ -69,17 +70,17 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), ChatCompletionRequest)
-        _check_model(engine, body)
-        shape = _chat_shape(engine, body)
-        ids = _apply_chat_template(engine, body, shape)
+        _check_model(engine.model_name, body)
+        shape = _chat_shape(engine.config, body)
+        ids = _apply_chat_template(engine.tokenizer, body, shape)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, max_param)
         top = (body.top_logprobs or 0) if body.logprobs else None
         gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
-        gen.grammar_spec = _chat_constraint(engine, body, shape)
+        gen.grammar_spec = _chat_constraint(body, shape)
         if shape.parser is not None and shape.parser.needs_special_tokens:  # its markers are special tokens
             gen.params = gen.params.model_copy(update={"skip_special_tokens": False})
-        await check_grammar(engine, gen)
+        await check_grammar(engine.grammar, gen)
         make_choice = functools.partial(_chat_choice, shape=shape)
         return await _respond(engine, gen, body, "chat.completion", make_choice, request, shape=shape)
 
@@ -103,19 +104,19 @@ def _chat_chunks(
     return chunks
 
 
-def _check_model(engine: Engine, body: OpenAIBase) -> None:
-    if body.model not in (None, "", engine.model_name, "default"):
-        raise NotFound(f"model {body.model!r} does not exist; this server serves {engine.model_name!r}", param="model")
+def _check_model(model_name: str, body: OpenAIBase) -> None:
+    if body.model not in (None, "", model_name, "default"):
+        raise NotFound(f"model {body.model!r} does not exist; this server serves {model_name!r}", param="model")
 
 
-def _chat_shape(engine: Engine, body: ChatCompletionRequest) -> ChatShape:
+def _chat_shape(c: ServerConfig, body: ChatCompletionRequest) -> ChatShape:
     """How the request's text becomes its message: its tools (checked), the server's parsers."""
-    tools, c = body.tool_set(), engine.config
+    tools = body.tool_set()
     parser = TOOL_PARSERS[c.tool_call_parser] if tools.choice == "auto" and c.tool_call_parser else None
     return ChatShape(tools, parser, REASONING_PARSERS[c.reasoning_parser] if c.reasoning_parser else None)
 
 
-def _chat_constraint(engine: Engine, body: ChatCompletionRequest, shape: ChatShape) -> GrammarSpec | None:
+def _chat_constraint(body: ChatCompletionRequest, shape: ChatShape) -> GrammarSpec | None:
     """response_format / guided_*, or the tool_choice's schema (not both); after the thinking with a reasoning parser."""
     spec, tool_spec = body.grammar_spec(), shape.tools.constraint()
     if spec is not None and tool_spec is not None:
@@ -127,11 +128,11 @@ def _chat_constraint(engine: Engine, body: ChatCompletionRequest, shape: ChatSha
     return spec.gated(True) if spec is not None and shape.reasoning is not None else spec
 
 
-def _apply_chat_template(engine: Engine, body: ChatCompletionRequest, shape: ChatShape) -> list[int]:
+def _apply_chat_template(tokenizer: Any, body: ChatCompletionRequest, shape: ChatShape) -> list[int]:
     messages = [m.for_template() for m in body.messages]
     tools = shape.tools.template_tools()
     try:
-        ids = engine.tokenizer.apply_chat_template(
+        ids = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=True, **(body.chat_template_kwargs or {})
         )
     except Exception as e:  # jinja errors from the model's own template
@@ -160,9 +161,9 @@ def _gen_input(
         rendezvous=body.rendezvous,
         pd_placement=body.pd_placement,
         logprob_start_len=0 if prompt_logprobs else -1,
-        priority=check_priority(engine, body.priority),
+        priority=check_priority(engine.config, body.priority),
         migration=body.migration,
-        data_parallel_rank=check_dp_rank(engine, body.data_parallel_rank),
+        data_parallel_rank=check_dp_rank(engine.dp_size, body.data_parallel_rank),
     )
     check_input(engine, gen, param, max_param)
     return gen
@@ -188,16 +189,16 @@ async def _respond(
             "object": kind,
             "created": created(gen),
             "model": engine.model_name,
-            "choices": [make_choice(engine, c, gen) for c in choices],
+            "choices": [make_choice(engine.tokenizer, c, gen) for c in choices],
             "usage": usage(choices, len(gen.prompt_ids)),
         }
     )
 
 
-def _completion_choice(engine: Engine, c: Choice, gen: GenInput, echo: str | None = None) -> dict[str, Any]:
+def _completion_choice(tokenizer: Any, c: Choice, gen: GenInput, echo: str | None = None) -> dict[str, Any]:
     """With `echo` (the prompt's text), the prompt comes first: in the text and, token by token, in the logprobs."""
     logprobs = (
-        _completion_logprobs(engine, c, gen.prompt_ids if echo is not None else None) if gen.return_logprob else None
+        _completion_logprobs(tokenizer, c, gen.prompt_ids if echo is not None else None) if gen.return_logprob else None
     )
     return {
         "index": c.index,
@@ -207,24 +208,24 @@ def _completion_choice(engine: Engine, c: Choice, gen: GenInput, echo: str | Non
     }
 
 
-def _chat_choice(engine: Engine, c: Choice, gen: GenInput, shape: ChatShape) -> dict[str, Any]:
+def _chat_choice(tokenizer: Any, c: Choice, gen: GenInput, shape: ChatShape) -> dict[str, Any]:
     message, finish = shape.message(c.text, FINISH.get(c.finish.type) if c.finish else None)
     return {
         "index": c.index,
         "message": message,
-        "logprobs": {"content": _chat_logprobs(engine, c)} if gen.return_logprob else None,
+        "logprobs": {"content": _chat_logprobs(tokenizer, c)} if gen.return_logprob else None,
         "finish_reason": finish,
     }
 
 
-def _token_str(engine: Engine, token: int) -> str:
-    return engine.tokenizer.convert_tokens_to_string([engine.tokenizer.convert_ids_to_tokens(token)])
+def _token_str(tokenizer: Any, token: int) -> str:
+    return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token)])
 
 
-def _completion_logprobs(engine: Engine, c: Choice, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+def _completion_logprobs(tokenizer: Any, c: Choice, prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """OpenAI's logprobs of the choice's tokens, preceded by the prompt's when `prompt_ids` are given (the
     first prompt token has no logprob and no top logprobs: nothing predicted it)."""
-    top_dict = lambda top: {_token_str(engine, t): lp for t, lp in top or []}  # noqa: E731
+    top_dict = lambda top: {_token_str(tokenizer, t): lp for t, lp in top or []}  # noqa: E731
     token_ids, token_logprobs, tops = c.output_ids, list(c.logprobs), [top_dict(top) for top in c.top_logprobs]
     if prompt_ids is not None:
         n = len(prompt_ids)
@@ -232,7 +233,7 @@ def _completion_logprobs(engine: Engine, c: Choice, prompt_ids: list[int] | None
         token_logprobs = (c.meta.get("input_token_logprobs") or [None] * n) + token_logprobs
         prompt_tops = c.meta.get("input_top_logprobs") or [None] * n
         tops = [None] + [top_dict(top) for top in prompt_tops[1:]] + tops
-    tokens = [_token_str(engine, t) for t in token_ids]
+    tokens = [_token_str(tokenizer, t) for t in token_ids]
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -241,9 +242,9 @@ def _completion_logprobs(engine: Engine, c: Choice, prompt_ids: list[int] | None
     }
 
 
-def _chat_logprobs(engine: Engine, c: Choice) -> list[dict[str, Any]]:
+def _chat_logprobs(tokenizer: Any, c: Choice) -> list[dict[str, Any]]:
     def entry(t: int, lp: float) -> dict[str, Any]:
-        s = _token_str(engine, t)
+        s = _token_str(tokenizer, t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
     return [
@@ -286,10 +287,10 @@ async def _stream(
             finish = FINISH.get(ev.finish.type) if ev.finish else None
             part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
             if is_chat:
-                lp = {"content": _chat_logprobs(engine, part)} if gen.return_logprob else None
+                lp = {"content": _chat_logprobs(engine.tokenizer, part)} if gen.return_logprob else None
                 chunks = _chat_chunks(streams[i], ev.text, ev.finish is not None, finish, lp, i)
             else:
-                chunks = [_completion_choice(engine, part, gen, to_echo[i]) | {"finish_reason": finish}]
+                chunks = [_completion_choice(engine.tokenizer, part, gen, to_echo[i]) | {"finish_reason": finish}]
                 to_echo[i] = None
             finished = ev.finish is not None
             line = tracer.line(i, ev.token_ids, finished and len(chunks) <= 1)

@@ -9,13 +9,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from common.config import ServerConfig
 from common.core.request import FinishReason, GenInput, OutputEvent, Req
 from common.engine.engine import Engine
 from common.wire.api import rendezvous_problem
 from common.wire.errors import InvalidRequest, Overloaded, RequestAborted, error_for_status
 from common.wire.migration import ResumedChoice, trace
+
+if TYPE_CHECKING:
+    from common.engine.grammar.backend import GrammarBackend
 
 
 @dataclass
@@ -55,57 +59,55 @@ def new_rid(prefix: str = "") -> str:
     return prefix + uuid.uuid4().hex
 
 
-def tokenize_text(engine: Engine, text: str, param: str) -> list[int]:
+def tokenize_text(tokenizer: Any, text: str, param: str) -> list[int]:
     if not text:
         raise InvalidRequest(f"{param} must not be empty", param=param)
-    return engine.tokenizer.encode(text)
+    return tokenizer.encode(text)
 
 
 def check_input(engine: Engine, gen: GenInput, param: str, max_tokens_param: str) -> None:
     """What the engine would refuse, as a 400 naming the field before anything is scheduled (and a full
     queue as a 503). `param` names the prompt, `max_tokens_param` the maximum of new tokens; the other
     sampling fields sit beside it (`sampling_params.*` for /generate)."""
-    check_rendezvous(engine, gen)
+    check_rendezvous(engine.mode, gen)
     queued = engine.scheduler.num_queued()
     if queued + gen.params.n > engine.config.max_queued_requests:
         raise Overloaded(
             f"server is full: {queued} requests queued (limit {engine.config.max_queued_requests}); retry later"
         )
-    _check_prompt(engine, gen, param, max_tokens_param)
-    _check_resume(engine, gen)
     vocab = engine.hf_config.vocab_size
+    _check_prompt(gen, vocab, engine.context_len, param, max_tokens_param)
+    _check_resume(gen, vocab)
     check_token_ids(list(gen.params.logit_bias or ()), vocab, _sibling(max_tokens_param, "logit_bias"))
     check_token_ids(gen.params.stop_token_ids or [], vocab, _sibling(max_tokens_param, "stop_token_ids"))
 
 
-async def check_grammar(engine: Engine, gen: GenInput) -> None:
+async def check_grammar(grammar: GrammarBackend | None, gen: GenInput) -> None:
     """A 400 naming the field unless the request's grammar compiles here, before anything is scheduled (its
     compilation then goes on off the scheduler thread, which the request waits for in its own queue)."""
     spec = gen.grammar_spec
     if spec is None:
         return
-    if engine.grammar is None:
+    if grammar is None:
         raise InvalidRequest(
             f"{spec.param}: constrained decoding is off on this server (--grammar-backend none)", param=spec.param
         )
-    await engine.grammar.check(spec)
+    await grammar.check(spec)
 
 
-def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: str) -> None:
-    """The prompt's ids, its length and what must fit beside it in the context."""
-    n, vocab = len(gen.prompt_ids), engine.hf_config.vocab_size
+def _check_prompt(gen: GenInput, vocab: int, context_len: int, param: str, max_tokens_param: str) -> None:
+    """The prompt's ids (of a vocabulary of `vocab`), its length and what must fit beside it in the context."""
+    n = len(gen.prompt_ids)
     if n == 0:
         raise InvalidRequest(f"{param} must not be empty", param=param)
     if min(gen.prompt_ids) < 0 or max(gen.prompt_ids) >= vocab:
         raise InvalidRequest(f"{param}: token ids must be in [0, {vocab})", param=param)
-    if n >= engine.context_len:
-        raise InvalidRequest(
-            f"{param} has {n} tokens; this server's context length is {engine.context_len}", param=param
-        )
-    if n + gen.params.max_new_tokens > engine.context_len:
+    if n >= context_len:
+        raise InvalidRequest(f"{param} has {n} tokens; this server's context length is {context_len}", param=param)
+    if n + gen.params.max_new_tokens > context_len:
         raise InvalidRequest(
             f"{max_tokens_param}: {n} prompt tokens + {gen.params.max_new_tokens} new tokens exceed the context "
-            f"length {engine.context_len}; ask for at most {engine.context_len - n}",
+            f"length {context_len}; ask for at most {context_len - n}",
             param=max_tokens_param,
         )
     if gen.logprob_start_len >= n:
@@ -115,7 +117,7 @@ def _check_prompt(engine: Engine, gen: GenInput, param: str, max_tokens_param: s
         )
 
 
-def _check_resume(engine: Engine, gen: GenInput) -> None:
+def _check_resume(gen: GenInput, vocab: int) -> None:
     """A migrated request's choices as its client has them: one per choice, tokens of the vocabulary, fewer
     than the maximum unless the choice has ended."""
     resume = gen.migration.resume if gen.migration else None
@@ -124,37 +126,36 @@ def _check_resume(engine: Engine, gen: GenInput) -> None:
     if len(resume) != gen.params.n:
         raise InvalidRequest(f"migration.resume has {len(resume)} choices, n is {gen.params.n}", param="migration")
     for shown in filter(None, resume):
-        check_token_ids(shown.output_ids, engine.hf_config.vocab_size, "migration.resume.output_ids")
+        check_token_ids(shown.output_ids, vocab, "migration.resume.output_ids")
         if not shown.finished and len(shown.output_ids) >= gen.params.max_new_tokens:
             raise InvalidRequest(
                 "migration.resume: a choice that has not ended has fewer tokens than the maximum", param="migration"
             )
 
 
-def check_priority(engine: Engine, priority: int | None) -> int:
+def check_priority(config: ServerConfig, priority: int | None) -> int:
     """A request's priority (0 when absent); giving one needs --enable-priority-scheduling, as in SGLang."""
-    if priority is not None and not engine.config.enable_priority_scheduling:
+    if priority is not None and not config.enable_priority_scheduling:
         raise InvalidRequest(
             "priority is not accepted: this server was started without --enable-priority-scheduling", param="priority"
         )
     return priority or 0
 
 
-def check_dp_rank(engine: Engine, rank: int | None) -> int | None:
-    """The DP rank a request asks for (SGLang's data_parallel_rank), which this server must have."""
-    if rank is not None and rank >= engine.dp_size:
+def check_dp_rank(dp_size: int, rank: int | None) -> int | None:
+    """The DP rank a request asks for (SGLang's data_parallel_rank), which this server (of `dp_size`) must have."""
+    if rank is not None and rank >= dp_size:
         raise InvalidRequest(
-            f"data_parallel_rank {rank}: this server has {engine.dp_size} DP rank(s) (--dp-size with "
-            "--enable-dp-attention)",
+            f"data_parallel_rank {rank}: this server has {dp_size} DP rank(s) (--dp-size with --enable-dp-attention)",
             param="data_parallel_rank",
         )
     return rank
 
 
-def check_rendezvous(engine: Engine, gen: GenInput) -> None:
-    """A prefill or decode server serves only what a router paired (it added the bootstrap fields), or what a
-    decode is asked to prefill itself (pd_placement local)."""
-    problem = rendezvous_problem(engine.config.disaggregation_mode, gen.rendezvous, gen.pd_placement)
+def check_rendezvous(mode: str, gen: GenInput) -> None:
+    """A prefill or decode server (`mode`, the role it serves now) serves only what a router paired (it added the
+    bootstrap fields), or what a decode is asked to prefill itself (pd_placement local)."""
+    problem = rendezvous_problem(mode, gen.rendezvous, gen.pd_placement)
     if problem is not None:
         raise InvalidRequest(problem, param="pd_placement" if gen.pd_placement == "local" else "bootstrap_room")
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from common.attention.base import AttentionBackend, make_attention_backend
+from common.attention.base import AttentionBackend
 from common.attention.choice import resolved_backend
+from common.attention.factory import make_attention_backend
 from common.config import ServerConfig
 from common.memory.kv_pool import KVPool
 from common.memory.pool_factory import describe_kv_cache, kv_store_dtype, make_kv_pool, pool_bytes_per_token

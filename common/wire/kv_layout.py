@@ -37,6 +37,10 @@ LAYOUT_KEYS = (
     "experts",
     "weights",
 )
+# the data-plane engines a PD server may move KV with (both of a pair run the same: the layout's transfer_backend),
+# what --transfer-backend and `tandem up --transfer-backend` accept; loopback, in-process, serves unit tests only
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+LOOPBACK_BACKEND = "loopback"
 ABSENT = {"kv_checksum": False, "speculative": "none", "weights": "none"}  # what a layout without these fields means
 NO_DRAFT_STATE = ("none", "NGRAM")  # what crosses is the same as without speculation
 

@@ -304,8 +304,6 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400(server, stop_ids, param
 def test_chat_template_kwargs_reach_the_template(tokenizer):
     """Extra template variables (vLLM's and SGLang's chat_template_kwargs, e.g. Qwen3's enable_thinking) are
     passed to the model's chat template."""
-    from types import SimpleNamespace
-
     from common.http.chat_output import ChatShape
     from common.http.openai_api import _apply_chat_template
     from common.wire.api import ChatCompletionRequest
@@ -314,9 +312,7 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     tok.chat_template = "{% if greet %}Hello! {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     body = ChatCompletionRequest.model_validate({**CHAT, "chat_template_kwargs": {"greet": True}})
     shape = ChatShape(body.tool_set())
-    assert _apply_chat_template(SimpleNamespace(tokenizer=tok), body, shape) == tok.encode(
-        "Hello! " + CHAT["messages"][0]["content"]
-    )
+    assert _apply_chat_template(tok, body, shape) == tok.encode("Hello! " + CHAT["messages"][0]["content"])
 
 
 def test_chat_template_kwargs_the_template_ignores_change_nothing(server):

@@ -117,7 +117,7 @@ def test_a_retracted_request_continues_its_grammar(engine):
 
     def retract_once(step: int) -> None:
         if step == 6 and req in engine.scheduler.decode.running:
-            engine.scheduler.decode.retract(req)
+            engine.scheduler.retract(req)
 
     run(engine, [req], retract_once)
     assert engine.scheduler.decode.num_retractions >= 1

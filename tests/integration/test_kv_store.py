@@ -1,9 +1,10 @@
 """The KV store tier with real servers (tiny model) sharing one Mooncake Store (a master and a memory-holding
-client on 127.0.0.1, over TCP): a monolithic server A and a PD pair, both with a small device pool, a host tier
-and --hicache-storage-prefetch-policy wait_complete; a monolithic server without any of it gives the reference
-tokens.
+client on 127.0.0.1, over TCP): a monolithic server A and a PD pair, both with a small device pool and a host
+tier, A with --hicache-storage-prefetch-policy wait_complete, the pair with none (the default with a store:
+timeout); a monolithic server without any of it gives the reference tokens.
 
-- the PD pair's prefill serves the prefixes A computed from the store: exact hit counts, the reference tokens;
+- the PD pair's prefill serves the prefixes A computed from the store (its default policy waits for them): exact
+  hit counts, the reference tokens;
 - the pair's decode writes each finished turn, so the conversation's next turn, sent to A, finds the turn's
   output tokens' KV in the store;
 - a restarted server serves warm from the store;
@@ -17,6 +18,7 @@ locked or prefetching (every store job collected)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -30,7 +32,8 @@ from tests.integration.tiny_model import random_prompts
 
 PS = 16
 FLAGS = ("--page-size", str(PS), "--chunked-prefill-size", "256", "--max-total-tokens", "1024")
-HOST = ("--enable-hierarchical-cache", "--hicache-ratio", "4", "--hicache-storage-prefetch-policy", "wait_complete")
+HOST = ("--enable-hierarchical-cache", "--hicache-ratio", "4")
+WAIT_COMPLETE = ("--hicache-storage-prefetch-policy", "wait_complete")
 PROMPTS = random_prompts(6, 340, 340, seed=21)  # 21 whole pages each and a partial one
 FULL = 336  # what a prompt of 340 can reuse: its 21 whole pages
 IO_TIMEOUT_S = 2.0
@@ -46,13 +49,13 @@ def store():
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, store, reference_servers):
     pytest.importorskip("mooncake.store")
-    extra = store.extra_config(io_timeout_s=IO_TIMEOUT_S, retry_interval_s=0.5)
+    extra = store.extra_config(io_timeout_s=IO_TIMEOUT_S, retry_interval_s=0.5, prefetch_timeout_base=10.0)
     flags = ("--model", str(tiny_model_dir), *FLAGS, *HOST, "--hicache-storage-backend", "mooncake")
     flags += ("--hicache-storage-backend-extra-config", extra)
     a = c = None
     try:
-        a = start_server(*flags, name="store-a")
-        c = spawn_cluster("mooncake", flags=flags)
+        a = start_server(*flags, *WAIT_COMPLETE, name="store-a")
+        c = spawn_cluster("mooncake", flags=flags)  # no prefetch policy: a server with a store waits by default
         ref = reference_servers.get("--model", str(tiny_model_dir), *FLAGS)
         yield a.wait_ready(), c.wait_ready(), ref
     finally:
@@ -109,6 +112,8 @@ def test_a_pd_pair_serves_the_prefixes_a_monolithic_server_computed_from_the_sto
         assert computed(a.url, a, prompt)["output_ids"] == expected(prompt)
     assert store_counts(a)["pages_written"] == 2 * 21
     prefill = pd.nodes[0]
+    summary = r"hicache_storage_prefetch_policy += timeout  \(the default with a KV store"
+    assert re.search(summary, prefill.log_path.read_text(errors="replace"))  # its start-up summary says so
     for prompt in PROMPTS[:2]:
         before = store_counts(prefill)
         out = generate(pd.url, prompt, 8)

@@ -2,8 +2,10 @@
 a prefill and two decodes that may all switch roles (--enable-pd-role-switch) and publish KV events, a router that
 places by the measured cost (--pd-placement cost) and one that always computes on the prefill. Greedy output
 equals the monolithic server's whatever the placement (remote, decode-local forced by x-bypass-remote-prefill, the
-cost's choice; a conversation's turns); bad headers and fields are 400s naming them; a decode flips to prefill and
-back under load with every request answered, each equal to the monolithic answer; every pool is idle after."""
+cost's choice; a conversation's turns); bad headers and fields are 400s naming them; a half meant for the other
+role is refused at once (409 naming the server's role); a decode flips to prefill and back under load with every
+request answered, each equal to the monolithic answer, also when switched through its own endpoint behind a router
+that learns it only from those refusals (no answer more than a few seconds slower); every pool is idle after."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 
 from tests.conftest import ServerProcess, metric, start_server
 from tests.integration.cluster import Cluster, generate, start_router
+from tests.integration.faults import wait_until
 from tests.integration.tiny_model import random_prompts
 from tests.ports import free_port
 
@@ -162,6 +165,87 @@ def test_a_decode_flips_to_prefill_and_back_under_load_losing_nothing(cluster, m
     failed = [(i, a) for i, a in answers if a != expected[i]]
     assert failed == [], failed[:3]
     assert metric(flipping.url, "tandem_forward_steps_total", mode="decode") > 0
+    cluster.wait_idle()
+
+
+def test_a_half_meant_for_the_other_role_is_refused_at_once_naming_the_servers_role(cluster):
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    body = {"input_ids": [1, 2, 3], "bootstrap_room": 7, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1}
+    for server, meant, role in ((decode, "prefill", "decode"), (prefill, "decode", "prefill")):
+        started = time.monotonic()
+        r = httpx.post(server.url + "/generate", json=body, headers={"X-Tandem-Role": meant}, timeout=10)
+        assert time.monotonic() - started < 2  # answered before any room is waited for
+        assert r.status_code == 409 and r.json()["error"]["param"] == "X-Tandem-Role", r.text
+        assert r.headers["X-Tandem-Role"] == role and r.headers["X-Tandem-Instance-Id"]
+        assert ("X-Tandem-Bootstrap" in r.headers) == (role == "prefill")
+    r = httpx.post(decode.url + "/v1/completions", json={"prompt": "hi"}, headers={"X-Tandem-Role": "router"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Tandem-Role"
+    cluster.wait_idle()
+
+
+class Load:
+    """Clients sending greedy requests through `url` in a loop: each answer with its latency, and when it started."""
+
+    def __init__(self, url: str, prompts: list[list[int]], clients: int = 3):
+        self.url, self.prompts, self.stop = url, prompts, threading.Event()
+        self.answers: list[tuple[float, float, int, list[int] | str]] = []  # (started, seconds, prompt, answer)
+        self.threads = [threading.Thread(target=self._client, args=(k,)) for k in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, k: int) -> None:
+        i = k
+        while not self.stop.is_set():
+            j, started = i % len(self.prompts), time.monotonic()
+            try:
+                answer: list[int] | str = ask(self.url, self.prompts[j], stream=i % 2 == 0)
+            except (AssertionError, httpx.HTTPError) as e:
+                answer = repr(e)
+            self.answers.append((started, time.monotonic() - started, j, answer))
+            i += 1
+
+    def end(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def slowest(self, since: float = 0.0, until: float = float("inf")) -> float:
+        return max(s for started, s, _, _ in self.answers if since <= started < until)
+
+
+def test_a_decode_switched_through_its_own_endpoint_costs_its_requests_a_retry_not_a_stall(cluster, mono):
+    """A router with a static worker list that reads /health once a minute: it learns each switch sent to the server
+    itself from the server's refusal of a half meant for its old role (a decode half, then a prefill half), and moves
+    the request at once; then the same switches through the router's own endpoint. Every answer equals the
+    monolithic one, and none waits more than a few seconds longer than those before the first switch."""
+    pairs = list(zip(cluster.prefills, cluster.prefill_bootstrap_ports))
+    router = start_router(pairs, cluster.decodes, "--health-check-interval-s", "60", name="router-static")
+    flipping = cluster.decodes[1]
+    prompts = random_prompts(4, 8, 40, seed=8)
+    expected = [generate(mono.url, p, NEW)["output_ids"] for p in prompts]
+    load = Load(router.url, prompts)
+    try:
+        time.sleep(3)
+        first_switch = time.monotonic()
+        for role in ("prefill", "decode"):  # sent to the server itself: the router is not told
+            r = httpx.post(flipping.url + "/pd_role_switch", json={"new_role": role}, timeout=400)
+            assert r.status_code == 200 and r.json()["new_role"] == role, r.text
+            wait_until(lambda role=role: roles(router.url)[flipping.url] == role, 10, f"the router to see {role}")
+            time.sleep(2)  # the load runs on the new roles
+        for role in ("prefill", "decode"):
+            r = httpx.post(router.url + "/pd_role_switch", json={"url": flipping.url, "new_role": role}, timeout=400)
+            assert r.status_code == 200 and r.json()["new_role"] == role, r.text
+            assert roles(router.url)[flipping.url] == role
+            time.sleep(2)
+    finally:
+        load.end()
+        router_retries = metric(router.url, "tandem_router_retries_total")
+        router.stop()
+    failed = [(j, a) for _, _, j, a in load.answers if a != expected[j]]
+    assert failed == [] and len(load.answers) >= 20, failed[:3]
+    before = load.slowest(until=first_switch)
+    assert load.slowest(since=first_switch) < before + 5, (before, sorted(s for _, s, _, _ in load.answers)[-5:])
+    assert router_retries >= 2  # a decode half refused, then a prefill half
     cluster.wait_idle()
 
 

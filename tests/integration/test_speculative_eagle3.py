@@ -49,17 +49,19 @@ def test_the_aux_hidden_state_is_the_inputs_of_three_layers_as_transformers_give
     e.scheduler.add_request(req)
     while e.scheduler.step():
         pass
-    got = torch.frombuffer(bytearray(e.drafter.pending_bytes(req)), dtype=torch.float32)
+    got = torch.frombuffer(bytearray(e.parts.schedulers.drafter.pending_bytes(req)), dtype=torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
         states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     want = torch.cat([states[i][0, -1] for i in (1, 2, 3)])
-    assert got.shape == (3 * 64,) and e.aux_hidden_bytes == 3 * 64 * 4
+    assert got.shape == (3 * 64,) and e.parts.schedulers.drafter.hidden_bytes == 3 * 64 * 4
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
-    assert e.speculative == f"EAGLE3 head={model_identity(head)} layers=1 hidden=192xfloat32"
+    assert e.parts.schedulers.speculative == f"EAGLE3 head={model_identity(head)} layers=1 hidden=192xfloat32"
     eagle = f"EAGLE head={model_identity(head)} layers=1 hidden=64xfloat32"
-    layouts = [{k: 1 for k in LAYOUT_KEYS} | {"speculative": s} for s in (eagle, e.speculative)]
-    assert f"speculative: decode has '{eagle}', prefill has '{e.speculative}'" in layout_mismatch(*layouts)
+    layouts = [{k: 1 for k in LAYOUT_KEYS} | {"speculative": s} for s in (eagle, e.parts.schedulers.speculative)]
+    assert f"speculative: decode has '{eagle}', prefill has '{e.parts.schedulers.speculative}'" in layout_mismatch(
+        *layouts
+    )
 
 
 def test_the_loader_takes_sglangs_names_with_or_without_model_and_maps_draft_ids_through_d2t(eagle3, tmp_path):

@@ -132,7 +132,7 @@ def test_a_padded_step_replayed_equals_the_eager_step_and_writes_only_the_paddin
     if attention == "flashinfer":
         fake_flashinfer.install(monkeypatch)
         attn = FlashInferAttention(pool, attn.num_q_heads, attn.head_dim, attn.scaling)
-    plan = engine.scheduler.decode.schedule()
+    plan = engine.scheduler.decode_plan()
     batch = plan.decode.forward_batch(plan.out_cache_locs[0], runner.req_to_token)
     before = pool.buffer.clone()
     attn.init_forward(batch)

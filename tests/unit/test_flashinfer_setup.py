@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.attention import flashinfer_backend
-from common.attention.base import make_attention_backend
+from common.attention.factory import make_attention_backend
 from common.attention.flashinfer_backend import FlashInferAttention
 from common.config import ServerConfig
 from common.core.request import Req

@@ -50,7 +50,9 @@ def test_auto_takes_flashinfer_only_for_the_head_dims_it_serves(head_dim):
 
 
 def test_a_head_dim_flashinfer_lacks_is_refused_before_the_weights_load(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr("common.engine.engine.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses"))
+    monkeypatch.setattr(
+        "common.engine.engine_build.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses")
+    )
     with pytest.raises(AttentionChoiceError, match="head_dim is 16"):
         Engine(ServerConfig(model=str(tiny_model_dir), attention_backend="flashinfer", device="cuda"))
 
@@ -69,7 +71,9 @@ def test_flashinfer_where_it_cannot_run_is_refused_naming_the_flags(device, dtyp
 
 
 def test_the_refusal_comes_before_the_model_loads(monkeypatch):
-    monkeypatch.setattr("common.engine.engine.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses"))
+    monkeypatch.setattr(
+        "common.engine.engine_build.build_rank_model", lambda *a: pytest.fail("loaded a model it refuses")
+    )
     with pytest.raises(AttentionChoiceError):
         Engine(ServerConfig(attention_backend="flashinfer", device="cpu"))
 

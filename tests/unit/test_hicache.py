@@ -11,7 +11,7 @@ from common.memory.allocator import PagedAllocator
 from common.memory.hicache import HiRadixCache
 from common.memory.host_pool import HostPool
 from common.memory.kv_pool import KVPool
-from common.memory.prefix_cache import make_prefix_cache
+from common.memory.prefix_cache_factory import make_prefix_cache
 from common.wire.page_runs import page_runs
 from common.wire.user_error import UserError
 

@@ -172,6 +172,20 @@ def test_roles_reach_the_scheduler_only_through_the_view_they_are_built_with():
         assert ".wake_scheduler" not in (ROOT / role).read_text(), role
 
 
+def test_only_the_http_layer_and_the_cli_know_the_engine_facade():
+    """Engine (common/engine/engine.py) is the HTTP layer's facade: nothing of the engine itself or of the roles
+    imports it (TYPE_CHECKING imports included); start-up, warm-up, the report and the role composers take parts."""
+    violations = []
+    for pkg in ("common/engine", "prefill_node", "decode_node"):
+        for path in (p for p in (ROOT / pkg).rglob("*.py") if p != ROOT / "common/engine/engine.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "common.engine.engine":
+                    violations.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                elif isinstance(node, ast.Import) and any(a.name == "common.engine.engine" for a in node.names):
+                    violations.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert violations == []
+
+
 def test_router_bootstrap_wire_and_bench_start_without_torch(builtin_model_dir):
     """builtin_model_dir: the built-in model is converted already, as after any server ran once."""
     code = (

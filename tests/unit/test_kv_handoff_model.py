@@ -107,7 +107,7 @@ class KVHandoff(HandoffInvariants, SimulatedPair, RuleBasedStateMachine):
                 break
             self._one_round(only_running=True)
         if batch.running and self.decode.runs:
-            batch.retract(data.draw(st.sampled_from(batch.running)))
+            self.decode.sched.retract(data.draw(st.sampled_from(batch.running)))
             if evict:
                 self.decode.memory.prefix_cache.evict(NUM_PAGES)
 

@@ -203,6 +203,20 @@ def test_the_extra_config_names_a_bad_field_and_the_flag():
         )
 
 
+def test_a_server_with_a_store_waits_for_its_prefixes_by_default_and_a_given_policy_wins(monkeypatch):
+    store = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}
+    assert ServerConfig().hicache_storage_prefetch_policy == "best_effort"  # no store: SGLang's default
+    config = ServerConfig(**store)
+    assert config.hicache_storage_prefetch_policy == "timeout"
+    [line] = [line for line in config.summary().splitlines() if "prefetch_policy" in line]
+    assert line.split("=", 1)[1].strip().startswith("timeout  (the default with a KV store")
+    assert ServerConfig(**store, hicache_storage_prefetch_policy="best_effort").hicache_storage_prefetch_policy == (
+        "best_effort"
+    )
+    monkeypatch.setenv("TANDEM_HICACHE_STORAGE_PREFETCH_POLICY", "wait_complete")
+    assert ServerConfig(**store).hicache_storage_prefetch_policy == "wait_complete"
+
+
 class Events:
     """A CacheListener that keeps what it hears."""
 

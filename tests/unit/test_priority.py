@@ -42,7 +42,7 @@ def test_without_priorities_the_queue_is_fifo_and_a_retracted_request_goes_first
 
 def test_the_victim_is_the_lowest_priority_then_the_least_progress_then_the_newest():
     config = ServerConfig()
-    batch = DecodeBatch(config, memory=None, prefill=PrefillQueue(config, memory=None))
+    batch = DecodeBatch(config, memory=None)
     batch.running = [req("old-low", 0, 3), req("high", 2, 1), req("new-low", 0, 3), req("busy-low", 0, 9)]
     assert batch.victim().rid == "new-low"
     batch.running.remove(batch.victim())

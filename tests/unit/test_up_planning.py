@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from common.config import ServerConfig
+from common.wire.kv_layout import TRANSFER_BACKENDS
 from common.wire.user_error import UserError
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
 from tandem.up import ENGINELESS, add_up_flags, check_up, plan_children, resolve_device
@@ -216,6 +218,21 @@ def test_up_with_a_mooncake_store_runs_tandem_kv_store_and_points_every_server_a
         argv = by_name[name].argv
         assert argv[argv.index("--hicache-storage-backend") + 1] == "mooncake" and "--enable-hierarchical-cache" in argv
         assert argv[argv.index("--hicache-storage-backend-extra-config") + 1] == extra
-        assert argv[argv.index("--hicache-storage-prefetch-policy") + 1] == "timeout"
+        assert "--hicache-storage-prefetch-policy" not in argv  # a server with a store waits for it by default
     kids, by_name, _ = children("--mode", "monolithic", "--hicache-storage-backend", "file")
     assert [c.name for c in kids] == ["server"] and "--hicache-storage-backend" in by_name["server"].argv
+
+
+@pytest.mark.parametrize("backend", TRANSFER_BACKENDS)
+def test_every_transfer_backend_up_offers_reaches_servers_that_accept_it(backend):
+    """One list (common.wire.kv_layout.TRANSFER_BACKENDS) for `tandem up` and the servers' config."""
+    _, _, engines = children("--transfer-backend", backend)
+    for child in engines:
+        assert child.argv[child.argv.index("--transfer-backend") + 1] == backend
+    assert ServerConfig(transfer_backend=backend).transfer_backend == backend
+
+
+def test_up_refuses_the_loopback_backend_of_unit_tests(capsys):
+    with pytest.raises(SystemExit):
+        children("--transfer-backend", "loopback")
+    assert "invalid choice: 'loopback'" in capsys.readouterr().err

@@ -40,29 +40,3 @@ class TransferBackend(ABC):
     @abstractmethod
     def describe(self) -> str:
         """Which engine and transport move the bytes, for the start-up log."""
-
-
-def make_backend(
-    name: str,
-    host: str,
-    protocol: str = "tcp",
-    device: str = "",
-    timeout_s: float = 60.0,
-    on_cuda: bool = False,
-    device_index: int = 0,
-) -> TransferBackend:
-    """`timeout_s` bounds one write_batch call: it raises instead of waiting longer on a stuck peer;
-    `device_index`: the CUDA device of the KV pool (NIXL names it in every descriptor)."""
-    if name == "mooncake":
-        from transfer.backends.mooncake import MooncakeBackend
-
-        return MooncakeBackend(host, protocol, device, timeout_s)
-    if name == "nixl":
-        from transfer.backends.nixl import NixlBackend
-
-        return NixlBackend(timeout_s, protocol, on_cuda, device_index)
-    if name == "loopback":
-        from transfer.backends.loopback import LoopbackBackend
-
-        return LoopbackBackend()
-    raise ValueError(f"unknown transfer backend {name!r}; choose mooncake or nixl")

@@ -5,10 +5,10 @@ import os
 import sys
 
 if os.environ.get("TANDEM_TEST_KV_FAULTS_FILE"):
-    import transfer.backends.base as base
+    import transfer.backends.factory as factory
     from tests.integration.kv_faults import ENV_FILE, armed, inject
 
-    make = base.make_backend
+    make = factory.make_backend
     AUX_RECORD_MAX = 4096  # an aux record's piece is smaller than any page run
 
     def make_backend(*args, **kwargs):
@@ -16,7 +16,7 @@ if os.environ.get("TANDEM_TEST_KV_FAULTS_FILE"):
         inject(backend, armed(os.environ[ENV_FILE]), kv_only=lambda nbytes: nbytes > AUX_RECORD_MAX)
         return backend
 
-    base.make_backend = make_backend
+    factory.make_backend = make_backend
     manager = sys.modules.get("transfer.manager")
     if manager is not None:  # a server forked after its imports (tests/forked.py): the name is bound already
         manager.make_backend = make_backend
