@@ -49,6 +49,11 @@ class ServerConfig(BaseSettings):
     kernel_cache_dir: str | None = Field(
         None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
     )
+    quantization: str | None = Field(
+        None,
+        description="insist on the checkpoint's weight quantization (SGLang's and vLLM's names; read from "
+        "config.json's quantization_config without it): fp8 (DeepSeek's FP8 blocks), compressed-tensors (FP8)",
+    )
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"
     )
