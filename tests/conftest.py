@@ -36,7 +36,14 @@ IMAGE_TEST = "tests/helm/test_chart_image.py"
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When the image test is selected: it runs last, and the image it builds starts building now, in the
-    background (tests/helm/image.py `start_build`): a cold build's downloads and disk writes overlap the rest."""
+    background (tests/helm/image.py `start_build`): a cold build's downloads and disk writes overlap the rest.
+    So does the venv of a tool a selected test runs (tests/tool_venv.py)."""
+    if not session.config.option.collectonly:
+        from tests.tool_venv import TOOLS, start_install
+
+        for name in TOOLS:
+            if any(name in item.fixturenames for item in session.items):
+                start_install(name)
     image = [item for item in session.items if item.nodeid.startswith(IMAGE_TEST)]
     if not image or session.config.option.collectonly:
         return
@@ -49,8 +56,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish() -> None:
     from tests.helm.image import stop_builds
+    from tests.tool_venv import stop_installs
 
     stop_builds()
+    stop_installs()
     kill_left_over()
 
 

@@ -7,12 +7,18 @@ typed output validated by the client's own parser)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from tests.integration.test_responses_api import CLUSTER_USERS, City, model  # noqa: F401 (a fixture)
 from tests.integration.test_structured_output import BUILTIN
+from tests.tool_venv import INSTALL_TIMEOUT_S, tool
 
 ASK = "What is the weather in Paris?"
 
@@ -113,3 +119,46 @@ def test_pydantic_ai_typed_output_on_both_apis(cluster, model):
     for llm in (OpenAIChatModel(model, provider=provider), OpenAIResponsesModel(model, provider=provider)):
         agent = Agent(llm, output_type=Trip, model_settings={"temperature": 0, "max_tokens": 120})
         assert isinstance(agent.run_sync("Plan a trip to Paris.").output, Trip), type(llm)
+
+
+def test_instructor_tools_and_json_schema_modes(cluster, model):
+    import instructor
+
+    statuses: list[int] = []
+    http = httpx.Client(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
+    raw = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, http_client=http)
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        llm = instructor.from_openai(raw, mode=mode)
+        trip = llm.chat.completions.create(
+            model=model, response_model=Trip, messages=[{"role": "user", "content": "Plan a trip to Paris."}],
+            temperature=0, max_tokens=120, max_retries=1,
+        )  # fmt: skip
+        assert isinstance(trip, Trip), mode
+    assert statuses == [200, 200]  # each mode's one request accepted and its answer valid at the first try
+
+
+@pytest.fixture(scope="module")
+def aiperf() -> Path:
+    return tool("aiperf")
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT_S + 300)  # a cold venv is made first (started at collection)
+def test_aiperf_profile_on_the_chat_endpoint(cluster, model, aiperf, builtin_model_dir, tmp_path):
+    """NVIDIA's benchmark tool, installed on its own: 20 streamed synthetic requests, 4 at a time, none failed."""
+    out = subprocess.run(
+        [
+            str(aiperf), "profile", "--model", model, "--url", cluster.url, "--endpoint-type", "chat", "--streaming",
+            "--tokenizer", str(builtin_model_dir), "--request-count", "20", "--concurrency", "4",
+            "--prompt-input-tokens-mean", "24", "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", "12", "--prompt-output-tokens-stddev", "0", "--random-seed", "0",
+            "--output-artifact-dir", str(tmp_path), "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
+            "--workers-max", "2", "--use-server-token-count",
+        ],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    export = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert export["request_count"]["avg"] == 20 and export.get("error_request_count", {"avg": 0})["avg"] == 0
+    # the counts are the server's (stream_options.include_usage): the chat template's tokens on top of the 24
+    assert export["input_sequence_length"]["min"] > 24 and 1 <= export["output_sequence_length"]["min"]
+    assert export["output_sequence_length"]["max"] <= 12  # max_completion_tokens honoured

