@@ -1,9 +1,10 @@
 """Agent frameworks against the PD router, unchanged but for base_url (the packages pinned in the test extra):
 the OpenAI Agents SDK with its Responses model and its Chat Completions model (a forced function tool, a
 typed output), LangChain's ChatOpenAI (invoke, stream, with_structured_output by json_schema and by
-function_calling, bind_tools, the Responses API), pydantic-ai with a typed output on both APIs. The model is
-tiny: tools are forced where the client allows; what is judged is the protocol (every call answered, every
-typed output validated by the client's own parser)."""
+function_calling, bind_tools, the Responses API), pydantic-ai with a typed output on both APIs, instructor in
+its TOOLS and JSON_SCHEMA modes; and aiperf's `profile` on the chat endpoint, from its own venv
+(tests/tool_venv.py). The model is tiny: tools are forced where the client allows; what is judged is the
+protocol (every call answered, every typed output validated by the client's own parser)."""
 
 from __future__ import annotations
 
