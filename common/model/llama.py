@@ -9,6 +9,8 @@ shard the same way (common.model.moe, common.model.mla).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +18,6 @@ from transformers import PretrainedConfig
 
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
-from common.lora.batch import LayerLora
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
 from common.parallel.group import SINGLE, TensorParallel
 from common.parallel.layers import (
@@ -28,6 +29,9 @@ from common.parallel.layers import (
     linear,
 )
 from common.parallel.partition import head_partition
+
+if TYPE_CHECKING:
+    from common.lora.batch import LayerLora
 
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 

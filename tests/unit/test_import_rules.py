@@ -25,6 +25,7 @@ ALLOWED = {
     "common/attention": {"common/core", "common/memory", "common/wire"},
     "common/parallel": {"common/wire"},  # what models use: never the rank processes
     "common/model": {"common/core", "common/attention", "common/parallel", "common/wire"},
+    "common/lora": {"common/config", "common/core", "common/model", "common/wire"},  # adapters of the models
     "common/ranks": {
         "common/config",
         "common/core",
