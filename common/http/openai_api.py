@@ -179,7 +179,7 @@ async def _respond(
             "id": rid,
             "object": kind,
             "created": created(gen),
-            "model": engine.model_name,
+            "model": gen.lora or engine.model_name,
             "choices": [make_choice(engine.tokenizer, c, gen) for c in choices],
             "usage": usage(choices, len(gen.prompt_ids)),
         }
@@ -250,7 +250,7 @@ async def _stream(
     """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt. A migrated request's
     choices go on where its client's stream left them (no role event or echo again: common/wire/migration.py)."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
-    base = {"id": rid, "object": chunk_kind, "created": created(gen), "model": engine.model_name}
+    base = {"id": rid, "object": chunk_kind, "created": created(gen), "model": gen.lora or engine.model_name}
     choices = initial_choices(gen)
     is_chat = kind == "chat.completion"
     tracer = Tracer(gen)

@@ -113,7 +113,7 @@ def test_openai_model_selects_the_adapter(server, expected):
         body = {"model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want
+        assert r.json()["choices"][0]["text"] == want and r.json()["model"] == "c"
 
 
 def test_models_lists_adapters_and_an_unknown_one_is_404(server, made):
