@@ -142,10 +142,8 @@ def check_lora(c: ServerConfig) -> None:
         if c.lora_paths:
             raise ValueError("--lora-paths needs --enable-lora")
         return
-    if c.disaggregation_mode != "null" or c.enable_pd_role_switch:
-        raise ValueError(
-            "--enable-lora: LoRA is served by monolithic servers only in this version (drop --disaggregation-mode)"
-        )
+    if c.enable_pd_role_switch:
+        raise ValueError("--enable-lora with --enable-pd-role-switch is not implemented yet: drop one of the two")
     refused = {
         "--tp-size > 1": c.tp_size > 1,
         "--enable-dp-attention": c.enable_dp_attention,
