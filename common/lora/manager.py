@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from common.config import ServerConfig
 from common.core.request import Req
 from common.lora.adapter import LoraAdapter, check_fits, load_adapter, parse_lora_path
-from common.lora.batch import LoraBatch, segments_of
+from common.lora.batch import LoraBatch, make_lora_batch, segments_of
 from common.lora.slots import LoraSlots
 from common.model.llama import DecoderLayer
 from common.model.registry import model_class
@@ -73,7 +73,7 @@ class LoraManager:
         row_slots = [self.pinned.get(r) for r in reqs]
         if all(s is None for s in row_slots):
             return None
-        return LoraBatch(segments_of(row_slots, lens), self.slots)
+        return make_lora_batch(segments_of(row_slots, lens), self.slots, self.slots.device)
 
 
 def make_lora_manager(c: ServerConfig, hf: PretrainedConfig) -> LoraManager | None:

@@ -27,6 +27,7 @@ class LoraSlots:
         self.a = {k: torch.zeros(count, max_rank, shapes[k[1]][1], device=device, dtype=dtype) for k in keys}
         self.b = {k: torch.zeros(count, shapes[k[1]][0], max_rank, device=device, dtype=dtype) for k in keys}
         self.scaling = [0.0] * count
+        self.a_dtype, self.device = dtype, device
         self.held: list[str | None] = [None] * count  # the adapter each slot holds
         self.pins = [0] * count  # running requests using each slot
         self.used = [0] * count  # when each was last pinned (LRU)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from common.lora.adapter import LoraAdapter
-from common.lora.batch import LoraBatch, segments_of
+from common.lora.batch import LoraBatch, make_lora_batch, segments_of
 from common.lora.slots import LoraSlots
 
 SHAPES = {"q_proj": (6, 5), "down_proj": (5, 7)}
@@ -67,8 +67,12 @@ def test_the_segmented_product_equals_each_rows_own_delta():
     lens = [3, 2, 1, 2]
     x = torch.randn(sum(lens), 5)
     base = torch.randn(sum(lens), 6)
-    batch = LoraBatch(segments_of([slot.get(r) for r in rows], lens), pool)
+    segments = segments_of([slot.get(r) for r in rows], lens)
+    batch = LoraBatch(segments, pool)
     got = batch.layer(0).add(base.clone(), x, "q_proj")
+    gathered = make_lora_batch(segments, pool, "cpu")  # a few rows over several segments: per row
+    assert gathered.gathered is not None
+    torch.testing.assert_close(gathered.layer(0).add(base.clone(), x, "q_proj"), got)
     want, start = base.clone(), 0
     for name, n in zip(rows, lens):
         if name is not None:
