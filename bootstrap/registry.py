@@ -44,8 +44,17 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "kv_checksum": (bool,),
     "speculative": (str,),
     "experts": (str,),
+    "weights": (str,),
 }
-DEFAULTS = {"dp_size": 1, "dp_rank": 0, "instance_id": "", "kv_checksum": False, "speculative": "none", "experts": ""}
+DEFAULTS = {
+    "dp_size": 1,
+    "dp_rank": 0,
+    "instance_id": "",
+    "kv_checksum": False,
+    "speculative": "none",
+    "experts": "",
+    "weights": "none",
+}
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255
 MAX_BODY_BYTES = 64 * 1024

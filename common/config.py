@@ -50,6 +50,11 @@ class ServerConfig(BaseSettings):
     kernel_cache_dir: str | None = Field(
         None, description="where compiled attention kernels are kept across restarts (FlashInfer's JIT cache)"
     )
+    quantization: str | None = Field(
+        None,
+        description="insist on the checkpoint's weight quantization (SGLang's and vLLM's names; read from "
+        "config.json's quantization_config without it): fp8 (DeepSeek's FP8 blocks), compressed-tensors (FP8)",
+    )
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"
     )
@@ -140,6 +145,9 @@ class ServerConfig(BaseSettings):
         "waits for any of it: a cold server would compute every prefix the store holds), else best_effort",
     )
     max_queued_requests: int = Field(1024, ge=1)
+    responses_store_size: int = Field(
+        1000, ge=1, description="stored responses kept for previous_response_id and GET (the oldest evicted first)"
+    )
     enable_priority_scheduling: bool = Field(
         False, description="honour requests' priority field (higher first): admission order and who is retracted"
     )

@@ -20,6 +20,8 @@ from common.wire.auth import bearer_matches, unauthorized
 from common.wire.body import read_limited
 from common.wire.drain import Drain, refusal
 from common.wire.errors import InvalidRequest, TandemError, error_body
+from common.wire.responses_call import Responses
+from common.wire.responses_store import ResponsesStore
 from router.admission import Admission
 from router.cluster_status import health_generate, server_info
 from router.config import RouterConfig, WorkerChange
@@ -33,15 +35,17 @@ from router.placement.kv_policy import KVAwarePolicy
 from router.placement.placer import Placer, pair_policy, placement_rule
 from router.placement.worker_stats import WorkerStats
 from router.processes import shared_dir
+from router.responses import add_responses_routes
 from router.role_switch import add_pd_role_switch_route
 from router.shared_workers import SharedWorkers
 from router.tls import client_context
 from router.workers import WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+RESPONSES = "/v1/responses"  # a chat completion underneath (router/responses.py)
 OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
 # a draining router takes no new request, and fails /readiness so its Service stops sending any
-REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, "/health_generate", "/readiness"})
+REFUSED_WHILE_DRAINING = frozenset({*GEN_PATHS, RESPONSES, "/health_generate", "/readiness"})
 ROUTING_PARAMS = {404: "path", 405: "method"}  # what a routing error is about, for its `param`
 
 
@@ -105,6 +109,8 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     app.cleanup_ctx.append(lifespan)
     for gen_path in GEN_PATHS:
         app.router.add_post(gen_path, dispatcher.handle)
+    store = ResponsesStore(config.responses_store_size, os.path.join(shared, "responses.sqlite") if shared else None)
+    add_responses_routes(app, dispatcher, Responses(store), config.max_request_bytes)
     _add_status_routes(app, workers, metrics)
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
@@ -152,10 +158,11 @@ def _guard(api_key: str | None, drain: Drain | None):
 
 def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: RouterMetrics) -> None:
     async def models(request: web.Request) -> web.Response:
+        """/v1/models and /v1/models/{id}: a healthy decode's answer."""
         for w in workers.healthy("decode"):
             try:
                 async with app["session"].get(
-                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5), server_hostname=w.tls_name
+                    w.url + request.raw_path, timeout=aiohttp.ClientTimeout(total=5), server_hostname=w.tls_name
                 ) as r:
                     return json_response(await r.read(), r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -183,6 +190,7 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
         ("/metrics", prometheus),
     ):
         app.router.add_get(path, handler)
+    app.router.add_get("/v1/models/{model_id:.+}", models)
 
 
 def _add_cluster_routes(

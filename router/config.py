@@ -112,6 +112,9 @@ class RouterConfig(BaseSettings):
         None, ge=1, description="a request whose prompt + tokens shown are longer than this does not move"
     )
     max_concurrent_requests: int = Field(4096, ge=1, description="requests in flight beyond this are answered 429")
+    responses_store_size: int = Field(
+        1000, ge=1, description="stored responses kept for previous_response_id and GET (the oldest evicted first)"
+    )
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies are answered 413")
     head_timeout_s: float = Field(
         ARRIVAL_TIMEOUT_S,

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -69,6 +69,16 @@ class Reply:
     start: float
     out: web.StreamResponse | None = None
     logprobs: PromptLogprobs | None = None
+    relay: Relay | None = None  # what the client's stream is made of the decode's (the Responses API's events)
+
+
+class Relay(Protocol):
+    """Turns a decode stream's whole events into the client's (common/wire/responses_stream.py's SSETranslator);
+    once `ended`, the stream ends there (a cancelled response), closing the call."""
+
+    ended: bool
+
+    def feed(self, data: bytes) -> bytes: ...
 
 
 class Dispatcher:
@@ -109,9 +119,10 @@ class Dispatcher:
         body: dict[str, Any],
         start: float,
         hints: RequestHints = NONE,
+        relay: Relay | None = None,
     ) -> web.StreamResponse:
         """A request read and parsed (`raw` its bytes, `body` its JSON, `hints` its placement headers) through a
-        pair, once admitted (429 if not)."""
+        pair, once admitted (429 if not); a stream's events through `relay`, if given."""
         if not self.admission.try_enter():
             limit = self.admission.limit
             error = error_body(
@@ -119,17 +130,17 @@ class Dispatcher:
             )
             return self._reply(path, json_response(error, 429, {"Retry-After": "1"}), None, start)
         try:
-            return await self._handle_admitted(path, request, raw, body, start, hints)
+            return await self._handle_admitted(Reply(path, request, start, relay=relay), raw, body, hints)
         finally:
             self.admission.leave()
 
     async def _handle_admitted(
-        self, path: str, request: web.Request, raw: bytes, body: dict[str, Any], start: float, hints: RequestHints
+        self, reply: Reply, raw: bytes, body: dict[str, Any], hints: RequestHints
     ) -> web.StreamResponse:
         """Tries on pairs until one answers: once more after a worker refused before anything was sent, and again
         after each refusal of the role a worker was meant for (retries: _retries), and up to --migration-limit more
         after a pair failed (a move: router/migration.py)."""
-        reply, moves = Reply(path, request, start), Moves(self.config, path, body)
+        path, moves = reply.path, Moves(self.config, reply.path, body)
         extra = self._slo_fields(body, hints)
         retried = False
         while True:
@@ -182,7 +193,8 @@ class Dispatcher:
         if reply.out is None:
             return self._reply(reply.path, json_response(body, status, headers), pair, reply.start, outcome)
         try:
-            await reply.out.write(sse_event(body) + DONE)
+            data = sse_event(body) + DONE
+            await reply.out.write(reply.relay.feed(data) if reply.relay else data)
             await reply.out.write_eof()
         except ConnectionError:
             pass  # the client went away too
@@ -238,9 +250,11 @@ class Dispatcher:
                 if reply.out is None:
                     reply.out = web.StreamResponse(headers=SSE_HEADERS)
                     await reply.out.prepare(reply.request)
-                await reply.out.write(events)
+                await reply.out.write(reply.relay.feed(events) if reply.relay else events)
                 if (gap := moves.gap()) is not None:
                     self.metrics.resume_gap.observe(gap)
+                if reply.relay is not None and reply.relay.ended:
+                    break
         except (asyncio.CancelledError, ConnectionError) as e:  # the client went away
             self._client_left(reply.path, pair, reply.start, "client disconnected mid-stream", status=200)
             if isinstance(e, asyncio.CancelledError):

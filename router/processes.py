@@ -10,6 +10,8 @@ What the processes share, and what each one derives on its own:
              workers added or     a file in the same directory, rewritten under a lock by the process that
              removed at run time  took the change and followed by the others within half a second
                                   (router/shared_workers.py)
+             stored responses     one SQLite file in the same directory (common/wire/responses_store.py): any
+                                  process reads, deletes or cancels what another stored or streams
     derived  worker health        each process checks every worker itself (once before it listens: a
                                   process started in place of a dead one answers no 503 for want of it)
              load and policies    each process sees the requests it serves: a worker's requests in flight,

@@ -81,7 +81,7 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 def check_before_loading(config: ServerConfig) -> None:
     """The user's mistakes that show without loading a model (or torch): the model's path and architecture, the
     attention backend's device, the ports."""
-    check_model(config.model)
+    check_model(config.model, config.quantization)
     check_attention_device(config.attention_backend, config.device)
     ports = {"--port": config.port}
     may_prefill = config.disaggregation_mode == "prefill" or config.enable_pd_role_switch

@@ -50,6 +50,7 @@ from common.model.locate import display_name
 from common.model.registry import attention_spec, model_class
 from common.parallel.group import SINGLE
 from common.parallel.partition import check_parallel
+from common.quant.scheme import describe_weights, detect_scheme
 from common.ranks.leader import DPForward, ExpertRebalancer, LeaderModel, idle_batch
 from common.ranks.rank_model import RankModel, build_rank_model, describe_rank, rank_report
 from common.ranks.ranks import Ranks
@@ -87,6 +88,7 @@ def model_parts(config: ServerConfig) -> ModelParts:
     """The model's directory, config, identity, tokenizer, served name and EOS ids (no weights yet)."""
     model_dir: Path = resolve_model_dir(config.model)
     hf_config = load_hf_config(model_dir)
+    detect_scheme(model_dir, hf_config, config.quantization)  # an unsupported one refused before any weight loads
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     name = config.served_model_name or display_name(config.model)
     eos_ids = frozenset(eos_token_ids(model_dir, tokenizer))
@@ -257,6 +259,16 @@ def server_kv_layout(c: ServerConfig, model: ModelParts, memory: MemoryParts, sp
     experts = model_class(model.hf_config).experts_of(model.hf_config)
     moe = experts_layout(experts[0] if experts else 0, c.ep_size, c.ep_num_redundant_experts)
     checksum, dp_size = c.disaggregation_enable_kv_checksum, len(memory.managers)
+    weights = describe_weights(detect_scheme(model.model_dir, model.hf_config, c.quantization))
     return kv_layout(
-        memory.kv_pool, c.transfer_backend, model.model_id, c.tp_size, kv_heads, checksum, speculative, dp_size, moe
+        memory.kv_pool,
+        c.transfer_backend,
+        model.model_id,
+        c.tp_size,
+        kv_heads,
+        checksum,
+        speculative,
+        dp_size,
+        moe,
+        weights,
     )

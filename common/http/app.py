@@ -17,6 +17,7 @@ from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.adapters import named_adapter, run_under
 from common.http.guard import CountingGuard
+from common.http.responses import add_responses_api
 from common.http.role_guard import RoleGuard, role_headers
 from common.http.serving import (
     PD_CACHED,
@@ -103,6 +104,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     openai_api.add_routes(app, engine)
+    add_responses_api(app, engine)
     add_role_switch_route(app, engine)
     return app
 

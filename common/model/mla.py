@@ -68,10 +68,10 @@ class MLAttention(nn.Module):
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim, False, tp)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = ColumnParallelLinear(hidden, self.q_lora_rank, bias)  # whole on every rank
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_dim, False, tp)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.kv_lora_rank + self.rope, bias)  # whole
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_head_dim), False, tp)
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, hidden, bias, tp)
@@ -89,7 +89,7 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         rotate = apply_rotary_interleaved if self.interleaved else apply_rotary
         q_pe, k_pe = rotate(q_pe, *cos_sin), rotate(k_pe[:, None, :], *cos_sin)
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, r)
+        w = self.kv_b_proj.dense_weight(x.dtype).view(self.num_heads, self.nope + self.v_head_dim, r)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         kv = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, r + rope]: what the pool keeps

@@ -26,6 +26,7 @@ from common.model.draft_head import DraftHead
 from common.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from common.model.loader import materialize
 from common.model.weights import fill_from_shard, read_header
+from common.quant.scheme import quantization_config
 from common.wire.user_error import UserError
 
 
@@ -64,11 +65,17 @@ class MTPLayer(DraftHead):
 
 
 def check_nextn(hf: PretrainedConfig, model_dir: Path) -> None:
-    """Refused before anything loads: the checkpoint must hold an MTP layer."""
+    """Refused before anything loads: the checkpoint must hold an MTP layer, unquantized."""
     if not getattr(hf, "num_nextn_predict_layers", 0):
         raise UserError(
             f"--speculative-algorithm NEXTN: {model_dir} has no multi-token-prediction layer "
             "(config num_nextn_predict_layers is 0 or absent): use a DeepSeek-V3 checkpoint that keeps it, or NGRAM"
+        )
+    qc = quantization_config(hf)
+    if qc is not None:
+        raise UserError(
+            f"--speculative-algorithm NEXTN: {model_dir} is quantized ({qc.get('quant_method')}) and Tandem reads "
+            "no quantized MTP layer yet; use NGRAM, or STANDALONE with a draft model"
         )
 
 

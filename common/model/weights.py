@@ -20,17 +20,34 @@ from typing import BinaryIO
 import torch
 
 from common.parallel.layers import Shard
+from common.wire.user_error import UserError
 
 CHUNK_BYTES = 64 * 1024 * 1024
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,  # a quantized layer's weight (common.quant), into an FP8 parameter
+}
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], int]:
-    """The shard's tensor entries (without __metadata__) and the file offset where their bytes start."""
+    """The shard's tensor entries (without __metadata__) and the file offset where their bytes start;
+    a UserError for a file that is no safetensors file or ends before its tensors do."""
+    size = path.stat().st_size
     with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(length))
+        try:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length)) if 8 + length <= size else None
+        except (struct.error, ValueError):
+            header = None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: not a safetensors file (its header cannot be read); download it again")
     header.pop("__metadata__", None)
+    end = max((e["data_offsets"][1] for e in header.values()), default=0)
+    if 8 + length + end > size:
+        raise UserError(f"{path}: truncated ({size} bytes of {8 + length + end}; an interrupted download?)")
     return header, 8 + length
 
 
@@ -50,14 +67,14 @@ def plan_shards(
         wrong = [n for n in header if n in params and list(header[n]["shape"]) != _full_shape(n, params, tp_shards)]
         odd = sorted({header[n]["dtype"] for n in header if n in params} - set(DTYPES))
         if unexpected or wrong or odd:
-            raise ValueError(
+            raise UserError(
                 f"{shard}: weights do not fit the model: unexpected {unexpected[:5]}, wrong shape {wrong[:5]}, "
-                f"dtypes {odd} (float32/float16/bfloat16/float64 only; quantized checkpoints are not supported)"
+                f"dtypes {odd} (float32/float16/bfloat16/float64, and float8 in an FP8 block checkpoint)"
             )
         plan[shard] = [n for n in header if n in params]
     missing = set(params) - {n for names in plan.values() for n in names}
     if missing:
-        raise ValueError(f"{shards[0].parent}: weights do not fit the model: missing {sorted(missing)[:5]}")
+        raise UserError(f"{shards[0].parent}: weights do not fit the model: missing {sorted(missing)[:5]}")
     return plan
 
 
@@ -122,5 +139,5 @@ def _read_exactly(fh: BinaryIO, out: memoryview) -> None:
     while done < len(out):
         got = fh.readinto(out[done:])
         if not got:
-            raise ValueError(f"{fh.name}: the file ends early (an interrupted download?)")
+            raise UserError(f"{fh.name}: the file ends early (an interrupted download?)")
         done += got

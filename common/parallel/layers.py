@@ -46,7 +46,33 @@ class Shard:
     full_shape: tuple[int, ...]
 
 
-class ColumnParallelLinear(nn.Module):
+class QuantizableLinear(nn.Module):
+    """The product both parallel linears compute: `linear` on a full-precision weight or, once the loader
+    set `quant` (common.quant.prepare), the quantized method over the FP8 weight and its scale (the
+    parameter the method names: `weight_scale_inv` for DeepSeek's blocks, `weight_scale` for compressed-tensors')."""
+
+    quant = None  # a linear method (common.quant.fp8_block.BlockFP8) for a quantized weight
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is None:
+            return linear(x, self.weight, bias)
+        return self.quant.apply(x, self.weight, getattr(self, self.quant.scale_name), bias)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` as a tensor of its own (MLA's absorbed products read it whole)."""
+        if self.quant is None:
+            return self.weight
+        return self.quant.dequantize(self.weight, getattr(self, self.quant.scale_name), dtype, reuse=False)
+
+    def quant_shards(self, out: dict[str, Shard]) -> dict[str, Shard]:
+        """`out` with the scale's shard beside the weight's."""
+        scale = self.quant.scale_shard(out["weight"]) if self.quant is not None else None
+        if scale is not None:  # None: the scale is whole on every rank
+            out[self.quant.scale_name] = scale
+        return out
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """`out_rows` picks this rank's output features (default: an even split)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE, out_rows=None):
@@ -57,16 +83,16 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.stop - self.start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def shards(self) -> dict[str, Shard]:
         out = {"weight": Shard(0, self.start, self.stop, (self.out_features, self.in_features))}
         if self.bias is not None:
             out["bias"] = Shard(0, self.start, self.stop, (self.out_features,))
-        return out
+        return self.quant_shards(out)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """`reduce=False` leaves the partial sum to the caller (an MoE layer all-reduces once for all its
     experts); such a layer has no bias, which would be added once per rank."""
 
@@ -81,12 +107,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.tp.enabled and self.reduce):
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
     def shards(self) -> dict[str, Shard]:
-        return {"weight": Shard(1, self.start, self.stop, (self.out_features, self.in_features))}  # bias: whole
+        return self.quant_shards({"weight": Shard(1, self.start, self.stop, (self.out_features, self.in_features))})
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -67,7 +67,7 @@ def build_rank_model(
     eagle = eagle_config(path, hf) if algo == "EAGLE" else eagle3_config(path, hf) if algo == "EAGLE3" else None
     if algo == "NEXTN":
         check_nextn(hf, model_dir)
-    model = load_model(model_dir, hf, dtype, config.device, tp)
+    model = load_model(model_dir, hf, dtype, config.device, tp, config.quantization)
     for moe in moe_layers(model):
         moe.count_loads = config.enable_eplb  # EPLB's measurement (common.model.eplb)
     draft = load_draft(found, dtype, config.device, hf.num_hidden_layers) if found else None

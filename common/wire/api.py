@@ -161,15 +161,16 @@ class OpenAIBase(PDFields):
     regex: Any = None
     ebnf: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null for an optional field means unset, as in OpenAI's API (clients send
+        `"temperature": null`)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     def grammar_spec(self) -> GrammarSpec | None:
         """The one constraint the request sets, or None."""
         return from_body(self.model_dump(include=CONSTRAINT_FIELDS))
-
-    @field_validator("stream", "echo", mode="before", check_fields=False)
-    @classmethod
-    def _null_is_false(cls, v: Any) -> Any:
-        """OpenAI's API takes null for these booleans (the router reads null as false too)."""
-        return False if v is None else v
 
     def sampling_params(self, max_new_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
         """The engine's parameters; values OpenAI's ranges allow but the engine does not are a 400
@@ -247,7 +248,8 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: tool call arguments as objects (Qwen's, Llama's, ...)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        role = "system" if self.role == "developer" else self.role  # OpenAI's new name; templates know system
+        out: dict[str, Any] = {"role": role, "content": self.content or ""}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

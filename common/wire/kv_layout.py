@@ -8,7 +8,8 @@ hash of the list); speculative: the speculative algorithm and its draft's identi
 match; NGRAM keeps no state beyond the tokens and pairs with a prefill that runs no speculation.
 dp_size: attention DP ranks (each attention group of tp_size / dp_size ranks holds its
 own requests' KV); experts: how MoE layers are laid out ("tp": a slice of every expert per rank, "ep N"
-whole experts over N ranks, "+K" redundant copies; "none" for a dense model). The TP and DP sizes and the
+whole experts over N ranks, "+K" redundant copies; "none" for a dense model); weights: the weights'
+quantization (common.quant.scheme: "none", "fp8 block 128x128"), which both sides must run alike. The TP and DP sizes and the
 expert layout may differ between prefill and decode: the prefill writes each decode rank of the request's
 DP rank its KV heads; only an attention split that cannot hold the KV heads cannot be served."""
 
@@ -34,12 +35,13 @@ LAYOUT_KEYS = (
     "speculative",
     "dp_size",
     "experts",
+    "weights",
 )
 # the data-plane engines a PD server may move KV with (both of a pair run the same: the layout's transfer_backend),
 # what --transfer-backend and `tandem up --transfer-backend` accept; loopback, in-process, serves unit tests only
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 LOOPBACK_BACKEND = "loopback"
-ABSENT = {"kv_checksum": False, "speculative": "none"}  # what a layout without these fields means
+ABSENT = {"kv_checksum": False, "speculative": "none", "weights": "none"}  # what a layout without these fields means
 NO_DRAFT_STATE = ("none", "NGRAM")  # what crosses is the same as without speculation
 
 
@@ -56,6 +58,7 @@ def kv_layout(
     speculative: str = "none",
     dp_size: int = 1,
     experts: str = "none",
+    weights: str = "none",
 ) -> dict[str, Any]:
     """The layout of a KV pool (anything with the pool's attributes; with `tp_size` ranks, each rank's
     pool) moved by `backend`. `kv_heads`: the model's KV heads, which the ranks split or replicate
@@ -76,6 +79,7 @@ def kv_layout(
         "transfer_backend": backend,
         "kv_checksum": checksum,
         "speculative": speculative,
+        "weights": weights,
     }
 
 

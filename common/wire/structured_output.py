@@ -29,20 +29,21 @@ MAX_CHOICES = 256
 @dataclass(frozen=True)
 class GrammarSpec:
     """One grammar: its kind, its text (a schema as canonical JSON, a regex, EBNF, a structural tag as JSON,
-    choices as a JSON list), the request field it came from (errors name it), xgrammar's strict mode for
-    JSON schemas (no properties or items the schema does not name), and whether it applies only once the
-    model's thinking has ended (chat with --reasoning-parser)."""
+    choices as a JSON list), the request field it came from (errors name it), and whether it applies only
+    once the model's thinking has ended (chat with --reasoning-parser). A JSON schema always compiles in
+    xgrammar's strict mode, `strict` or not, as vLLM and SGLang compile it: an object that does not say
+    `additionalProperties` has only the properties it names (else a model may append invented keys until its
+    token limit); a schema that wants others says `additionalProperties: true`."""
 
     kind: Kind
     value: str
     param: str
-    strict: bool = True
     after_reasoning: bool = False
 
     @property
     def key(self) -> str:
         """What the compiled grammar is cached by (the same grammar from another field shares it)."""
-        return f"{self.kind}:{int(self.strict)}:{self.value}"
+        return f"{self.kind}:{self.value}"
 
     def gated(self, after_reasoning: bool) -> GrammarSpec:
         return replace(self, after_reasoning=after_reasoning)
@@ -106,7 +107,7 @@ def from_response_format(value: Any) -> GrammarSpec | None:
         if strict is not None and not isinstance(strict, bool):
             raise InvalidRequest(f"{param}.json_schema.strict: give a boolean", param=f"{param}.json_schema.strict")
         where = f"{param}.json_schema.schema"
-        return GrammarSpec("json_schema", canonical_json(schema, where), where, strict=bool(strict))
+        return GrammarSpec("json_schema", canonical_json(schema, where), where)
     if kind == "structural_tag":
         return GrammarSpec("structural_tag", _structural_tag_text(value, param), param)
     raise InvalidRequest(

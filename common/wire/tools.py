@@ -70,13 +70,14 @@ class ToolSet(BaseModel):
                     "type": "object",
                     "properties": {
                         "name": {"type": "string", "enum": [t.function.name]},
-                        "parameters": _params(t.function),
+                        "parameters": {"$ref": f"#/$defs/{_def_name(i)}"},
                     },
                     "required": ["name", "parameters"],
                 }
-                for t in self.tools
+                for i, t in enumerate(self.tools)
             ]
-            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+            defs = {_def_name(i): _rebased(_params(t.function), _def_name(i)) for i, t in enumerate(self.tools)}
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs}
             if not self.parallel:
                 schema["maxItems"] = 1
             return GrammarSpec("json_schema", canonical_json(schema, "tools"), "tool_choice")
@@ -85,6 +86,25 @@ class ToolSet(BaseModel):
 
 def _params(fn: Function) -> dict[str, Any]:
     return fn.parameters if fn.parameters else {"type": "object", "properties": {}}
+
+
+def _def_name(i: int) -> str:
+    return f"tool{i}"
+
+
+def _rebased(schema: Any, name: str) -> Any:
+    """A tool's parameters moved to the root's `$defs/name` (required's array schema): each local `$ref` ("#",
+    "#/$defs/Address", "#/definitions/...") points into it again, so nested models and recursion still resolve
+    (xgrammar follows JSON pointers through object keys only, not anyOf's array indices)."""
+    if isinstance(schema, list):
+        return [_rebased(v, name) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, name) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = f"#/$defs/{name}{ref[1:]}"
+    return out
 
 
 def parse_tools(tools: Any, tool_choice: Any, parallel: Any) -> ToolSet:

@@ -20,7 +20,7 @@
 # results.json are rewritten after every step (a run cut at the limit keeps what passed), printed last.
 # Order: unpack, probe, the kernels loaded (or built) in the background, the models generated, the transfer
 # tests; once no nvcc runs, the transfer benchmark (its ratios); the GPU correctness steps (CHECKS, one line
-# each: FlashInfer attention and sampling, CUDA graphs, parity), bf16 parity vs transformers (graphs on), the
+# each: FlashInfer attention and sampling, CUDA graphs, parity, the FP8 block GEMM), bf16 parity vs transformers (graphs on), the
 # decode roofline with and without graphs (and their greedy tokens compared), PD TTFT; each step time-boxed,
 # the whole run stops starting steps at DEADLINE seconds (default 540).
 set -o pipefail
@@ -354,6 +354,7 @@ EOF
 # file as one more line at the end; scripts/gpu/README.md.
 CHECKS=(
   'gpu_tests 220 tests/gpu/test_flashinfer_attention.py tests/gpu/test_flashinfer_sampling.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_parity.py -k "not (float16 and not bfloat16)"'
+  'fp8_gemm 60 tests/gpu/test_fp8_gemm.py'
 )
 step probe 120 python3 "$W/probe.py" "$W/env.json"; cat "$W/logs/probe.log" > "$OUT/env.txt"
 KERNELS=${KERNELS:-.gpu/kernels}; echo "kernels: $(ls "$KERNELS"/*.so.xz 2>/dev/null | wc -l) carried ($KERNELS)" >> "$W/steps.txt"

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from common.wire.api import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateRequest, StreamOptions
+from common.wire.responses import ResponsesRequest
 from common.wire.sampling_params import SamplingParams
 
 VOCAB = 49152  # the built-in tokenizer's: token ids past it are out of range
@@ -20,6 +21,7 @@ BASES: dict[str, dict[str, Any]] = {
     "/generate": {"text": "Hello there", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
     "/v1/completions": {"prompt": "Hello there", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2},
+    "/v1/responses": {"input": "Hello there", "max_output_tokens": 2},
 }
 ENDPOINTS = list(BASES)
 
@@ -34,6 +36,7 @@ FIELDS: dict[str, dict[str, FieldInfo]] = {
     "/v1/chat/completions": fields(ChatCompletionRequest)
     | fields(ChatMessage, "messages.0.")
     | fields(StreamOptions, "stream_options."),
+    "/v1/responses": fields(ResponsesRequest),
 }
 ALL_FIELDS = sorted({p.rsplit(".", 1)[-1] for paths in FIELDS.values() for p in paths})
 

@@ -328,3 +328,43 @@ def test_chat_template_kwargs_the_template_ignores_change_nothing(server):
 def test_chat_template_kwargs_that_the_server_sets_or_are_no_object_are_a_400(server, kwargs):
     err = error_of(post(server, "/v1/chat/completions", CHAT | {"chat_template_kwargs": kwargs}))
     assert (err["type"], err["param"]) == ("invalid_request_error", "chat_template_kwargs")
+
+
+# -- what OpenAI clients send ----------------------------------------------------------------------
+
+
+def test_explicit_nulls_mean_unset(server):
+    """Several clients send null for every optional field they do not set: the answer is the one without them."""
+    nulls = dict.fromkeys(
+        ["top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stream", "user",
+         "logprobs", "top_logprobs", "max_completion_tokens", "stream_options", "tools", "tool_choice",
+         "parallel_tool_calls", "response_format", "model"]
+    )  # fmt: skip
+    body = CHAT | {"max_tokens": 8, "temperature": 0}
+    want = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    got = post(server, "/v1/chat/completions", body | nulls)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"] == want
+    r = post(server, "/v1/completions", COMPLETION | {"temperature": None, "max_tokens": None, "echo": None})
+    assert r.status_code == 200, r.text
+
+
+def test_models_retrieve_names_the_model_or_404s(server):
+    listed = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert httpx.get(server.url + "/v1/models/" + listed["id"]).json() == listed
+    r = httpx.get(server.url + "/v1/models/nope")
+    assert error_of(r, 404)["param"] == "model" and "nope" in r.json()["error"]["message"]
+
+
+def test_developer_role_is_the_system_role(server):
+    def answer(role: str) -> dict:
+        messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+        r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    dev, system = answer("developer"), answer("system")
+    assert (
+        dev["usage"]["prompt_tokens"] == system["usage"]["prompt_tokens"]
+        and dev["choices"][0]["message"] == system["choices"][0]["message"]
+    )

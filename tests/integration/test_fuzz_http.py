@@ -91,6 +91,11 @@ def assert_well_formed(endpoint: str, r: httpx.Response) -> None:
         assert isinstance(err["message"], str) and err["message"], err
         assert err["code"] == r.status_code
         return
+    if endpoint == "/v1/responses":  # the Responses API's own shapes: typed events, ending in the response
+        events = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: ")]
+        final = events[-1]["response"] if events else r.json()
+        assert final["object"] == "response" and final["status"] in ("completed", "incomplete"), final
+        return
     if r.headers["content-type"].startswith("text/event-stream"):
         lines = [line for line in r.text.split("\n") if line]
         assert lines[-1] == "data: [DONE]"

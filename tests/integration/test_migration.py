@@ -67,6 +67,10 @@ REQUESTS = {
         "/v1/chat/completions",
         {"messages": MESSAGES, "max_tokens": NEW, "temperature": 0, "n": 2, "stop": ["bakery"], "stream": True},
     ),
+    "responses seeded": (  # the router's translation goes on across the move: one numbering, one text
+        "/v1/responses",
+        {"input": STORY, "max_output_tokens": NEW, "temperature": 0.9, "seed": 5, "stream": True, "store": False},
+    ),
     "generate JSON seeded": (
         "/generate",
         {"text": STORY, "sampling_params": {"max_new_tokens": NEW, "temperature": 1.0, "seed": 3, "ignore_eos": True}},
@@ -153,6 +157,8 @@ class Answer:
             return {"text": self.body["text"], "ids": self.body["output_ids"]}
         if path == "/generate":
             return {e["index"]: generate_view(e) for e in self.events}  # the last event of each choice
+        if path == "/v1/responses":
+            return responses_view(self.events)
         choices: dict[int, dict] = {}
         usage = None
         for e in self.events:
@@ -177,6 +183,16 @@ def generate_view(event: dict) -> dict:
         "finish": meta["finish_reason"],
         "completion_tokens": meta["completion_tokens"],
     }
+
+
+def responses_view(events: list[dict]) -> dict:
+    """A Responses stream: its sequence numbers without a gap, its deltas adding up to the final text."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == final["output"][-1]["content"][0]["text"]
+    usage = final["usage"]
+    return {"text": text, "status": final["status"], "tokens": (usage["input_tokens"], usage["output_tokens"])}
 
 
 def openai_logprobs(logprobs: dict | None) -> list:
@@ -212,8 +228,11 @@ class Client(threading.Thread):
                         event = json.loads(line[6:])
                         if "error" in event:
                             a.error = event["error"]["message"]
+                        elif event.get("type") == "response.failed":
+                            a.error = event["response"]["error"]["message"]
                         else:
                             a.events.append(event)
+                            a.done = a.done or event.get("type") in ("response.completed", "response.incomplete")
         except httpx.HTTPError as e:
             a.error = f"transport: {e!r}"
 
@@ -222,6 +241,8 @@ class Client(threading.Thread):
         events = [e for e in list(self.answer.events) if e.get("index", 0) == 0]
         if self.path == "/generate":
             return len(events[-1]["output_ids"]) if events else 0
+        if self.path == "/v1/responses":
+            return sum(1 for e in list(self.answer.events) if e["type"] == "response.output_text.delta")
         return sum(
             1 for e in self.answer.events for c in e["choices"] if c.get("delta", {}).get("content") or c.get("text")
         )

@@ -16,7 +16,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.conftest import start_server
-from tests.integration.cluster import start_cluster, start_router
+from tests.integration.cluster import start_router
+from tests.integration.test_responses_api import CLUSTER_USERS
 from tests.integration.test_structured_output import ASK, BUILTIN, SCHEMA, TIME, WEATHER
 from tests.ports import free_port
 
@@ -33,10 +34,11 @@ def mono(reference_servers):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = start_cluster("mooncake", flags=BUILTIN)
+def cluster(shared_clusters):
+    """Shared with test_responses_api (CLUSTER_USERS modules)."""
+    c = shared_clusters.get("mooncake", BUILTIN)
     yield c
-    c.stop()
+    shared_clusters.done("mooncake", BUILTIN, CLUSTER_USERS)
 
 
 def chat(url: str, content: str = ASK, **fields) -> dict:

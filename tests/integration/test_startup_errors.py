@@ -161,3 +161,115 @@ def test_debug_adds_the_traceback_and_a_bug_always_shows_one(results):
     assert debug.stderr.splitlines()[-1].startswith("tandem serve: --model /nonexistent/model: not found;")
     assert bug.returncode == 1 and "Traceback (most recent call last):" in bug.stderr
     assert bug.stderr.splitlines()[-1] == "ZeroDivisionError: division by zero"
+
+
+def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
+    """Checkpoints a loader cannot read, as a user meets them: name -> (`serve` arguments, the last line)."""
+    from safetensors.torch import load_file, save_file
+
+    from common.quant.scheme import SUPPORTED
+    from tests.integration.fp8_models import to_fp8_block
+    from tests.integration.tiny_model import save_tiny_llama
+
+    def tiny(name: str) -> Path:
+        return save_tiny_llama(root / name)
+
+    awq = tiny("awq")
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (awq / "config.json").write_text(json.dumps(config))
+    no_tokenizer = tiny("no-tokenizer")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (no_tokenizer / f).unlink(missing_ok=True)
+    no_shard = tiny("no-shard")
+    (no_shard / "model.safetensors").rename(no_shard / "model-00001-of-00002.safetensors")
+    weight_map = {"model.norm.weight": "model-00002-of-00002.safetensors"}
+    (no_shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    truncated = tiny("truncated")
+    shard = truncated / "model.safetensors"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-100])
+    fp8 = to_fp8_block(tiny("fp8-src"), root / "fp8", (32, 32))
+    state = load_file(fp8 / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    save_file(state, fp8 / "model.safetensors", metadata={"format": "pt"})
+    odd_gguf = write_gguf(root / "jamba.gguf", "jamba")
+    scale = "model.layers.1.mlp.up_proj.weight"
+    return {
+        "unsupported-quantization": (
+            ["--model", str(awq)],
+            f"tandem serve: --model {awq}: quantization_config.quant_method awq is not supported; Tandem reads "
+            f"{SUPPORTED}",
+        ),
+        "quantization-flag-on-unquantized": (
+            ["--model", str(truncated), "--quantization", "fp8"],
+            f"tandem serve: --quantization fp8: --model {truncated} has unquantized weights (no quantization_config "
+            "in its config.json) and Tandem quantizes none at load; drop the flag or give a quantized checkpoint",
+        ),
+        "fp8-scale-missing": (
+            ["--model", str(fp8)],
+            f"tandem serve: {scale} is float8 but {scale}_scale_inv is missing; an FP8 block weight needs its scale",
+        ),
+        "tokenizer-missing": (
+            ["--model", str(no_tokenizer)],
+            f"tandem serve: --model {no_tokenizer}: no tokenizer (tokenizer.json, tokenizer.model, vocab.json); "
+            "copy the checkpoint's tokenizer files into it",
+        ),
+        "shard-missing": (
+            ["--model", str(no_shard)],
+            f"tandem serve: --model {no_shard}: shard model-00002-of-00002.safetensors listed in "
+            "model.safetensors.index.json is missing; download it again",
+        ),
+        "truncated-safetensors": (
+            ["--model", str(truncated)],
+            f"tandem serve: {shard}: truncated ({size - 100} bytes of {size}; an interrupted download?)",
+        ),
+        "unsupported-gguf": (
+            ["--model", str(odd_gguf)],
+            f"tandem serve: --model {odd_gguf}: this GGUF cannot be read: GGUF model with architecture jamba is not "
+            "supported yet; serve a GGUF of a Llama-family model",
+        ),
+    }
+
+
+def write_gguf(path: Path, architecture: str) -> Path:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def loading_results(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """Each broken checkpoint served at once; name -> (exit code, last line, expected line)."""
+    from tests.conftest import ServerProcess, free_port
+
+    root = tmp_path_factory.mktemp("broken")
+    env = {"TANDEM_CACHE_DIR": str(root / "cache")}  # the GGUF's conversion, never the user's cache
+    started = {}
+    for name, (args, line) in broken_models(root).items():
+        port = free_port()
+        started[name] = (ServerProcess(["serve", "--port", str(port), *args], port, name=name, env=env), line)
+    return {name: (*server.run_to_exit(), line) for name, (server, line) in started.items()}
+
+
+LOADING_CASES = [
+    "unsupported-quantization",
+    "quantization-flag-on-unquantized",
+    "fp8-scale-missing",
+    "tokenizer-missing",
+    "shard-missing",
+    "truncated-safetensors",
+    "unsupported-gguf",
+]
+
+
+@pytest.mark.parametrize("name", LOADING_CASES)
+def test_a_checkpoint_the_loader_cannot_read_is_one_line_naming_it(loading_results, name):
+    code, last, line = loading_results[name]
+    assert (code, last) == (1, line)

@@ -201,6 +201,63 @@ def test_required_and_named_tool_calls_streamed_and_not(server, choice):
     assert streamed["finish_reason"] == "tool_calls" and streamed["content"] == ""
 
 
+PERSON_SCHEMA = {  # what pydantic writes for a nested, optional, enumerated and recursive model
+    "$defs": {
+        "Address": {
+            "properties": {"street": {"type": "string", "maxLength": 12}, "kind": {"enum": ["home", "work"], "type": "string"}},
+            "required": ["street", "kind"], "type": "object",
+        },
+        "Person": {"$ref": "#"},
+    },
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "address": {"$ref": "#/$defs/Address"},
+        "backup": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}]},
+        "friends": {"type": "array", "items": {"$ref": "#/$defs/Person"}, "maxItems": 0},  # the ref compiles; no depth
+    },
+    "required": ["name", "address", "backup", "friends"], "type": "object",
+}  # fmt: skip
+PERSON = {"type": "function", "function": {"name": "add_person", "parameters": PERSON_SCHEMA}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add_person"}}])
+def test_tools_with_defs_refs_and_recursion_are_called_with_their_schema(server, choice):
+    """pydantic models as parameters ($defs, $ref, anyOf, an enum, recursion) compile and constrain the call,
+    also with a response_format beside the forced tool_choice (OpenAI takes both: the call follows the tool)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    for extra in ({}, {"response_format": fmt}):
+        out = chat(server, "Add Alice.", tools=[WEATHER, PERSON], tool_choice=choice, max_tokens=300, **extra)
+        choice0 = out["choices"][0]
+        assert choice0["finish_reason"] == "tool_calls", choice0
+        for call in choice0["message"]["tool_calls"]:
+            tool = {"get_weather": WEATHER, "add_person": PERSON}[call["function"]["name"]]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+
+
+def test_json_schema_without_strict_has_only_its_properties(server):
+    """No `strict` (instructor's JSON_SCHEMA mode), no additionalProperties: the object closes after the
+    schema's keys (xgrammar's strict mode, as vLLM and SGLang compile every JSON schema)."""
+    loose = {k: v for k, v in SCHEMA.items() if k != "additionalProperties"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": loose}}
+    choice = chat(server, response_format=fmt, max_tokens=100)["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert set(json.loads(choice["message"]["content"])) == {"city", "population", "capital"}
+
+
+def test_n_choices_with_tools_and_top_logprobs_each_call_the_tool(server):
+    out = chat(
+        server, "What is the weather in Paris?", tools=[WEATHER], tool_choice="required", n=2, temperature=0.8,
+        seed=1, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for choice in out["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and all(
+            len(t["top_logprobs"]) == 2 for t in choice["logprobs"]["content"]
+        )
+        for call in choice["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
 def test_parallel_tool_calls_false_allows_one_call(server):
     out = chat(server, "Weather in Paris and Rome?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     assert len(out["choices"][0]["message"]["tool_calls"]) == 1
@@ -223,8 +280,6 @@ def test_parallel_tool_calls_false_allows_one_call(server):
         ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", "no tool named 'nope'"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "give tools"),
-        ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "tool_choice", "cannot be combined"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
     ],
 )  # fmt: skip

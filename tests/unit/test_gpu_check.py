@@ -110,7 +110,7 @@ def test_the_check_runs_every_step_in_order_and_summarizes_the_results(tmp_path)
     assert summary[0].startswith("GPU NVIDIA H100 80GB HBM3 torch 2.11.0+cu130 nvcc  13.0, V13.0.88 | d2d 1400.0 GB/s")
     assert summary[1] == "imports: flashinfer=ok, nixl._api=FAIL"
     steps = [line.split()[0] for line in summary if re.match(r"\w+ rc=\d+ ", line)]
-    order = ["probe", "gen_models", "transfer_tests", "bench_nixl", "bench_mooncake", "gpu_tests", "parity"]
+    order = ["probe", "gen_models", "transfer_tests", "bench_nixl", "bench_mooncake", "gpu_tests", "fp8_gemm", "parity"]
     assert steps == [*order, "roofline", "pd_ttft"]  # the failed bench did not stop the rest
     assert "bench_mooncake rc=1 " in "\n".join(summary) and any(line.startswith("jit=ok") for line in summary)
     assert "gpu_tests.log: 1 failed, 14 passed in 120.0s" in summary
@@ -165,6 +165,7 @@ def test_a_failed_kernel_build_runs_the_rest_on_torch_and_the_deadline_skips_wha
         "bench_nixl",
         "bench_mooncake",
         "gpu_tests",
+        "fp8_gemm",
         "parity",
         "roofline",
         "pd_ttft",
@@ -194,7 +195,7 @@ def test_a_correctness_step_is_one_more_line_and_runs_after_the_existing_ones(tm
     script.write_text(text.replace("\n)\nstep probe ", "\n" + line + ")\nstep probe ", 1))
     _, out, work = run_check(tmp_path, script=script)
     steps = [line.split()[0] for line in (out / "summary.txt").read_text().splitlines() if re.match(r"\w+ rc=", line)]
-    assert steps[steps.index("gpu_tests") :][:3] == ["gpu_tests", "quant_gemm", "parity"]
+    assert steps[steps.index("gpu_tests") :][:4] == ["gpu_tests", "fp8_gemm", "quant_gemm", "parity"]
     assert commands(work)["quant_gemm"].startswith("+ python3 -m pytest tests/gpu/test_quant_gemm.py -q ")
     assert "--timeout 70" in commands(work)["quant_gemm"]
 
@@ -212,7 +213,7 @@ def test_a_run_cut_short_keeps_the_summary_of_what_ran(tmp_path):
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()
     lines = summary.read_text().splitlines()
-    assert [line.split()[0] for line in lines if re.match(r"\w+ rc=", line)][-2:] == ["gpu_tests", "parity"]
+    assert [line.split()[0] for line in lines if re.match(r"\w+ rc=", line)][-3:] == ["gpu_tests", "fp8_gemm", "parity"]
     assert "parity flashinfer lp|max| 0.0100 top1 1.000 greedy full 2/2 gaps@diff []" in lines
     assert json.loads((tmp_path / "out" / "results.json").read_text())["parity"] == PARITY
 

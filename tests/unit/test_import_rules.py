@@ -24,7 +24,8 @@ ALLOWED = {
     "common/memory": {"common/core", "common/wire"},
     "common/attention": {"common/core", "common/memory", "common/wire"},
     "common/parallel": {"common/wire"},  # what models use: never the rank processes
-    "common/model": {"common/core", "common/attention", "common/parallel", "common/wire"},
+    "common/quant": {"common/parallel", "common/wire"},  # quantized weights behind the parallel layers
+    "common/model": {"common/core", "common/attention", "common/parallel", "common/quant", "common/wire"},
     "common/lora": {"common/config", "common/core", "common/model", "common/wire"},  # adapters of the models
     "common/ranks": {
         "common/config",

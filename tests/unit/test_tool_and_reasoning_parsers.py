@@ -6,8 +6,10 @@ putting back together what the whole message says, the tool_choice schemas, and 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel
 
 from common.http.chat_output import ChatShape, ChoiceStream
 from common.http.reasoning import PARSERS as REASONING
@@ -131,3 +133,39 @@ def test_constraint_fields_check_their_shape(body, param):
     with pytest.raises(InvalidRequest) as e:
         from_body(body)
     assert e.value.param == param
+
+
+class Address(BaseModel):
+    street: str
+    kind: Literal["home", "work"]
+
+
+class Person(BaseModel):
+    name: str
+    address: Address
+    backup: Address | None = None
+    friends: list[Person] = []
+
+
+PERSON = {"type": "function", "function": {"name": "add_person", "parameters": Person.model_json_schema()}}
+NAMED = {"type": "function", "function": {"name": "add_person"}}
+ALICE = {"name": "A", "address": {"street": "s", "kind": "home"}, "backup": None, "friends": [
+    {"name": "B", "address": {"street": "t", "kind": "work"}, "backup": {"street": "u", "kind": "home"}, "friends": []}
+]}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_tool_schemas_with_defs_refs_anyof_enums_and_recursion_compile_and_match(choice):
+    """A pydantic model's parameters ($defs, $ref, anyOf for Optional, an enum, a recursive list) keep their
+    references resolvable inside required's array schema (and named's), and the grammar takes exactly them."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    spec = parse_tools([WEATHER, PERSON], choice, None).constraint()
+    grammar = xgr.Grammar.from_json_schema(spec.value, strict_mode=True)
+    call = ALICE if choice == NAMED else [{"name": "add_person", "parameters": ALICE}]
+    assert _is_grammar_accept_string(grammar, json.dumps(call))
+    bad = json.loads(json.dumps(call).replace('"work"', '"school"'))
+    assert not _is_grammar_accept_string(grammar, json.dumps(bad))
+    extra = json.dumps(call).replace('"street": "t"', '"street": "t", "zip": "1"')
+    assert not _is_grammar_accept_string(grammar, extra)  # strict: no invented keys

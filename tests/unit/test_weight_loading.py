@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common.model import weights
 from common.model.loader import load_hf_config, load_model
+from common.wire.user_error import UserError
 
 
 def save(path, tied: bool, shard: str = "5GB") -> None:
@@ -54,7 +55,7 @@ def save_edited(path, edit) -> None:
 
 def test_a_missing_tensor_is_named(tmp_path):
     save_edited(tmp_path, lambda state: state.pop("model.norm.weight"))
-    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+    with pytest.raises(UserError, match=r"missing \['model.norm.weight'\]"):
         load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
 
 
@@ -64,7 +65,7 @@ def test_a_wrong_shape_or_quantized_dtype_is_named(tmp_path):
         state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
 
     save_edited(tmp_path, edit)
-    with pytest.raises(ValueError, match=r"wrong shape \['model.norm.weight'\].*dtypes \['I8'\]"):
+    with pytest.raises(UserError, match=r"wrong shape \['model.norm.weight'\].*dtypes \['I8'\]"):
         load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
 
 
@@ -72,7 +73,7 @@ def test_a_truncated_file_is_a_clear_error(tmp_path):
     save(tmp_path, tied=True)
     path = tmp_path / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(ValueError, match="ends early"):
+    with pytest.raises(UserError, match=r"truncated \(\d+ bytes of \d+; an interrupted download\?\)"):
         load_model(tmp_path, load_hf_config(tmp_path), torch.float32, "cpu")
 
 

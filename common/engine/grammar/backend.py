@@ -75,7 +75,7 @@ class GrammarBackend:
     def _parse(self, spec: GrammarSpec) -> xgr.Grammar:
         kind, value = spec.kind, spec.value
         if kind in ("json_schema", "json_object"):  # json_object: any object, as SGLang reads it
-            schema, strict = (value, spec.strict) if kind == "json_schema" else ({"type": "object"}, False)
+            schema, strict = (value, True) if kind == "json_schema" else ({"type": "object"}, False)  # GrammarSpec
             return xgr.Grammar.from_json_schema(
                 schema, any_whitespace=self.any_whitespace, strict_mode=strict, max_whitespace_cnt=self.max_whitespace
             )
