@@ -12,6 +12,7 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.config_checks import check_flags
+from common.lora.targets import TARGET_MODULES as LORA_TARGETS
 from common.wire.body import ARRIVAL_TIMEOUT_S
 from common.wire.kv_layout import LOOPBACK_BACKEND, TRANSFER_BACKENDS
 
@@ -249,6 +250,21 @@ class ServerConfig(BaseSettings):
         gt=0,
         description="a connection whose whole request head has not arrived this long after it opened, or after "
         "its previous answer, is closed unanswered (a client sending nothing, or its head slowly, holds no connection)",
+    )
+
+    # LoRA adapters (SGLang's and vLLM's flags; common/lora/)
+    enable_lora: bool = Field(False, description="serve LoRA adapters (--lora-paths) beside the base model")
+    lora_paths: list[str] | None = Field(
+        None, description="the adapters: NAME=PATH of PEFT directories (or PATH, named by its last part)"
+    )
+    max_loras_per_batch: int = Field(
+        8, ge=1, le=256, description="adapter slots: distinct adapters running at once (more wait, LRU)"
+    )
+    max_lora_rank: int | None = Field(
+        None, ge=1, le=1024, description="the largest rank a slot holds (default: the adapters')"
+    )
+    lora_target_modules: list[Literal[LORA_TARGETS]] | None = Field(  # type: ignore[valid-type]
+        None, description="projections adapters may change (default: those the adapters target)"
     )
 
     # structured outputs, tool calls, reasoning (docs/structured-output.md)

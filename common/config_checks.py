@@ -43,6 +43,7 @@ def check_flags(c: ServerConfig) -> None:
             "has no role to switch, and the ranks of a TP group cannot switch yet"
         )
     check_store(c)
+    check_lora(c)
     if c.transfer_backend == "loopback" and c.disaggregation_mode != "null":
         raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
 
@@ -132,3 +133,24 @@ def check_dp_ep(c: ServerConfig) -> None:
         raise ValueError("--enable-dp-attention with --nnodes > 1 is not supported: run DP attention on one host")
     if (c.enable_eplb or c.ep_num_redundant_experts) and c.ep_size == 1:
         raise ValueError("--enable-eplb and --ep-num-redundant-experts need expert parallelism: give --ep-size")
+
+
+def check_lora(c: ServerConfig) -> None:
+    """--enable-lora and its flags fit together; what LoRA does not compose with yet is refused naming it (the
+    adapters themselves are checked when they are read: common/lora/manager.py)."""
+    if not c.enable_lora:
+        if c.lora_paths:
+            raise ValueError("--lora-paths needs --enable-lora")
+        return
+    if c.enable_pd_role_switch:
+        raise ValueError("--enable-lora with --enable-pd-role-switch is not implemented yet: drop one of the two")
+    refused = {
+        "--tp-size > 1": c.tp_size > 1,
+        "--enable-dp-attention": c.enable_dp_attention,
+        "--speculative-algorithm": c.speculative_algorithm is not None,
+        "--enable-hierarchical-cache": c.enable_hierarchical_cache,
+        "--kv-events-config": bool(c.kv_events_config),
+    }
+    for flag, given in refused.items():
+        if given:
+            raise ValueError(f"--enable-lora with {flag} is not implemented yet: drop one of the two")

@@ -172,21 +172,26 @@ class DecodeRole(PDRole):
             or self.scheduler.rows_left() <= 0
             or not memory.can_admit()
             or not self.aux_pool.can_alloc()
+            or not (self.scheduler.lora is None or self.scheduler.lora.can_admit(req))  # its adapter's slot
         ):
             return False
+        if self.scheduler.lora is not None:
+            self.scheduler.lora.admit(req)
         # the prefix cache's hit, locked until release (none for remote_full: the whole prompt crosses); at least
         # one page crosses
         memory.admit(req, 0 if req.pd_placement == "remote_full" else n - 1)
         cached = req.cached_len
         if not memory.can_extend(req, n - cached + decode_reserve(req)):
             memory.release(req)
+            if self.scheduler.lora is not None:
+                self.scheduler.lora.release(req)
             return False
         memory.extend(req, n - cached)
         req.decode_hit_len = cached
         req.timeline.mark("pages_reserved")
         inb.aux_slot = self.aux_pool.alloc()
         # sends nothing if the room failed meanwhile: the next poll ends it
-        inb.receiver.init(memory.page_ids(req, cached, n), inb.aux_slot, cached, self.scheduler.dp_rank)
+        inb.receiver.init(memory.page_ids(req, cached, n), inb.aux_slot, cached, self.scheduler.dp_rank, req.lora or "")
         self.prealloc.remove(req)
         req.status = ReqStatus.TRANSFERRING
         self.transferring.append(req)

@@ -182,6 +182,10 @@ class PrefillRole(PDRole):
             problem = f"decode's cached_prefix_len {cached} must be a multiple of the page size {ps} below the prompt's {n} tokens"
             self.scheduler.fail(req, problem, 500)
             return False
+        if out.sender.lora != (req.lora or ""):
+            theirs, mine = out.sender.lora or "the base model", req.lora or "the base model"
+            self.scheduler.fail(req, f"the decode runs this request under {theirs!r}, this prefill under {mine!r}", 500)
+            return False
         need = self._pages(n) - cached // self.config.page_size
         if out.sender.num_dst_pages != need:
             self.scheduler.fail(

@@ -44,6 +44,9 @@ def add_model_flags(
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(*flags, choices=args, **kw)
+        elif typing.get_origin(kind) is list:  # NAME=PATH ...: one or more values
+            inner = typing.get_args(args[0]) if typing.get_origin(args[0]) is typing.Literal else None
+            parser.add_argument(*flags, nargs="+", choices=inner, **kw)
         else:
             parser.add_argument(*flags, **kw)
     for switch in others.get(None, []):

@@ -76,6 +76,7 @@ class RoomRequest:
     aux_slot: int
     cached_prefix_len: int = 0  # prompt tokens whose KV the decode has (its prefix cache): not sent
     dp_rank: int = 0  # the decode's DP rank whose pool dst_pages are (DP attention; 0 otherwise)
+    lora: str = ""  # the LoRA adapter the decode runs the request under ("": the base model); the prefill's must match
 
 
 @dataclass
@@ -180,6 +181,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "dst_pages": (list,),
     "aux_slot": (int,),
     "cached_prefix_len": (int,),
+    "lora": (str,),
     "reason": (str,),
     "ok": (bool,),
     "endpoint": (str,),
@@ -330,6 +332,8 @@ def _check_ranges(msg: Any) -> None:
             raise BadMessage("cached_prefix_len out of range")
         if not 0 <= msg.dp_rank < 2**16:
             raise BadMessage("dp_rank out of range")
+        if len(msg.lora) > 256:
+            raise BadMessage("lora longer than 256 characters")
     if isinstance(msg, Register):
         ints = msg.kv_ptrs + msg.bytes_per_page
         if (

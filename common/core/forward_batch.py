@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.core.page_meta import PageMeta
+
+if TYPE_CHECKING:
+    from common.lora.batch import LoraBatch
 
 
 class ForwardMode(enum.Enum):
@@ -42,6 +46,7 @@ class ForwardBatch:
     # whole prefill is done, so chunking does not change the angles; DECODE: seq_lens)
     rope_lens: torch.Tensor
     dp: DPStep | None = None  # set under DP attention
+    lora: LoraBatch | None = None  # --enable-lora: which rows run under which adapter slot (common/lora/batch.py)
 
     @property
     def batch_size(self) -> int:

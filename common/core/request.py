@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from common.engine.grammar.req_grammar import ReqGrammar
 
 
+LORA_KEY_STRIDE = 1 << 32  # an adapter's cache keys: its tokens shifted past every token id (Req.cache_key)
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued for prefill (also after retraction)
     PAIRING = "pairing"  # decode: waiting to reserve pages and reach the prefill, before any compute
@@ -73,6 +76,8 @@ class GenInput:
     migration: Migration | None = None  # the router may move it to another pair (common/wire/migration.py)
     data_parallel_rank: int | None = None  # the DP rank asked for (SGLang's field; DP attention), else balanced
     grammar_spec: GrammarSpec | None = None  # what the output must match (json_schema, regex, tool_choice...)
+    lora: str | None = None  # the LoRA adapter it runs under (--lora-paths' name), None: the base model
+    lora_id: int = 0  # that adapter's prefix-cache namespace (common/lora/manager.py), 0: the base model's
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same rid and prompt
@@ -122,6 +127,13 @@ class Req(GenInput):
     def fill_ids(self) -> list[int]:
         """Every token whose KV the request needs before it can sample the next one."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_key(self) -> list[int]:
+        """fill_ids as the prefix cache keys them: in the namespace of its adapter, so the same tokens under two
+        adapters (or one and the base model) never share a page."""
+        ids = self.fill_ids
+        return ids if not self.lora_id else [t + self.lora_id * LORA_KEY_STRIDE for t in ids]
 
     @property
     def resumed_ids(self) -> list[int]:

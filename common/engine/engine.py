@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from common.engine.model_runner import ModelRunner
     from common.engine.output import OutputProcessor
     from common.engine.scheduler import Scheduler
+    from common.lora.manager import LoraManager
     from common.memory.manager import MemoryManager
     from common.memory.sizing import PoolPlan
 
@@ -96,6 +97,11 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.parts.model.name
+
+    @property
+    def lora(self) -> LoraManager | None:
+        """--enable-lora's adapters (common/lora/), else None."""
+        return self.parts.runners[0].lora
 
     @property
     def metrics(self) -> EngineMetrics:

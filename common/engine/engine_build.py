@@ -38,6 +38,7 @@ from common.engine.spec.drafter import Drafter
 from common.engine.spec.factory import make_drafter, speculative_descriptor
 from common.engine.spec.plan import SpecPlanner
 from common.engine.warmup import use_kernel_cache
+from common.lora.manager import LoraManager, make_lora_manager
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache_factory import make_prefix_cache
@@ -63,6 +64,7 @@ def build_engine_parts(config: ServerConfig, factories: dict[str, RoleFactory], 
     `follower`: the module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
     model = model_parts(config)
     config = with_attention_backend(config, model.hf_config)  # before loading weights: a refusal comes at once
+    lora = make_lora_manager(config, model.hf_config)  # --enable-lora's adapters, read and checked before the weights
     torch.manual_seed(config.seed)
     metrics = EngineMetrics(config.disaggregation_mode)
     use_kernel_cache(config.kernel_cache_dir)  # before FlashInfer is imported
@@ -73,7 +75,7 @@ def build_engine_parts(config: ServerConfig, factories: dict[str, RoleFactory], 
     woken = threading.Event()  # what the scheduler thread waits on (a store's finished work sets it too)
     memory = memory_parts(config, model, built, context_len, metrics, woken.set)
     drafter = make_drafter(built, config, memory.first.req_pool.req_to_token)
-    runners, rebalancer, dp = model_runners(config, ranks, built, memory, model.eos_ids, drafter)
+    runners, rebalancer, dp = model_runners(config, ranks, built, memory, model.eos_ids, drafter, lora)
     rank_parts = RankParts(ranks, reports, followers, built.model, rebalancer, dp)
     speculative = speculative_descriptor(config, built)  # in the KV layout a PD peer must match
     schedulers = scheduler_parts(config, model, memory, runners, rank_parts, drafter, speculative, metrics, woken)
@@ -158,15 +160,17 @@ def model_runners(
     memory: MemoryParts,
     eos_ids: frozenset[int],
     drafter: Drafter | None,
+    lora: LoraManager | None = None,
 ) -> tuple[list[ModelRunner], ExpertRebalancer | None, DPForward | None]:
     """The model runner (rank 0's model sends each batch to the other ranks first), or one per DP rank, whose
-    batches run together (the DPForward returned); and --enable-eplb's rebalancer."""
+    batches run together (the DPForward returned); and --enable-eplb's rebalancer. `lora`: --enable-lora's
+    adapters (one runner: LoRA refuses DP attention)."""
     check = ranks.check_step if ranks is not None else (lambda: None)
     rebalancer = ExpertRebalancer(ranks, built.model, c.eplb_rebalance_num_iterations) if c.enable_eplb else None
     dp, first = None, memory.first.req_pool.req_to_token
     if len(memory.managers) == 1:
         model = built.model if ranks is None else LeaderModel(built.model, ranks, rebalancer)
-        runners = [ModelRunner(model, built.attn, first, c.device, eos_ids, drafter, check)]
+        runners = [ModelRunner(model, built.attn, first, c.device, eos_ids, drafter, check, lora=lora)]
     else:
         dp = DPForward(built.model, built.attn, ranks, idle_batch(first, c.page_size, c.device), rebalancer)
         runners = [
@@ -199,7 +203,7 @@ def scheduler_parts(
     grammars set up on them."""
     output = OutputProcessor(model.tokenizer, set(model.eos_ids), memory.context_len, metrics)
     schedulers = [
-        Scheduler(c, runner, m, output, woken=woken, dp_rank=d)
+        Scheduler(c, runner, m, output, woken=woken, dp_rank=d, lora=runner.lora)
         for d, (runner, m) in enumerate(zip(runners, memory.managers))
     ]
     top = schedulers[0] if ranks.dp is None else DPScheduler(schedulers, ranks.dp, c.lb_method)

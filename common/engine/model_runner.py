@@ -23,6 +23,7 @@ from common.engine.sampler import Sampler, flashinfer_sampling
 from common.engine.sampling_batch import SamplingBatch, SamplingRow
 from common.engine.spec.drafter import Drafter
 from common.engine.spec.verify import Verified, VerifyPlan, accept, position_rows, verify_rows
+from common.lora.manager import LoraManager
 from common.model.llama import LlamaForCausalLM
 
 
@@ -77,12 +78,14 @@ class ModelRunner:
         drafter: Drafter | None = None,
         check_step: Callable[[], None] = lambda: None,
         forward: Forward | None = None,
+        lora: LoraManager | None = None,
     ):
         """`eos_token_ids`: what ends a request unless it ignores EOS (masked before its min_new_tokens);
         `drafter`: speculative decoding's (common/engine/spec/), which follows every forward of the target;
         `check_step`: called once a step's tokens reached the host, raises if the step cannot be trusted
         (a TP group that faulted meanwhile: Ranks.check_step); `forward`: how a batch runs, if not by
-        `model` on `attn` here (a DP rank's, with the other ranks idle)."""
+        `model` on `attn` here (a DP rank's, with the other ranks idle); `lora`: --enable-lora's adapters, whose
+        segments each batch carries."""
         self.check_step = check_step
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -95,11 +98,12 @@ class ModelRunner:
         self.drafter = drafter
         self.forward: Forward = forward or self._forward_here
         self.hidden: torch.Tensor | None = None  # the last forward's hidden states, for a drafter that reads them
+        self.lora = lora
 
     def _forward_here(self, batch: ForwardBatch) -> torch.Tensor:
         if self.drafter is not None and self.drafter.needs_hidden:
             return self._forward_keeping_hidden(batch)
-        graphs = next((g for g in self.graphs if g.fits(batch)), None)
+        graphs = next((g for g in self.graphs if g.fits(batch)), None) if batch.lora is None else None
         if graphs is not None:
             logits = graphs.run(batch)
         else:
@@ -134,6 +138,14 @@ class ModelRunner:
             self.drafter.take_hidden(plan.reqs, plan.extend_lens, plan.mode, hidden, None)
 
     def prepare(self, plan: BatchPlan) -> Prepared:
+        prepared = self._prepare(plan)
+        if self.lora is not None:  # verify plans never carry adapters (LoRA refuses speculative decoding)
+            reqs = plan.decode.reqs if plan.decode is not None else plan.reqs
+            lens = [1] * len(reqs) if plan.decode is not None else plan.extend_lens
+            prepared.batch.lora = self.lora.batch(reqs, lens)
+        return prepared
+
+    def _prepare(self, plan: BatchPlan) -> Prepared:
         if plan.verify is not None:
             return self._prepare_verify(plan)
         if plan.decode is not None:

@@ -11,12 +11,14 @@ from common.core.forward_batch import ForwardMode
 from common.core.request import Req, queue_position
 from common.engine.decode_reserve import decode_reserve
 from common.engine.model_runner import BatchPlan
+from common.lora.manager import LoraManager
 from common.memory.manager import MemoryManager
 
 
 class PrefillQueue:
-    def __init__(self, config: ServerConfig, memory: MemoryManager):
-        self.config, self.memory = config, memory
+    def __init__(self, config: ServerConfig, memory: MemoryManager, lora: LoraManager | None = None):
+        """`lora`: --enable-lora's adapters; a request is admitted only once its adapter holds a slot."""
+        self.config, self.memory, self.lora = config, memory, lora
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose next chunk runs before anyone else's
         self.plan: BatchPlan | None = None  # the plan schedule() is building (read when it raises)
@@ -27,7 +29,7 @@ class PrefillQueue:
         prefix cache could bring closer for it (a KV store's pages) starts coming now."""
         self.waiting.insert(queue_position(self.waiting, req), req)
         if not self.config.disable_radix_cache:
-            self.memory.prefix_cache.prefetch(req, req.fill_ids[: self._match_limit(req)])
+            self.memory.prefix_cache.prefetch(req, req.cache_key[: self._match_limit(req)])
 
     def add_front(self, req: Req) -> None:
         """A retracted request: ahead of the waiting requests of its priority, behind higher ones."""
@@ -71,7 +73,7 @@ class PrefillQueue:
             if req is None:
                 break
             if req.req_pool_idx is None:
-                if not self.memory.can_admit():
+                if not self.memory.can_admit() or not (self.lora is None or self.lora.can_admit(req)):
                     break
                 self._admit(req)
             used = self._add_chunk(plan, req, budget, decode_idle)
@@ -95,6 +97,8 @@ class PrefillQueue:
         return min(limit, req.logprob_start_len) if req.logprob_start_len >= 0 else limit
 
     def _admit(self, req: Req) -> None:
+        if self.lora is not None:
+            self.lora.admit(req)
         self.memory.admit(req, 0 if self.config.disable_radix_cache else self._match_limit(req))
         if not req.output_ids:
             req.prefix_hit_len = req.cached_len

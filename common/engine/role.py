@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from common.config import ServerConfig
     from common.engine.metrics import EngineMetrics
     from common.engine.scheduler import Scheduler
+    from common.lora.manager import LoraManager
 
 Sampled = tuple[int, float | None, Any]  # (token, logprob, top logprobs) of a prompt's first sample
 T = TypeVar("T")
@@ -41,6 +42,7 @@ class SchedulerView:
         self.clock: Callable[[], float] = scheduler.clock
         self.context_len: int = scheduler.output.context_len
         self.dp_rank: int = scheduler.dp_rank  # whose pool `memory` is (DP attention)
+        self.lora: LoraManager | None = scheduler.lora  # --enable-lora's adapters: a request pins its own's slot
 
     def wake(self) -> None:
         self._scheduler.wake()

@@ -32,6 +32,7 @@ from common.engine.prefill_queue import PrefillQueue
 from common.engine.role import Role
 from common.engine.spec.commit import SpecStats, commit_verified
 from common.engine.spec.verify import Verified
+from common.lora.manager import LoraManager
 from common.memory.errors import MemoryIntegrityError
 from common.memory.manager import MemoryManager, PageCounts
 from common.wire.api import rendezvous_problem
@@ -54,13 +55,16 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         woken: threading.Event | None = None,
         dp_rank: int = 0,
+        lora: LoraManager | None = None,
     ):
         """`woken`: the event the scheduler thread waits on (one for every DP rank's scheduler under DP
-        attention, common.engine.dp_scheduler); `dp_rank`: whose requests, pool and batch these are."""
+        attention, common.engine.dp_scheduler); `dp_rank`: whose requests, pool and batch these are; `lora`:
+        --enable-lora's adapters (the runner's), whose slots admission pins and the exit frees."""
         self.config, self.runner, self.memory, self.output = config, runner, memory, output
         self.dp_rank = dp_rank
         self.clock = clock  # for the roles' timeouts; requests' arrival_time is on this clock
-        self.prefill = PrefillQueue(config, memory)
+        self.lora = lora
+        self.prefill = PrefillQueue(config, memory, self.lora)
         self.decode = DecodeBatch(config, memory)
         self.role = role or Role()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -326,8 +330,10 @@ class Scheduler:
             self.free(req)
 
     def free(self, req: Req) -> None:
-        """Give back the memory of an ended request."""
+        """Give back the memory of an ended request (and its adapter's slot)."""
         self.memory.release(req)
+        if self.lora is not None:
+            self.lora.release(req)
 
     # -- state ---------------------------------------------------------------------------------
     def tracked_requests(self) -> list[Req]:

@@ -15,6 +15,7 @@ from common.core.request import GenInput
 from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.http import openai_api
+from common.http.adapters import named_adapter, run_under
 from common.http.guard import CountingGuard
 from common.http.responses import add_responses_api
 from common.http.role_guard import RoleGuard, role_headers
@@ -153,6 +154,7 @@ def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
         data_parallel_rank=check_dp_rank(engine.dp_size, body.data_parallel_rank),
     )
     check_input(engine, gen, "input_ids" if body.input_ids is not None else "text", "sampling_params.max_new_tokens")
+    run_under(engine, gen, named_adapter(engine, body.lora_path))
     return gen
 
 

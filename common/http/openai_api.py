@@ -15,6 +15,7 @@ from common.core.request import GenInput
 from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
 from common.engine.output import replayed_text
+from common.http.adapters import model_adapter, model_cards, run_under, served
 from common.http.chat_output import ChatShape, ChoiceStream
 from common.http.reasoning import PARSERS as REASONING_PARSERS
 from common.http.serving import (
@@ -45,31 +46,24 @@ FINISH = {"stop": "stop", "length": "length"}
 def add_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": engine.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "tandem",
-            "max_model_len": engine.context_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": model_cards(engine)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        """The SDK's models.retrieve: this server's one model."""
-        if model_id != engine.model_name:
-            raise NotFound(
-                f"model {model_id!r} does not exist; this server serves {engine.model_name!r}", param="model"
-            )
-        return (await models())["data"][0]
+        """The SDK's models.retrieve: the base model or one of its LoRA adapters."""
+        card = next((c for c in model_cards(engine) if c["id"] == model_id), None)
+        if card is None:
+            raise NotFound(f"model {model_id!r} does not exist; this server serves {served(engine)}", param="model")
+        return card
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), CompletionRequest)
-        _check_model(engine.model_name, body)
+        adapter = model_adapter(engine, body.model)
         ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine.tokenizer, body.prompt, "prompt")
         echo_logprobs = body.echo and body.logprobs is not None  # the prompt's logprobs are computed only then
         gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs, echo_logprobs)
+        run_under(engine, gen, adapter)
         gen.grammar_spec = body.grammar_spec()
         await check_grammar(engine.grammar, gen)
         echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)) if body.echo else None
@@ -85,13 +79,14 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
 async def chat_answer(engine: Engine, body: ChatCompletionRequest, request: Request) -> Response:
     """A chat completion's answer (JSON, or an SSE stream): /v1/chat/completions', and the Responses API's
     underneath (common/http/responses.py)."""
-    _check_model(engine.model_name, body)
+    adapter = model_adapter(engine, body.model)
     shape = _chat_shape(engine.config, body)
     ids = _apply_chat_template(engine.tokenizer, body, shape)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(body, max_param)
     top = (body.top_logprobs or 0) if body.logprobs else None
     gen = _gen_input(engine, body, ids, max_tokens, "messages", max_param, top)
+    run_under(engine, gen, adapter)
     gen.grammar_spec = _chat_constraint(body, shape)
     if shape.parser is not None and shape.parser.needs_special_tokens:  # its markers are special tokens
         gen.params = gen.params.model_copy(update={"skip_special_tokens": False})
@@ -117,11 +112,6 @@ def _chat_chunks(
     if ended:
         chunks[-1]["finish_reason"] = finish
     return chunks
-
-
-def _check_model(model_name: str, body: OpenAIBase) -> None:
-    if body.model not in (None, "", model_name, "default"):
-        raise NotFound(f"model {body.model!r} does not exist; this server serves {model_name!r}", param="model")
 
 
 def _chat_shape(c: ServerConfig, body: ChatCompletionRequest) -> ChatShape:
@@ -199,7 +189,7 @@ async def _respond(
             "id": rid,
             "object": kind,
             "created": created(gen),
-            "model": engine.model_name,
+            "model": gen.lora or engine.model_name,
             "choices": [make_choice(engine.tokenizer, c, gen) for c in choices],
             "usage": usage(choices, len(gen.prompt_ids)),
         }
@@ -270,7 +260,7 @@ async def _stream(
     """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt. A migrated request's
     choices go on where its client's stream left them (no role event or echo again: common/wire/migration.py)."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
-    base = {"id": rid, "object": chunk_kind, "created": created(gen), "model": engine.model_name}
+    base = {"id": rid, "object": chunk_kind, "created": created(gen), "model": gen.lora or engine.model_name}
     choices = initial_choices(gen)
     is_chat = kind == "chat.completion"
     tracer = Tracer(gen)

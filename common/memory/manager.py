@@ -76,9 +76,9 @@ class MemoryManager:
         row = self.req_pool.alloc()
         self.live[row] = req
         req.req_pool_idx = row
-        match = self.prefix_cache.match_prefix(req.fill_ids[: max(match_limit, 0)])
+        match = self.prefix_cache.match_prefix(req.cache_key[: max(match_limit, 0)])
         if self.reuse_cut and len(match.slots):
-            match = self.prefix_cache.match_prefix(req.fill_ids[: len(match.slots) - self.page_size])
+            match = self.prefix_cache.match_prefix(req.cache_key[: len(match.slots) - self.page_size])
         self.prefix_cache.inc_lock_ref(match.last_node)
         n = len(match.slots)
         self.req_pool.req_to_token[row, :n] = match.slots.to(torch.int32)
@@ -185,7 +185,7 @@ class MemoryManager:
             return
         slots = self.req_pool.req_to_token[row, : req.kv_len].to(torch.int64)
         keep = max(req.kv_computed_len // self.page_size * self.page_size, req.cached_len)
-        self.prefix_cache.cache_finished_req(req.fill_ids[:keep], slots[:keep], req.last_node)
+        self.prefix_cache.cache_finished_req(req.cache_key[:keep], slots[:keep], req.last_node)
         self.allocator.free_slots(slots[keep:])
         self.req_pool.free(row)
         del self.live[row]

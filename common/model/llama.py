@@ -9,6 +9,8 @@ shard the same way (common.model.moe, common.model.mla).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,9 @@ from common.parallel.layers import (
     linear,
 )
 from common.parallel.partition import head_partition
+
+if TYPE_CHECKING:
+    from common.lora.batch import LayerLora
 
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
@@ -73,20 +78,30 @@ class Attention(nn.Module):
         self.qkv = fuse_columns([self.q_proj, self.k_proj, self.v_proj], filled)
         self.qkv_sizes = [p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple,
+        attn: AttentionBackend,
+        batch: ForwardBatch,
+        lora: LayerLora | None = None,
+    ) -> torch.Tensor:
+        """`lora`: the batch's adapters at this layer (--enable-lora), added to each part of the fused qkv."""
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if lora is not None:
+            q, k, v = lora.add(q, x, "q_proj"), lora.add(k, x, "k_proj"), lora.add(v, x, "v_proj")
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = attn.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = attn.forward(q, k, v, self.layer_id, batch).reshape(t, self.num_heads * self.head_dim)
+        return self.o_proj(out) if lora is None else lora.add(self.o_proj(out), out, "o_proj")
 
 
 class MLP(nn.Module):
@@ -105,17 +120,22 @@ class MLP(nn.Module):
         """gate_proj and up_proj become rows of one weight: one matmul instead of two (`filled`: fuse_columns)."""
         self.gate_up = fuse_columns([self.gate_proj, self.up_proj], filled)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        """`lora`: the batch's adapters at this layer (--enable-lora), added to each part of the fused gate_up."""
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
+        if lora is None:
+            return self.down_proj(F.silu(gate) * up)
+        h = F.silu(lora.add(gate, x, "gate_proj")) * lora.add(up, x, "up_proj")
+        return lora.add(self.down_proj(h), h, "down_proj")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.tp = tp
+        self.tp, self.layer_id = tp, layer_id
         self.self_attn = self.make_attention(config, layer_id)
         self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -130,10 +150,18 @@ class DecoderLayer(nn.Module):
         return MLP(config.hidden_size, config.intermediate_size, bias, self.tp.attn)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+        if batch.lora is not None:  # a dense Llama-family layer (LoRA refuses the others at start-up)
+            return self._forward_lora(x, cos_sin, attn, batch, batch.lora.layer(self.layer_id))
         if len(x):  # an idle batch (DP attention: no tokens on this rank) still joins the MoE layers
             x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn, batch)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, batch) if getattr(self.mlp, "takes_batch", False) else self.mlp(h))
+
+    def _forward_lora(
+        self, x: torch.Tensor, cos_sin: tuple, attn: AttentionBackend, batch: ForwardBatch, lora: LayerLora
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn, batch, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaModel(nn.Module):

@@ -95,6 +95,7 @@ class GenerateRequest(PDFields):
     logprob_start_len: int = Field(-1, ge=-1)  # checked against the prompt's length by common/http/serving.py
     rid: str | None = Field(None, max_length=256)
     priority: int | None = Field(None, ge=-(2**31), lt=2**31)  # needs --enable-priority-scheduling
+    lora_path: str | None = Field(None, max_length=256)  # SGLang's: the adapter's name (--lora-paths), None: the base
 
     @model_validator(mode="before")
     @classmethod

@@ -48,7 +48,6 @@ GENERATE = {
     "audio_data": (None, []),
     "video_data": (None, []),
     "input_embeds": (None,),
-    "lora_path": (None,),
     "custom_logit_processor": (None,),
     "return_hidden_states": (None, False),
     "token_ids_logprob": (None,),

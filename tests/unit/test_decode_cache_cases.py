@@ -89,7 +89,7 @@ def test_a_prefill_refuses_a_cached_prefix_that_is_not_page_aligned(monkeypatch)
     monkeypatch.setattr(
         KVReceiver,
         "init",
-        lambda self, pages, slot, cached=0, dp_rank=0: real_init(self, pages, slot, cached + 1, dp_rank),
+        lambda self, pages, slot, cached=0, dp_rank=0, lora="": real_init(self, pages, slot, cached + 1, dp_rank, lora),
     )
     m = KVHandoff()
     m._submit(list(range(1, 11)), 2)

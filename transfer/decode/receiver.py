@@ -24,10 +24,12 @@ class KVReceiver:
         self.deadline: float | None = None
         self.abort_sent = False
 
-    def init(self, dst_pages: list[int], aux_slot: int, cached_prefix_len: int = 0, dp_rank: int = 0) -> bool:
+    def init(
+        self, dst_pages: list[int], aux_slot: int, cached_prefix_len: int = 0, dp_rank: int = 0, lora: str = ""
+    ) -> bool:
         """Ask the prefill to write the prompt's pages from token `cached_prefix_len` (page-aligned: the
         decode's prefix cache holds the ones before) into `dst_pages` (of DP rank `dp_rank`'s pool under DP
-        attention); False, sending nothing, if the room
+        attention), computed under the LoRA adapter `lora` ("": the base model); False, sending nothing, if the room
         already failed (its prefill was declared dead while the request waited for memory): the caller
         fails the request."""
         if self.room.poll.state == KVPoll.Failed:
@@ -37,7 +39,7 @@ class KVReceiver:
         self.room.mark("room_request_sent")  # before the send: the prefill may mark its receipt before send() returns
         m.send(
             self.prefill_endpoint,
-            RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot, cached_prefix_len, dp_rank),
+            RoomRequest(self.room_id, m.instance_id, dst_pages, aux_slot, cached_prefix_len, dp_rank, lora),
         )
         self.room.dst_pages = dst_pages
         self.room.requested, self.room.requested_at = True, m.clock()

@@ -32,6 +32,11 @@ class KVSender:
         return self.room.room_request.cached_prefix_len if self.room.room_request else 0
 
     @property
+    def lora(self) -> str:
+        """The LoRA adapter the decode runs the request under ("": the base model)."""
+        return self.room.room_request.lora if self.room.room_request else ""
+
+    @property
     def failure_reason(self) -> str | None:
         return self.room.poll.reason
 

@@ -1,0 +1,189 @@
+"""LoRA adapters (--enable-lora) as a user serves them: three tiny random PEFT adapters made with `peft` on the
+tiny random Llama (different ranks and target modules, random non-zero B), one monolithic server with two
+adapter slots for the three (so one mixed batch loads them LRU), and every answer checked against `peft` on
+transformers token for token; the prefix cache keeps each adapter's pages apart; the adapters' endpoints and
+start-up mistakes; and through a 1P1D cluster, the decode holding two of the three: the same tokens, and the
+third refused by the decode naming it, every page freed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import LlamaForCausalLM
+
+from tests.conftest import ROOT, start_server
+from tests.integration.cluster import start_cluster
+from tests.integration.tiny_model import hf_greedy, random_prompts, save_tiny_llama
+
+NEW_TOKENS = 12
+ADAPTERS = {  # name -> (rank, alpha, target modules)
+    "a": (4, 8, ["q_proj", "v_proj"]),
+    "b": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "c": (2, 2, ["o_proj", "gate_proj", "down_proj"]),
+}
+
+
+def save_adapter(base_dir: Path, path: Path, rank: int, alpha: int, modules: list[str], seed: int) -> Path:
+    """A PEFT LoRA adapter of the model at base_dir, its A and B random (PEFT starts B at zero: no change)."""
+    model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft.save_pretrained(path)
+    return path
+
+
+def peft_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+    model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        return hf_greedy(model, prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lora")
+    base = save_tiny_llama(root / "base")
+    paths = {n: save_adapter(base, root / n, *spec, seed=i) for i, (n, spec) in enumerate(ADAPTERS.items())}
+    return {"root": root, "base": base, "paths": paths}
+
+
+@pytest.fixture(scope="module")
+def expected(made) -> dict:
+    """name (None: the base model) -> peft's greedy tokens of each prompt."""
+    prompts = random_prompts(4, 20, 40, seed=5)  # the last one is the cache test's alone
+    out = {n: peft_greedy(made["base"], p, prompts) for n, p in [(None, None), *made["paths"].items()]}
+    for name in ADAPTERS:
+        assert out[name] != out[None], f"adapter {name} does not change the output: the test would prove nothing"
+    return {"prompts": prompts, "tokens": out}
+
+
+@pytest.fixture(scope="module")
+def server(made):
+    lora_paths = [f"{n}={p}" for n, p in made["paths"].items()]
+    flags = ["--page-size", "4", "--max-loras-per-batch", "2", "--served-model-name", "tiny"]
+    proc = start_server("--model", str(made["base"]), "--enable-lora", "--lora-paths", *lora_paths, *flags)
+    yield proc.wait_ready()
+    proc.stop()
+
+
+def generate(url: str, ids: list[int], adapter: str | None) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    if adapter is not None:
+        body["lora_path"] = adapter
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_mixed_batch_of_three_adapters_and_the_base_equals_peft(server, expected):
+    """Every prompt under the base and each adapter, all at once: 12 requests, 3 adapters in 2 slots."""
+    cases = [(n, i) for n in (None, *ADAPTERS) for i in range(3)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: generate(server.url, expected["prompts"][c[1]], c[0]), cases))
+    for (name, i), answer in zip(cases, answers):
+        assert answer["output_ids"] == expected["tokens"][name][i], f"adapter {name}, prompt {i}"
+
+
+def test_same_prompt_under_two_adapters_after_both_were_cached(server, expected):
+    """The KV one adapter cached is never another's: each gets its own answer, and hits only its own pages."""
+    ids = expected["prompts"][3]
+    first = {n: generate(server.url, ids, n) for n in ("a", "b", None)}
+    again = {n: generate(server.url, ids, n) for n in ("b", "a", None)}
+    for n in ("a", "b", None):
+        assert first[n]["meta_info"]["cached_tokens"] == 0, f"{n}'s first run hit another adapter's pages"
+        assert again[n]["meta_info"]["cached_tokens"] == (len(ids) - 1) // 4 * 4, f"{n} missed its own pages"
+        assert first[n]["output_ids"] == again[n]["output_ids"] == expected["tokens"][n][3], n
+
+
+def test_openai_model_selects_the_adapter(server, expected):
+    """vLLM's `model: NAME` and SGLang's `model: BASE:NAME` run the adapter /generate's lora_path runs."""
+    ids = expected["prompts"][1]
+    want = generate(server.url, ids, "c")["text"]
+    for model in ("c", "tiny:c"):
+        body = {"model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want and r.json()["model"] == "c"
+
+
+def test_models_lists_adapters_and_an_unknown_one_is_404(server, made):
+    cards = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [(c["id"], c["parent"]) for c in cards] == [("tiny", None), ("a", "tiny"), ("b", "tiny"), ("c", "tiny")]
+    assert cards[1]["root"] == str(made["paths"]["a"])
+    body = {"model": "nope", "prompt": [1, 2, 3], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 404 and "'nope'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "model"
+    r = httpx.post(server.url + "/generate", json={"input_ids": [1, 2], "lora_path": "nope"})
+    assert r.status_code == 404 and "'nope'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "lora_path"
+
+
+@pytest.fixture(scope="module")
+def cluster(made):
+    """A prefill with the three adapters, a decode with a and b only."""
+    paths = [f"{n}={p}" for n, p in made["paths"].items()]
+    flags = ("--model", str(made["base"]), "--page-size", "4", "--enable-lora", "--max-loras-per-batch", "2")
+    c = start_cluster(flags=flags, prefill_flags=("--lora-paths", *paths), decode_flags=("--lora-paths", *paths[:2]))
+    yield c
+    c.stop()
+
+
+def test_pd_mixed_batch_equals_peft(cluster, expected):
+    """The adapter crosses with the room request; each half pins it in a slot of its own."""
+    cases = [(n, i) for n in (None, "a", "b") for i in range(3)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: generate(cluster.url, expected["prompts"][c[1]], c[0]), cases))
+    for (name, i), answer in zip(cases, answers):
+        assert answer["output_ids"] == expected["tokens"][name][i], f"adapter {name}, prompt {i}"
+    cluster.wait_idle()
+
+
+def test_pd_an_adapter_the_decode_lacks_is_404_naming_it(cluster, expected):
+    body = {"input_ids": expected["prompts"][2], "lora_path": "c", "sampling_params": {"max_new_tokens": 4}}
+    r = httpx.post(cluster.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 404 and "lora_path 'c': no such adapter" in r.json()["error"]["message"], r.text
+    cluster.wait_idle()
+
+
+def start_up_error(*args: str) -> str:
+    """The one line `tandem serve` ends with, exiting 1, before the weights load (after the config's log)."""
+    run = subprocess.run([sys.executable, "-m", "tandem", "serve", *args], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and "weights" not in run.stderr, run.stderr
+    return run.stderr.strip().splitlines()[-1]
+
+
+def test_start_up_mistakes_take_one_line(made, tmp_path):
+    base, a = str(made["base"]), str(made["paths"]["a"])
+    other = save_tiny_llama(tmp_path / "wide", heads=8, kv_heads=4, head_dim=16)  # q_proj 128 rows, not 64
+    wide = save_adapter(other, tmp_path / "wide-a", 4, 8, ["q_proj"], seed=9)
+    serve = ["--model", base, "--enable-lora", "--lora-paths"]
+    assert start_up_error(*serve, "x=/nonexistent") == (
+        "tandem serve: --lora-paths x=/nonexistent: no adapter_config.json and adapter_model.safetensors there "
+        "(give a PEFT adapter directory)"
+    )
+    assert start_up_error(*serve, f"a={a}", "--max-lora-rank", "2") == (
+        "tandem serve: --lora-paths a: rank 4 is above --max-lora-rank 2 (raise it)"
+    )
+    assert start_up_error(*serve, f"w={wide}") == (
+        "tandem serve: --lora-paths w: layer 0's q_proj (128x64) does not fit the model (2 layers, q_proj 64x64): "
+        "the adapter was made for another base model"
+    )
+    assert start_up_error(*serve, f"a={a}", "--lora-target-modules", "q_proj") == (
+        "tandem serve: --lora-paths a: targets v_proj, not in --lora-target-modules: add it"
+    )
+    assert start_up_error(*serve, f"a={a}", "--tp-size", "2") == (
+        "tandem serve: --enable-lora with --tp-size > 1 is not implemented yet: drop one of the two"
+    )
