@@ -42,8 +42,10 @@ def run_under(engine: Engine, gen: GenInput, adapter: str | None) -> None:
 
 
 def served(engine: Engine) -> str:
-    names = [engine.model_name, *(engine.lora.ids if engine.lora is not None else ())]
-    return ", ".join(repr(n) for n in names)
+    """What a request may name here: the base model and each adapter (or how to serve adapters at all)."""
+    if engine.lora is None:
+        return f"{engine.model_name!r} only (no adapters: start it with --enable-lora --lora-paths NAME=PATH)"
+    return ", ".join(repr(n) for n in [engine.model_name, *engine.lora.ids])
 
 
 def model_cards(engine: Engine) -> list[dict[str, Any]]:

@@ -193,7 +193,6 @@ COMPLETION = {"prompt": "hi", "max_tokens": 2}
         ("/v1/completions", {"suffix": " end"}, "suffix"),
         ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
         ("/generate", {"sampling_params": {"custom_params": {"a": 1}}}, "sampling_params.custom_params"),
-        ("/generate", {"lora_path": "adapter"}, "lora_path"),
     ],
 )
 def test_an_unsupported_field_that_changes_the_output_is_a_400_naming_it(server, path, extra, param):
@@ -201,6 +200,20 @@ def test_an_unsupported_field_that_changes_the_output_is_a_400_naming_it(server,
     err = error_of(post(server, path, body))
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
     assert "not supported" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/generate", {"lora_path": "adapter"}, "lora_path"),
+        ("/v1/chat/completions", {"model": "base:adapter"}, "model"),
+    ],
+)
+def test_an_adapter_on_a_server_without_lora_is_a_404_saying_how_to_serve_one(server, path, extra, param):
+    body = (CHAT if "chat" in path else {"text": "hi"}) | extra
+    err = error_of(post(server, path, body), 404)
+    assert err["param"] == param
+    assert "--enable-lora --lora-paths NAME=PATH" in err["message"]
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])

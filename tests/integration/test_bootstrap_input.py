@@ -40,6 +40,7 @@ VALID = {
     "kv_scales": "k=1,v=1",
     "speculative": "none",
     "kv_checksum": False,
+    "weights": "none",
     "experts": "",
 }
 REQUIRED = [f for f in VALID if f not in DEFAULTS]  # what a registration may leave out
