@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from bootstrap.signing import SIGNATURE_HEADER, sign
+from common.config import ServerConfig
 from common.http.app import OPEN_PATHS as ENGINE_OPEN_PATHS
 from common.http.app import create_app
 from router.app import OPEN_PATHS as ROUTER_OPEN_PATHS
@@ -187,7 +188,7 @@ def http_routes(kind: str) -> list[tuple[str, str]]:
     if kind == "router":
         app = create_router_app(RouterConfig(api_key="k"))
         return sorted({(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"})
-    stub = SimpleNamespace(config=SimpleNamespace(api_key="k", max_request_bytes=1), metrics=None, role_switch=None)
+    stub = SimpleNamespace(config=ServerConfig(api_key="k"), metrics=None, role_switch=None)
     return [(m, r.path) for r in create_app(stub).routes for m in sorted(r.methods) if m != "HEAD"]
 
 
