@@ -20,6 +20,7 @@ import torch
 
 from common.parallel.layers import Shard, linear
 from common.quant import fp8_gemm
+from common.wire.user_error import UserError
 
 FP8 = torch.float8_e4m3fn
 _buffers: dict[tuple, torch.Tensor] = {}
@@ -87,3 +88,19 @@ def _buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torc
     if key not in _buffers:
         _buffers[key] = torch.empty(shape, dtype=dtype, device=device)
     return _buffers[key]
+
+
+FP8_NAME = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+
+
+def fp8_pair(prefix: str, header: dict[str, dict], scale_name: str) -> tuple[dict, dict] | None:
+    """`prefix`'s weight and scale header entries when its weight is FP8 (None: unquantized); refuses a
+    weight without its scale and a scale without an FP8 weight. The scale's shape is the scheme's to check."""
+    weight, scale = header[prefix + ".weight"], header.get(prefix + scale_name)
+    if weight["dtype"] != FP8_NAME and scale is None:
+        return None
+    if scale is None:
+        raise UserError(f"{prefix}.weight is float8 but {prefix}{scale_name} is missing; an FP8 weight needs its scale")
+    if weight["dtype"] != FP8_NAME:
+        raise UserError(f"{prefix}{scale_name}: its weight is {weight['dtype']}, not float8 (F8_E4M3)")
+    return weight, scale

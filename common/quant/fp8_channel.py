@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from common.parallel.layers import Shard, linear
-from common.quant.fp8_block import in_dtype, upcast
+from common.quant.fp8_block import fp8_pair, in_dtype, upcast
 from common.wire.user_error import UserError
 
-FP8_NAME, SCALE_DTYPES = "F8_E4M3", ("F32", "BF16", "F16")
+SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 @dataclass(frozen=True)
@@ -51,15 +51,10 @@ class ChannelFP8:
 
 def check_channel_pair(prefix: str, header: dict[str, dict], per_channel: bool) -> bool:
     """Whether `prefix`'s weight is FP8 with a weight_scale of the strategy's shape (False: unquantized)."""
-    weight, scale = header[prefix + ".weight"], header.get(prefix + ".weight_scale")
-    if weight["dtype"] != FP8_NAME and scale is None:
+    pair = fp8_pair(prefix, header, ".weight_scale")
+    if pair is None:
         return False
-    if scale is None:
-        raise UserError(
-            f"{prefix}.weight is float8 but {prefix}.weight_scale is missing; an FP8 weight needs its scale"
-        )
-    if weight["dtype"] != FP8_NAME:
-        raise UserError(f"{prefix}.weight_scale: its weight is {weight['dtype']}, not float8 (F8_E4M3)")
+    weight, scale = pair
     rows = weight["shape"][0]
     shape = list(scale["shape"])
     fits = shape in ([rows, 1], [rows]) if per_channel else shape in ([1], [], [1, 1])

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from common.parallel.layers import ColumnParallelLinear, QuantizableLinear
-from common.quant.fp8_block import FP8, BlockFP8, ceil_div
+from common.quant.fp8_block import FP8, FP8_NAME, BlockFP8, ceil_div, fp8_pair
 from common.quant.fp8_channel import ChannelFP8, check_channel_pair
 from common.quant.fp8_gemm import GROUP, available
 from common.quant.scheme import ALWAYS_UNQUANTIZED, QuantScheme
 from common.wire.user_error import UserError
 
 SCALE = ".weight_scale_inv"
-FP8_NAME, SCALE_DTYPES = "F8_E4M3", ("F32", "BF16")
+SCALE_DTYPES = ("F32", "BF16")
 
 
 @dataclass
@@ -107,15 +107,10 @@ def refuse_quantized_tensors(header: dict[str, dict], where: str) -> None:
 def check_pair(prefix: str, header: dict[str, dict], block: tuple[int, int]) -> bool:
     """Whether `prefix`'s weight is FP8 with a scale of the right shape (False: unquantized); refuses a
     weight without its scale, a scale without an FP8 weight, a scale of another shape or dtype."""
-    weight, scale = header[prefix + ".weight"], header.get(prefix + SCALE)
-    if weight["dtype"] != FP8_NAME and scale is None:
+    pair = fp8_pair(prefix, header, SCALE)
+    if pair is None:
         return False
-    if scale is None:
-        raise UserError(
-            f"{prefix}.weight is float8 but {prefix}{SCALE} is missing; an FP8 block weight needs its scale"
-        )
-    if weight["dtype"] != FP8_NAME:
-        raise UserError(f"{prefix}{SCALE}: its weight is {weight['dtype']}, not float8 (F8_E4M3)")
+    weight, scale = pair
     rows, cols = weight["shape"]
     want = [ceil_div(rows, block[0]), ceil_div(cols, block[1])]
     if list(scale["shape"]) != want or scale["dtype"] not in SCALE_DTYPES:

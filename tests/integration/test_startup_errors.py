@@ -208,7 +208,7 @@ def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "fp8-scale-missing": (
             ["--model", str(fp8)],
-            f"tandem serve: {scale} is float8 but {scale}_scale_inv is missing; an FP8 block weight needs its scale",
+            f"tandem serve: {scale} is float8 but {scale}_scale_inv is missing; an FP8 weight needs its scale",
         ),
         "tokenizer-missing": (
             ["--model", str(no_tokenizer)],
