@@ -17,8 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.integration.test_responses_api import CLUSTER_USERS, City, model  # noqa: F401 (a fixture)
-from tests.integration.test_structured_output import BUILTIN
+from tests.integration.test_responses_api import City, cluster, model, mono  # noqa: F401 (fixtures)
 from tests.tool_venv import INSTALL_TIMEOUT_S, tool
 
 ASK = "What is the weather in Paris?"
@@ -29,18 +28,6 @@ class Trip(BaseModel):
 
     city: City
     days: int = Field(ge=1, le=30)
-
-
-@pytest.fixture(scope="module")
-def mono(reference_servers):
-    return reference_servers.get(*BUILTIN)
-
-
-@pytest.fixture(scope="module")
-def cluster(shared_clusters):
-    c = shared_clusters.get("mooncake", BUILTIN)
-    yield c
-    shared_clusters.done("mooncake", BUILTIN, CLUSTER_USERS)
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from tests.conftest import start_server
 from tests.integration.cluster import start_router
-from tests.integration.test_responses_api import CLUSTER_USERS
+from tests.integration.test_responses_api import cluster, mono  # noqa: F401 (fixtures: one cluster for CLUSTER_USERS modules)
 from tests.integration.test_structured_output import ASK, BUILTIN, SCHEMA, TIME, WEATHER
 from tests.ports import free_port
 
@@ -26,19 +26,6 @@ CONSTRAINED = [
     {"sampling_params": {"ebnf": 'root ::= "The answer is " ("yes" | "no") "."'}},
     {"sampling_params": {"json_schema": json.dumps(SCHEMA)}},
 ]
-
-
-@pytest.fixture(scope="module")
-def mono(reference_servers):
-    return reference_servers.get(*BUILTIN)
-
-
-@pytest.fixture(scope="module")
-def cluster(shared_clusters):
-    """Shared with test_responses_api (CLUSTER_USERS modules)."""
-    c = shared_clusters.get("mooncake", BUILTIN)
-    yield c
-    shared_clusters.done("mooncake", BUILTIN, CLUSTER_USERS)
 
 
 def chat(url: str, content: str = ASK, **fields) -> dict:
