@@ -88,7 +88,9 @@ def test_openai_sdk_parse_and_tool_loop_against_the_router(cluster):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     messages += [first.choices[0].message.model_dump(exclude_none=True)]
     messages += [{"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
-    second = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER], max_tokens=16)
+    second = client.chat.completions.create(
+        model="default", messages=messages, tools=[WEATHER], temperature=0, max_tokens=16
+    )
     assert second.choices[0].message.content and second.choices[0].finish_reason in ("stop", "length")
     cluster.wait_idle()
 
