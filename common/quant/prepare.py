@@ -90,6 +90,11 @@ def prepare_quantized(
             report.unquantized.add(re.sub(r"\.\d+\.", ".*.", prefix))
     if scheme.int4 is not None:
         refuse_int4_strays(header, done, skipped, scheme.method)
+        if not done:
+            raise UserError(
+                f"quantization_config says {scheme.describe()}, but no linear layer of the checkpoint holds a 4-bit "
+                "weight; give the quantized checkpoint's own safetensors"
+            )
         return report
     report.activation_scales = refuse_strays(header, done, skipped, scheme)
     return report
