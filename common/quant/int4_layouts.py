@@ -73,10 +73,11 @@ def packed_name(fmt: Int4Format) -> str:
 
 
 def nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """The eight 4-bit values of each int32, along `dim` (0 or 1) in bit order, as uint8."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    values = (packed.to(torch.int32)[..., None] >> shifts).bitwise_and(15).to(torch.uint8)  # [R, C, 8]
+    """The eight 4-bit values of each int32, along `dim` (0 or 1) in bit order, as uint8 (read through the
+    int32s' little-endian bytes: the low nibble of byte i is value 2i)."""
     rows, cols = packed.shape
+    by = packed.contiguous().view(torch.uint8)  # [R, 4C]
+    values = torch.stack([by & 15, by >> 4], dim=-1).view(rows, cols, 8)
     if dim == 1:
         return values.reshape(rows, cols * 8)
     return values.permute(0, 2, 1).reshape(rows * 8, cols)

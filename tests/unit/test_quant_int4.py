@@ -21,6 +21,7 @@ from common.parallel.group import TensorParallel
 from common.quant.int4_cpu import dequantize
 from common.quant.int4_layouts import unpack
 from common.quant.scheme import describe_weights, detect_scheme
+from common.wire.kv_layout import layout_mismatch
 from common.wire.user_error import UserError
 from tests.integration.int4_models import to_awq, to_gptq, to_pack_quantized
 from tests.integration.tiny_model import save_tiny_llama
@@ -194,3 +195,11 @@ def test_a_split_inside_a_group_names_the_layer_and_the_tp_size(made):
         "model.layers.0.self_attn.o_proj.weight_scale: --tp-size 2 gives a rank its inputs [0, 32), which cuts a "
         "group of 64; use a --tp-size that splits the layer's 64 inputs on whole groups"
     )
+
+
+def test_a_pd_pair_of_different_int4_schemes_is_refused_naming_both():
+    awq, gptq = (describe_weights(detect_scheme("m", config(qc))) for qc in (AWQ, GPTQ))
+    base = {"model_id": "x", "attention": "mha"}
+    said = layout_mismatch(base | {"weights": awq}, base | {"weights": gptq})
+    assert "weights: decode has 'awq int4 group 128, zero points', prefill has 'gptq int4 group 64, symmetric, " in said
+    assert layout_mismatch(base | {"weights": awq}, base | {"weights": awq}) is None
