@@ -53,7 +53,7 @@ class QuantizableLinear(nn.Module):
     `weight_groups` for 4-bit weights)."""
 
     quant = None  # a linear method (common.quant.fp8_block.BlockFP8) for a quantized weight
-    int4_shares: dict[str, Shard] = {}  # a 4-bit layer's checkpoint tensors while it loads (common.quant.int4_prepare)
+    int4_shares: dict[str, Shard] | None = None  # a 4-bit layer's checkpoint tensors' (common.quant.int4_prepare)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is None:
@@ -68,7 +68,7 @@ class QuantizableLinear(nn.Module):
 
     def quant_shards(self, out: dict[str, Shard]) -> dict[str, Shard]:
         """`out` with the scale's shard beside the weight's (a 4-bit layer: its checkpoint tensors' instead)."""
-        if self.int4_shares:
+        if self.int4_shares is not None:
             return {name: s for name, s in out.items() if name != "weight"} | self.int4_shares
         scale = self.quant.scale_shard(out["weight"]) if self.quant is not None else None
         if scale is not None:  # None: the scale is whole on every rank

@@ -24,6 +24,7 @@ from common.quant.scheme import describe_weights, detect_scheme
 from common.wire.kv_layout import layout_mismatch
 from common.wire.user_error import UserError
 from tests.integration.int4_models import to_awq, to_gptq, to_pack_quantized
+from tests.integration.moe_models import save_family
 from tests.integration.tiny_model import save_tiny_llama
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
@@ -203,3 +204,19 @@ def test_a_pd_pair_of_different_int4_schemes_is_refused_naming_both():
     said = layout_mismatch(base | {"weights": awq}, base | {"weights": gptq})
     assert "weights: decode has 'awq int4 group 128, zero points', prefill has 'gptq int4 group 64, symmetric, " in said
     assert layout_mismatch(base | {"weights": awq}, base | {"weights": awq}) is None
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_moe_experts_load_in_4_bits_whole_or_as_an_ep_ranks_experts(tmp_path, ep):
+    """A Qwen3-MoE in GPTQ: every expert (the router gate stays float) equals its dequantized twin."""
+    src = save_family(tmp_path / "src", "qwen3_moe")
+    path = to_gptq(src, tmp_path / "gptq", tmp_path / "plain", 32, desc_act=False)
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    tp = TensorParallel(rank=1, size=2, ep=True) if ep else TensorParallel()
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu", tp)
+    experts = {n: m for n, m in model.named_modules() if ".experts." in n and getattr(m, "quant", None)}
+    assert experts and all(m.weight.dtype == torch.uint8 for m in experts.values())
+    for name, m in experts.items():
+        want = plain[name + ".weight"]
+        assert torch.allclose(m.dense_weight(torch.float32), want, rtol=1e-2, atol=4e-3 * want.abs().max()), name
+    assert model.get_submodule("model.layers.0.mlp.gate").weight.dtype == torch.float32
