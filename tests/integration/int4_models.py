@@ -79,8 +79,10 @@ def rewrite(src: Path, out: Path, layer, qc: dict, plain: Path | None = None) ->
 
 
 def to_pack_quantized(src: Path, out: Path, group: int, symmetric: bool = False) -> Path:
+    """`group` -1: strategy channel (one group of every input per row)."""
+
     def layer(prefix, w):
-        codes, scales, zeros = quantize_groups(w, group, symmetric)
+        codes, scales, zeros = quantize_groups(w, w.shape[1] if group == -1 else group, symmetric)
         made = {
             f"{prefix}.weight_packed": pack_to_int32((codes - 8).to(torch.int8), 4),
             f"{prefix}.weight_scale": scales,
@@ -88,9 +90,11 @@ def to_pack_quantized(src: Path, out: Path, group: int, symmetric: bool = False)
         }
         if not symmetric:
             made[f"{prefix}.weight_zero_point"] = pack_to_int32((zeros - 8).to(torch.int8), 4, packed_dim=0)
-        return made, dequantized(codes, scales, zeros, group)
+        return made, dequantized(codes, scales, zeros, w.shape[1] if group == -1 else group)
 
     weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group}
+    if group == -1:
+        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "channel"}
     qc = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -115,21 +119,24 @@ def to_awq(src: Path, out: Path, group: int) -> Path:
     return rewrite(src, out, layer, qc)
 
 
-def to_gptq(src: Path, out: Path, plain: Path, group: int, desc_act: bool, seed: int = 0) -> Path:
-    """GPTQ v1; with `desc_act` each layer's inputs are grouped in a random order, g_idx saying which."""
+def to_gptq(
+    src: Path, out: Path, plain: Path, group: int, desc_act: bool, seed: int = 0, v2: bool = False, sym: bool = False
+) -> Path:
+    """GPTQ v1 (`v2`: gptq_v2, zero points stored as they are); with `desc_act` each layer's inputs are grouped
+    in a random order, g_idx saying which; `sym`: every zero point 8."""
     gen = torch.Generator().manual_seed(seed)
 
     def layer(prefix, w):
         k = w.shape[1]
         perm = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
-        codes_p, scales, zeros = quantize_groups(w[:, perm], group, symmetric=False, lowest_zero=1)
+        codes_p, scales, zeros = quantize_groups(w[:, perm], group, symmetric=sym, lowest_zero=1)
         codes = torch.empty_like(codes_p)
         codes[:, perm] = codes_p  # input perm[j] is in group j // group
         g_idx = torch.empty(k, dtype=torch.int32)
         g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
         made = {
             f"{prefix}.qweight": pack_rows(codes.contiguous()).t().contiguous(),  # inputs packed: [K/8, N]
-            f"{prefix}.qzeros": pack_rows((zeros - 1).t().contiguous()),
+            f"{prefix}.qzeros": pack_rows((zeros - (0 if v2 else 1)).t().contiguous()),
             f"{prefix}.scales": scales.t().contiguous(),
             f"{prefix}.g_idx": g_idx,
         }
@@ -141,7 +148,7 @@ def to_gptq(src: Path, out: Path, plain: Path, group: int, desc_act: bool, seed:
         "bits": 4,
         "group_size": group,
         "desc_act": desc_act,
-        "sym": False,
-        "checkpoint_format": "gptq",
+        "sym": sym,
+        "checkpoint_format": "gptq_v2" if v2 else "gptq",
     }
     return rewrite(src, out, layer, qc, plain)

@@ -81,13 +81,17 @@ def made(tmp_path_factory) -> dict:
         "plain": root / "gptq-plain",
         "ct": to_pack_quantized(src, root / "ct", 64),
         "ct-sym": to_pack_quantized(src, root / "ct-sym", 32, symmetric=True),
+        "ct-channel": to_pack_quantized(src, root / "ct-channel", -1),
+        "gptq-v2-sym": to_gptq(src, root / "gptq-v2", root / "gptq-v2-plain", 64, False, v2=True, sym=True),
+        "v2-plain": root / "gptq-v2-plain",
     }
 
 
 def theirs(made: dict, scheme: str, layer: str) -> torch.Tensor:
     """The float32 weight a reading that is not ours gives the layer."""
-    if scheme == "gptq":
-        return load_file(made["plain"] / "model.safetensors")[layer + ".weight"]
+    if scheme.startswith("gptq"):
+        twin = made["plain" if scheme == "gptq" else "v2-plain"]
+        return load_file(twin / "model.safetensors")[layer + ".weight"]
     state = load_file(made[scheme] / "model.safetensors")
     if scheme == "awq":  # compressed-tensors' converter (vLLM's) into its format, then its own unpacking
         t = AutoAWQConverter(group_size=32).process({k: v for k, v in state.items() if k.startswith(layer)})
@@ -102,14 +106,14 @@ def theirs(made: dict, scheme: str, layer: str) -> torch.Tensor:
     return hf.get_parameter(layer + ".weight").detach()
 
 
-@pytest.mark.parametrize("scheme", ["awq", "gptq", "ct", "ct-sym"])
+@pytest.mark.parametrize("scheme", ["awq", "gptq", "gptq-v2-sym", "ct", "ct-sym", "ct-channel"])
 def test_each_layout_unpacks_to_the_weights_its_own_library_reads(made, scheme):
     layer = "model.layers.1.mlp.down_proj"
     state = load_file(made[scheme] / "model.safetensors")
     fmt = detect_scheme(made[scheme], load_hf_config(made[scheme])).int4
     suffixes = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point")
     codes, scales, zeros, g_idx = unpack(fmt, {s: state[f"{layer}.{s}"] for s in suffixes if f"{layer}.{s}" in state})
-    group = fmt.group
+    group = codes.shape[1] if fmt.group == -1 else fmt.group
     if g_idx.numel():  # act-order: each input's own group
         mine = (codes.float() - zeros[:, g_idx]) * scales[:, g_idx]
     else:
@@ -122,7 +126,7 @@ def test_each_layout_unpacks_to_the_weights_its_own_library_reads(made, scheme):
     assert torch.allclose(got, x @ want.t(), rtol=2e-2, atol=2e-2)  # the kernel's bfloat16
 
 
-@pytest.mark.parametrize("scheme", ["awq", "gptq", "ct-sym"])
+@pytest.mark.parametrize("scheme", ["awq", "gptq", "ct-sym", "ct-channel"])
 def test_a_tp_rank_holds_its_slice_of_the_whole_layer(made, scheme):
     """Column-parallel rows and row-parallel columns (GPTQ with act-order: column-parallel layers only)."""
     whole = load_model(made[scheme], load_hf_config(made[scheme]), torch.float32, "cpu")
