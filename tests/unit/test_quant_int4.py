@@ -25,6 +25,7 @@ from common.wire.kv_layout import layout_mismatch
 from common.wire.user_error import UserError
 from tests.integration.int4_models import to_awq, to_gptq, to_pack_quantized
 from tests.integration.moe_models import save_family
+from tests.integration.test_architectures import save_tiny
 from tests.integration.tiny_model import save_tiny_llama
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
@@ -224,3 +225,15 @@ def test_moe_experts_load_in_4_bits_whole_or_as_an_ep_ranks_experts(tmp_path, ep
         want = plain[name + ".weight"]
         assert torch.allclose(m.dense_weight(torch.float32), want, rtol=1e-2, atol=4e-3 * want.abs().max()), name
     assert model.get_submodule("model.layers.0.mlp.gate").weight.dtype == torch.float32
+
+
+def test_a_qwen2_gptq_keeps_its_float_qkv_biases_beside_4_bit_weights(tmp_path):
+    save_tiny(tmp_path / "src", "qwen2", {})
+    path = to_gptq(tmp_path / "src", tmp_path / "gptq", tmp_path / "plain", 64, desc_act=False)
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
+    x = torch.randn(3, 64)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        prefix = f"model.layers.0.self_attn.{name}"
+        want = torch.nn.functional.linear(x, plain[prefix + ".weight"], plain[prefix + ".bias"])
+        assert torch.allclose(model.get_submodule(prefix)(x), want, rtol=2e-2, atol=2e-2 * want.abs().max()), name
