@@ -90,7 +90,7 @@ def test_every_object_is_valid(pvc, host):
     validate_objects(host)
 
 
-def test_without_adapters_the_servers_load_them_at_run_time_with_the_default_slots(host):
+def test_without_adapters_only_lora_and_its_default_slots_are_given(host):
     args = container(host, "decode")["args"]
     assert lora_flags(args) == ["--enable-lora", "--max-loras-per-batch", "8"]
     config = parse_serve(args)
