@@ -92,7 +92,6 @@ def test_the_pools_endpoint_picker_is_the_epp_service_at_its_grpc_port(which, re
     assert port == {"name": "grpc-ext-proc", "port": 9002, "targetPort": "grpc"}
     assert {"name": "grpc", "containerPort": 9002} in c["ports"] and flag(c["args"], "--grpc-port") == "9002"
     assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["selector"].items() <= epp["metadata"]["labels"].items()
-    assert c["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
 
 
 def test_the_route_sends_the_gateways_requests_to_the_pool(plain, spread):
@@ -121,50 +120,58 @@ def test_the_route_sends_the_gateways_requests_to_the_pool(plain, spread):
     assert objects(no_route, "HTTPRoute") == [] and len(objects(no_route, "InferencePool")) == 1
 
 
-DISCOVERY = ("--prefill-discovery", "--decode-discovery", "--discovery-interval-s", "--prefill-bootstrap-port")
+ROUTERS = ("--prefill-discovery", "--discovery-interval-s", "--prefill-bootstrap-port")  # the router's values
 
 
 @pytest.mark.parametrize("which", ["plain", "spread"])
 def test_the_epp_finds_the_workers_with_the_routers_discovery_flags(which, request):
+    """The prefills as the router finds them; the decodes at their sidecar's port, the pool's endpoints."""
     docs = request.getfixturevalue(which)
     epp, router = container(docs, "epp"), container(docs, "router")
-    policy = {"plain": "cache_aware", "spread": "power_of_two"}[which]
-    assert epp["command"] == ["tandem"] and epp["args"][:9] == [
-        "epp",
-        "--host",
-        "0.0.0.0",
-        "--grpc-port",
-        "9002",
-        "--port",
-        "8080",
-        "--policy",
-        policy,
-    ]
-    flags = DISCOVERY + (("--prefill-bootstrap-host",) if which == "spread" else ())
+    policy, sidecar = {"plain": ("cache_aware", 8100), "spread": ("power_of_two", 8200)}[which]
+    head = ["epp", "--host", "0.0.0.0", "--grpc-port", "9002", "--port", "8080", "--policy", policy]
+    assert epp["command"] == ["tandem"] and epp["args"][: len(head)] == head
+    flags = ROUTERS + (("--prefill-bootstrap-host",) if which == "spread" else ())
     assert {f: flag(epp["args"], f) for f in flags} == {f: flag(router["args"], f) for f in flags}
-    assert flag(epp["args"], "--decode-discovery") == f"{service_host('decode')}:30000"
-    assert len(epp["args"]) == 9 + 2 * len(flags)
+    assert flag(epp["args"], "--decode-discovery") == f"{service_host('decode')}:{sidecar}"
+    assert len(epp["args"]) == len(head) + 2 * (len(flags) + 1)
     assert {"name": "http", "containerPort": int(flag(epp["args"], "--port"))} in epp["ports"]
-    assert env_of(epp) == env_of(router)  # the API key it sends to the workers, when there is one
+    assert (epp["readinessProbe"]["httpGet"], epp["livenessProbe"]["httpGet"]) == (
+        {"path": "/readiness", "port": "http"},
+        {"path": "/health", "port": "http"},
+    )
+    key = {"secretKeyRef": {"name": "tandem-api-key", "key": "api-key"}}
+    assert env_of(epp) == (
+        {"TANDEM_EPP_WORKER_API_KEY": {"name": "TANDEM_EPP_WORKER_API_KEY", "valueFrom": key}}
+        if which == "spread"
+        else {}
+    )
+
+
+@pytest.mark.parametrize("which", ["plain", "spread"])
+def test_the_epp_cli_reads_the_rendered_command(which, request):
+    """Through `tandem epp`'s own parser and config (issue 54's EPP; skipped on a tree without it)."""
+    epp_cli = pytest.importorskip("tandem.epp_cli", reason="`tandem epp` is not in this tree")
+    from router.epp.config import EppConfig
+
+    args = container(request.getfixturevalue(which), "epp")["args"]
+    assert args[0] == "epp"
+    config = EppConfig(**vars(epp_cli.epp_parser().parse_args(args[1:])))
+    assert config.pd and (config.grpc_port, config.port, config.host) == (9002, 8080, "0.0.0.0")
+    assert config.decode_discovery == f"{service_host('decode')}:{8100 if which == 'plain' else 8200}"
 
 
 def test_the_sidecar_runs_beside_each_decode_until_it_has_drained(plain, spread):
     decode = pod_template(plain, "decode")["spec"]
     (sidecar,) = sidecars(pod_template(plain, "decode"))
     assert sidecar["restartPolicy"] == "Always"  # a native sidecar: stopped after the decode container exits
-    assert sidecar["command"] == ["tandem"] and sidecar["args"] == [*SIDECAR_ARGS, "--prefill-bootstrap-port", "8998"]
+    assert sidecar["command"] == ["tandem"] and sidecar["args"] == SIDECAR_ARGS
     assert flag(decode["containers"][0]["args"], "--port") == "30000"  # what --decode names on 127.0.0.1
     assert sidecar["image"] == decode["containers"][0]["image"] and "env" not in sidecar
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": "pair"}
     assert sidecars(pod_template(plain, "prefill")) == []
     (sidecar,) = sidecars(pod_template(spread, "decode", "leader"))
-    assert sidecar["args"] == [
-        *SIDECAR_ARGS[:-1],
-        "8200",
-        "--prefill-bootstrap-port",
-        "8998",
-        "--prefill-bootstrap-host",
-        service_host("bootstrap"),
-    ]
+    assert sidecar["args"] == [*SIDECAR_ARGS[:-1], "8200"]
     assert env_of(sidecar)["TANDEM_API_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "tandem-api-key", "key": "api-key"}
     }
@@ -200,7 +207,7 @@ def test_the_policies_let_the_epp_reach_the_engines_and_the_gateway_reach_the_si
     assert {"ports": [{"port": 8100}]} in rules  # from anywhere: the gateway's namespace is the user's
     assert not [r for r in component(plain, "NetworkPolicy", "prefill")["spec"]["ingress"] if "from" not in r]
     rules = component(spread, "NetworkPolicy", "decode")["spec"]["ingress"]
-    assert {"ports": [{"port": 8200}], "from": SPREAD["gateway"]["sidecar"]["from"]} in rules
+    assert {"ports": [{"port": 8200}], "from": [*SPREAD["gateway"]["sidecar"]["from"], epp]} in rules
 
 
 def test_the_notes_name_the_pool_its_picker_and_the_route():

@@ -3,19 +3,16 @@ endpoint picker protocol) which pair serves each request and sends it to the cho
 (the pool's target port), naming the prefill in x-prefiller-host-port; the sidecar runs the PD exchange with
 that prefill and its own decode on 127.0.0.1. */}}
 
-{{/* The EPP's and the sidecar's flags that find the workers, the router's own (router-deployment.yaml). */}}
+{{/* How the EPP finds the pool, with the router's discovery flags (router-deployment.yaml): the prefills at their
+HTTP port, the decodes at their pair sidecar's (the pool's endpoints: the sidecar answers /health, /metrics and
+/get_server_info for its decode). */}}
 {{- define "tandem.gateway.discoveryArgs" -}}
 - --prefill-discovery
 - {{ printf "%s:%d" (include "tandem.serviceHost" (dict "root" . "component" "prefill")) (int .Values.engine.port) }}
 - --decode-discovery
-- {{ printf "%s:%d" (include "tandem.serviceHost" (dict "root" . "component" "decode")) (int .Values.engine.port) }}
+- {{ printf "%s:%d" (include "tandem.serviceHost" (dict "root" . "component" "decode")) (int .Values.gateway.sidecar.port) }}
 - --discovery-interval-s
 - {{ .Values.router.discoveryIntervalSeconds | quote }}
-{{ include "tandem.gateway.bootstrapArgs" . }}
-{{- end -}}
-
-{{/* Where a prefill's bootstrap registry is: its own port, or the standalone registry. */}}
-{{- define "tandem.gateway.bootstrapArgs" -}}
 - --prefill-bootstrap-port
 - {{ .Values.bootstrap.port | quote }}
 {{- if .Values.bootstrap.standalone.enabled }}
@@ -24,8 +21,20 @@ that prefill and its own decode on 127.0.0.1. */}}
 {{- end }}
 {{- end -}}
 
+{{/* TANDEM_EPP_WORKER_API_KEY: the key the EPP sends to the workers (auth.apiKey's Secret). */}}
+{{- define "tandem.gateway.eppKeyEnv" -}}
+{{- with .Values.auth.apiKey.existingSecret }}
+- name: TANDEM_EPP_WORKER_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.auth.apiKey.key }}
+{{- end }}
+{{- end -}}
+
 {{/* The pair sidecar of a decode pod: a native sidecar (an initContainer that keeps running), so the kubelet
-stops it only after the decode has drained and exited. */}}
+stops it only after the decode has drained and exited. It learns each prefill's registry from the prefill itself;
+TANDEM_API_KEY: the key it asks of the gateway's requests and sends to the prefill and its decode. */}}
 {{- define "tandem.gateway.sidecar" -}}
 {{- $g := .Values.gateway }}
 - name: pair-sidecar
@@ -41,7 +50,6 @@ stops it only after the decode has drained and exited. */}}
     - 0.0.0.0
     - --port
     - {{ $g.sidecar.port | quote }}
-    {{- include "tandem.gateway.bootstrapArgs" . | nindent 4 }}
     {{- range $g.sidecar.extraArgs }}
     - {{ . | quote }}
     {{- end }}
@@ -53,7 +61,8 @@ stops it only after the decode has drained and exited. */}}
     - name: pair
       containerPort: {{ $g.sidecar.port }}
   readinessProbe:
-    tcpSocket:
+    httpGet:
+      path: /health # its decode's
       port: pair
     periodSeconds: 5
   {{- with $g.sidecar.resources }}
