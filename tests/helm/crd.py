@@ -14,6 +14,7 @@ A schema is written from the upstream CRD by `python -m tests.helm.crd CRD.yaml 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 from pathlib import Path
@@ -45,11 +46,16 @@ def strict(schema: Any) -> Any:
     return out
 
 
+@functools.cache
+def validator(name: str) -> jsonschema.Draft7Validator:
+    schema = strict(json.loads((SCHEMAS / name).read_text()))
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
 def validate_custom(doc: dict) -> None:
     """Raises jsonschema.ValidationError (naming the field) when `doc` is not a valid object of its CRD."""
-    name = KINDS[(doc["apiVersion"], doc["kind"])]
-    schema = strict(json.loads((SCHEMAS / name).read_text()))
-    jsonschema.validate(doc, schema, cls=jsonschema.Draft7Validator)
+    validator(KINDS[(doc["apiVersion"], doc["kind"])]).validate(doc)
     validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]}, latest_version(), strict=True)
 
 

@@ -8,11 +8,14 @@ default; with TLS refused."""
 
 from __future__ import annotations
 
+import copy
+
 import helm_python
+import jsonschema
 import pytest
 
 from tests.helm.chart import component, container, env_of, flag, notes, objects, render, service_host
-from tests.helm.crd import validate_objects
+from tests.helm.crd import validate_custom, validate_objects
 
 KEY = {"apiKey": {"existingSecret": "tandem-api-key", "key": "api-key"}}
 PLAIN = {"gateway": {"enabled": True}}
@@ -51,12 +54,31 @@ def sidecars(template: dict) -> list[dict]:
     return [c for c in template["spec"].get("initContainers", []) if c["name"] == "pair-sidecar"]
 
 
-@pytest.mark.parametrize("values", [PLAIN, SPREAD], ids=["plain", "spread"])
-def test_every_object_is_valid_by_its_schema(values):
-    docs = render(values)
+@pytest.mark.parametrize("which", ["plain", "spread"])
+def test_every_object_is_valid_by_its_schema(which, request):
+    docs = request.getfixturevalue(which)
     validate_objects(docs)
     kinds = {d["kind"] for d in docs}
     assert kinds >= {"InferencePool", "HTTPRoute", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
+
+
+@pytest.mark.parametrize(
+    "kind, change, says",
+    [
+        ("InferencePool", lambda s: s.pop("targetPorts"), "'targetPorts' is a required property"),
+        ("InferencePool", lambda s: s["endpointPickerRef"].update(failureMode="Open"), "'Open' is not one of"),
+        ("InferencePool", lambda s: s["selector"].update(matchLabel={}), "'matchLabel' was unexpected"),
+        ("InferencePool", lambda s: s["targetPorts"].append({"number": 0}), "0 is less than the minimum of 1"),
+        ("HTTPRoute", lambda s: s["rules"][0]["backendRefs"][0].update(wieght=1), "'wieght' was unexpected"),
+        ("HTTPRoute", lambda s: s["rules"][0]["matches"][0]["path"].update(type="Prefix"), "'Prefix' is not one of"),
+    ],
+)
+def test_the_shipped_schemas_refuse_what_the_api_server_would(plain, kind, change, says):
+    doc = copy.deepcopy(objects(plain, kind)[0])
+    validate_custom(doc)
+    change(doc["spec"])
+    with pytest.raises(jsonschema.ValidationError, match=says):
+        validate_custom(doc)
 
 
 def test_the_pool_selects_the_decode_pods_at_their_sidecars_port(plain):
