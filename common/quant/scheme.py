@@ -5,7 +5,8 @@ Supported: DeepSeek's FP8 blocks (`quant_method: fp8` with `weight_block_size`, 
 DeepSeek-V3/R1, Kimi K2) and llm-compressor's FP8 (`compressed-tensors`, `float-quantized`: per-tensor or
 per-channel weight scales, static or dynamic activations). Everything else SGLang or vLLM name is refused
 with one line saying so, before any weight is read. A scheme is also part of the KV layout a PD pair must
-share (`describe()`).
+share (`describe()`). `--quantization gguf` on a .gguf file serves it kept quantized (common.quant.gguf_load;
+its kept directory's config names `quant_method: gguf`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class QuantScheme:
     activations: str = "dynamic"
 
     def describe(self) -> str:
+        if self.method == "gguf":
+            return f"gguf {self.strategy} kept quantized"
         if self.strategy == "block":
             return f"{self.method} block {self.block[0]}x{self.block[1]}"
         return f"{self.method} fp8 per-{self.strategy}, {self.activations} activations"
@@ -95,6 +98,8 @@ def detect_scheme(model_dir: Path, hf_config: Any, flag: str | None = None) -> Q
     where = f"--model {model_dir}: quantization_config"
     if method == "compressed-tensors":
         return compressed_tensors_scheme(qc, where)
+    if method == "gguf":  # a GGUF's kept directory (common.model.loader.kept_gguf)
+        return QuantScheme("gguf", None, strategy=qc.get("file_type", "?"))
     if method != "fp8":
         raise UserError(f"{where}.quant_method {method} is not supported; Tandem reads {SUPPORTED}")
     return fp8_block_scheme(qc, where)
