@@ -273,3 +273,35 @@ LOADING_CASES = [
 def test_a_checkpoint_the_loader_cannot_read_is_one_line_naming_it(loading_results, name):
     code, last, line = loading_results[name]
     assert (code, last) == (1, line)
+
+
+def test_ctrl_c_while_tandem_up_starts_stops_every_process_without_a_traceback(builtin_model_dir):
+    """A terminal's Ctrl-C reaches the whole foreground group: `tandem up` alone must see it (its children
+    run in their own groups) and stop them, none printing a KeyboardInterrupt traceback mid-import."""
+    import os
+    import signal
+    import time
+
+    from tests.ports import free_port
+
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "up", "--mode", "pd", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        process_group=0,
+    )
+    lines = []
+    while not any(line.startswith("[up] starting") for line in lines):
+        lines.append(up.stdout.readline())
+        assert lines[-1], "".join(lines)
+    time.sleep(1.0)  # the first children are importing
+    os.killpg(up.pid, signal.SIGINT)
+    rest, _ = up.communicate(timeout=60)
+    out = "".join(lines) + rest
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.rstrip().endswith("[up] stopped") and up.returncode == 0, out
+    left = subprocess.run(["pgrep", "-f", f"tandem.* {port}"], capture_output=True, text=True).stdout
+    assert not left, left
