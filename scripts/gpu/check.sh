@@ -15,7 +15,8 @@
 # sniffio, typing-extensions, gguf 0.19.0 (GGUF reading: an Engine imports it lazily). .gpu/kernels/<module>.so.xz
 # = prep-kernels' builds (scripts/gpu/kernels.py), one file per module: unpacked where FlashInfer loads
 # ahead-of-time modules; FlashInfer JIT-builds only one that is missing or fails to load.
-# FlashInfer's wrappers are pinned to fa2 (--flashinfer-backend): four modules (the paged prefill at head_dim 128, whose kernels also run the tensor-core decode, and at 64; the decode at 64; sampling).
+# FlashInfer's wrappers are pinned to fa2 (--flashinfer-backend): four modules (the paged prefill at head_dim
+# 128, whose kernels also run the tensor-core decode, and at 64; the decode at 64; sampling).
 # Deselected: the float16 parity params (2 more JIT modules). Writes at most 7 files to $OUT; summary.txt and
 # results.json are rewritten after every step (a run cut at the limit keeps what passed), printed last.
 # Order: unpack, probe, the kernels loaded (or built) in the background, the models generated, the transfer
