@@ -154,11 +154,12 @@ def memory_parts(
     context_len: int,
     metrics: EngineMetrics,
     wake,
-    adapter_name: Callable[[int], str | None] = adapter_namer(None),
+    adapter_name: Callable[[int], str | None] | None = None,
 ) -> MemoryParts:
     """Request rows, page allocator and prefix cache over the pool's pages: one MemoryManager, or one per DP rank
     under DP attention (each over its rank's pool). `wake` wakes the scheduler when a store's work ends;
     `adapter_name` names a LoRA adapter by its lora_id (KV events and store keys digest its name)."""
+    adapter_name = adapter_name or adapter_namer(None)
     kv_events = make_kv_event_publisher(c, metrics, adapter_name)
     namespace = kv_store_namespace(c, built.kv_pool.buffer, model.model_id, model.model_dir)
     managers = []

@@ -31,12 +31,12 @@ from common.core.request import key_lora_id, key_token_ids
 from common.wire.kv_events import (
     END_SEQ,
     KVEventsConfig,
+    adapter_root,
     all_blocks_cleared,
     block_removed,
     block_stored,
     encode_batch,
     external_hash,
-    adapter_root,
     page_digests,
 )
 

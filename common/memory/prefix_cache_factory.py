@@ -26,9 +26,9 @@ def make_prefix_cache(
     adapter_name: Callable[[int], str | None] = lambda lora_id: None,
 ) -> PrefixCache:
     """The server's prefix cache: none, the device radix cache, both tiers, or all three (`config`: a ServerConfig);
-    `listener` (KV cache events) hears of every tier's pages, each with its medium. With a store: `namespace`
-    names this server's pages in it (common/memory/store/keys.py), `wake` wakes the scheduler when store work ends,
-`adapter_name` names a LoRA adapter by its lora_id (its pages' store keys digest its name)."""
+        `listener` (KV cache events) hears of every tier's pages, each with its medium. With a store: `namespace`
+        names this server's pages in it (common/memory/store/keys.py), `wake` wakes the scheduler when store work ends,
+    `adapter_name` names a LoRA adapter by its lora_id (its pages' store keys digest its name)."""
     if config.disable_radix_cache:
         return NoPrefixCache(allocator, config.page_size)
     if not config.enable_hierarchical_cache:

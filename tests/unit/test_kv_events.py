@@ -12,12 +12,12 @@ import pytest
 import torch
 import zmq
 
+from common.core.request import LORA_KEY_STRIDE
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.memory.allocator import PagedAllocator
 from common.memory.hicache import HiRadixCache
 from common.memory.host_pool import HostPool
 from common.memory.radix_cache import RadixCache
-from common.core.request import LORA_KEY_STRIDE
 from common.wire.kv_events import END_SEQ, KVEventsConfig, block_hashes, parse_kv_events_config
 
 PAGE = 4

@@ -100,7 +100,9 @@ class StoreRadixCache(HiRadixCache):
         self.prefetching += len(pages)
         end = len(host.slots) + len(pages) * ps
         lora_name = self._lora_name(token_ids)
-        self.tier.submit(StoreJob("read", token_ids[:end], len(host.slots) // ps, pages, owner=job, lora_name=lora_name))
+        self.tier.submit(
+            StoreJob("read", token_ids[:end], len(host.slots) // ps, pages, owner=job, lora_name=lora_name)
+        )
 
     def _lora_name(self, keys: list[int]) -> str | None:
         """The adapter whose namespace `keys` are in (named on this thread: adapters load and unload on it)."""
