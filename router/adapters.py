@@ -3,9 +3,11 @@ worker has.
 
 Each worker's /v1/models is read with its health check (router/workers.py): its base model (the card without a
 `parent`) and its adapters (the cards whose `parent` is a base model), so a worker that loads or unloads one is
-seen at the next round. A request names its adapter as the servers read it (common/http/adapters.py): /generate's
-`lora_path`, else OpenAI's `model` as the adapter's name (vLLM) or `BASE:NAME` (SGLang); the base model's name,
-none, "" or "default" is the base model.
+seen at the next round (`--no-adapter-routing`: never read, so every request is placed and hashed as the base
+model's, as before the router knew adapters). A request names its adapter as the servers read it
+(common/http/adapters.py): /generate's `lora_path`, else OpenAI's `model` as the adapter's name (vLLM) or
+`BASE:NAME` (SGLang); the base model's name, none, "" or "default" is the base model, and so is every request
+while no worker's list is known (the servers tell).
 
 The placer (router/placement/placer.py) places an adapter's request among the workers that list it, before those
 whose list is unknown (not a Tandem server, or /v1/models failed), never on one that lists others only; the KV
@@ -46,14 +48,13 @@ def served_models(answer: Any) -> ServedModels | None:
 
 def request_adapter(body: dict[str, Any], workers: Iterable[Worker]) -> str | None:
     """The adapter `body` runs under (None: the base model), read as the servers read it."""
-    lora_path = body.get("lora_path")
+    bases = {w.models.base for w in workers if w.models is not None}
+    lora_path, model = body.get("lora_path"), body.get("model")
+    if not bases:
+        return None
     if isinstance(lora_path, str):
         return lora_path
-    model = body.get("model")
-    if not isinstance(model, str) or model in BASE_NAMES:
-        return None
-    bases = {w.models.base for w in workers if w.models is not None}
-    if model in bases:
+    if not isinstance(model, str) or model in BASE_NAMES or model in bases:
         return None
     base, sep, adapter = model.partition(":")
     return adapter if sep and base in bases else model

@@ -78,10 +78,12 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, failure_threshold: int, check_timeout_s: float = 2.0):
+    def __init__(self, failure_threshold: int, check_timeout_s: float = 2.0, read_models: bool = True):
+        """`read_models`: read a healthy worker's /v1/models in each health round (--adapter-routing)."""
         self.workers: dict[str, Worker] = {}
         self.failure_threshold = failure_threshold
         self.check_timeout_s = check_timeout_s
+        self.read_models = read_models
 
     def add(
         self,
@@ -162,7 +164,7 @@ class WorkerRegistry:
                     self.set_draining(worker)
                     return
                 self.mark(worker, r.status == 200, f"GET /health answered HTTP {r.status}")
-            if worker.healthy:
+            if worker.healthy and self.read_models:
                 await self.learn_models(session, worker)
         except asyncio.TimeoutError:
             self.mark(worker, False, f"GET /health timed out after {self.check_timeout_s:g} s")

@@ -52,6 +52,8 @@ def test_the_adapter_is_read_as_the_servers_read_it():
         None,
         "b",
     ]
+    unknown = cluster(d0=None).workers.values()  # no list known (--no-adapter-routing): the base model's
+    assert request_adapter({"model": "a"}, unknown) is None and request_adapter({"lora_path": "a"}, unknown) is None
 
 
 def test_the_placer_keeps_an_adapters_request_on_workers_that_list_it():
