@@ -55,7 +55,7 @@ def router_drain(config: RouterConfig) -> Drain:
 
 def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.Application:
     """`drain`: the router's graceful stop (see router_drain); None in tests that never stop it."""
-    workers = WorkerRegistry(config.health_failure_threshold, config.health_check_timeout_s)
+    workers = WorkerRegistry(config.health_failure_threshold, config.health_check_timeout_s, config.adapter_routing)
     for p in config.prefill:
         workers.add(p.url, "prefill", p.bootstrap_port, p.bootstrap_host)
     for d in config.decode:

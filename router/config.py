@@ -83,6 +83,12 @@ class RouterConfig(BaseSettings):
     placement_poll_interval_s: float = Field(
         1.0, gt=0, description="cost: seconds between two scrapes of each worker's /metrics (its measured rates)"
     )
+    adapter_routing: bool = Field(
+        True,
+        description="read each worker's LoRA adapters (its /v1/models) with its health checks: an adapter's request "
+        "goes to workers that list it, kv_aware keys its pages by adapter, one no worker has is a 404; off, a "
+        "request is placed as the base model's",
+    )
     slo_priority: bool = Field(
         False,
         description="give a request with an x-slo-ttft-ms header a priority (tighter first, above requests without "

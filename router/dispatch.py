@@ -21,6 +21,7 @@ from aiohttp import web
 from common.wire.body import parse_json_object, read_limited
 from common.wire.errors import TandemError, error_body
 from common.wire.sse import DONE, sse_event
+from router.adapters import missing_adapter
 from router.admission import Admission
 from router.config import RouterConfig
 from router.http1 import Pools
@@ -141,6 +142,9 @@ class Dispatcher:
         after each refusal of the role a worker was meant for (retries: _retries), and up to --migration-limit more
         after a pair failed (a move: router/migration.py)."""
         path, moves = reply.path, Moves(self.config, reply.path, body)
+        missing = missing_adapter(body, list(self.workers.workers.values()))
+        if missing is not None:
+            return self._reply(path, json_response(missing.to_dict(), missing.status), None, reply.start)
         extra = self._slo_fields(body, hints)
         retried = False
         while True:

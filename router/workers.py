@@ -5,6 +5,7 @@ worker's `calls` while it depends on the worker (see router/pair_call.py). A wor
 health check again is used again. A draining worker (503 + X-Tandem-Draining on /health) leaves the
 rotation without ending its calls: it finishes, or fails, its requests itself. A worker's role (a role switch
 changes it) comes with its /health, and with its refusal of a request meant for its old role (router/dispatch.py).
+A healthy worker's /v1/models is read in the same round: the LoRA adapters it serves (router/adapters.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import aiohttp
 
 from common.wire.api import BOOTSTRAP_HEADER, INSTANCE_HEADER, RECOMPUTE_HEADER, ROLE_HEADER
 from common.wire.drain import DRAINING_HEADER
+from router.adapters import ServedModels, served_models
 
 log = logging.getLogger("tandem.router")
 
@@ -44,6 +46,7 @@ class Worker:
     in_flight: int = 0
     instance_id: str | None = None  # from its /health answer: which transfer instance it is right now
     recomputes: bool = False  # a decode that computes a prompt whose KV did not arrive (its /health says so)
+    models: ServedModels | None = None  # its /v1/models: base model and LoRA adapters (None: not known)
     calls: set[Call] = field(default_factory=set)  # requests in flight that end if this worker is taken out
     down_reason: str = ""
 
@@ -75,10 +78,12 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, failure_threshold: int, check_timeout_s: float = 2.0):
+    def __init__(self, failure_threshold: int, check_timeout_s: float = 2.0, read_models: bool = True):
+        """`read_models`: read a healthy worker's /v1/models in each health round (--adapter-routing)."""
         self.workers: dict[str, Worker] = {}
         self.failure_threshold = failure_threshold
         self.check_timeout_s = check_timeout_s
+        self.read_models = read_models
 
     def add(
         self,
@@ -159,10 +164,20 @@ class WorkerRegistry:
                     self.set_draining(worker)
                     return
                 self.mark(worker, r.status == 200, f"GET /health answered HTTP {r.status}")
+            if worker.healthy and self.read_models:
+                await self.learn_models(session, worker)
         except asyncio.TimeoutError:
             self.mark(worker, False, f"GET /health timed out after {self.check_timeout_s:g} s")
         except aiohttp.ClientError as e:
             self.mark(worker, False, f"GET /health failed: {type(e).__name__}: {e}")
+
+    async def learn_models(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        """Its /v1/models: the adapters it serves now (unknown when it has no such list)."""
+        try:
+            async with worker.get(session, "/v1/models", self.check_timeout_s) as r:
+                worker.models = served_models(await r.json(content_type=None)) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            worker.models = None
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, w) for w in list(self.workers.values())))

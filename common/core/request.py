@@ -22,6 +22,17 @@ if TYPE_CHECKING:
 LORA_KEY_STRIDE = 1 << 32  # an adapter's cache keys: its tokens shifted past every token id (Req.cache_key)
 
 
+def key_lora_id(keys: list[int]) -> int:
+    """The adapter namespace (lora_id, 0: the base model) of a run of cache keys (Req.cache_key's, one namespace)."""
+    return keys[0] // LORA_KEY_STRIDE if keys else 0
+
+
+def key_token_ids(keys: list[int]) -> list[int]:
+    """The token ids of a run of cache keys, their adapter's offset taken off."""
+    offset = key_lora_id(keys) * LORA_KEY_STRIDE
+    return [k - offset for k in keys] if offset else keys
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued for prefill (also after retraction)
     PAIRING = "pairing"  # decode: waiting to reserve pages and reach the prefill, before any compute

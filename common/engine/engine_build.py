@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def build_engine_parts(config: ServerConfig, factories: dict[str, RoleFactory], 
     context_len = context_len_for(model.hf_config, config, built.pool_plan)
     config = batch_limits(config, built.pool_plan, context_len, model.hf_config.vocab_size)
     woken = threading.Event()  # what the scheduler thread waits on (a store's finished work sets it too)
-    memory = memory_parts(config, model, built, context_len, metrics, woken.set)
+    memory = memory_parts(config, model, built, context_len, metrics, woken.set, adapter_namer(lora))
     drafter = make_drafter(built, config, memory.first.req_pool.req_to_token)
     runners, rebalancer, dp = model_runners(config, ranks, built, memory, model.eos_ids, drafter, lora)
     rank_parts = RankParts(ranks, reports, followers, built.model, rebalancer, dp)
@@ -135,18 +136,37 @@ def build_rank_zero(config: ServerConfig, model: ModelParts, ranks: Ranks | None
     return built, reports, followers
 
 
+def adapter_namer(lora: LoraManager | None) -> Callable[[int], str | None]:
+    """A lora_id's adapter name, as the server numbers its adapters now (None: no such adapter): what keys an
+    adapter's pages in KV events and the store by its name (the prefix cache keys them by lora_id)."""
+
+    def name(lora_id: int) -> str | None:
+        ids = lora.ids if lora is not None else {}
+        return next((n for n, i in ids.items() if i == lora_id), None)
+
+    return name
+
+
 def memory_parts(
-    c: ServerConfig, model: ModelParts, built: RankModel, context_len: int, metrics: EngineMetrics, wake
+    c: ServerConfig,
+    model: ModelParts,
+    built: RankModel,
+    context_len: int,
+    metrics: EngineMetrics,
+    wake,
+    adapter_name: Callable[[int], str | None] | None = None,
 ) -> MemoryParts:
     """Request rows, page allocator and prefix cache over the pool's pages: one MemoryManager, or one per DP rank
-    under DP attention (each over its rank's pool). `wake` wakes the scheduler when a store's work ends."""
-    kv_events = make_kv_event_publisher(c, metrics)
+    under DP attention (each over its rank's pool). `wake` wakes the scheduler when a store's work ends;
+    `adapter_name` names a LoRA adapter by its lora_id (KV events and store keys digest its name)."""
+    adapter_name = adapter_name or adapter_namer(None)
+    kv_events = make_kv_event_publisher(c, metrics, adapter_name)
     namespace = kv_store_namespace(c, built.kv_pool.buffer, model.model_id, model.model_dir)
     managers = []
     for _ in range(c.tp_size if c.enable_dp_attention else 1):
         req_pool = ReqToTokenPool(c.max_running_requests + REQ_SPARE_ROWS, context_len + c.page_size, c.device)
         allocator = PagedAllocator(built.pool_plan.num_pages, c.page_size, c.device)
-        prefix = make_prefix_cache(c, allocator, built.kv_pool, kv_events, namespace, wake)
+        prefix = make_prefix_cache(c, allocator, built.kv_pool, kv_events, namespace, wake, adapter_name)
         managers.append(MemoryManager(req_pool, allocator, prefix, c.page_size, reuse_cut=c.drafts_from_hidden))
     if c.enable_hierarchical_cache:
         log.info("%s", host_tier.summary(managers[0].prefix_cache).removeprefix("; "))

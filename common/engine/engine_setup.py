@@ -5,13 +5,14 @@ function of what it is given (and logs at most a line); common/engine/engine_bui
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from common.config import ServerConfig
-from common.engine.kv_event_publisher import KVEventPublisher
+from common.engine.kv_event_publisher import KVEventPublisher, no_adapters
 from common.engine.metrics import EngineMetrics
 from common.memory.sizing import PoolPlan, gpu_batch_limits, plan_context_len
 from common.memory.static_reserve import cap_running_requests
@@ -66,12 +67,15 @@ def batch_limits(config: ServerConfig, pool_plan: PoolPlan, context_len: int, vo
     return config.model_copy(update=unset)
 
 
-def make_kv_event_publisher(config: ServerConfig, metrics: EngineMetrics) -> KVEventPublisher | None:
-    """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on)."""
+def make_kv_event_publisher(
+    config: ServerConfig, metrics: EngineMetrics, adapter_name: Callable[[int], str | None] = no_adapters
+) -> KVEventPublisher | None:
+    """--kv-events-config's publisher (None when off, or when there is no prefix cache to report on);
+    `adapter_name`: a lora_id's adapter (--enable-lora)."""
     events = parse_kv_events_config(config.kv_events_config)
     if events is None or config.disable_radix_cache:
         return None
-    publisher = KVEventPublisher(events, config.page_size, config.public_host)
+    publisher = KVEventPublisher(events, config.page_size, config.public_host, adapter_name)
     metrics.counter_source(
         "tandem_kv_events_dropped",
         "KV cache events dropped because the publisher's queue was full",

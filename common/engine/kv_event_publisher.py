@@ -5,6 +5,11 @@ The cache calls `stored`/`removed`/`cleared` on the scheduler thread; each only 
 what is queued into one `EventBatch`, numbers it, sends it on the PUB socket (which drops rather than blocks for
 a subscriber past its high-water mark) and keeps the last `buffer_steps` batches for the replay socket.
 
+The cache reports its keys (Req.cache_key): under a LoRA adapter, the tokens offset into its namespace. The
+scheduler thread names the adapter as the change is queued (`adapter_name`: its lora_id to its name, as the server
+numbers them now); the publisher thread takes the offset off and roots the page hashes in the adapter's name
+(common/wire/kv_events.py `adapter_root`), and BlockStored carries both lora_id and lora_name, as vLLM's does.
+
 An event that does not fit in the queue is dropped and counted; the next one that fits is preceded by
 `AllBlocksCleared`, so a subscriber forgets what it can no longer trust: it may under-count this worker's
 pages afterwards, never over-count them.
@@ -17,13 +22,16 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from common.core.request import key_lora_id, key_token_ids
 from common.wire.kv_events import (
     END_SEQ,
     KVEventsConfig,
+    adapter_root,
     all_blocks_cleared,
     block_removed,
     block_stored,
@@ -35,15 +43,27 @@ from common.wire.kv_events import (
 log = logging.getLogger(__name__)
 MAX_BATCH_EVENTS = 1024
 PERIOD_S = 0.02
-CLEARED = ("cleared", [], 0, "")
+CLEARED = ("cleared", [], 0, "", None)
+Item = tuple[str, list[int], int, str, str | None]  # (kind, cache keys, start, medium, the adapter's name)
+
+
+def no_adapters(lora_id: int) -> str | None:
+    return None
 
 
 class KVEventPublisher:
-    """A CacheListener that publishes; `endpoint`/`replay_endpoint` are the bound addresses (for subscribers)."""
+    """A CacheListener that publishes; `endpoint`/`replay_endpoint` are the bound addresses (for subscribers).
+    `adapter_name`: a lora_id's adapter name (--enable-lora), called on the scheduler thread."""
 
-    def __init__(self, config: KVEventsConfig, page_size: int, public_host: str):
-        self.config, self.page_size = config, page_size
-        self.queue: queue.Queue[tuple[str, list[int], int, str]] = queue.Queue(config.max_queue_size)
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        page_size: int,
+        public_host: str,
+        adapter_name: Callable[[int], str | None] = no_adapters,
+    ):
+        self.config, self.page_size, self.adapter_name = config, page_size, adapter_name
+        self.queue: queue.Queue[Item] = queue.Queue(config.max_queue_size)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.dropped = self.batches = 0
         self._lost = False  # an event was dropped: the next queued event must be AllBlocksCleared
@@ -80,15 +100,19 @@ class KVEventPublisher:
 
     # -- CacheListener (scheduler thread) ------------------------------------------------------------
     def stored(self, tokens: list[int], start: int, medium: str) -> None:
-        self._put(("stored", tokens, start, medium))
+        self._put(("stored", tokens, start, medium, self._adapter(tokens)))
 
     def removed(self, tokens: list[int], start: int, medium: str) -> None:
-        self._put(("removed", tokens, start, medium))
+        self._put(("removed", tokens, start, medium, self._adapter(tokens)))
+
+    def _adapter(self, tokens: list[int]) -> str | None:
+        lora_id = key_lora_id(tokens)
+        return self.adapter_name(lora_id) if lora_id else None
 
     def cleared(self) -> None:
         self._put(CLEARED)
 
-    def _put(self, item: tuple[str, list[int], int, str]) -> None:
+    def _put(self, item: Item) -> None:
         try:
             if self._lost:
                 self.queue.put_nowait(CLEARED)
@@ -115,16 +139,18 @@ class KVEventPublisher:
             if items:
                 self._publish([self._event(*item) for item in items])
 
-    def _event(self, kind: str, tokens: list[int], start: int, medium: str) -> list[Any]:
+    def _event(self, kind: str, keys: list[int], start: int, medium: str, lora_name: str | None) -> list[Any]:
         if kind == "cleared":
             return all_blocks_cleared()
-        digests = page_digests(tokens, self.page_size)
+        tokens = key_token_ids(keys)
+        digests = page_digests(tokens, self.page_size, adapter_root(lora_name))
         first = start // self.page_size
         hashes = [external_hash(d) for d in digests[first:]]
         if kind == "removed":
             return block_removed(hashes, medium)
         parent = external_hash(digests[first - 1]) if first else None
-        return block_stored(hashes, parent, tokens[start:], self.page_size, medium)
+        lora_id = key_lora_id(keys) or None
+        return block_stored(hashes, parent, tokens[start:], self.page_size, medium, lora_id, lora_name)
 
     def _publish(self, events: list[list[Any]]) -> None:
         payload = encode_batch(time.time(), events)

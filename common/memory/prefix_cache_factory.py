@@ -23,10 +23,12 @@ def make_prefix_cache(
     listener: CacheListener | None = None,
     namespace: str = "",
     wake: Callable[[], None] = lambda: None,
+    adapter_name: Callable[[int], str | None] = lambda lora_id: None,
 ) -> PrefixCache:
     """The server's prefix cache: none, the device radix cache, both tiers, or all three (`config`: a ServerConfig);
-    `listener` (KV cache events) hears of every tier's pages, each with its medium. With a store: `namespace`
-    names this server's pages in it (common/memory/store/keys.py), `wake` wakes the scheduler when store work ends."""
+        `listener` (KV cache events) hears of every tier's pages, each with its medium. With a store: `namespace`
+        names this server's pages in it (common/memory/store/keys.py), `wake` wakes the scheduler when store work ends,
+    `adapter_name` names a LoRA adapter by its lora_id (its pages' store keys digest its name)."""
     if config.disable_radix_cache:
         return NoPrefixCache(allocator, config.page_size)
     if not config.enable_hierarchical_cache:
@@ -36,5 +38,5 @@ def make_prefix_cache(
     if config.hicache_storage_backend:
         from common.memory.store.factory import make_store_cache
 
-        return make_store_cache(config, allocator, HostPool(kv_pool, pages), listener, namespace, wake)
+        return make_store_cache(config, allocator, HostPool(kv_pool, pages), listener, namespace, wake, adapter_name)
     return HiRadixCache(allocator, HostPool(kv_pool, pages), config.hicache_write_policy, listener)

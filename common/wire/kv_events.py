@@ -5,7 +5,8 @@ vLLM defines its structs with msgspec, `array_like=True`, `omit_defaults=True`, 
 (`tag=True`: the tag is the class name); encoded, that is positional arrays:
 
     EventBatch       [ts, [event, ...]]                   (+ data_parallel_rank when it is not None)
-    BlockStored      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    BlockStored      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+                      lora_name]
     BlockRemoved     ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared ["AllBlocksCleared"]
 
@@ -20,6 +21,13 @@ first page) and the page's token ids as 4-byte little-endian integers; on the wi
 bits as an unsigned integer (vLLM's `maybe_convert_block_hash` with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES). A first
 page's `parent_block_hash` is None. `medium` is the tier ("GPU" the device pool, "CPU" the host tier: see
 common/memory/cache_listener.py).
+
+LoRA adapters (--enable-lora): a page computed under an adapter is only valid under it, so an adapter's chain starts
+from its own root, the SHA-256 of "lora:" and the adapter's name (`adapter_root`), not from 32 zero bytes: the same
+tokens under two adapters (or one and the base model) never share a hash, in the events, the router's index or the
+KV store (common/memory/store/keys.py). The root digests the name, not a server's lora_id, because two servers may
+number their adapters differently; as vLLM keys its block hashes by `lora_name`. BlockStored carries both: `lora_id`
+(vLLM's deprecated field; this server's number of the adapter, None for the base model) and `lora_name`.
 """
 
 from __future__ import annotations
@@ -67,6 +75,11 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
     return config if config.enabled else None
 
 
+def adapter_root(lora_name: str | None) -> bytes:
+    """The digest an adapter's first page chains from (the base model's: 32 zero bytes)."""
+    return hashlib.sha256(b"lora:" + lora_name.encode()).digest() if lora_name else ROOT_DIGEST
+
+
 def page_digests(tokens: list[int], page_size: int, parent: bytes = ROOT_DIGEST) -> list[bytes]:
     """The chained SHA-256 digest of each whole page of `tokens`, the first page's parent being `parent`."""
     out = []
@@ -81,13 +94,21 @@ def external_hash(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & ((1 << 64) - 1)
 
 
-def block_hashes(tokens: list[int], page_size: int) -> list[int]:
-    """The wire hashes of every whole page of a prompt, from its first token."""
-    return [external_hash(d) for d in page_digests(tokens, page_size)]
+def block_hashes(tokens: list[int], page_size: int, lora_name: str | None = None) -> list[int]:
+    """The wire hashes of every whole page of a prompt, from its first token (under the adapter `lora_name`)."""
+    return [external_hash(d) for d in page_digests(tokens, page_size, adapter_root(lora_name))]
 
 
-def block_stored(hashes: list[int], parent: int | None, token_ids: list[int], page_size: int, medium: str) -> list[Any]:
-    return ["BlockStored", hashes, parent, token_ids, page_size, None, medium]
+def block_stored(
+    hashes: list[int],
+    parent: int | None,
+    token_ids: list[int],
+    page_size: int,
+    medium: str,
+    lora_id: int | None = None,
+    lora_name: str | None = None,
+) -> list[Any]:
+    return ["BlockStored", hashes, parent, token_ids, page_size, lora_id, medium, lora_name]
 
 
 def block_removed(hashes: list[int], medium: str) -> list[Any]:

@@ -14,7 +14,9 @@ holds (a prefill reads it from there; a decode never does: 0 for it), as Dynamo 
 The terms of p and of d are separate, so the least-cost pair is the least-cost prefill with the least-cost decode,
 and kv_aware is a policy of one side like the others (`--decode-policy kv_aware` picks only the decode by it);
 ties go to the less loaded worker, then to the first listed. A prompt the router cannot tokenize (chat messages:
-the chat template is the server's) matches nothing and is placed by load alone. Under the other policies the
+the chat template is the server's) matches nothing and is placed by load alone. A request under a LoRA adapter
+hashes its pages from the adapter's root (common/wire/kv_events.py `adapter_root`), as its workers' events do: a
+prefix another adapter (or the base model) cached is no credit to it. Under the other policies the
 router still follows the events and counts what the chosen pair held (`observe`), so policies compare.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common.wire.kv_events import block_hashes
+from router.adapters import request_adapter
 from router.metrics import RouterMetrics
 from router.placement.kv_feeds import KVFeeds
 from router.placement.kv_index import KVIndex
@@ -102,7 +105,8 @@ class KVAwarePolicy:
         if self._last is not None and self._last[0] is body and self._last[1] == block:
             return self._last[2]
         ids, page = self.prompt_ids(body), block or 0
-        pages = len(ids or ()), page, block_hashes(ids, page) if ids and page else []
+        adapter = request_adapter(body, self.feeds.workers.workers.values())
+        pages = len(ids or ()), page, block_hashes(ids, page, adapter) if ids and page else []
         self._last = body, block, pages
         return pages
 

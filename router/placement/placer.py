@@ -1,6 +1,7 @@
 """Where a request goes: a (prefill, decode) pair among the healthy workers, some excluded, or a decode alone.
 
-    Placer.pick(body, exclude, hints)  the candidates: healthy workers of each role whose url is not in `exclude`
+    Placer.pick(body, exclude, hints)  the candidates: healthy workers of each role whose url is not in `exclude`,
+                                       those with the request's LoRA adapter first (router/adapters.py)
       └─▶ Placement.place               --pd-placement's rule (router/placement/rules.py): remote, two_way, cost;
            └─▶ PairPolicy.pick_pair      the pair (PerSide: --policy's prefill, --decode-policy's decode)
       └─▶ KVAwarePolicy.observe         what the pair held of the prompt, counted under every policy
@@ -17,6 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from router.adapters import preferred, request_adapter
 from router.metrics import RouterMetrics
 from router.pair_call import Pair
 from router.placement.kv_policy import KVAwarePolicy
@@ -67,8 +69,9 @@ class Placer:
     def pick(self, body: dict[str, Any], exclude: Collection[str] = (), hints: RequestHints = NONE) -> Pair | None:
         """Where `body` runs among the healthy workers whose url is not in `exclude`; None when nothing can serve
         it (no decode; no prefill, unless the placement computes prompts on decodes)."""
-        prefills = [w for w in self.workers.healthy("prefill") if w.url not in exclude]
-        decodes = [w for w in self.workers.healthy("decode") if w.url not in exclude]
+        adapter = request_adapter(body, self.workers.workers.values())
+        prefills = preferred([w for w in self.workers.healthy("prefill") if w.url not in exclude], adapter)
+        decodes = preferred([w for w in self.workers.healthy("decode") if w.url not in exclude], adapter)
         if not decodes:
             return None
         if hints.bypass_remote_prefill:

@@ -84,7 +84,13 @@ class CacheAwarePolicy:
 
 
 def prompt_key(body: dict[str, Any]) -> str:
-    """The prompt as text, for cache_aware's prefix blocks."""
+    """The prompt as text, for cache_aware's prefix blocks, after the LoRA adapter it may name (its `lora_path` or
+    `model`): a prefix served under one adapter is no hint for another."""
+    adapter = body.get("lora_path") or body.get("model")
+    return f"{adapter}\0{prompt_text(body)}" if isinstance(adapter, str) else prompt_text(body)
+
+
+def prompt_text(body: dict[str, Any]) -> str:
     for key in ("text", "prompt"):
         if isinstance(body.get(key), str):
             return body[key]

@@ -2,13 +2,18 @@
 tiny random Llama (different ranks and target modules, random non-zero B), one monolithic server with two
 adapter slots for the three (so one mixed batch loads them LRU), and every answer checked against `peft` on
 transformers token for token; the prefix cache keeps each adapter's pages apart; the adapters' endpoints and
-start-up mistakes; and through a 1P1D cluster, the decode holding two of the three: the same tokens, and the
-third refused by the decode naming it, every page freed."""
+start-up mistakes; two servers over one store with host tiers: the same prompt under two adapters hits each its
+own pages in the host tier and, on a server numbering the adapters otherwise, in the store; and through a 1P2D
+cluster, the decodes holding two of the three: the same tokens, the third refused by the router naming it (and by
+the decode), a stream under an adapter moved with it when its decode is killed, every page freed."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +23,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
-from tests.conftest import ROOT, start_server
+from tests.conftest import ROOT, metric, start_server
 from tests.integration.cluster import start_cluster
 from tests.integration.tiny_model import hf_greedy, random_prompts, save_tiny_llama
 
@@ -133,10 +138,12 @@ def test_models_lists_adapters_and_an_unknown_one_is_404(server, made):
 
 @pytest.fixture(scope="module")
 def cluster(made):
-    """A prefill with the three adapters, a decode with a and b only."""
+    """A prefill with the three adapters, two decodes with a and b only."""
     paths = [f"{n}={p}" for n, p in made["paths"].items()]
     flags = ("--model", str(made["base"]), "--page-size", "4", "--enable-lora", "--max-loras-per-batch", "2")
-    c = start_cluster(flags=flags, prefill_flags=("--lora-paths", *paths), decode_flags=("--lora-paths", *paths[:2]))
+    c = start_cluster(
+        n_decode=2, flags=flags, prefill_flags=("--lora-paths", *paths), decode_flags=("--lora-paths", *paths[:2])
+    )
     yield c
     c.stop()
 
@@ -152,10 +159,101 @@ def test_pd_mixed_batch_equals_peft(cluster, expected):
 
 
 def test_pd_an_adapter_the_decode_lacks_is_404_naming_it(cluster, expected):
+    """The router knows each worker's adapters (its /v1/models): c, which only the prefill has, is its 404 naming c
+    and the decodes; the decode itself refuses it too, before reserving anything."""
     body = {"input_ids": expected["prompts"][2], "lora_path": "c", "sampling_params": {"max_new_tokens": 4}}
     r = httpx.post(cluster.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path", r.text
+    assert r.json()["error"]["message"] == (
+        "lora_path 'c': no decode worker serves the adapter 'c'; the decode workers' adapters: 'a', 'b'"
+    )
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7}  # refused before it is used
+    r = httpx.post(cluster.decodes[0].url + "/generate", json={**body, **room}, timeout=60)
     assert r.status_code == 404 and "lora_path 'c': no such adapter" in r.json()["error"]["message"], r.text
     cluster.wait_idle()
+
+
+TIER = ("--page-size", "4", "--max-total-tokens", "64", "--enable-hierarchical-cache", "--hicache-ratio", "8")
+TIER += ("--hicache-write-policy", "write_back", "--hicache-storage-prefetch-policy", "wait_complete")
+
+
+@pytest.fixture(scope="module")
+def tiered(made, tmp_path_factory):
+    """Two servers of adapters a and b over one file store, each with a device pool of 16 pages and a host tier
+    behind it; the second numbers the adapters the other way round (b first), as another server may."""
+    store = json.dumps({"file_path": str(tmp_path_factory.mktemp("store")), "prefetch_threshold": 0})
+    flags = ("--model", str(made["base"]), "--enable-lora", *TIER, "--hicache-storage-backend", "file")
+    flags += ("--hicache-storage-backend-extra-config", store)
+    a, b = (f"{n}={made['paths'][n]}" for n in "ab")
+    procs = [start_server(*flags, "--lora-paths", *paths, name=f"tier{i}") for i, paths in enumerate([(a, b), (b, a)])]
+    yield [p.wait_ready() for p in procs]
+    for p in procs:
+        p.stop()
+
+
+def test_the_same_prompt_under_two_adapters_from_the_host_tier_and_the_store(tiered, expected):
+    """The prompt under a and b on the first server, its pages evicted to the host tier by base-model prompts that
+    fill the device: each adapter hits its own pages there (host hit_tokens counts both); then on the second
+    server, which numbers a and b the other way round, each reads its own from the store. Every answer equals
+    peft's, and both tiers end with every page free or cached."""
+    ids, full = expected["prompts"][3], (len(expected["prompts"][3]) - 1) // 4 * 4
+    first, second = tiered
+    for n in ("a", "b"):
+        answer = generate(first.url, ids, n)
+        assert answer["meta_info"]["cached_tokens"] == 0 and answer["output_ids"] == expected["tokens"][n][3], n
+    for filler in random_prompts(3, 40, 40, seed=8):  # 13 pages each with its output: the device keeps none
+        generate(first.url, filler, None)
+    hits = first.info()["host_tier"]["hit_tokens"]
+    for n in ("b", "a"):
+        answer = generate(first.url, ids, n)
+        assert answer["meta_info"]["cached_tokens"] == full and answer["output_ids"] == expected["tokens"][n][3], n
+    assert first.info()["host_tier"]["hit_tokens"] - hits == 2 * full  # both from the host tier
+    for n in ("a", "b"):
+        answer = generate(second.url, ids, n)
+        assert answer["meta_info"]["cached_tokens"] == full and answer["output_ids"] == expected["tokens"][n][3], n
+    assert second.info()["kv_store"]["hit_tokens"] == 2 * full
+    for server in tiered:
+        server.wait_idle()
+        host = server.info()["host_tier"]
+        assert host["free"] + host["cached"] == host["total"] and host["locked"] == host["prefetching"] == 0
+
+
+def stream_tokens(url: str, body: dict, seen: list[int]) -> list[int]:
+    """A streamed /generate's output ids, `seen` holding how many arrived so far (its one element)."""
+    ids: list[int] = []
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                ids = event["output_ids"]
+                seen[0] = len(ids)
+    return ids
+
+
+def test_pd_a_stream_under_an_adapter_moves_with_it_when_its_decode_is_killed(cluster, expected):
+    """A long greedy stream under b, its decode killed after 8 tokens: the router moves it (the body, so the
+    adapter, goes with it) to the other decode, and the client's tokens equal the run without the fault (whose
+    first 12 are peft's); the survivors free every page."""
+    sampling = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": expected["prompts"][0], "lora_path": "b", "sampling_params": sampling}
+    calm = stream_tokens(cluster.url, body, [0])
+    assert calm[:NEW_TOKENS] == expected["tokens"]["b"][0] and len(calm) == 300
+    seen = [0]
+    with ThreadPoolExecutor(1) as pool:
+        moved = pool.submit(stream_tokens, cluster.url, body, seen)
+        deadline = time.monotonic() + 60
+        while seen[0] < 8:
+            assert time.monotonic() < deadline and not moved.done(), "the stream never reached 8 tokens"
+            time.sleep(0.005)
+        victim = max(cluster.decodes, key=lambda d: d.info()["num_running_reqs"])
+        victim.signal(signal.SIGKILL)
+        assert seen[0] < 300, "the stream ended before its decode was killed: the test would prove nothing"
+        assert moved.result() == calm
+    assert metric(cluster.url, "tandem_router_migrations_total", reason="decode_failed") >= 1
+    for server in (*cluster.prefills, *(d for d in cluster.decodes if d is not victim)):
+        server.wait_idle()
 
 
 def start_up_error(*args: str) -> str:

@@ -137,7 +137,7 @@ def _is_get_logger(node: ast.AST) -> bool:
 
 
 # the router's placement room (router/placement): what it may import of the rest of the router
-PLACEMENT_INPUTS = {"router.workers", "router.metrics", "router.pair_call", "router.request_hints"}
+PLACEMENT_INPUTS = {"router.workers", "router.metrics", "router.pair_call", "router.request_hints", "router.adapters"}
 
 
 def test_the_placement_room_reads_only_its_inputs():

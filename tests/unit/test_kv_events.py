@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from common.core.request import LORA_KEY_STRIDE
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.memory.allocator import PagedAllocator
 from common.memory.hicache import HiRadixCache
@@ -41,6 +42,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -122,6 +124,27 @@ def test_vllm_subscriber_decodes_stored_removed_and_cleared_with_chained_hashes(
     assert isinstance(events[-1], AllBlocksCleared)
     sub.close(linger=0)
     ctx.term()
+
+
+def test_an_adapters_pages_are_hashed_from_its_name_and_carry_lora_id_and_lora_name():
+    """The same tokens cached under adapter "a" (lora_id 2 here), then the base model: "a"'s BlockStored hashes
+    them from its own root, gives its real token ids, lora_id 2 and lora_name "a"; the base model's hashes differ."""
+    config = KVEventsConfig(endpoint="tcp://127.0.0.1:*", topic="kv")
+    publisher = KVEventPublisher(config, PAGE, "127.0.0.1", {2: "a"}.get)
+    ctx = zmq.Context()
+    sub = subscribe(ctx, publisher.endpoint)
+    cache = cache_with(publisher)
+    a = list(range(100, 108))
+    insert(cache, [t + 2 * LORA_KEY_STRIDE for t in a])
+    insert(cache, a)
+    publisher.cleared()
+    stored = [e for _, batch in receive(sub, 2) for e in batch.events if isinstance(e, BlockStored)]
+    assert [(s.token_ids, s.lora_id, s.lora_name) for s in stored] == [(a, 2, "a"), (a, None, None)]
+    assert stored[0].block_hashes == block_hashes(a, PAGE, "a") and stored[1].block_hashes == block_hashes(a, PAGE)
+    assert not set(stored[0].block_hashes) & set(stored[1].block_hashes)
+    sub.close(linger=0)
+    ctx.term()
+    publisher.close()
 
 
 def test_host_tier_events_carry_its_medium(publisher):

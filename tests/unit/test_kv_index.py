@@ -19,7 +19,7 @@ from router.placement.kv_feeds import WorkerFeed
 from router.placement.kv_index import KVIndex
 from router.placement.kv_policy import KVAwarePolicy
 from router.placement.placer import pair_policy
-from router.workers import Worker
+from router.workers import Worker, WorkerRegistry
 
 PAGE = 4
 WORKERS = ["http://a", "http://b", "http://c"]
@@ -125,6 +125,7 @@ def test_feed_without_replay_forgets_the_worker_after_a_gap():
 
 class FakeFeeds:
     model_path = None
+    workers = WorkerRegistry(1)  # the workers whose /v1/models name the base model (none here: no adapter is known)
 
     def block_size(self) -> int:
         return PAGE

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.config import ServerConfig
-from common.core.request import Req
+from common.core.request import LORA_KEY_STRIDE, Req
 from common.memory.allocator import PagedAllocator
 from common.memory.host_pool import HostPool
 from common.memory.kv_pool import KVPool
@@ -19,7 +19,7 @@ from common.memory.store.backend import FileStore, StoreUnavailable
 from common.memory.store.config import FileConfig, parse_size, parse_store_config
 from common.memory.store.objects import HEADER_BYTES, pack_header, verify
 from common.memory.store.store_cache import StoreRadixCache
-from common.memory.store.tier import StoreTier
+from common.memory.store.tier import StoreJob, StoreTier
 from common.wire.sampling_params import SamplingParams
 
 PS = 4
@@ -36,7 +36,10 @@ class Flaky(FileStore):
         return super().exists(keys)
 
 
-def make(path, policy="wait_complete", backend=None, device_pages=8, host_pages=32) -> tuple[StoreRadixCache, KVPool]:
+def make(
+    path, policy="wait_complete", backend=None, device_pages=8, host_pages=32, adapters=None
+) -> tuple[StoreRadixCache, KVPool]:
+    """`adapters`: the server's LoRA adapters by lora_id (its numbering)."""
     pool = KVPool(2, device_pages, PS, 1, 2, torch.float32, "cpu")
     host = HostPool(pool, host_pages)
     config = FileConfig(file_path=str(path), prefetch_threshold=0, retry_interval_s=0.05, io_timeout_s=2)
@@ -50,6 +53,7 @@ def make(path, policy="wait_complete", backend=None, device_pages=8, host_pages=
         config=config,
         policy=policy,
         read=True,
+        adapter_name=(adapters or {}).get,
     )
     wait_for(lambda: tier.available)
     return cache, pool
@@ -113,12 +117,44 @@ def test_a_cold_cache_loads_another_caches_pages_from_the_store(tmp_path):
         cache.close()
 
 
+def keyed(tokens: list[int], lora_id: int) -> list[int]:
+    """Cache keys of `tokens` under lora_id (Req.cache_key)."""
+    return [t + lora_id * LORA_KEY_STRIDE for t in tokens]
+
+
+def test_the_same_tokens_under_two_adapters_are_two_objects_found_by_name_on_a_server_numbering_them_otherwise(
+    tmp_path,
+):
+    """A's and B's pages of one prompt are three objects each; a cold server that numbers A and B the other way
+    round reads each adapter's own pages back (by name), and the base model none of them."""
+    warm, warm_pool = make(tmp_path, host_pages=24, adapters={1: "a", 2: "b"})
+    for lora_id in (1, 2):  # each page's KV is its cache keys' values: A's and B's differ
+        finish(warm, warm_pool, keyed(PROMPT[:12], lora_id))
+        settle(warm)
+    assert warm.tier.counts["pages_written"] == 6 and len(list(tmp_path.iterdir())) == 6  # 3 pages each
+    cold, cold_pool = make(tmp_path, host_pages=24, adapters={1: "b", 2: "a"})
+    for lora_id, warm_id in ((1, 2), (2, 1)):
+        keys = keyed(PROMPT[:13], lora_id)
+        cold.prefetch(request(PROMPT[:13]), keys)
+        settle(cold)
+        slots = cold.match_prefix(keys).slots
+        want = torch.tensor(keyed(PROMPT[:12], warm_id), dtype=torch.float32).tolist()
+        assert len(slots) == 12 and kv_of(cold_pool, slots)[0].tolist() == want, f"lora_id {lora_id}'s pages"
+    base = PROMPT[:12] + [1]
+    cold.prefetch(request(base), base)
+    settle(cold)
+    assert len(cold.match_prefix(base).slots) == 0  # the base model never reads an adapter's page
+    for cache in (warm, cold):
+        cache.check_integrity()
+        cache.close()
+
+
 def test_a_corrupted_page_and_every_page_after_it_are_never_loaded(tmp_path):
     warm, warm_pool = make(tmp_path)
     finish(warm, warm_pool, PROMPT)
     settle(warm)
     cold, _ = make(tmp_path)
-    third = cold.tier._keys(type("J", (), {"tokens": PROMPT, "first": 2, "host_pages": [0]})())[1][0]
+    third = cold.tier._keys(StoreJob("read", PROMPT, 2, [0]))[1][0]
     data = bytearray((tmp_path / third).read_bytes())
     data[HEADER_BYTES + 5] ^= 1  # one bit of the page's bytes
     (tmp_path / third).write_bytes(bytes(data))

@@ -34,6 +34,7 @@ def make_store_cache(
     listener: CacheListener | None,
     namespace: str,
     wake: Callable[[], None],
+    adapter_name: Callable[[int], str | None] = lambda lora_id: None,
 ) -> StoreRadixCache:
     backend, store_config = store_backend(config, host_pool)
     tier = StoreTier(
@@ -62,4 +63,5 @@ def make_store_cache(
         config=store_config,
         policy=config.hicache_storage_prefetch_policy,
         read=read,
+        adapter_name=adapter_name,
     )

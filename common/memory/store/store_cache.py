@@ -22,12 +22,13 @@ Who frees what (host pages a job holds):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from common.core.request import Req
+from common.core.request import Req, key_lora_id
 from common.memory.cache_listener import STORE_MEDIUM
 from common.memory.errors import MemoryIntegrityError
 from common.memory.hicache import HiRadixCache, joined, page_slots
@@ -45,10 +46,21 @@ class Prefetch:
 
 
 class StoreRadixCache(HiRadixCache):
-    def __init__(self, *args: Any, tier: StoreTier, config: TierConfig, policy: str, read: bool, **kwargs: Any):
-        """`read`: prefetch from the store (prefill and monolithic servers; a decode only writes)."""
+    def __init__(
+        self,
+        *args: Any,
+        tier: StoreTier,
+        config: TierConfig,
+        policy: str,
+        read: bool,
+        adapter_name: Callable[[int], str | None] = lambda lora_id: None,
+        **kwargs: Any,
+    ):
+        """`read`: prefetch from the store (prefill and monolithic servers; a decode only writes); `adapter_name`:
+        a lora_id's adapter (--enable-lora), whose name keys its pages in the store (keys.py)."""
         super().__init__(*args, **kwargs)
         self.tier, self.store_config, self.policy, self.read = tier, config, policy, read
+        self.adapter_name = adapter_name
         self.waiting: dict[Req, Prefetch] = {}  # request -> its prefetch in flight
         self.prefetching = 0  # host pages read jobs hold
         self.store_hit_tokens = 0  # tokens read from the store into the host tier
@@ -61,7 +73,7 @@ class StoreRadixCache(HiRadixCache):
         if self.pool.stream is not None:  # the copies to the host run on the pool's stream: the worker waits
             copied = torch.cuda.Event()
             copied.record(self.pool.stream)
-        self.tier.submit(StoreJob("write", tokens, first, host_pages, owner=node, copied=copied))
+        self.tier.submit(StoreJob("write", tokens, first, host_pages, node, copied, lora_name=self._lora_name(tokens)))
 
     # -- reads -----------------------------------------------------------------------------------
     def prefetch(self, req: Req, token_ids: list[int]) -> None:
@@ -87,7 +99,15 @@ class StoreRadixCache(HiRadixCache):
         self.waiting[req] = job
         self.prefetching += len(pages)
         end = len(host.slots) + len(pages) * ps
-        self.tier.submit(StoreJob("read", token_ids[:end], len(host.slots) // ps, pages, owner=job))
+        lora_name = self._lora_name(token_ids)
+        self.tier.submit(
+            StoreJob("read", token_ids[:end], len(host.slots) // ps, pages, owner=job, lora_name=lora_name)
+        )
+
+    def _lora_name(self, keys: list[int]) -> str | None:
+        """The adapter whose namespace `keys` are in (named on this thread: adapters load and unload on it)."""
+        lora_id = key_lora_id(keys)
+        return self.adapter_name(lora_id) if lora_id else None
 
     def ready(self, req: Req) -> bool:
         """Whether `req` may be admitted now: no prefetch of its own in flight, or the policy lets it go."""

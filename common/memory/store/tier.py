@@ -38,13 +38,14 @@ class StoreJob:
     """Pages first .. first + len(host_pages) - 1 of `tokens`, to read into or write from `host_pages`."""
 
     kind: str  # "read" or "write"
-    tokens: list[int]
+    tokens: list[int]  # cache keys (Req.cache_key's)
     first: int
     host_pages: list[int]
     owner: object = None  # what the scheduler side needs back (a locked node, a prefetch)
     copied: object = None  # write, on CUDA: the event after the device-to-host copies of its pages
     pages_ok: int = 0  # read: leading pages loaded and verified; write: leading pages the store holds
     skipped: bool = False  # the store was unavailable: nothing was read or written
+    lora_name: str | None = None  # the LoRA adapter the pages were computed under (None: the base model)
 
 
 class StoreTier:
@@ -179,7 +180,7 @@ class StoreTier:
         self.wake()
 
     def _keys(self, job: StoreJob) -> tuple[list[bytes], list[str]]:
-        digests = prefix_digests(job.tokens, self.page_size, job.first, len(job.host_pages))
+        digests = prefix_digests(job.tokens, self.page_size, job.first, len(job.host_pages), job.lora_name)
         return digests, [page_key(self.namespace, d) for d in digests]
 
     def _page(self, host_page: int) -> torch.Tensor:
