@@ -1,7 +1,8 @@
 """The adapters' device slots: --max-loras-per-batch of them, each one adapter's A and B for every target module
 of every layer, zero-padded to --max-lora-rank (a padded rank adds nothing to the product). An adapter is copied
 in from host memory when a request needs it and no slot holds it, into the least recently used slot no running
-request pins; a request waits while every slot is pinned by others."""
+request pins and no pinned adapter (--lora-paths' `pinned`) holds; a request waits while every slot is taken by
+others. Unloading an adapter (/unload_lora_adapter) empties its slot once no request pins it."""
 
 from __future__ import annotations
 
@@ -32,17 +33,21 @@ class LoraSlots:
         self.pins = [0] * count  # running requests using each slot
         self.used = [0] * count  # when each was last pinned (LRU)
         self.loads = 0  # adapters copied in, ever
+        self.kept: set[str] = set()  # pinned adapters: never evicted
         self._clock = itertools.count(1)
 
     def can_pin(self, name: str) -> bool:
-        return name in self.held or 0 in self.pins
+        return name in self.held or bool(self._free())
+
+    def _free(self) -> list[int]:
+        return [i for i, p in enumerate(self.pins) if p == 0 and self.held[i] not in self.kept]
 
     def pin(self, adapter: LoraAdapter) -> int:
         """The slot holding `adapter` (copied in if none did), pinned once more; needs can_pin."""
         if adapter.name in self.held:
             slot = self.held.index(adapter.name)
         else:
-            slot = min((i for i, p in enumerate(self.pins) if p == 0), key=lambda i: self.used[i])
+            slot = min(self._free(), key=lambda i: self.used[i])
             self._load(slot, adapter)
         self.pins[slot] += 1
         self.used[slot] = next(self._clock)
@@ -50,6 +55,23 @@ class LoraSlots:
 
     def unpin(self, slot: int) -> None:
         self.pins[slot] -= 1
+
+    def keep(self, adapter: LoraAdapter) -> None:
+        """Hold `adapter` in a slot for good (a pinned adapter); needs a free slot besides one for the others."""
+        self.pin(adapter)
+        self.unpin(self.held.index(adapter.name))
+        self.kept.add(adapter.name)
+
+    def evict(self, name: str) -> None:
+        """Empty the slot holding `name`, if one does (no request pins it: the adapter was unloaded)."""
+        self.kept.discard(name)
+        if name in self.held:
+            slot = self.held.index(name)
+            self.held[slot], self.used[slot] = None, 0
+
+    def report(self) -> list[dict]:
+        """Per slot: the adapter it holds and the requests pinning it (/get_server_info)."""
+        return [{"adapter": h, "pins": p, "pinned": h in self.kept} for h, p in zip(self.held, self.pins)]
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         r = adapter.rank
