@@ -147,7 +147,6 @@ def check_lora(c: ServerConfig) -> None:
     refused = {
         "--tp-size > 1": c.tp_size > 1,
         "--enable-dp-attention": c.enable_dp_attention,
-        "--speculative-algorithm": c.speculative_algorithm is not None,
         "--enable-hierarchical-cache": c.enable_hierarchical_cache,
         "--kv-events-config": bool(c.kv_events_config),
     }

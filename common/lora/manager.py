@@ -24,7 +24,7 @@ from common.lora.targets import TARGET_MODULES
 from common.model.llama import DecoderLayer
 from common.model.registry import model_class
 from common.model.rotary import head_dim_of
-from common.wire.errors import InvalidRequest, NotFound
+from common.wire.errors import InvalidRequest, NotFound, Unavailable
 from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ class LoraManager:
                 f"(--max-loras-per-batch {len(self.slots.held)}, {len(self.slots.kept)} pinned)",
                 param="pinned",
             )
+        if pinned and not self.slots.can_pin(adapter.name):
+            raise Unavailable(f"lora_name {adapter.name!r}: every slot is in use by running requests; retry")
         self.adapters[adapter.name] = adapter
         self.ids = {**self.ids, adapter.name: next(self._next_id)}
         if pinned:
@@ -192,6 +194,12 @@ def make_lora_manager(c: ServerConfig, hf: PretrainedConfig) -> LoraManager | No
         ",".join(shape.shapes),
         time.monotonic() - start,
     )
+    if c.speculative_algorithm is not None:
+        log.info(
+            "LoRA with --speculative-algorithm %s: the draft runs without the adapters; the target verifies each "
+            "request's drafts under its own (greedy output unchanged, fewer drafts accepted)",
+            c.speculative_algorithm,
+        )
     return manager
 
 

@@ -141,6 +141,29 @@ def test_models_lists_adapters_and_an_unknown_one_is_404(server, made):
     assert r.json()["error"]["param"] == "lora_path"
 
 
+def peft_masked_greedy(base_dir: Path, adapter: Path, prompt: list[int], allowed: list[int], n: int) -> list[int]:
+    """peft's greedy tokens when only `allowed` may follow (what a grammar admitting exactly them leaves)."""
+    model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(allowed[int(torch.argmax(logits[allowed]))])
+    return ids[len(prompt) :]
+
+
+def test_structured_output_under_an_adapter_is_peft_masked_by_the_grammar(server, made, expected):
+    """A regex admitting exactly t3, t4, t5 five times, under adapter b: peft's greedy choice among them (not t2:
+    the tiny model's EOS, which a grammar admits only once it is complete)."""
+    prompt = expected["prompts"][1]
+    want = peft_masked_greedy(made["base"], made["paths"]["b"], prompt, [3, 4, 5], 5)
+    assert len(set(want)) > 1, "one token all along: the test would prove little"
+    params = {"max_new_tokens": 8, "temperature": 0, "regex": "(t3|t4|t5){5}"}
+    r = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params, "lora_path": "b"})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"][:5] == want and r.json()["meta_info"]["finish_reason"]["type"] == "stop", r.text
+
+
 def lora_info(url: str) -> dict:
     return httpx.get(url + "/get_server_info", timeout=30).json()["lora"]
 
