@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ServerConfig  # noqa: E402
 from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.lora.manager import module_shapes  # noqa: E402
+from common.lora.setup import module_shapes  # noqa: E402
 from common.lora.targets import TARGET_MODULES  # noqa: E402
 from common.model.loader import load_hf_config, resolve_model_dir  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402

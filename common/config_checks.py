@@ -145,7 +145,6 @@ def check_lora(c: ServerConfig) -> None:
     if c.enable_pd_role_switch:
         raise ValueError("--enable-lora with --enable-pd-role-switch is not implemented yet: drop one of the two")
     refused = {
-        "--tp-size > 1": c.tp_size > 1,
         "--enable-dp-attention": c.enable_dp_attention,
         "--enable-hierarchical-cache": c.enable_hierarchical_cache,
         "--kv-events-config": bool(c.kv_events_config),

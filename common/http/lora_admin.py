@@ -43,6 +43,11 @@ def add_lora_routes(app: FastAPI, engine: Engine) -> None:
     async def load(request: Request) -> dict[str, Any]:
         body = parse_body(await read_body(request, engine.config.max_request_bytes), LoadLoraAdapter)
         lora = manager(engine)
+        if engine.config.tp_size > 1:
+            raise InvalidRequest(
+                "loading an adapter at run time is not supported at --tp-size > 1 yet: give it in --lora-paths",
+                param="lora_name",
+            )
         try:
             adapter = await asyncio.to_thread(load_adapter, body.lora_name, body.lora_path, "lora_path")
             lora.shape.check(adapter, "lora_path")

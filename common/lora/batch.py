@@ -10,10 +10,14 @@ segment.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.lora.slots import LoraSlots
+
+if TYPE_CHECKING:
+    from common.parallel.layers import RowParallelLinear
 
 GATHER_MAX_ROWS = 64  # at most this many rows with an adapter: gathered per row, else per segment
 
@@ -32,6 +36,7 @@ class LoraBatch:
     segments: list[tuple[int, int, int]]  # (first row, end row, slot), neighbours of one slot merged
     slots: LoraSlots
     gathered: Gathered | None = None  # set when there are several segments of few rows (make_lora_batch)
+    wire: list[int] | None = None  # what the follower ranks get of it (tensor parallelism: common/ranks/step.py)
 
     def layer(self, layer_id: int) -> LayerLora:
         return LayerLora(self, layer_id)
@@ -61,17 +66,26 @@ class LayerLora:
             y[start:end] += (x[start:end] @ a[slot].T) @ b[slot].T * slots.scaling[slot]
         return y
 
+    def row_parallel(self, proj: RowParallelLinear, x: torch.Tensor, module: str) -> torch.Tensor:
+        """A row-parallel projection of `x` (this rank's input features) plus the delta: each rank adds its
+        partial `x A[:, mine]^T B^T` to its partial product, and the layer's one all-reduce sums both."""
+        if not (proj.tp.enabled and proj.reduce):
+            return self.add(proj(x), x, module)
+        return proj.reduced(self.add(proj.matmul(x, None), x, module))
 
-def make_lora_batch(segments: list[tuple[int, int, int]], slots: LoraSlots, device: str) -> LoraBatch:
+
+def make_lora_batch(
+    segments: list[tuple[int, int, int]], slots: LoraSlots, device: str, wire: list[int] | None = None
+) -> LoraBatch:
     """The batch's LoRA, gathered per row when it has several segments of at most GATHER_MAX_ROWS rows in all."""
     rows = sum(end - start for start, end, _ in segments)
     if len(segments) < 2 or rows > GATHER_MAX_ROWS:
-        return LoraBatch(segments, slots)
+        return LoraBatch(segments, slots, wire=wire)
     per_row = [(r, slot) for start, end, slot in segments for r in range(start, end)]
     index = torch.tensor(per_row, dtype=torch.int64)
     scaling = torch.tensor([[slots.scaling[s]] for _, s in per_row], dtype=slots.a_dtype)
     gathered = Gathered(index[:, 0].to(device), index[:, 1].to(device), scaling.to(device))
-    return LoraBatch(segments, slots, gathered)
+    return LoraBatch(segments, slots, gathered, wire)
 
 
 def segments_of(row_slots: list[int | None], lens: list[int]) -> list[tuple[int, int, int]]:

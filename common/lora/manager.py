@@ -9,49 +9,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 
-import torch
-from transformers import PretrainedConfig
-
-from common.config import ServerConfig
 from common.core.request import Req
-from common.lora.adapter import LoraAdapter, LoraEntry, check_fits, load_adapter, parse_lora_paths
+from common.lora.adapter import LoraAdapter, check_fits
 from common.lora.batch import LoraBatch, make_lora_batch, segments_of
 from common.lora.slots import LoraSlots
-from common.lora.targets import TARGET_MODULES
-from common.model.llama import DecoderLayer
-from common.model.registry import model_class
-from common.model.rotary import head_dim_of
 from common.wire.errors import InvalidRequest, NotFound, Unavailable
 from common.wire.user_error import UserError
 
 log = logging.getLogger(__name__)
-
-
-def module_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) features of each target module of a Llama-family decoder layer."""
-    d, hidden, inter = head_dim_of(hf), hf.hidden_size, hf.intermediate_size
-    q, kv = hf.num_attention_heads * d, hf.num_key_value_heads * d
-    return {
-        "q_proj": (q, hidden),
-        "k_proj": (kv, hidden),
-        "v_proj": (kv, hidden),
-        "o_proj": (hidden, q),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-    }
-
-
-def check_dense(hf: PretrainedConfig) -> None:
-    """LoRA applies to the dense Llama family's projections (common/model/llama.py) only, so far."""
-    if model_class(hf).layer_class is not DecoderLayer:
-        arch = (hf.architectures or ["?"])[0]
-        raise UserError(
-            f"--enable-lora: {arch} is not served with adapters in this version (dense Llama-family models only)"
-        )
 
 
 @dataclass(frozen=True)
@@ -70,7 +37,11 @@ class LoraShape:
 
 
 class LoraManager:
-    def __init__(self, adapters: list[LoraAdapter], slots: LoraSlots, shape: LoraShape):
+    def __init__(self, adapters: list[LoraAdapter], slots: LoraSlots, shape: LoraShape, tp: bool = False):
+        """`tp`: tensor parallelism: each batch carries its wire for the follower ranks (adapters by number:
+        their place in --lora-paths, what a follower read too)."""
+        self.tp = tp
+        self.numbers = {a.name: i + 1 for i, a in enumerate(adapters)}
         self.adapters = {a.name: a for a in adapters}  # served, or unloaded with requests still under them
         self._next_id = itertools.count(1)  # 0: the base model's namespace; a reloaded name gets a new one
         self.ids = {a.name: next(self._next_id) for a in adapters}  # the served (replaced whole: HTTP reads it)
@@ -113,7 +84,12 @@ class LoraManager:
         row_slots = [self.pinned.get(r) for r in reqs]
         if all(s is None for s in row_slots):
             return None
-        return make_lora_batch(segments_of(row_slots, lens), self.slots, self.slots.device)
+        segments = segments_of(row_slots, lens)
+        wire = None
+        if self.tp:
+            held = [self.numbers.get(h, 0) if h is not None else 0 for h in self.slots.held]
+            wire = [*held, *(n for segment in segments for n in segment)]
+        return make_lora_batch(segments, self.slots, self.slots.device, wire)
 
     # -- run-time loading (on the scheduler thread) -------------------------------------------------------
     def add(self, adapter: LoraAdapter, pinned: bool = False) -> None:
@@ -161,55 +137,3 @@ class LoraManager:
             "slots": self.slots.report(),
             "loads": self.slots.loads,
         }
-
-
-def make_lora_manager(c: ServerConfig, hf: PretrainedConfig) -> LoraManager | None:
-    """--enable-lora's manager, every adapter read and checked against the model's config before its weights load
-    (a UserError naming the adapter), or None."""
-    if not c.enable_lora:
-        return None
-    check_dense(hf)
-    start = time.monotonic()
-    entries = parse_lora_paths(c.lora_paths or [])
-    if len({e.name for e in entries}) != len(entries):
-        raise UserError("--lora-paths: two adapters have the same name; give each NAME=PATH a name of its own")
-    adapters = [load_adapter(e.name, e.path) for e in entries]
-    shape = lora_shape(c, hf, entries, adapters)
-    for a in adapters:
-        shape.check(a, "--lora-paths")
-    dtype = getattr(torch, c.torch_dtype_name)
-    slots = LoraSlots(c.max_loras_per_batch, shape.max_rank, shape.shapes, shape.layers, c.device, dtype)
-    manager = LoraManager([], slots, shape)
-    for e, a in zip(entries, adapters):
-        try:
-            manager.add(a, e.pinned)
-        except InvalidRequest as err:
-            raise UserError(f"--lora-paths: {err.message}") from None
-    log.info(
-        "LoRA: %d adapters (%s), %d slots of rank %d over %s, read in %.2fs",
-        len(adapters),
-        ", ".join(a.name for a in adapters),
-        c.max_loras_per_batch,
-        shape.max_rank,
-        ",".join(shape.shapes),
-        time.monotonic() - start,
-    )
-    if c.speculative_algorithm is not None:
-        log.info(
-            "LoRA with --speculative-algorithm %s: the draft runs without the adapters; the target verifies each "
-            "request's drafts under its own (greedy output unchanged, fewer drafts accepted)",
-            c.speculative_algorithm,
-        )
-    return manager
-
-
-def lora_shape(
-    c: ServerConfig, hf: PretrainedConfig, entries: list[LoraEntry], adapters: list[LoraAdapter]
-) -> LoraShape:
-    """The slots' rank (--max-lora-rank, else the widest of the adapters and the entries' max_rank, else 8) and
-    modules (--lora-target-modules, else the adapters', else all seven: room for adapters loaded at run time)."""
-    wanted = [a.rank for a in adapters] + [e.max_rank for e in entries if e.max_rank]
-    max_rank = c.max_lora_rank or max(wanted, default=8)
-    modules = c.lora_target_modules or sorted({m for a in adapters for m in a.modules}) or list(TARGET_MODULES)
-    shapes = module_shapes(hf)
-    return LoraShape({m: shapes[m] for m in modules}, hf.num_hidden_layers, max_rank)

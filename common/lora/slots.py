@@ -7,10 +7,25 @@ others. Unloading an adapter (/unload_lora_adapter) empties its slot once no req
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from common.lora.adapter import LoraAdapter
+
+
+@dataclass(frozen=True)
+class LoraShard:
+    """This rank's part of a module's A and B, split as its base layer is (tensor parallelism): a column-parallel
+    layer's output rows (`rows`: B's rows [start, stop), A whole), a row-parallel one's input features (A's
+    columns, B whole: each rank's partial delta joins its partial product before the layer's all-reduce)."""
+
+    rows: bool
+    start: int
+    stop: int
+
+    def of(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (a, b[self.start : self.stop]) if self.rows else (a[:, self.start : self.stop], b)
 
 
 class LoraSlots:
@@ -22,11 +37,15 @@ class LoraSlots:
         layers: int,
         device: str,
         dtype: torch.dtype,
+        shards: dict[str, LoraShard] | None = None,
     ):
-        """`shapes`: per target module, the base layer's (out, in) features."""
+        """`shapes`: per target module, the base layer's (out, in) features; `shards`: this rank's part of each
+        (tensor parallelism; None: whole)."""
+        self.shards = shards or {}
+        local = {m: self._local(m, out, inp) for m, (out, inp) in shapes.items()}
         keys = [(layer, m) for layer in range(layers) for m in shapes]
-        self.a = {k: torch.zeros(count, max_rank, shapes[k[1]][1], device=device, dtype=dtype) for k in keys}
-        self.b = {k: torch.zeros(count, shapes[k[1]][0], max_rank, device=device, dtype=dtype) for k in keys}
+        self.a = {k: torch.zeros(count, max_rank, local[k[1]][1], device=device, dtype=dtype) for k in keys}
+        self.b = {k: torch.zeros(count, local[k[1]][0], max_rank, device=device, dtype=dtype) for k in keys}
         self.scaling = [0.0] * count
         self.a_dtype, self.device = dtype, device
         self.held: list[str | None] = [None] * count  # the adapter each slot holds
@@ -35,6 +54,13 @@ class LoraSlots:
         self.loads = 0  # adapters copied in, ever
         self.kept: set[str] = set()  # pinned adapters: never evicted
         self._clock = itertools.count(1)
+
+    def _local(self, module: str, out: int, inp: int) -> tuple[int, int]:
+        shard = self.shards.get(module)
+        if shard is None:
+            return out, inp
+        width = shard.stop - shard.start
+        return (width, inp) if shard.rows else (out, width)
 
     def can_pin(self, name: str) -> bool:
         return name in self.held or bool(self._free())
@@ -48,7 +74,7 @@ class LoraSlots:
             slot = self.held.index(adapter.name)
         else:
             slot = min(self._free(), key=lambda i: self.used[i])
-            self._load(slot, adapter)
+            self.load(slot, adapter)
         self.pins[slot] += 1
         self.used[slot] = next(self._clock)
         return slot
@@ -73,15 +99,18 @@ class LoraSlots:
         """Per slot: the adapter it holds and the requests pinning it (/get_server_info)."""
         return [{"adapter": h, "pins": p, "pinned": h in self.kept} for h, p in zip(self.held, self.pins)]
 
-    def _load(self, slot: int, adapter: LoraAdapter) -> None:
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy `adapter` (this rank's part of it) into `slot`, whatever it held (a follower rank: as rank 0 did)."""
         r = adapter.rank
         for key, a in self.a.items():
             a[slot].zero_()
             self.b[key][slot].zero_()
             weights = adapter.weights.get(key)
             if weights is not None:
-                a[slot, :r].copy_(weights[0])
-                self.b[key][slot, :, :r].copy_(weights[1])
+                shard = self.shards.get(key[1])
+                wa, wb = shard.of(*weights) if shard is not None else weights
+                a[slot, :r].copy_(wa)
+                self.b[key][slot, :, :r].copy_(wb)
         self.scaling[slot] = adapter.scaling
         self.held[slot] = adapter.name
         self.loads += 1

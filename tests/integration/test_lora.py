@@ -21,6 +21,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
+from common.model.truncate import truncate_model
 from tests.conftest import ROOT, start_server
 from tests.integration.cluster import start_cluster
 from tests.integration.tiny_model import hf_greedy, random_prompts, save_tiny_llama
@@ -88,8 +89,9 @@ def server(made):
     proc.stop()
 
 
-def generate(url: str, ids: list[int], adapter: str | None) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+def generate(url: str, ids: list[int], adapter: str | None, logprobs: bool = False) -> dict:
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": ids, "sampling_params": params, "return_logprob": logprobs}
     if adapter is not None:
         body["lora_path"] = adapter
     r = httpx.post(url + "/generate", json=body, timeout=300)
@@ -162,6 +164,63 @@ def test_structured_output_under_an_adapter_is_peft_masked_by_the_grammar(server
     r = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params, "lora_path": "b"})
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"][:5] == want and r.json()["meta_info"]["finish_reason"]["type"] == "stop", r.text
+
+
+def peft_logprobs(base_dir: Path, adapter: Path | None, prompt: list[int], tokens: list[int]) -> list[float]:
+    """peft's log-probability of each of `tokens` after `prompt` and the tokens before it."""
+    model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens].tolist()
+
+
+@pytest.fixture(scope="module")
+def tp_server(made):
+    """The three adapters at --tp-size 2 in two slots: A and B split as their base layers on each rank."""
+    lora_paths = [f"{n}={p}" for n, p in made["paths"].items()]
+    flags = ["--page-size", "4", "--max-loras-per-batch", "2", "--tp-size", "2"]
+    proc = start_server("--model", str(made["base"]), "--enable-lora", "--lora-paths", *lora_paths, *flags)
+    yield proc.wait_ready()
+    proc.stop()
+
+
+def test_tp2_mixed_batch_tokens_and_logprobs_equal_peft(tp_server, made, expected):
+    """Three adapters and the base at once at TP 2 (the followers copying in what rank 0's LRU slots hold)."""
+    cases = [(n, i) for n in (None, *ADAPTERS) for i in range(3)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: generate(tp_server.url, expected["prompts"][c[1]], c[0], True), cases))
+    paths = {None: None, **made["paths"]}
+    for (name, i), answer in zip(cases, answers):
+        assert answer["output_ids"] == expected["tokens"][name][i], f"adapter {name}, prompt {i}"
+        got = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+        want = peft_logprobs(made["base"], paths[name], expected["prompts"][i], answer["output_ids"])
+        assert got == pytest.approx(want, abs=1e-4), f"adapter {name}, prompt {i}"
+    assert lora_info(tp_server.url)["loads"] >= 3  # 3 adapters through 2 slots
+
+
+@pytest.fixture(scope="module")
+def spec_server(made):
+    """The three adapters under STANDALONE speculative decoding, its draft the base model cut to one layer."""
+    draft = truncate_model(str(made["base"]), 1, made["root"] / "draft")
+    spec = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft)]
+    lora_paths = [f"{n}={p}" for n, p in made["paths"].items()]
+    flags = ["--page-size", "4", "--max-loras-per-batch", "2", *spec, "--speculative-num-steps", "3"]
+    proc = start_server("--model", str(made["base"]), "--enable-lora", "--lora-paths", *lora_paths, *flags)
+    yield proc.wait_ready()
+    proc.stop()
+
+
+def test_speculative_decoding_under_adapters_equals_peft(spec_server, expected):
+    """The draft proposes without the adapters, the target verifies under each request's: greedy tokens as peft's."""
+    cases = [(n, i) for n in (None, *ADAPTERS) for i in range(2)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: generate(spec_server.url, expected["prompts"][c[1]], c[0]), cases))
+    for (name, i), answer in zip(cases, answers):
+        assert answer["output_ids"] == expected["tokens"][name][i], f"adapter {name}, prompt {i}"
+    assert all(a["meta_info"]["spec_verify_ct"] > 0 for a in answers)
+    assert sum(a["meta_info"]["spec_accepted_tokens"] for a in answers) > 0
 
 
 def lora_info(url: str) -> dict:
@@ -273,8 +332,8 @@ def test_start_up_mistakes_take_one_line(made, tmp_path):
     assert start_up_error(*serve, f"a={a}", "--lora-target-modules", "q_proj") == (
         "tandem serve: --lora-paths a: targets v_proj, not in --lora-target-modules: add it"
     )
-    assert start_up_error(*serve, f"a={a}", "--tp-size", "2") == (
-        "tandem serve: --enable-lora with --tp-size > 1 is not implemented yet: drop one of the two"
+    assert start_up_error(*serve, f"a={a}", "--enable-dp-attention", "--tp-size", "2", "--dp-size", "2") == (
+        "tandem serve: --enable-lora with --enable-dp-attention is not implemented yet: drop one of the two"
     )
 
 
