@@ -1,5 +1,5 @@
 """The adapters' device slots: --max-loras-per-batch of them, each one adapter's A and B for every target module
-of every layer, zero-padded to --max-lora-rank (a padded rank adds nothing to the product). An adapter is copied
+of every layer (A [rank, in], B transposed [rank, out]), zero-padded to --max-lora-rank (a padded rank adds nothing to the product). An adapter is copied
 in from host memory when a request needs it and no slot holds it, into the least recently used slot no running
 request pins and no pinned adapter (--lora-paths' `pinned`) holds; a request waits while every slot is taken by
 others. Unloading an adapter (/unload_lora_adapter) empties its slot once no request pins it."""
@@ -45,7 +45,8 @@ class LoraSlots:
         local = {m: self._local(m, out, inp) for m, (out, inp) in shapes.items()}
         keys = [(layer, m) for layer in range(layers) for m in shapes]
         self.a = {k: torch.zeros(count, max_rank, local[k[1]][1], device=device, dtype=dtype) for k in keys}
-        self.b = {k: torch.zeros(count, local[k[1]][0], max_rank, device=device, dtype=dtype) for k in keys}
+        # B is kept transposed, [rank, out] per slot: every slot's B is then one [slots * rank, out] matrix
+        self.b = {k: torch.zeros(count, max_rank, local[k[1]][0], device=device, dtype=dtype) for k in keys}
         self.scaling = [0.0] * count
         self.a_dtype, self.device = dtype, device
         self.held: list[str | None] = [None] * count  # the adapter each slot holds
@@ -110,7 +111,7 @@ class LoraSlots:
                 shard = self.shards.get(key[1])
                 wa, wb = shard.of(*weights) if shard is not None else weights
                 a[slot, :r].copy_(wa)
-                self.b[key][slot, :, :r].copy_(wb)
+                self.b[key][slot, :r].copy_(wb.T)
         self.scaling[slot] = adapter.scaling
         self.held[slot] = adapter.name
         self.loads += 1
