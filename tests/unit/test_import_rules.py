@@ -35,6 +35,7 @@ ALLOWED = {
         "common/model",
         "common/lora",
         "common/parallel",
+        "common/quant",
         "common/wire",
     },
     "transfer": {"common/wire"},
