@@ -1,7 +1,9 @@
 """A decode step with LoRA adapters (--enable-lora): batches of 16, their requests under 0 (the base model
 alone), 1, 4 or 8 different rank-8 adapters of all seven projections, each a median scheduler step on one
 engine with 8 slots, the four measured in turn `--rounds` times (the least of each kept: the machine is
-shared); and the engine's start with the adapters. `--model tiny`: the tiny random Llama of the tests.
+shared); the engine's start with the adapters; and one adapter's load into a slot, from disk (reading the
+PEFT directory, then the copy) and from host memory (the copy alone: what an LRU miss costs), the median of
+LOADS each. `--model tiny`: the tiny random Llama of the tests.
 
     .venv/bin/python benchmarks/lora_decode.py [--model builtin|tiny] [--steps 30] [--rounds 2] [--threads 2]
 """
@@ -23,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ServerConfig  # noqa: E402
 from common.core.request import Req  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.lora.manager import module_shapes  # noqa: E402
+from common.lora.adapter import load_adapter  # noqa: E402
+from common.lora.setup import module_shapes  # noqa: E402
 from common.lora.targets import TARGET_MODULES  # noqa: E402
 from common.model.loader import load_hf_config, resolve_model_dir  # noqa: E402
 from common.wire.sampling_params import SamplingParams  # noqa: E402
 from tests.integration.tiny_model import random_prompts, save_tiny_llama  # noqa: E402
 
-BATCH, RANK, ADAPTERS, PROMPT_LEN, WARMUP = 16, 8, 8, 32, 5
+BATCH, RANK, ADAPTERS, PROMPT_LEN, WARMUP, LOADS = 16, 8, 8, 32, 5, 10
 
 
 def save_adapter(path: Path, hf, seed: int) -> str:
@@ -73,6 +76,20 @@ def step_ms(engine: Engine, distinct: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def load_ms(engine: Engine, path: str) -> tuple[float, float]:
+    """Median ms of one adapter into slot 0: read from disk and copied, and copied from host memory alone."""
+    slots, disk, host = engine.lora.slots, [], []
+    for _ in range(LOADS):
+        t0 = time.perf_counter()
+        adapter = load_adapter("timed", path)
+        slots.load(0, adapter)
+        t1 = time.perf_counter()
+        slots.load(0, adapter)
+        host.append(time.perf_counter() - t1)
+        disk.append(t1 - t0)
+    return statistics.median(disk) * 1e3, statistics.median(host) * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
@@ -93,11 +110,13 @@ def main() -> None:
         built = time.perf_counter() - t0
         runs = [[step_ms(engine, k, args.steps) for k in (0, 1, 4, 8)] for _ in range(args.rounds)]
         rows = [(k, min(r[i] for r in runs)) for i, k in enumerate((0, 1, 4, 8))]
+        disk_ms, host_ms = load_ms(engine, paths[0].split("=", 1)[1])  # last: it overwrites slot 0
     base = rows[0][1]
     print(f"{args.model} model, batch {BATCH}, rank {RANK} on all 7 projections, {torch.get_num_threads()} threads")
     print(
         f"engine start with {ADAPTERS} adapters: {built:.2f} s; adapters loaded into slots: {engine.lora.slots.loads}"
     )
+    print(f"one adapter into a slot: from disk {disk_ms:.2f} ms, from host memory {host_ms:.2f} ms")
     print(f"{'adapters':>8} | {'step ms':>8} | {'vs base':>7}")
     for k, ms in rows:
         print(f"{k:>8} | {ms:>8.2f} | {ms / base:>7.2f}")

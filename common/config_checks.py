@@ -144,11 +144,5 @@ def check_lora(c: ServerConfig) -> None:
         return
     if c.enable_pd_role_switch:
         raise ValueError("--enable-lora with --enable-pd-role-switch is not implemented yet: drop one of the two")
-    refused = {
-        "--tp-size > 1": c.tp_size > 1,
-        "--enable-dp-attention": c.enable_dp_attention,
-        "--speculative-algorithm": c.speculative_algorithm is not None,
-    }
-    for flag, given in refused.items():
-        if given:
-            raise ValueError(f"--enable-lora with {flag} is not implemented yet: drop one of the two")
+    if c.enable_dp_attention:
+        raise ValueError("--enable-lora with --enable-dp-attention is not implemented yet: drop one of the two")

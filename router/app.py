@@ -28,6 +28,7 @@ from router.config import RouterConfig, WorkerChange
 from router.discovery import Discovery, targets_from_config
 from router.dispatch import Dispatcher, json_response
 from router.http1 import Pools
+from router.lora_fanout import add_lora_fanout_routes
 from router.metrics import REFRESH_S, RouterMetrics
 from router.placement.kv_feeds import KVFeeds
 from router.placement.kv_index import KVIndex
@@ -115,6 +116,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
     add_pd_role_switch_route(app, workers, config.max_request_bytes, config.pd_role_switch_timeout_s)
+    add_lora_fanout_routes(app, workers, config.max_request_bytes)
     return app
 
 

@@ -20,6 +20,7 @@ from router.placement.policies import POLICIES
 from tandem.gpus import base_fraction, plan_gpus, visible_gpus
 from tandem.kv_store import add_up_store_flags, up_store
 from tandem.ports import require_free_ports
+from tandem.up_lora import add_up_lora_flags, lora_flags
 
 
 @dataclass
@@ -79,6 +80,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "[env TANDEM_API_KEY]",
     )
     add_up_store_flags(p)
+    add_up_lora_flags(p)
     p.add_argument("extra", nargs="*", help="more `tandem serve` flags for every engine server, after --")
 
 
@@ -86,7 +88,7 @@ def plan_children(ns: argparse.Namespace) -> list[Child]:
     """Every process of the cluster; the secrets go in their environment, not argv (`ps` shows argv)."""
     py = [sys.executable, "-m", "tandem"]
     store_flags, store_argv, store_ports = up_store(ns, py)
-    common = ["--model", ns.model, "--host", ns.host, "--device", ns.device, *store_flags, *ns.extra]
+    common = ["--model", ns.model, "--host", ns.host, "--device", ns.device, *store_flags, *lora_flags(ns), *ns.extra]
     children = [Child("kv-store", store_argv, f"http://{ns.host}:{ns.kv_store_port + 2}/health", ports=store_ports)]
     children = children if store_argv else []
     if ns.mode == "monolithic":

@@ -39,7 +39,8 @@ from common.engine.spec.drafter import Drafter
 from common.engine.spec.factory import make_drafter, speculative_descriptor
 from common.engine.spec.plan import SpecPlanner
 from common.engine.warmup import use_kernel_cache
-from common.lora.manager import LoraManager, make_lora_manager
+from common.lora.manager import LoraManager
+from common.lora.setup import read_lora
 from common.memory.allocator import PagedAllocator
 from common.memory.manager import MemoryManager
 from common.memory.prefix_cache_factory import make_prefix_cache
@@ -65,12 +66,13 @@ def build_engine_parts(config: ServerConfig, factories: dict[str, RoleFactory], 
     `follower`: the module the follower ranks run at --tp-size > 1 (common.ranks.launch)."""
     model = model_parts(config)
     config = with_attention_backend(config, model.hf_config)  # before loading weights: a refusal comes at once
-    lora = make_lora_manager(config, model.hf_config)  # --enable-lora's adapters, read and checked before the weights
+    lora_setup = read_lora(config, model.hf_config)  # --enable-lora's adapters, read and checked before the weights
     torch.manual_seed(config.seed)
     metrics = EngineMetrics(config.disaggregation_mode)
     use_kernel_cache(config.kernel_cache_dir)  # before FlashInfer is imported
     ranks = start_ranks(config, model.hf_config, follower)
     built, reports, followers = build_rank_zero(config, model, ranks)
+    lora = lora_setup.manager(built.model) if lora_setup is not None else None  # its slots split as rank 0's shard
     context_len = context_len_for(model.hf_config, config, built.pool_plan)
     config = batch_limits(config, built.pool_plan, context_len, model.hf_config.vocab_size)
     woken = threading.Event()  # what the scheduler thread waits on (a store's finished work sets it too)

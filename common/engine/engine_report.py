@@ -81,6 +81,7 @@ def engine_info(parts: EngineParts) -> dict:
         "kv_events": memory.kv_events.info() if memory.kv_events is not None else None,
         "grammar": sp.grammar.info_dict() if sp.grammar is not None else None,
         "calibration": ss[0].forward_stats.calibration.to_dict(),
+        "lora": parts.runners[0].lora.report() if parts.runners[0].lora is not None else None,
     }
 
 

@@ -110,6 +110,7 @@ class ModelRunner:
             self.attn.init_forward(batch)
             logits = self.model(batch, self.attn)
         if self.drafter is not None and batch.mode != ForwardMode.VERIFY:  # the draft's KV of the same tokens
+            batch.lora = None  # the draft runs without the adapters (said at start-up: common/lora/manager.py)
             self.drafter.follow(batch, planned=graphs is None)  # (a graph planned its own attention)
         return logits
 
@@ -139,9 +140,12 @@ class ModelRunner:
 
     def prepare(self, plan: BatchPlan) -> Prepared:
         prepared = self._prepare(plan)
-        if self.lora is not None:  # verify plans never carry adapters (LoRA refuses speculative decoding)
+        if self.lora is not None:  # each request's rows under its adapter (a verify's: its last token and drafts)
             reqs = plan.decode.reqs if plan.decode is not None else plan.reqs
-            lens = [1] * len(reqs) if plan.decode is not None else plan.extend_lens
+            if plan.decode is not None:
+                lens = [1] * len(reqs)
+            else:
+                lens = prepared.batch.extend_lens.tolist() if plan.verify is not None else plan.extend_lens
             prepared.batch.lora = self.lora.batch(reqs, lens)
         return prepared
 

@@ -143,6 +143,8 @@ class Scheduler:
         problem = rendezvous_problem(self.role.mode, req.rendezvous, req.pd_placement) if self.role.mode else None
         if problem is not None:
             self.fail(req, problem, 400)
+        elif self.lora is not None and not self.lora.track(req):
+            self.fail(req, f"lora adapter {req.lora!r} was unloaded after this request arrived", 404)
         elif req.grammar_spec is not None and self.grammars is None:
             self.fail(req, f"{req.grammar_spec.param} needs a grammar: this server runs --grammar-backend none", 400)
         elif req.grammar_spec is None or not self.grammars.park(req):
@@ -333,7 +335,7 @@ class Scheduler:
         """Give back the memory of an ended request (and its adapter's slot)."""
         self.memory.release(req)
         if self.lora is not None:
-            self.lora.release(req)
+            self.lora.end(req)
 
     # -- state ---------------------------------------------------------------------------------
     def tracked_requests(self) -> list[Req]:

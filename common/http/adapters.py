@@ -36,9 +36,12 @@ def named_adapter(engine: Engine, lora_path: str | None) -> str | None:
 
 
 def run_under(engine: Engine, gen: GenInput, adapter: str | None) -> None:
-    """Let `gen` run under `adapter` (its name and its prefix-cache namespace)."""
+    """Let `gen` run under `adapter` (its name and its prefix-cache namespace; unloaded meanwhile: 404)."""
     if adapter is not None:
-        gen.lora, gen.lora_id = adapter, engine.lora.ids[adapter]
+        lora_id = engine.lora.ids.get(adapter)
+        if lora_id is None:
+            raise NotFound(f"lora adapter {adapter!r} was unloaded; this server serves {served(engine)}", "model")
+        gen.lora, gen.lora_id = adapter, lora_id
 
 
 def served(engine: Engine) -> str:
@@ -52,6 +55,9 @@ def model_cards(engine: Engine) -> list[dict[str, Any]]:
     """/v1/models: the base model, then each adapter with its `parent` (vLLM's fields)."""
     base = {"object": "model", "created": 0, "owned_by": "tandem", "max_model_len": engine.context_len}
     cards = [{"id": engine.model_name, **base, "root": engine.model_name, "parent": None}]
-    for name, adapter in (engine.lora.adapters if engine.lora is not None else {}).items():
-        cards.append({"id": name, **base, "root": str(adapter.path), "parent": engine.model_name})
+    lora = engine.lora
+    for name in lora.ids if lora is not None else ():  # the served now (a snapshot: loads replace it whole)
+        adapter = lora.adapters.get(name)
+        if adapter is not None:
+            cards.append({"id": name, **base, "root": str(adapter.path), "parent": engine.model_name})
     return cards

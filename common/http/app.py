@@ -17,6 +17,7 @@ from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.adapters import named_adapter, run_under
 from common.http.guard import CountingGuard
+from common.http.lora_admin import add_lora_routes
 from common.http.responses import add_responses_api
 from common.http.role_guard import RoleGuard, role_headers
 from common.http.serving import (
@@ -105,6 +106,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
 
     openai_api.add_routes(app, engine)
     add_responses_api(app, engine)
+    add_lora_routes(app, engine)
     add_role_switch_route(app, engine)
     return app
 

@@ -2,36 +2,42 @@
 
 A request's new tokens are consecutive rows of the batch, so the rows of one adapter are a few segments; each
 adds `x A^T B^T * scaling` of its slot to the base projection's output. Rows of requests without an adapter
-are in no segment: untouched. A batch of a few rows over several segments (a decode step) gathers each row's
-A and B instead and adds every delta in two batched products (`gathered`): one call per module, not per
-segment.
+are in no segment: untouched. A batch of a few rows over several segments (a decode step) runs every slot at
+once instead (`Masked`): `x` times all slots' A side by side ([slots * rank, in]: the pool's layout, no copy),
+each row's product kept only over its own slot's rank columns (the mask, which holds its scaling; zero
+elsewhere, so the other slots add exact zeros), times all slots' B stacked: two matrix products per module, no
+gather of any weight, whatever the adapters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.lora.slots import LoraSlots
 
-GATHER_MAX_ROWS = 64  # at most this many rows with an adapter: gathered per row, else per segment
+if TYPE_CHECKING:
+    from common.parallel.layers import RowParallelLinear
+
+MASKED_MAX_ROWS = 64  # at most this many rows with an adapter: every slot at once under a mask, else per segment
 
 
 @dataclass(frozen=True)
-class Gathered:
-    """The rows that have an adapter, their slots and scalings (a decode step's LoRA)."""
+class Masked:
+    """The rows that have an adapter and, per row, its scaling over its slot's rank columns (a decode step's)."""
 
-    rows: torch.Tensor  # [R] int64
-    slots: torch.Tensor  # [R] int64
-    scaling: torch.Tensor  # [R, 1]
+    rows: torch.Tensor  # [R] int64, ascending
+    mask: torch.Tensor  # [R, slots * rank]
 
 
 @dataclass(frozen=True)
 class LoraBatch:
     segments: list[tuple[int, int, int]]  # (first row, end row, slot), neighbours of one slot merged
     slots: LoraSlots
-    gathered: Gathered | None = None  # set when there are several segments of few rows (make_lora_batch)
+    masked: Masked | None = None  # set when there are several segments of few rows (make_lora_batch)
+    wire: list[int] | None = None  # what the follower ranks get of it (tensor parallelism: common/ranks/step.py)
 
     def layer(self, layer_id: int) -> LayerLora:
         return LayerLora(self, layer_id)
@@ -52,26 +58,44 @@ class LayerLora:
         if a is None:
             return y
         b = slots.b[key]
-        g = self.batch.gathered
-        if g is not None:
-            low = torch.bmm(x[g.rows].unsqueeze(1), a[g.slots].transpose(1, 2))  # [R, 1, rank]
-            delta = torch.bmm(low, b[g.slots].transpose(1, 2)).squeeze(1) * g.scaling
-            return y.index_add_(0, g.rows, delta.to(y.dtype))
+        m = self.batch.masked
+        if m is not None:
+            every = m.rows.numel() == x.shape[0]  # ascending distinct rows: all of them, in order
+            low = torch.mm(x if every else x[m.rows], a.view(-1, a.shape[-1]).T).mul_(m.mask)
+            if every and y.dtype == low.dtype:
+                return y.addmm_(low, b.view(-1, b.shape[-1]))
+            delta = torch.mm(low, b.view(-1, b.shape[-1])).to(y.dtype)
+            return y.add_(delta) if every else y.index_add_(0, m.rows, delta)
         for start, end, slot in self.batch.segments:
-            y[start:end] += (x[start:end] @ a[slot].T) @ b[slot].T * slots.scaling[slot]
+            part = y[start:end]
+            part.addmm_(torch.mm(x[start:end], a[slot].T), b[slot], alpha=slots.scaling[slot])
         return y
 
+    def row_parallel(self, proj: RowParallelLinear, x: torch.Tensor, module: str) -> torch.Tensor:
+        """A row-parallel projection of `x` (this rank's input features) plus the delta: each rank adds its
+        partial `x A[:, mine]^T B^T` to its partial product, and the layer's one all-reduce sums both."""
+        if not (proj.tp.enabled and proj.reduce):
+            return self.add(proj(x), x, module)
+        return proj.reduced(self.add(proj.matmul(x, None), x, module))
 
-def make_lora_batch(segments: list[tuple[int, int, int]], slots: LoraSlots, device: str) -> LoraBatch:
-    """The batch's LoRA, gathered per row when it has several segments of at most GATHER_MAX_ROWS rows in all."""
+
+def make_lora_batch(
+    segments: list[tuple[int, int, int]], slots: LoraSlots, device: str, wire: list[int] | None = None
+) -> LoraBatch:
+    """The batch's LoRA, every slot at once under a mask when it has several segments of at most MASKED_MAX_ROWS
+    rows in all."""
     rows = sum(end - start for start, end, _ in segments)
-    if len(segments) < 2 or rows > GATHER_MAX_ROWS:
-        return LoraBatch(segments, slots)
-    per_row = [(r, slot) for start, end, slot in segments for r in range(start, end)]
-    index = torch.tensor(per_row, dtype=torch.int64)
-    scaling = torch.tensor([[slots.scaling[s]] for _, s in per_row], dtype=slots.a_dtype)
-    gathered = Gathered(index[:, 0].to(device), index[:, 1].to(device), scaling.to(device))
-    return LoraBatch(segments, slots, gathered)
+    if len(segments) < 2 or rows > MASKED_MAX_ROWS:
+        return LoraBatch(segments, slots, wire=wire)
+    rank = next(iter(slots.a.values())).shape[1] if slots.a else 0
+    mask = torch.zeros(rows, len(slots.held) * rank, dtype=slots.a_dtype)
+    index, i = [], 0
+    for start, end, slot in segments:
+        mask[i : i + end - start, slot * rank : (slot + 1) * rank] = slots.scaling[slot]
+        index += range(start, end)
+        i += end - start
+    masked = Masked(torch.tensor(index, dtype=torch.int64).to(device), mask.to(device))
+    return LoraBatch(segments, slots, masked, wire)
 
 
 def segments_of(row_slots: list[int | None], lens: list[int]) -> list[tuple[int, int, int]]:

@@ -101,7 +101,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = attn.forward(q, k, v, self.layer_id, batch).reshape(t, self.num_heads * self.head_dim)
-        return self.o_proj(out) if lora is None else lora.add(self.o_proj(out), out, "o_proj")
+        return self.o_proj(out) if lora is None else lora.row_parallel(self.o_proj, out, "o_proj")
 
 
 class MLP(nn.Module):
@@ -129,7 +129,7 @@ class MLP(nn.Module):
         if lora is None:
             return self.down_proj(F.silu(gate) * up)
         h = F.silu(lora.add(gate, x, "gate_proj")) * lora.add(up, x, "up_proj")
-        return lora.add(self.down_proj(h), h, "down_proj")
+        return lora.row_parallel(self.down_proj, h, "down_proj")
 
 
 class DecoderLayer(nn.Module):

@@ -112,7 +112,11 @@ class RowParallelLinear(QuantizableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.tp.enabled and self.reduce):
             return self.matmul(x, self.bias)
-        y = self.tp.all_reduce(self.matmul(x, None))
+        return self.reduced(self.matmul(x, None))
+
+    def reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial products (each of its input features) summed, plus the bias."""
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
     def shards(self) -> dict[str, Shard]:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from common.config import ServerConfig
+from common.lora.follower import FollowerLora
+from common.lora.setup import read_lora
 from common.memory.kv_pool import KVPool
 from common.model.eplb import rebalance_experts
 from common.model.loader import load_hf_config, resolve_model_dir
@@ -103,12 +105,16 @@ def main(argv: list[str] | None = None, services: Services | None = None) -> Non
     )
     model_dir = resolve_model_dir(config.model, quantization=config.quantization)
     dtype = getattr(torch, config.torch_dtype_name)
-    built = build_rank_model(config, model_dir, load_hf_config(model_dir), dtype, tp)
+    hf = load_hf_config(model_dir)
+    lora = read_lora(config, hf)  # --enable-lora: the same adapters as rank 0, this rank's part of each slot
+    built = build_rank_model(config, model_dir, hf, dtype, tp)
+    follow_lora = FollowerLora(lora, built.model).batch if lora is not None else None
     started = services(config, built.kv_pool) if services is not None else None  # lives as long as we serve
     tp.all_gather_objects(rank_report(ns.rank, built) | ({"transfer": started.report()} if started else {}))
     code = 0
     try:
-        serve_steps(ns.rank, built, StepChannel(tp, config.device, config.page_size), Progress(ns.progress, ns.size))
+        channel = StepChannel(tp, config.device, config.page_size, follow_lora)
+        serve_steps(ns.rank, built, channel, Progress(ns.progress, ns.size))
         log.info("stopped by rank 0")
     except PeerGone as e:  # not this rank's fault: whoever starts and watches it names the rank that is gone
         log.error("a collective failed, another rank is gone: %s", e)

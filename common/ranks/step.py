@@ -1,9 +1,10 @@
 """One forward step, sent from rank 0 to the followers: a header over the host group, then every tensor
 of the step's ForwardBatch(es) packed into one int64 payload over the model's group.
 
-    header  [op, step] + per batch [mode, tokens, requests, logits rows, table width]
+    header  [op, step] + per batch [mode, tokens, requests, logits rows, table width] + [LoRA ints]
     payload per batch: input_ids, positions, out_cache_loc, rope_lens [tokens] | seq_lens, extend_lens
             [requests] | logits_indices [logits rows] | the requests' req_to_token rows, [requests x width]
+            then the batch's LoRA (--enable-lora; LoraBatch.wire: the adapter in each slot, the segments)
 
 One batch for the whole group (tensor parallelism: every rank runs it), or, under DP attention, one batch
 per rank, in rank order: each rank runs its own (zero tokens: an idle batch) and learns every rank's
@@ -18,11 +19,17 @@ once per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from common.core.forward_batch import DPStep, ForwardBatch, ForwardMode
 from common.core.page_meta import build_page_meta
 from common.parallel.group import TensorParallel
+
+if TYPE_CHECKING:
+    from common.lora.batch import LoraBatch
 
 FIELDS = 5  # per batch in the header
 OP_STOP, OP_FORWARD, OP_REBALANCE = 0, 1, 2
@@ -30,10 +37,13 @@ MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.VERIFY]
 
 
 class StepChannel:
-    def __init__(self, tp: TensorParallel, device: str, page_size: int):
-        self.tp, self.device, self.page_size = tp, device, page_size
+    def __init__(
+        self, tp: TensorParallel, device: str, page_size: int, lora: Callable[[list[int]], LoraBatch] | None = None
+    ):
+        """`lora`: a follower's reading of a batch's LoRA wire (common/lora/follower.py)."""
+        self.tp, self.device, self.page_size, self.lora = tp, device, page_size, lora
         self.batches = tp.size if tp.dp_attention else 1
-        self.header = 2 + FIELDS * self.batches
+        self.header = 2 + FIELDS * self.batches + 1
 
     def send(self, batches: list[ForwardBatch], step: int) -> None:
         """Rank 0: the batches it is about to run (one, or one per rank under DP attention)."""
@@ -50,7 +60,9 @@ class StepChannel:
             ]
             parts += [batch.input_ids, batch.positions, batch.out_cache_loc, batch.rope_lens]
             parts += [batch.seq_lens, batch.extend_lens, batch.logits_indices, rows.reshape(-1)]
-        self.tp.broadcast(torch.tensor([OP_FORWARD, step, *counts]), host=True)
+        wire = batches[0].lora.wire if batches[0].lora is not None else None
+        parts.append(torch.tensor(wire or [], dtype=torch.int64))
+        self.tp.broadcast(torch.tensor([OP_FORWARD, step, *counts, len(wire or [])]), host=True)
         self.tp.broadcast(torch.cat([p.to(self.device, torch.int64) for p in parts]))
 
     def send_op(self, op: int, step: int = 0) -> None:
@@ -71,10 +83,14 @@ class StepChannel:
         if op != OP_FORWARD:
             return op, step, None
         sizes = [[t] * 4 + [r] * 2 + [n] + [r * w] for _, t, r, n, w in counts]
-        payload = self.tp.broadcast(torch.empty(sum(map(sum, sizes)), dtype=torch.int64, device=self.device))
+        lora_ints = header[-1]
+        total = sum(map(sum, sizes))
+        payload = self.tp.broadcast(torch.empty(total + lora_ints, dtype=torch.int64, device=self.device))
         mine = self.tp.rank if self.tp.dp_attention else 0
         skip = sum(map(sum, sizes[:mine]))
         batch = self._batch(counts[mine], payload[skip : skip + sum(sizes[mine])].split(sizes[mine]))
+        if lora_ints:
+            batch.lora = self.lora(payload[total:].tolist())
         if self.tp.dp_attention:
             batch.dp = DPStep([c[1] for c in counts], [c[3] for c in counts])
         return op, step, batch

@@ -26,13 +26,14 @@ ALLOWED = {
     "common/parallel": {"common/wire"},  # what models use: never the rank processes
     "common/quant": {"common/parallel", "common/wire"},  # quantized weights behind the parallel layers
     "common/model": {"common/core", "common/attention", "common/parallel", "common/quant", "common/wire"},
-    "common/lora": {"common/config", "common/core", "common/model", "common/wire"},  # adapters of the models
+    "common/lora": {"common/config", "common/core", "common/model", "common/parallel", "common/wire"},  # adapters
     "common/ranks": {
         "common/config",
         "common/core",
         "common/memory",
         "common/attention",
         "common/model",
+        "common/lora",
         "common/parallel",
         "common/quant",
         "common/wire",

@@ -1,15 +1,23 @@
-"""LoRA's parts without a server: the slot pool's LRU and pins, a batch's segments, and the segmented product
-against each row's own x A^T B^T * scaling (rows without an adapter untouched)."""
+"""LoRA's parts without a server: --lora-paths' forms, the slot pool's LRU, pins, pinned adapters and unloads, the
+manager's unload under a running request, a batch's segments, and the segmented product against each row's own
+x A^T B^T * scaling (rows without an adapter untouched)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from common.lora.adapter import LoraAdapter
+from common.core.request import Req
+from common.lora.adapter import LoraAdapter, LoraEntry, parse_lora_paths
 from common.lora.batch import LoraBatch, make_lora_batch, segments_of
+from common.lora.manager import LoraManager, LoraShape
 from common.lora.slots import LoraSlots
+from common.wire.errors import InvalidRequest, NotFound
+from common.wire.sampling_params import SamplingParams
+from common.wire.user_error import UserError
 
 SHAPES = {"q_proj": (6, 5), "down_proj": (5, 7)}
 
@@ -43,6 +51,58 @@ def test_slots_load_lru_and_never_evict_a_pinned_adapter():
     assert pool.loads == 4
 
 
+def test_lora_paths_take_name_path_json_objects_and_json_lists():
+    pinned = json.dumps({"lora_name": "p", "lora_path": "/x/p", "pinned": True, "max_rank": 16})
+    listed = json.dumps([{"lora_name": "q", "lora_path": "/x/q"}])
+    assert parse_lora_paths(["a=/x/a", "/x/b", pinned, listed]) == [
+        LoraEntry("a", "/x/a"),
+        LoraEntry("b", "/x/b"),
+        LoraEntry("p", "/x/p", True, 16),
+        LoraEntry("q", "/x/q"),
+    ]
+    with pytest.raises(UserError, match="give each JSON adapter lora_name and lora_path"):
+        parse_lora_paths(['{"lora_name": "a", "path": "/x"}'])
+    with pytest.raises(UserError, match="pinned must be true or false"):
+        parse_lora_paths(['{"lora_name": "a", "lora_path": "/x", "pinned": "yes"}'])
+
+
+def test_a_pinned_adapter_keeps_its_slot_and_an_evicted_one_frees_it():
+    pool = slots()
+    a, b, c = adapter("a", 2, 0), adapter("b", 4, 1), adapter("c", 3, 2)
+    pool.keep(a)
+    assert pool.held == ["a", None] and pool.pins == [0, 0]
+    pool.unpin(pool.pin(b))
+    assert pool.pin(c) == 1 and pool.held == ["a", "c"]  # b's slot reused: a's is kept though unpinned
+    pool.unpin(1)
+    pool.evict("c")
+    pool.evict("a")
+    assert pool.held == [None, None] and pool.kept == set()
+
+
+def test_an_adapter_unloaded_under_a_request_leaves_when_it_ends():
+    lora = LoraManager([adapter("a", 2, 0)], slots(), LoraShape(SHAPES, 1, 4))
+    req = Req("r", [1, 2, 3], SamplingParams(), lora="a", lora_id=lora.ids["a"])
+    assert lora.track(req) and lora.can_admit(req)
+    lora.admit(req)
+    assert lora.remove("a") == 1 and "a" not in lora.ids and lora.slots.held[0] == "a"
+    with pytest.raises(InvalidRequest, match="unloaded, requests still run under it"):
+        lora.add(adapter("a", 2, 0))
+    lora.end(req)
+    assert lora.adapters == {} and lora.slots.held == [None, None] and lora.slots.pins == [0, 0]
+    assert not lora.track(Req("s", [1], SamplingParams(), lora="a"))  # accepted before the unload: refused
+    with pytest.raises(NotFound, match="'a': no such adapter"):
+        lora.remove("a")
+    lora.add(adapter("a", 2, 0))
+    assert lora.ids["a"] == 2  # a new prefix-cache namespace: the old pages are never the new adapter's
+
+
+def test_pinning_every_slot_is_refused():
+    lora = LoraManager([], slots(), LoraShape(SHAPES, 1, 4))
+    lora.add(adapter("a", 2, 0), pinned=True)
+    with pytest.raises(InvalidRequest, match="would leave no slot for the other adapters"):
+        lora.add(adapter("b", 2, 1), pinned=True)
+
+
 def test_a_slot_loaded_over_a_larger_rank_is_padded_with_zeros():
     pool = slots(1)
     pool.pin(adapter("big", 4, 0))
@@ -50,7 +110,7 @@ def test_a_slot_loaded_over_a_larger_rank_is_padded_with_zeros():
     small = adapter("small", 2, 1)
     pool.pin(small)
     a, b = pool.a[(0, "q_proj")][0], pool.b[(0, "q_proj")][0]
-    assert torch.equal(a[:2], small.weights[(0, "q_proj")][0]) and not a[2:].any() and not b[:, 2:].any()
+    assert torch.equal(a[:2], small.weights[(0, "q_proj")][0]) and not a[2:].any() and not b[2:].any()
     assert not pool.a[(0, "down_proj")][0].any()  # a module the adapter leaves alone adds nothing
 
 
@@ -70,8 +130,8 @@ def test_the_segmented_product_equals_each_rows_own_delta():
     segments = segments_of([slot.get(r) for r in rows], lens)
     batch = LoraBatch(segments, pool)
     got = batch.layer(0).add(base.clone(), x, "q_proj")
-    gathered = make_lora_batch(segments, pool, "cpu")  # a few rows over several segments: per row
-    assert gathered.gathered is not None
+    gathered = make_lora_batch(segments, pool, "cpu")  # a few rows over several segments: masked
+    assert gathered.masked is not None
     torch.testing.assert_close(gathered.layer(0).add(base.clone(), x, "q_proj"), got)
     want, start = base.clone(), 0
     for name, n in zip(rows, lens):

@@ -236,3 +236,15 @@ def test_up_refuses_the_loopback_backend_of_unit_tests(capsys):
     with pytest.raises(SystemExit):
         children("--transfer-backend", "loopback")
     assert "invalid choice: 'loopback'" in capsys.readouterr().err
+
+
+def test_lora_flags_reach_every_engine_server_and_not_the_router():
+    pinned = json.dumps({"lora_name": "p", "lora_path": "/a/p", "pinned": True})
+    args = ("--enable-lora", "--lora-paths", "x=/a/x", pinned, "--max-loras-per-batch", "4", "--max-lora-rank", "16")
+    _, by_name, engines = children(*args, "--lora-target-modules", "q_proj", "v_proj")
+    want = ["--enable-lora", "--lora-paths", "x=/a/x", pinned, "--max-loras-per-batch", "4", "--max-lora-rank", "16"]
+    want += ["--lora-target-modules", "q_proj", "v_proj"]
+    for c in engines:
+        i = c.argv.index("--enable-lora")
+        assert c.argv[i : i + len(want)] == want, c.name
+    assert "--enable-lora" not in by_name["router"].argv

@@ -39,14 +39,6 @@ under. */}}
 {{/* The chart's own flags that `tandem serve --enable-lora` refuses (common/config_checks.py check_lora). */}}
 {{- define "tandem.lora.check" -}}
 {{- $v := .Values -}}
-{{- range $component := list "prefill" "decode" }}
-{{- if gt (int ((index $v $component).tpSize | default 1)) 1 }}
-{{- fail (printf "lora.enabled: the servers do not run LoRA at --tp-size > 1 yet; set %s.tpSize=1 or lora.enabled=false" $component) }}
-{{- end }}
-{{- end }}
-{{- if $v.kvStore.enabled }}
-{{- fail "lora.enabled: the servers do not run LoRA with the hierarchical cache yet; set kvStore.enabled=false or lora.enabled=false" }}
-{{- end }}
 {{- if and $v.planner.enabled (eq $v.planner.actuator "flip") }}
 {{- fail "lora.enabled: the servers do not run LoRA with --enable-pd-role-switch yet; set planner.actuator=scale or none, or lora.enabled=false" }}
 {{- end }}
