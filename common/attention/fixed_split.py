@@ -76,8 +76,7 @@ class FixedSplitAttention(AttentionBackend):
         pool.set_kv(layer_id, self._out, k, v)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # MLA: V (the latent) is narrower than Q and K
         for g in self._groups:
-            keys = pool.k_at(layer_id, g.kv_at).transpose(1, 2).float().contiguous()  # [R, Hkv, S, D]
-            vals = pool.v_at(layer_id, g.kv_at).transpose(1, 2).float().contiguous()  # [R, Hkv, S, Dv]
+            keys, vals = split_kv(pool.k_at(layer_id, g.kv_at), pool.v_at(layer_id, g.kv_at))
             (r, e), hkv, d = g.rows.shape, keys.shape[1], q.shape[-1]
             qg = q[g.rows].float().view(r, e, hkv, -1, d).permute(0, 2, 3, 1, 4)  # [R, Hkv, G, E, D]
             og = split_attention((qg * self.scaling).reshape(r, hkv, -1, d).contiguous(), keys, vals, g.pos)
@@ -86,23 +85,36 @@ class FixedSplitAttention(AttentionBackend):
         return out
 
 
+def split_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered K and V [R, S, H, D] (S a multiple of SPLIT) as split_attention's float32 operands: keys
+    [R, H, S / SPLIT, D, SPLIT] and values [R, H, S / SPLIT, SPLIT, Dv], each split contiguous."""
+
+    def splits(x: torch.Tensor) -> torch.Tensor:
+        r, s, h, d = x.shape
+        return x.float().view(r, s // SPLIT, SPLIT, h, d).permute(0, 3, 1, 2, 4)
+
+    return splits(k).transpose(-1, -2).contiguous(), splits(v).contiguous()
+
+
 def split_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """softmax(q K^T) V over SPLIT keys at a time, in order. q [R, H, M, D] (scaled), keys [R, H, S, D],
-    vals [R, H, S, Dv], pos [R, 1, M, 1] each query row's position (keys after it masked)."""
+    """softmax(q K^T) V over SPLIT keys at a time, in order. q [R, H, M, D] (scaled, contiguous), keys
+    [R, H, N, D, SPLIT] and vals [R, H, N, SPLIT, Dv], each split contiguous (a transposed operand, or another
+    M, would change the product's summation order: benchmarks/batch_invariance.py); keys past a query's
+    position in `pos` [R, 1, M, 1] are masked (the padding of the last split too)."""
     if q.shape[2] == 1:  # a one-row product takes another kernel: compute the row twice
         return split_attention(torch.cat([q, q], 2), keys, vals, torch.cat([pos, pos], 2))[:, :, :1]
     r, h, m, _ = q.shape
     acc = q.new_zeros(r, h, m, vals.shape[-1])
     total, top = q.new_zeros(r, h, m, 1), q.new_full((r, h, m, 1), FLOOR)
-    for start in range(0, keys.shape[-1], SPLIT):
-        scores = torch.matmul(q, keys[:, :, start : start + SPLIT].transpose(-1, -2))
-        key_pos = torch.arange(start, start + SPLIT, device=q.device)
+    for n in range(keys.shape[2]):
+        scores = torch.matmul(q, keys[:, :, n])
+        key_pos = torch.arange(n * SPLIT, (n + 1) * SPLIT, device=q.device)
         scores = scores.masked_fill(key_pos > pos, float("-inf"))
         split_top = scores.amax(-1, keepdim=True).clamp(min=FLOOR)
         p = torch.exp(scores - split_top)
         new_top = torch.maximum(top, split_top)
         old, new = torch.exp(top - new_top), torch.exp(split_top - new_top)
-        acc = acc * old + torch.matmul(p, vals[:, :, start : start + SPLIT]) * new
+        acc = acc * old + torch.matmul(p, vals[:, :, n]) * new
         total = total * old + p.sum(-1, keepdim=True) * new
         top = new_top
     return acc / total

@@ -44,7 +44,12 @@ LAYOUT_KEYS = (
 # what --transfer-backend and `tandem up --transfer-backend` accept; loopback, in-process, serves unit tests only
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 LOOPBACK_BACKEND = "loopback"
-ABSENT = {"kv_checksum": False, "speculative": "none", "weights": "none", "deterministic": False}  # what a layout without these fields means
+ABSENT = {
+    "kv_checksum": False,
+    "speculative": "none",
+    "weights": "none",
+    "deterministic": False,
+}  # what a layout without these fields means
 NO_DRAFT_STATE = ("none", "NGRAM")  # what crosses is the same as without speculation
 
 

@@ -58,9 +58,9 @@ def others(n: int, seed: int) -> list[dict]:
     return out
 
 
-def answers(url: str, bodies: list[dict], concurrency: int = 1, seed: int = 0) -> list[dict]:
-    """The targets' answers (tokens, text, logprobs, top logprobs) sent `concurrency` at a time, shuffled among
-    the other bodies (whose answers are dropped)."""
+def answers(url: str, bodies: list[dict], concurrency: int = 1, seed: int = 0, kept: int | None = None) -> list[dict]:
+    """The answers (tokens, text, logprobs, top logprobs) of the first `kept` bodies (default all), every
+    body sent in a shuffled order, `concurrency` at a time."""
     order = list(range(len(bodies)))
     random.Random(seed).shuffle(order)
 
@@ -71,11 +71,11 @@ def answers(url: str, bodies: list[dict], concurrency: int = 1, seed: int = 0) -
 
     with ThreadPoolExecutor(concurrency) as pool:
         got = dict(zip(order, pool.map(one, [bodies[i] for i in order])))
-    return [got[i] for i in range(len(TARGETS))]
+    return [got[i] for i in range(len(bodies) if kept is None else kept)]
 
 
 def crowded(url: str, extra: int, concurrency: int, seed: int) -> list[dict]:
-    return answers(url, TARGETS + others(extra, seed), concurrency, seed)
+    return answers(url, TARGETS + others(extra, seed), concurrency, seed, kept=len(TARGETS))
 
 
 @pytest.fixture(scope="module")
