@@ -3,7 +3,7 @@ and 64, and prefill throughput (prompts of --prompt-len tokens, --prefills of th
 the flag off and on, side by side from one run, on the built-in model (SmolLM2-135M, float32) unless
 --model says otherwise. The two engines' measurements alternate, so a load change on the machine hits both.
 
-    .venv/bin/python benchmarks/deterministic_cost.py [--steps 20] [--context 256] [--threads 2]
+    .venv/bin/python benchmarks/deterministic_cost.py [--steps 20] [--context 128] [--threads 2] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -80,17 +80,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding request")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding request")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--prefills", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="measurements of each, alternating; the best is kept")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engines = {False: engine_for(args.model, False), True: engine_for(args.model, True)}
     results: dict[tuple, float] = {}
     seed = 0
     for what in [*BATCHES, "prefill"]:
-        for det in (False, True, False, True):  # alternating; each kept at its best of two
+        for det in (False, True) * args.rounds:  # alternating; each kept at its best
             invariant.enable(det)  # one switch per process: the engine measured now
             seed += 1  # new prompts every time: no prefix cache hit
             if what == "prefill":
@@ -99,6 +100,7 @@ def main() -> None:
             else:
                 value = decode_step(engines[det], what, args.context, args.steps, seed)
                 results[what, det] = min(value, results.get((what, det), float("inf")))
+            print(f"  {what} {'on' if det else 'off'}: {value:.4g}", file=sys.stderr, flush=True)
     print(f"--enable-deterministic-inference on the CPU ({torch.get_num_threads()} threads), model {args.model}")
     print(f"{'':>28} | {'off':>10} | {'on':>10} | {'on / off':>8}")
     for b in BATCHES:
