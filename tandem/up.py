@@ -285,12 +285,8 @@ def run_up(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        if ns.model == "builtin":  # convert once, before several processes want it at the same time
-            print("[up] preparing the built-in model (first run converts it, about a minute)...", flush=True)
-            subprocess.run(
-                [sys.executable, "-c", "from common.model.loader import resolve_model_dir as r; r('builtin')"],
-                check=True,
-            )
+        if ns.model == "builtin" and not _prepare_builtin(lambda: stopping):
+            return 1
         return _supervise(ns, children, lambda: stopping)
     finally:
         print("[up] stopping every process...", flush=True)
@@ -298,9 +294,25 @@ def run_up(ns: argparse.Namespace) -> int:
         print("[up] stopped", flush=True)
 
 
+def _prepare_builtin(stopping) -> bool:
+    """Convert the built-in model once, before several processes want it at the same time; False when it
+    failed or the user stopped `tandem up` meanwhile."""
+    print("[up] preparing the built-in model (first run converts it, about a minute)...", flush=True)
+    code = "from common.model.loader import resolve_model_dir as r; r('builtin')"
+    proc = subprocess.Popen([sys.executable, "-c", code], process_group=0)
+    while proc.poll() is None and not stopping():
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait()
+    return proc.returncode == 0
+
+
 def _start(c: Child) -> None:
+    """Each child in its own process group: a Ctrl-C in the terminal reaches `tandem up` alone, which stops
+    the children itself (SIGTERM), so none prints a KeyboardInterrupt traceback while still importing."""
     print(f"[up] starting {c.name}: {' '.join(c.argv[2:])}", flush=True)
-    c.proc = subprocess.Popen(c.argv, env=os.environ | c.env)
+    c.proc = subprocess.Popen(c.argv, env=os.environ | c.env, process_group=0)
 
 
 def _supervise(ns: argparse.Namespace, children: list[Child], stopping) -> int:

@@ -83,6 +83,29 @@ def in_dtype(work: torch.Tensor, dtype: torch.dtype, reuse: bool) -> torch.Tenso
     return out.copy_(work)
 
 
+def reserve_buffers(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Allocate now the dequantization buffers the model's FP8 layers will use (every layer the GEMM does not
+    take), so a KV pool sized from the memory left after loading never counts on memory a first forward
+    would take; their bytes. Called on CUDA only: the CPU has no pool sized from free memory."""
+    before = sum(b.nbytes for b in _buffers.values())
+    for module in model.modules():
+        quant, weight = getattr(module, "quant", None), getattr(module, "weight", None)
+        if quant is None or weight is None or weight.dtype != FP8 or _gemm_takes(quant, weight):
+            continue
+        upcast(weight)
+        if dtype != torch.float32:
+            _buffer(weight.shape, dtype, weight.device)
+    return sum(b.nbytes for b in _buffers.values()) - before
+
+
+def _gemm_takes(quant, weight: torch.Tensor) -> bool:
+    """Whether every product of this layer runs the block-scaled GEMM (fp8_gemm.fits for any 2-D input)."""
+    if not isinstance(quant, BlockFP8) or not weight.is_cuda:
+        return False
+    probe = torch.empty(1, weight.shape[1], device=weight.device)
+    return fp8_gemm.fits(probe, weight, quant.block, quant.offset)
+
+
 def _buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = (tuple(shape), dtype, device)
     if key not in _buffers:

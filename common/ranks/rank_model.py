@@ -42,6 +42,7 @@ from common.model.registry import attention_spec, model_class
 from common.parallel import invariant
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
+from common.quant.fp8_block import reserve_buffers
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ def build_rank_model(
     heads = head_partition(whole.q_heads, whole.kv_heads, tp.attn)
     spec = dataclasses.replace(whole, q_heads=heads.num_heads, kv_heads=heads.num_kv_heads)  # this rank's
     store_dtype = kv_store_dtype(config.kv_cache_dtype, dtype)
+    if config.device == "cuda" and (buffers := reserve_buffers(model, dtype)):
+        log.info("FP8 dequantization buffers: %.1f MiB, set aside before the KV pool", buffers / 2**20)
     memory = torch.cuda.mem_get_info() if config.device == "cuda" else None  # (free, total) after the weights
     per_token = pool_bytes_per_token(spec, store_dtype)
     reserved = static_reserve(config, hf, spec.kind, store_dtype.itemsize == 1) if memory else StaticReserve()

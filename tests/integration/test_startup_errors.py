@@ -167,7 +167,7 @@ def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
     """Checkpoints a loader cannot read, as a user meets them: name -> (`serve` arguments, the last line)."""
     from safetensors.torch import load_file, save_file
 
-    from common.quant.scheme import SUPPORTED
+    from common.quant.int4_scheme import SUPPORTED_INT4
     from tests.integration.fp8_models import to_fp8_block
     from tests.integration.tiny_model import save_tiny_llama
 
@@ -176,7 +176,7 @@ def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
 
     awq = tiny("awq")
     config = json.loads((awq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 3, "group_size": 128}
     (awq / "config.json").write_text(json.dumps(config))
     no_tokenizer = tiny("no-tokenizer")
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -198,8 +198,7 @@ def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "unsupported-quantization": (
             ["--model", str(awq)],
-            f"tandem serve: --model {awq}: quantization_config.quant_method awq is not supported; Tandem reads "
-            f"{SUPPORTED}",
+            f"tandem serve: --model {awq}: quantization_config.bits 3 is not supported; Tandem reads {SUPPORTED_INT4}",
         ),
         "quantization-flag-on-unquantized": (
             ["--model", str(truncated), "--quantization", "fp8"],
@@ -273,3 +272,35 @@ LOADING_CASES = [
 def test_a_checkpoint_the_loader_cannot_read_is_one_line_naming_it(loading_results, name):
     code, last, line = loading_results[name]
     assert (code, last) == (1, line)
+
+
+def test_ctrl_c_while_tandem_up_starts_stops_every_process_without_a_traceback(builtin_model_dir):
+    """A terminal's Ctrl-C reaches the whole foreground group: `tandem up` alone must see it (its children
+    run in their own groups) and stop them, none printing a KeyboardInterrupt traceback mid-import."""
+    import os
+    import signal
+    import time
+
+    from tests.ports import free_port
+
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "up", "--mode", "pd", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        process_group=0,
+    )
+    lines = []
+    while not any(line.startswith("[up] starting") for line in lines):
+        lines.append(up.stdout.readline())
+        assert lines[-1], "".join(lines)
+    time.sleep(1.0)  # the first children are importing
+    os.killpg(up.pid, signal.SIGINT)
+    rest, _ = up.communicate(timeout=60)
+    out = "".join(lines) + rest
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.rstrip().endswith("[up] stopped") and up.returncode == 0, out
+    left = subprocess.run(["pgrep", "-f", f"tandem.* {port}"], capture_output=True, text=True).stdout
+    assert not left, left

@@ -38,7 +38,11 @@ def test_the_scheme_is_read_from_quantization_config_and_the_flag_may_insist():
 @pytest.mark.parametrize(
     "qc, flag, said",
     [
-        ({"quant_method": "awq", "bits": 4}, None, "--model m: quantization_config.quant_method awq is not supported"),
+        (
+            {"quant_method": "bitsandbytes"},
+            None,
+            "--model m: quantization_config.quant_method bitsandbytes is not supported",
+        ),
         ({"quant_method": "fp8"}, None, "fp8 without weight_block_size (per-tensor scales) is not supported"),
         (FP8 | {"weight_block_size": [128]}, None, "weight_block_size [128]: give two positive block sizes"),
         (FP8 | {"fmt": "e5m2"}, None, "quantization_config.fmt e5m2 is not supported"),
@@ -130,3 +134,18 @@ def test_nextn_over_a_quantized_checkpoint_is_refused_in_one_line():
     hf = SimpleNamespace(num_nextn_predict_layers=1, quantization_config=FP8)
     with pytest.raises(UserError, match="NEXTN: m is quantized \\(fp8\\) and Tandem reads no quantized MTP layer"):
         check_nextn(hf, "m")
+
+
+def test_reserve_buffers_allocates_what_the_first_forward_uses(fp8_dir):
+    """The buffers every FP8 layer dequantizes into exist before the KV pool is sized (rank_model on CUDA):
+    a forward afterwards allocates none."""
+    from common.quant import fp8_block
+
+    fp8_block._buffers.clear()
+    model = load_model(fp8_dir, load_hf_config(fp8_dir), torch.bfloat16, "cpu")
+    shapes = {m.weight.shape for m in model.modules() if getattr(m, "quant", None) is not None}
+    reserved = fp8_block.reserve_buffers(model, torch.bfloat16)
+    assert reserved == sum(s.numel() * (4 + 2) for s in shapes) and len(fp8_block._buffers) == 2 * len(shapes)
+    model.model.layers[0].mlp(torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16))
+    assert len(fp8_block._buffers) == 2 * len(shapes)
+    assert fp8_block.reserve_buffers(model, torch.bfloat16) == 0
