@@ -13,7 +13,10 @@ gap between events (p50/p99, with and without faults), KV bytes sent by the pref
 no-fault run's, corrupted rooms caught, and client retries (a 503 before any byte while no pair is healthy).
 
     .venv/bin/python benchmarks/migration_drill.py [--streams 200] [--topologies 1p2d 2p2d] [--max-new 48]
-        [--concurrency 24] [--model builtin]
+        [--concurrency 24] [--model builtin] [--enable-deterministic-inference]
+
+With --enable-deterministic-inference on every server a stream's bits do not follow its batch, so there is
+no near-tie to excuse: the near-tie row is left out, and every stream must be identical to the no-fault run.
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ ROUTER = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "
 
 
 class Cluster:
-    def __init__(self, model: str, prefills: int, recompute: bool, fault_dir: str):
+    def __init__(self, model: str, prefills: int, recompute: bool, fault_dir: str, deterministic: bool = False):
         self.faults = [str(Path(fault_dir) / f"prefill{i}") for i in range(prefills)]
-        flags = ("--model", model, *ENGINE, *PD)
+        flags = ("--model", model, *ENGINE, *PD, *(("--enable-deterministic-inference",) if deterministic else ()))
         self.prefills, self.decodes = [], []
         for i, path in enumerate(self.faults):
             Path(path).write_text("")
@@ -292,7 +295,7 @@ class BytesMeter:
 
 def drill(ns: argparse.Namespace, model: str, prefills: int) -> dict:
     with tempfile.TemporaryDirectory() as faults:
-        c = Cluster(model, prefills, recompute=prefills == 1, fault_dir=faults)
+        c = Cluster(model, prefills, recompute=prefills == 1, fault_dir=faults, deterministic=ns.deterministic)
         meter = BytesMeter(c)
         try:
             reqs = bodies(ns.streams, ns.max_new)
@@ -364,11 +367,16 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--topologies", nargs="+", default=["1p2d", "2p2d"], choices=["1p2d", "2p2d"])
     p.add_argument("--model", default=None, help="default: a tiny random Llama (tests/integration/tiny_model.py)")
+    p.add_argument("--enable-deterministic-inference", dest="deterministic", action="store_true")
     ns = p.parse_args()
     model = ns.model or str(save_tiny_llama(Path(tempfile.mkdtemp(prefix="drill-model-"))))
     for topo in ns.topologies:
         r = drill(ns, model, int(topo[0]))
+        if ns.deterministic:  # nothing parts at a near-tie: every stream is identical, or the drill fails
+            del r["identical, or parting from it at a float near-tie"]
         print(json.dumps(r, indent=1), flush=True)
+        if ns.deterministic and (r["not identical"] or r["no-fault runs not identical"]):
+            sys.exit(f"{r['topology']}: streams not identical under --enable-deterministic-inference")
 
 
 if __name__ == "__main__":

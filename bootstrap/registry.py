@@ -45,6 +45,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "speculative": (str,),
     "experts": (str,),
     "weights": (str,),
+    "deterministic": (bool,),
 }
 DEFAULTS = {
     "dp_size": 1,
@@ -54,6 +55,7 @@ DEFAULTS = {
     "speculative": "none",
     "experts": "",
     "weights": "none",
+    "deterministic": False,
 }
 SIZES = ("tp_size", "dp_size", "page_size", "num_layers", "kv_heads", "head_dim")
 MAX_STRING = 255

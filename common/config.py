@@ -60,6 +60,11 @@ class ServerConfig(BaseSettings):
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"
     )
+    enable_deterministic_inference: bool = Field(
+        False,
+        description="batch-invariant ops (SGLang's flag): a request's tokens and logprobs the same bits whatever "
+        "its batch, chunking, prefix cache, PD pair or migration (CPU; every server of a cluster alike)",
+    )
     seed: int = 0
     tp_size: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks: the server starts tp_size - 1 more processes (one GPU each)"

@@ -44,8 +44,38 @@ def check_flags(c: ServerConfig) -> None:
         )
     check_store(c)
     check_lora(c)
+    check_deterministic(c)
     if c.transfer_backend == "loopback" and c.disaggregation_mode != "null":
         raise ValueError("--transfer-backend loopback is for unit tests only: use mooncake or nixl")
+
+
+def check_deterministic(c: ServerConfig) -> None:
+    """--enable-deterministic-inference holds where its batch-invariant ops were measured: the CPU's products
+    and the torch attention backend's fixed split, within one TP group of at most 2 ranks (a sum of two
+    partials is the same in either order), with no other rank's batch in the forward."""
+    if not c.enable_deterministic_inference:
+        return
+    found = [
+        (c.device == "cuda", "--device cuda (cuBLAS and FlashInfer pick kernels by batch size)", "--device cpu"),
+        (c.attention_backend == "flashinfer", "--attention-backend flashinfer", "--attention-backend torch"),
+        (
+            c.tp_size > 2,
+            f"--tp-size {c.tp_size} (an all-reduce of 3 or more partials in a batch-dependent order)",
+            "--tp-size 1 or 2",
+        ),
+        (
+            c.enable_dp_attention or c.ep_size > 1,
+            "--enable-dp-attention / --ep-size (other ranks' tokens in the forward)",
+            "neither",
+        ),
+        (c.enable_lora, "--enable-lora (its products are not batch-invariant yet)", "no --enable-lora"),
+    ]
+    for bad, what, instead in found:
+        if bad:
+            raise ValueError(
+                f"--enable-deterministic-inference is not implemented with {what}: use {instead}, "
+                "or drop --enable-deterministic-inference"
+            )
 
 
 DRAFTS_FROM_PATH = ("STANDALONE", "EAGLE", "EAGLE3")  # what --speculative-draft-model-path gives

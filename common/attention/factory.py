@@ -1,5 +1,6 @@
-"""Which attention backend a rank builds: the torch backend (any device, any pool), or FlashInfer (CUDA, MHA pools
-in the model's dtype); common/attention/choice.py has the rules, checked before the weights load."""
+"""Which attention backend a rank builds: the torch backend (any device, any pool; with a fixed KV split under
+--enable-deterministic-inference), or FlashInfer (CUDA, MHA pools in the model's dtype); common/attention/choice.py
+has the rules, checked before the weights load."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ def make_attention_backend(
     head_dim: int,
     scaling: float,
     flashinfer_backend: str = "fa2",
+    deterministic: bool = False,
 ) -> AttentionBackend:
+    """`deterministic` (--enable-deterministic-inference): the torch backend's fixed KV split
+    (common/attention/fixed_split.py); the flag refuses FlashInfer at start-up (common/config_checks.py)."""
     plain = kv_pool.kind == "mha" and not kv_pool.quantized
     name = resolved_backend(name, device, kv_pool.kind, kv_pool.quantized)
+    if name == "torch" and deterministic:
+        from common.attention.fixed_split import FixedSplitAttention
+
+        return FixedSplitAttention(kv_pool, num_q_heads, head_dim, scaling)
     if name == "torch":
         from common.attention.torch_backend import TorchAttention
 

@@ -293,4 +293,5 @@ def server_kv_layout(c: ServerConfig, model: ModelParts, memory: MemoryParts, sp
         dp_size,
         moe,
         weights,
+        c.enable_deterministic_inference,
     )

@@ -30,8 +30,10 @@ from torch import nn
 
 from common.core.forward_batch import ForwardBatch
 from common.model.llama import MLP
+from common.parallel import invariant
 from common.parallel.experts import ExpertPlacement
 from common.parallel.group import SINGLE, TensorParallel
+from common.parallel.layers import linear
 
 
 class RouterGate(nn.Module):
@@ -44,6 +46,8 @@ class RouterGate(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 router logits, whatever the weights' dtype."""
+        if invariant.enabled():  # oneDNN's product: MKL's (F.linear's) float32 rows change with the batch size
+            return linear(x.float(), self.weight.float())
         return F.linear(x.float(), self.weight.float())
 
 

@@ -11,7 +11,8 @@ With the group of one rank (`SINGLE`) each is the single-device operation, with 
 `linear` is the one matrix product they (and the models' fused projections) call: on the CPU in float32 it
 is oneDNN's, which PyTorch uses for bfloat16 but not for float32 (that goes to MKL, whose float32 GEMV
 and small-batch GEMM take a slow path on AMD CPUs: a decode step of the built-in model up to 1.4x slower,
-docs/performance.md). Elsewhere it is `F.linear`.
+docs/performance.md). Elsewhere it is `F.linear`. With --enable-deterministic-inference a one-row product is
+computed as two rows (common/parallel/invariant.py: the same kernel for every batch size).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.parallel import invariant
 from common.parallel.group import SINGLE, TensorParallel
 from common.parallel.partition import padded_vocab, split
 
@@ -30,6 +32,12 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldn
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b, as F.linear; on the CPU in float32 through oneDNN (the module docstring says why)."""
+    if invariant.enabled() and len(x) == 1:
+        return invariant.per_row(lambda rows: _linear(rows, weight, bias), x)
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu" and weight.is_contiguous():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -39,6 +39,7 @@ from common.model.loader import load_model
 from common.model.moe import expert_placement, moe_layers
 from common.model.nextn import check_nextn, load_mtp
 from common.model.registry import attention_spec, model_class
+from common.parallel import invariant
 from common.parallel.group import TensorParallel
 from common.parallel.partition import HeadPartition, head_partition
 from common.quant.fp8_block import reserve_buffers
@@ -63,6 +64,7 @@ def build_rank_model(
 ) -> RankModel:
     """Weights first (the pool gets what is left), then a pool of as many pages as the fullest rank holds."""
     tp = model_layout(tp, config)
+    invariant.enable(config.enable_deterministic_inference)  # the products every layer calls (before any runs)
     algo, path = config.speculative_algorithm, config.speculative_draft_model_path
     found = draft_config(path, hf) if algo == "STANDALONE" else None  # refused before anything loads
     eagle = eagle_config(path, hf) if algo == "EAGLE" else eagle3_config(path, hf) if algo == "EAGLE3" else None
@@ -98,10 +100,11 @@ def build_rank_model(
     log.info("%s", describe_kv_cache(spec, store_dtype, source))
     pool = make_kv_pool(spec, plan.num_pages, config.page_size, store_dtype, dtype, config.device, scales)
     backend = (config.attention_backend, config.device, pool)
-    attn = make_attention_backend(*backend, spec.q_heads, spec.head_dim, spec.scaling, config.flashinfer_backend)
+    chosen = (config.flashinfer_backend, config.enable_deterministic_inference)
+    attn = make_attention_backend(*backend, spec.q_heads, spec.head_dim, spec.scaling, *chosen)
     if draft is not None:  # its own backend over the same pool only when its query heads differ
         draft.shares_attn = draft.heads() == (spec.q_heads, spec.head_dim, spec.scaling)
-        own = None if draft.shares_attn else make_attention_backend(*backend, *draft.heads(), config.flashinfer_backend)
+        own = None if draft.shares_attn else make_attention_backend(*backend, *draft.heads(), *chosen)
         draft.attn = own or attn
     return RankModel(model, heads, plan, pool, attn, reserved, draft, head)
 

@@ -10,7 +10,8 @@ dp_size: attention DP ranks (each attention group of tp_size / dp_size ranks hol
 own requests' KV); experts: how MoE layers are laid out ("tp": a slice of every expert per rank, "ep N"
 whole experts over N ranks, "+K" redundant copies; "none" for a dense model); weights: the weights'
 quantization (common.quant.scheme: "none", "fp8 block 128x128", "awq int4 group 128, zero points"), which
-both sides must run alike. The TP and DP sizes and the
+both sides must run alike; deterministic: --enable-deterministic-inference (a batch-invariant decode refuses
+a prefill that is not, whose KV would depend on its batch). The TP and DP sizes and the
 expert layout may differ between prefill and decode: the prefill writes each decode rank of the request's
 DP rank its KV heads; only an attention split that cannot hold the KV heads cannot be served."""
 
@@ -37,12 +38,18 @@ LAYOUT_KEYS = (
     "dp_size",
     "experts",
     "weights",
+    "deterministic",
 )
 # the data-plane engines a PD server may move KV with (both of a pair run the same: the layout's transfer_backend),
 # what --transfer-backend and `tandem up --transfer-backend` accept; loopback, in-process, serves unit tests only
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 LOOPBACK_BACKEND = "loopback"
-ABSENT = {"kv_checksum": False, "speculative": "none", "weights": "none"}  # what a layout without these fields means
+ABSENT = {
+    "kv_checksum": False,
+    "speculative": "none",
+    "weights": "none",
+    "deterministic": False,
+}  # what a layout without these fields means
 NO_DRAFT_STATE = ("none", "NGRAM")  # what crosses is the same as without speculation
 
 
@@ -60,6 +67,7 @@ def kv_layout(
     dp_size: int = 1,
     experts: str = "none",
     weights: str = "none",
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     """The layout of a KV pool (anything with the pool's attributes; with `tp_size` ranks, each rank's
     pool) moved by `backend`. `kv_heads`: the model's KV heads, which the ranks split or replicate
@@ -81,6 +89,7 @@ def kv_layout(
         "kv_checksum": checksum,
         "speculative": speculative,
         "weights": weights,
+        "deterministic": deterministic,
     }
 
 
