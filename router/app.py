@@ -22,6 +22,7 @@ from common.wire.drain import Drain, refusal
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.responses_call import Responses
 from common.wire.responses_store import ResponsesStore
+from common.wire.version import package_version
 from router.admission import Admission
 from router.cluster_status import health_generate, server_info
 from router.config import RouterConfig, WorkerChange
@@ -112,7 +113,7 @@ def create_router_app(config: RouterConfig, drain: Drain | None = None) -> web.A
         app.router.add_post(gen_path, dispatcher.handle)
     store = ResponsesStore(config.responses_store_size, os.path.join(shared, "responses.sqlite") if shared else None)
     add_responses_routes(app, dispatcher, Responses(store), config.max_request_bytes)
-    _add_status_routes(app, workers, metrics)
+    _add_status_routes(app, workers, metrics, config.max_request_bytes)
     _add_cluster_routes(app, config, workers, dispatcher)
     _add_worker_routes(app, workers, config.max_request_bytes)
     add_pd_role_switch_route(app, workers, config.max_request_bytes, config.pd_role_switch_timeout_s)
@@ -158,18 +159,31 @@ def _guard(api_key: str | None, drain: Drain | None):
     return guard
 
 
-def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: RouterMetrics) -> None:
-    async def models(request: web.Request) -> web.Response:
-        """/v1/models and /v1/models/{id}: a healthy decode's answer."""
-        for w in workers.healthy("decode"):
+def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: RouterMetrics, max_bytes: int) -> None:
+    async def forwarded(request: web.Request) -> web.Response:
+        """/v1/models, /get_model_info, /tokenize, /detokenize: a healthy worker's answer (a decode's first)."""
+        body = (
+            await read_limited(request.headers, request.content.iter_any(), max_bytes)
+            if request.can_read_body
+            else None
+        )
+        for w in [*workers.healthy("decode"), *workers.healthy("prefill")]:
             try:
-                async with app["session"].get(
-                    w.url + request.raw_path, timeout=aiohttp.ClientTimeout(total=5), server_hostname=w.tls_name
+                async with app["session"].request(
+                    request.method,
+                    w.url + request.raw_path,
+                    data=body,
+                    headers={"Content-Type": "application/json"} if body is not None else None,
+                    timeout=aiohttp.ClientTimeout(total=5),
+                    server_hostname=w.tls_name,
                 ) as r:
                     return json_response(await r.read(), r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
-        return json_response(error_body("no healthy decode worker", "overloaded_error", 503), 503, {"Retry-After": "1"})
+        return json_response(error_body("no healthy worker", "overloaded_error", 503), 503, {"Retry-After": "1"})
+
+    async def router_version(request: web.Request) -> web.Response:
+        return json_response({"version": package_version()})
 
     async def health(request: web.Request) -> web.Response:
         return web.Response()
@@ -186,13 +200,17 @@ def _add_status_routes(app: web.Application, workers: WorkerRegistry, metrics: R
         return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     for path, handler in (
-        ("/v1/models", models),
+        ("/v1/models", forwarded),
+        ("/get_model_info", forwarded),
+        ("/version", router_version),
         ("/health", health),
         ("/readiness", readiness),
         ("/metrics", prometheus),
     ):
         app.router.add_get(path, handler)
-    app.router.add_get("/v1/models/{model_id:.+}", models)
+    app.router.add_get("/v1/models/{model_id:.+}", forwarded)
+    app.router.add_post("/tokenize", forwarded)
+    app.router.add_post("/detokenize", forwarded)
 
 
 def _add_cluster_routes(

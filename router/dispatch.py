@@ -18,11 +18,13 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from common.wire.batch import split_batch, stream_refused
 from common.wire.body import parse_json_object, read_limited
 from common.wire.errors import TandemError, error_body
 from common.wire.sse import DONE, sse_event
 from router.adapters import missing_adapter
 from router.admission import Admission
+from router.batch import dispatch_batch
 from router.config import RouterConfig
 from router.http1 import Pools
 from router.logprobs import PromptLogprobs, wants_prompt_logprobs
@@ -108,8 +110,13 @@ class Dispatcher:
             raw = await read_limited(request.headers, request.content.iter_any(), self.config.max_request_bytes)
             body = parse_json_object(raw)
             hints = RequestHints.from_headers(request.headers)
+            parts = split_batch(path, body)
+            if parts is not None and body.get("stream"):
+                raise stream_refused(path)
         except TandemError as e:
             return self._reply(path, json_response(e.to_dict(), e.status, e.headers), None, start)
+        if parts is not None:
+            return await dispatch_batch(self, path, request, body, parts, start, hints)
         return await self.dispatch(path, request, raw, body, start, hints)
 
     async def dispatch(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,9 @@ from common.edge.asgi import ApiKeyGuard, DrainGuard, read_body, sse_response
 from common.engine.engine import Engine
 from common.http import openai_api
 from common.http.adapters import named_adapter, run_under
+from common.http.batch import Part, build_parts, merged_streams
 from common.http.guard import CountingGuard
+from common.http.info_api import add_info_routes
 from common.http.lora_admin import add_lora_routes
 from common.http.responses import add_responses_api
 from common.http.role_guard import RoleGuard, role_headers
@@ -30,6 +33,7 @@ from common.http.serving import (
     check_input,
     check_priority,
     collect,
+    collect_all,
     initial_choices,
     new_rid,
     raise_if_failed,
@@ -37,7 +41,9 @@ from common.http.serving import (
     tokenize_text,
 )
 from common.http.switch_guard import SwitchGuard, add_role_switch_route
-from common.wire.api import GenerateRequest, parse_body
+from common.wire.api import GenerateRequest, validate
+from common.wire.batch import GENERATE, split_batch
+from common.wire.body import parse_json_object
 from common.wire.drain import Drain
 from common.wire.errors import InvalidRequest, TandemError, error_body
 from common.wire.sse import DONE, sse_event
@@ -66,10 +72,12 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = parse_body(await read_body(request, engine.config.max_request_bytes), GenerateRequest)
-        gen = generate_input(engine, body)
-        gen.grammar_spec = body.grammar_spec()
-        await check_grammar(engine.grammar, gen)
+        data = parse_json_object(await read_body(request, engine.config.max_request_bytes))
+        bodies = split_batch(GENERATE, data)
+        if bodies is not None:
+            parts = await build_parts(engine, GENERATE, data, bodies, functools.partial(_generate_part, engine))
+            return await generate_batch(engine, parts, request)
+        body, gen = await _generate_part(engine, data)
         if body.stream:
             return sse_response(generate_stream(engine, gen, body))
         choices = await collect(engine, gen, request)
@@ -107,6 +115,7 @@ def create_app(engine: Engine, drain: Drain | None = None) -> FastAPI:
     openai_api.add_routes(app, engine)
     add_responses_api(app, engine)
     add_lora_routes(app, engine)
+    add_info_routes(app, engine)
     add_role_switch_route(app, engine)
     return app
 
@@ -136,6 +145,25 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_body("internal error; the server log has the details", "internal_error", 500), status_code=500
         )
+
+
+async def _generate_part(engine: Engine, data: dict[str, Any]) -> tuple[GenerateRequest, GenInput]:
+    """One prompt of /generate: its body and GenInput, checked (its grammar compiled)."""
+    body = validate(data, GenerateRequest)
+    gen = generate_input(engine, body)
+    gen.grammar_spec = body.grammar_spec()
+    await check_grammar(engine.grammar, gen)
+    return body, gen
+
+
+async def generate_batch(engine: Engine, parts: list[Part], request: Request) -> Response:
+    """A batch's answer: a list of every prompt's choices, prompt by prompt; or one stream whose events carry
+    index prompt_i * n + j (SGLang's)."""
+    if parts[0].built.stream:
+        streams = [generate_stream(engine, p.gen, p.built, p) for p in parts]
+        return sse_response(merged_streams(streams, lambda: b""))
+    answers = await collect_all(engine, [p.gen for p in parts], request)
+    return JSONResponse([generate_result(p.gen, c, p.built) for p, choices in zip(parts, answers) for c in choices])
 
 
 def generate_input(engine: Engine, body: GenerateRequest) -> GenInput:
@@ -184,16 +212,21 @@ def generate_result(gen: GenInput, c: Choice, body: GenerateRequest) -> dict[str
     return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta}
 
 
-async def generate_stream(engine: Engine, gen: GenInput, body: GenerateRequest) -> AsyncIterator[bytes]:
+async def generate_stream(
+    engine: Engine, gen: GenInput, body: GenerateRequest, part: Part | None = None
+) -> AsyncIterator[bytes]:
     """SGLang's streamed /generate: every event holds its choice's whole output so far (a migrated request's
-    from what its client was shown on earlier servers on: common/wire/migration.py)."""
+    from what its client was shown on earlier servers on: common/wire/migration.py). A batch's `part`: indexes
+    from its offset, no [DONE] (its batch's stream ends)."""
     choices, tracer = initial_choices(gen), Tracer(gen)
+    offset = 0 if part is None else part.offset
     try:
         async for i, ev in stream_choices(engine, gen):
             choices[i].add(ev)
             raise_if_failed(ev.finish)
             line = tracer.line(i, ev.token_ids, ev.finish is not None)
-            yield line + sse_event(generate_result(gen, choices[i], body) | {"index": i})
+            yield line + sse_event(generate_result(gen, choices[i], body) | {"index": offset + i})
     except TandemError as e:
         yield sse_event(e.to_dict())
-    yield DONE
+    if part is None:
+        yield DONE

@@ -16,6 +16,7 @@ from common.edge.asgi import read_body, sse_response
 from common.engine.engine import Engine
 from common.engine.output import replayed_text
 from common.http.adapters import model_adapter, model_cards, run_under, served
+from common.http.batch import Part, build_parts, merged_streams
 from common.http.chat_output import ChatShape, ChoiceStream
 from common.http.reasoning import PARSERS as REASONING_PARSERS
 from common.http.serving import (
@@ -26,6 +27,7 @@ from common.http.serving import (
     check_input,
     check_priority,
     collect,
+    collect_all,
     created,
     initial_choices,
     new_rid,
@@ -35,7 +37,9 @@ from common.http.serving import (
     usage,
 )
 from common.http.tool_parsers import PARSERS as TOOL_PARSERS
-from common.wire.api import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body
+from common.wire.api import ChatCompletionRequest, CompletionRequest, OpenAIBase, parse_body, validate
+from common.wire.batch import COMPLETIONS, split_batch, summed_usage
+from common.wire.body import parse_json_object
 from common.wire.errors import InvalidRequest, NotFound, TandemError
 from common.wire.sse import DONE, sse_event
 from common.wire.structured_output import GrammarSpec
@@ -58,15 +62,12 @@ def add_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await read_body(request, engine.config.max_request_bytes), CompletionRequest)
-        adapter = model_adapter(engine, body.model)
-        ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine.tokenizer, body.prompt, "prompt")
-        echo_logprobs = body.echo and body.logprobs is not None  # the prompt's logprobs are computed only then
-        gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs, echo_logprobs)
-        run_under(engine, gen, adapter)
-        gen.grammar_spec = body.grammar_spec()
-        await check_grammar(engine.grammar, gen)
-        echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)) if body.echo else None
+        data = parse_json_object(await read_body(request, engine.config.max_request_bytes))
+        bodies = split_batch(COMPLETIONS, data)
+        if bodies is not None:
+            parts = await build_parts(engine, COMPLETIONS, data, bodies, functools.partial(_completion_input, engine))
+            return await _respond_batch(engine, parts, request)
+        (body, echo), gen = await _completion_input(engine, data)
         make_choice = functools.partial(_completion_choice, echo=echo)
         return await _respond(engine, gen, body, "text_completion", make_choice, request, echo)
 
@@ -93,6 +94,53 @@ async def chat_answer(engine: Engine, body: ChatCompletionRequest, request: Requ
     await check_grammar(engine.grammar, gen)
     make_choice = functools.partial(_chat_choice, shape=shape)
     return await _respond(engine, gen, body, "chat.completion", make_choice, request, shape=shape)
+
+
+async def _completion_input(
+    engine: Engine, data: dict[str, Any]
+) -> tuple[tuple[CompletionRequest, str | None], GenInput]:
+    """((body, the prompt's text to echo or None), its GenInput), checked: one prompt of /v1/completions."""
+    body = validate(data, CompletionRequest)
+    adapter = model_adapter(engine, body.model)
+    ids = body.prompt if isinstance(body.prompt, list) else tokenize_text(engine.tokenizer, body.prompt, "prompt")
+    echo_logprobs = body.echo and body.logprobs is not None  # the prompt's logprobs are computed only then
+    gen = _gen_input(engine, body, ids, body.max_tokens, "prompt", "max_tokens", body.logprobs, echo_logprobs)
+    run_under(engine, gen, adapter)
+    gen.grammar_spec = body.grammar_spec()
+    await check_grammar(engine.grammar, gen)
+    echo = (body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)) if body.echo else None
+    return (body, echo), gen
+
+
+async def _respond_batch(engine: Engine, parts: list[Part], request: Request) -> Response:
+    """A batch's answer: its parts' choices in order (index prompt_i * n + j), usage summed; or one stream."""
+    first_body, first = parts[0].built[0], parts[0].gen
+    rid, model = "cmpl-" + first.rid, first.lora or engine.model_name
+    if first_body.stream:
+        streams = [_stream(engine, p.gen, p.built[0], "text_completion", rid, p.built[1], None, p) for p in parts]
+        return sse_response(merged_streams(streams, functools.partial(_batch_usage_event, parts, rid, model)))
+    for part, choices in zip(parts, await collect_all(engine, [p.gen for p in parts], request)):
+        part.choices = choices
+    answer = {"id": rid, "object": "text_completion", "created": created(), "model": model}
+    choices = [
+        _completion_choice(engine.tokenizer, c, p.gen, p.built[1]) | {"index": p.offset + c.index}
+        for p in parts
+        for c in p.choices
+    ]
+    return JSONResponse(answer | {"choices": choices, "usage": _batch_usage(parts)})
+
+
+def _batch_usage(parts: list[Part]) -> dict[str, Any]:
+    return summed_usage([usage(p.choices, len(p.gen.prompt_ids)) for p in parts])
+
+
+def _batch_usage_event(parts: list[Part], rid: str, model: str) -> bytes:
+    """The last event of a batch's stream: the summed usage, when its client asked for usage."""
+    options = parts[0].built[0].stream_options
+    if not (options and options.include_usage):
+        return b""
+    base = {"id": rid, "object": "text_completion", "created": created(), "model": model}
+    return sse_event(base | {"choices": [], "usage": _batch_usage(parts)})
 
 
 def _chat_chunks(
@@ -255,13 +303,24 @@ def _chat_logprobs(tokenizer: Any, c: Choice) -> list[dict[str, Any]]:
 
 
 async def _stream(
-    engine: Engine, gen: GenInput, body: OpenAIBase, kind: str, rid: str, echo: str | None, shape: ChatShape | None
+    engine: Engine,
+    gen: GenInput,
+    body: OpenAIBase,
+    kind: str,
+    rid: str,
+    echo: str | None,
+    shape: ChatShape | None,
+    part: Part | None = None,
 ) -> AsyncIterator[bytes]:
     """Chunks as they come; with `echo`, each choice's first chunk starts with the prompt. A migrated request's
-    choices go on where its client's stream left them (no role event or echo again: common/wire/migration.py)."""
+    choices go on where its client's stream left them (no role event or echo again: common/wire/migration.py).
+    A batch's `part`: its choices numbered from its offset, no usage or [DONE] (its batch's stream ends)."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
     base = {"id": rid, "object": chunk_kind, "created": created(gen), "model": gen.lora or engine.model_name}
     choices = initial_choices(gen)
+    offset = 0 if part is None else part.offset
+    if part is not None:
+        part.choices = choices
     is_chat = kind == "chat.completion"
     tracer = Tracer(gen)
     to_echo = [None if tracer.seen(i) else echo for i in range(gen.params.n)]
@@ -286,12 +345,12 @@ async def _stream(
                     yield tracer.alone(i, ev)
                 continue
             finish = FINISH.get(ev.finish.type) if ev.finish else None
-            part = Choice(i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
+            piece = Choice(offset + i, ev.text, ev.token_ids, ev.logprobs, ev.top_logprobs, meta=c.meta)
             if is_chat:
-                lp = {"content": _chat_logprobs(engine.tokenizer, part)} if gen.return_logprob else None
+                lp = {"content": _chat_logprobs(engine.tokenizer, piece)} if gen.return_logprob else None
                 chunks = _chat_chunks(streams[i], ev.text, ev.finish is not None, finish, lp, i)
             else:
-                chunks = [_completion_choice(engine.tokenizer, part, gen, to_echo[i]) | {"finish_reason": finish}]
+                chunks = [_completion_choice(engine.tokenizer, piece, gen, to_echo[i]) | {"finish_reason": finish}]
                 to_echo[i] = None
             finished = ev.finish is not None
             line = tracer.line(i, ev.token_ids, finished and len(chunks) <= 1)
@@ -302,8 +361,9 @@ async def _stream(
                 line = b""
             if line:  # every delta held back (a possible tool call): the tokens still go to the router
                 yield line + b"\n"
-        if body.stream_options and body.stream_options.include_usage:
+        if part is None and body.stream_options and body.stream_options.include_usage:
             yield sse_event(base | {"choices": [], "usage": usage(choices, len(gen.prompt_ids))})
     except TandemError as e:
         yield sse_event(e.to_dict())
-    yield DONE
+    if part is None:
+        yield DONE

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.config import ServerConfig
 from common.core.request import FinishReason, GenInput, OutputEvent, Req
@@ -20,6 +20,8 @@ from common.wire.migration import ResumedChoice, trace
 
 if TYPE_CHECKING:
     from common.engine.grammar.backend import GrammarBackend
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -213,27 +215,33 @@ async def stream_choices(engine: Engine, gen: GenInput, stream: bool = True) -> 
     """Run the requests of `gen`'s choices concurrently; yield (choice index, event) as they come (with `stream`
     False, each request's events once it ended)."""
     reqs = make_reqs(gen)
-    if len(reqs) == 1:
-        index, req = reqs[0]
-        async for ev in engine.generate(req, stream):
-            yield index, ev
+    async for k, ev in merged([engine.generate(req, stream) for _, req in reqs]):
+        yield reqs[k][0], ev
+
+
+async def merged(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(k, item) of the k-th iterator's items, all iterated at once, as they come; ended early, every one is
+    closed (an engine request's generator aborts its request)."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
         return
-    merged: asyncio.Queue[tuple[int, OutputEvent | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, T | None, bool]] = asyncio.Queue()
 
-    async def pump(i: int, req: Req) -> None:
-        async for ev in engine.generate(req, stream):
-            await merged.put((i, ev))
-        await merged.put((i, None))
+    async def pump(k: int, it: AsyncIterator[T]) -> None:
+        async for item in it:
+            await queue.put((k, item, False))
+        await queue.put((k, None, True))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in reqs]
+    tasks = [asyncio.create_task(pump(k, it)) for k, it in enumerate(iterators)]
     try:
         done = 0
         while done < len(tasks):
-            i, ev = await merged.get()
-            if ev is None:
+            k, item, ended = await queue.get()
+            if ended:
                 done += 1
             else:
-                yield i, ev
+                yield k, item
     finally:
         for t in tasks:
             t.cancel()
@@ -242,7 +250,13 @@ async def stream_choices(engine: Engine, gen: GenInput, stream: bool = True) -> 
 
 async def collect(engine: Engine, gen: GenInput, request: Any = None) -> list[Choice]:
     """All choices of `gen`; when the HTTP client goes away first, the requests are aborted."""
-    task = asyncio.ensure_future(_collect(engine, gen))
+    return (await collect_all(engine, [gen], request))[0]
+
+
+async def collect_all(engine: Engine, gens: list[GenInput], request: Any = None) -> list[list[Choice]]:
+    """All choices of each of `gens` (the prompts of a batch), run at once; when the HTTP client goes away
+    first, or one of them fails, every request is aborted."""
+    task = asyncio.ensure_future(_collect_all(engine, gens))
     while request is not None:
         done, _ = await asyncio.wait({task}, timeout=0.25)
         if done:
@@ -252,6 +266,16 @@ async def collect(engine: Engine, gen: GenInput, request: Any = None) -> list[Ch
             await asyncio.gather(task, return_exceptions=True)
             raise RequestAborted("client disconnected before the response was ready")
     return await task
+
+
+async def _collect_all(engine: Engine, gens: list[GenInput]) -> list[list[Choice]]:
+    tasks = [asyncio.ensure_future(_collect(engine, g)) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _collect(engine: Engine, gen: GenInput) -> list[Choice]:

@@ -110,16 +110,6 @@ class GenerateRequest(PDFields):
         fields = {k: getattr(self.sampling_params, k) for k in GENERATE_FIELDS}
         return from_body(fields, "sampling_params.", GENERATE_FIELDS)
 
-    @field_validator("text", mode="before")
-    @classmethod
-    def _one_text(cls, v: Any) -> Any:
-        return _reject_batch(v, isinstance(v, list) and all(isinstance(t, str) for t in v))
-
-    @field_validator("input_ids", mode="before")
-    @classmethod
-    def _one_input_ids(cls, v: Any) -> Any:
-        return _reject_batch(v, isinstance(v, list) and any(isinstance(t, list) for t in v))
-
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
@@ -231,11 +221,6 @@ class CompletionRequest(OpenAIBase):
         reject_best_of(data)
         return data
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        return _reject_batch(v, isinstance(v, list) and any(isinstance(p, (str, list)) for p in v))
-
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -334,18 +319,16 @@ class ChatCompletionRequest(OpenAIBase):
         return v
 
 
-def _reject_batch(v: Any, batched: bool) -> Any:
-    if batched:
-        raise ValueError("batched prompts (a list of prompts) are not supported: send one prompt per request")
-    return v
-
-
 M = TypeVar("M", bound=BaseModel)
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Bytes of an HTTP body -> validated model, or InvalidRequest naming the problem."""
-    data = parse_json_object(raw)
+    return validate(parse_json_object(raw), model)
+
+
+def validate(data: dict[str, Any], model: type[M]) -> M:
+    """A parsed JSON body -> validated model, or InvalidRequest naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -1,6 +1,6 @@
 """What the HTTP API does with each field that changes the output, on a monolithic server: logit_bias and
 min_new_tokens / min_tokens change the tokens exactly as SGLang and vLLM do, fields Tandem does not
-implement are a 400 naming them (constrained decoding and tools: test_structured_output.py), and malformed values (batched prompts, strings for integers, top_logprobs
+implement are a 400 naming them (constrained decoding and tools: test_structured_output.py), and malformed values (a bad prompt of a batch, strings for integers, top_logprobs
 without logprobs, logprob_start_len past the prompt) are 400s naming the field."""
 
 from __future__ import annotations
@@ -255,16 +255,27 @@ def test_fields_that_change_nothing_are_accepted(server, path, extra):
 @pytest.mark.parametrize(
     "path,body,param",
     [
-        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
-        ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
-        ("/generate", {"text": ["a", "b"]}, "text"),
-        ("/generate", {"input_ids": [[1, 2], [3]]}, "input_ids"),
+        ("/v1/completions", {"prompt": ["a", 5]}, "prompt.1"),
+        ("/v1/completions", {"prompt": ["a", ""]}, "prompt.1"),
+        ("/v1/completions", {"prompt": [[1, 2], [3, -1]]}, "prompt.1"),
+        ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        (
+            "/generate",
+            {"text": ["a", "b"], "sampling_params": [{}, {"temperature": -1}]},
+            "sampling_params.1.temperature",
+        ),
+        ("/generate", {"text": ["a", "b"], "rid": "one"}, "rid"),
+        ("/generate", {"text": "a", "sampling_params": [{}]}, "sampling_params"),
+        (
+            "/generate",
+            {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+        ),
     ],
 )
-def test_batched_prompts_are_a_400_saying_send_one_per_request(server, path, body, param):
+def test_a_bad_prompt_of_a_batch_is_a_400_naming_it(server, path, body, param):
     err = error_of(post(server, path, body))
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
-    assert "batched prompts" in err["message"] and "one prompt per request" in err["message"]
 
 
 @pytest.mark.parametrize(

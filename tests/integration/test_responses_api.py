@@ -20,7 +20,8 @@ from tests.integration.cluster import start_router
 from tests.integration.scripted_model import THINKING, save_scripted_model
 from tests.integration.test_structured_output import BUILTIN, SCHEMA
 
-CLUSTER_USERS = 3  # this module, test_client_frameworks and test_pd_structured share the built-in model's cluster
+# the modules sharing the built-in model's cluster: this one, test_client_frameworks, test_pd_structured, test_batched_api
+CLUSTER_USERS = 4
 WEATHER = {
     "type": "function",
     "name": "get_weather",
