@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +25,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorServicer
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
-from prometheus_client import Histogram
 
 from common.wire.errors import error_body
 from router.epp.picker import NoEndpoint, Pick, Picker
@@ -109,12 +107,6 @@ class ExtProc(ExternalProcessorServicer):
 
     def __init__(self, picker: Picker):
         self.picker = picker
-        self.pick_seconds = Histogram(
-            "tandem_epp_pick_seconds",
-            "time to pick an endpoint for one request (from its whole body)",
-            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1),
-            registry=picker.metrics.registry,
-        )
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context
@@ -139,13 +131,10 @@ class ExtProc(ExternalProcessorServicer):
                 yield PASS[phase]()
 
     def _answer(self, raw: bytes, subset: list[str] | None, phase: str) -> pb.ProcessingResponse:
-        start = time.perf_counter()
         try:
             pick = self.picker.pick(parse_body(raw), subset)
         except NoEndpoint as e:
             log.warning("no endpoint: %s", e)
             return refused(e)
-        finally:
-            self.pick_seconds.observe(time.perf_counter() - start)
         log.debug("picked %s (prefill %s)", pick.endpoint, pick.prefill)
         return picked(pick, phase)

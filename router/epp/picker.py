@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
+from prometheus_client import Histogram
 
 from common.wire.addresses import split_host_port
 from router.discovery import Discovery, Target, targets_from_config
@@ -87,6 +88,12 @@ class Picker:
         rule = placement_rule(config.pd_placement, policy, kv, self.stats, config.placement_local_threshold)
         self.placer = Placer(self.workers, policy, kv, rule, self.metrics)
         self.config = config
+        self.pick_seconds = Histogram(
+            "tandem_epp_pick_seconds",
+            "time to pick an endpoint for one request (from its whole body)",
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1),
+            registry=self.metrics.registry,
+        )
 
     def ready(self) -> bool:
         """A request can be placed: a healthy server (monolithic) or a healthy decode with a prefill (PD)."""
@@ -99,6 +106,10 @@ class Picker:
 
     def pick(self, body: dict[str, Any], subset: Collection[str] | None = None) -> Pick:
         """Where `body` goes; only a decode (or server) whose HOST:PORT is in `subset` when the gateway gave one."""
+        with self.pick_seconds.time():
+            return self._pick(body, subset)
+
+    def _pick(self, body: dict[str, Any], subset: Collection[str] | None) -> Pick:
         exclude = set()
         if subset is not None:
             allowed = set(subset)

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import sample, start_server
+from tests.conftest import metric, start_server
 from tests.integration.gateway import Envoy, epp_address, start_epp
 
 PAGE = 16
@@ -51,8 +51,7 @@ def envoy(servers, epp, tmp_path_factory):
 
 def served(server) -> float:
     """The /generate requests a server answered (its own counter)."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sample(text, "tandem_requests_total", {"endpoint": "/generate", "status": "200"})
+    return metric(server.url, "tandem_requests_total", endpoint="/generate", status="200")
 
 
 def generate(url: str, ids: list[int], max_new: int = 8, headers: dict | None = None) -> httpx.Response:
@@ -74,23 +73,24 @@ def test_subset_and_placement_land_where_the_picker_chose(servers, envoy):
 
 
 def test_conversation_lands_on_the_server_holding_its_pages(servers, envoy):
-    """kv_aware: each turn of a conversation goes back to the server that cached the turns before (its answer says
-    how many prompt tokens it reused), and greedy output equals the server's own."""
-    prompt, holder = list(range(1000, 1080)), None
-    for turn in range(3):
+    """kv_aware: a conversation's first turn placed on the second server (the subset listener), its next turns, sent
+    with no subset, go back there (where the tie between two idle servers would pick the first), reusing the pages the
+    turns before cached (their answers say so); greedy output equals the other server's own."""
+    prompt, answers = list(range(1000, 1080)), []
+    for turn, listener in enumerate(("subset", "fail_close", "fail_close")):
         before = [served(s) for s in servers]
-        r = generate(envoy.listener("fail_close"), prompt)
+        r = generate(envoy.listener(listener), prompt)
         assert r.status_code == 200, r.text
-        landed = [i for i, (s, b) in enumerate(zip(servers, before)) if served(s) - b == 1]
-        assert len(landed) == 1
-        if holder is not None:
-            assert landed[0] == holder, f"turn {turn} left the server holding its pages"
+        assert [served(s) - b for s, b in zip(servers, before)] == [0, 1], (
+            f"turn {turn} left the server holding its pages"
+        )
+        if turn:
             assert r.json()["meta_info"]["cached_tokens"] >= (len(prompt) - 16 - 8) // PAGE * PAGE
-        holder, answer = landed[0], r.json()["output_ids"]
+        answers.append(r.json()["output_ids"])
         time.sleep(0.5)  # the server's KV events reach the picker's index
         if turn < 2:
-            prompt = prompt + answer + list(range(2000 + 16 * turn, 2016 + 16 * turn))
-    assert answer == generate(servers[1 - holder].url, prompt).json()["output_ids"]
+            prompt = prompt + answers[-1] + list(range(2000 + 16 * turn, 2016 + 16 * turn))
+    assert answers[-1] == generate(servers[0].url, prompt).json()["output_ids"]
 
 
 def test_stream_through_envoy_ends_with_the_exact_tokens(servers, envoy):
