@@ -8,7 +8,8 @@ protocol (its docs/proposals/004-endpoint-picker-protocol):
                                      envoy.lb; for PD also x-prefiller-host-port (llm-d's name) naming the prefill
                                      (or an immediate 503 when no candidate is healthy)
 
-A request without a body (end_of_stream on its headers) is picked at its headers. A body that is not a JSON object is
+A request without a body (end_of_stream on its headers) is picked at its headers; a body sent in parts is picked once
+whole (the FULL_DUPLEX_STREAMED mode, which must echo each part, is not spoken). A body that is not a JSON object is
 placed by load alone. Response phases, if the gateway sends them, are answered unchanged. The gateway's own copy of
 either header (a client's) is overwritten or removed, so a client cannot choose its endpoint.
 """

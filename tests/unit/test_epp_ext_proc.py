@@ -139,3 +139,16 @@ def test_a_bad_prefiller_header_is_a_400_naming_it():
         RequestHints.from_headers({"x-prefiller-host-port": "http://p/x"})
     assert e.value.param == "x-prefiller-host-port"
     assert RequestHints.from_headers({"x-prefiller-host-port": "10.1.2.3:8000"}).prefiller == "10.1.2.3:8000"
+
+
+def test_epp_start_up_mistakes_are_one_line():
+    from tandem.cli import main
+
+    for argv, said in (
+        (["epp"], "give the pool: --worker URL"),
+        (["epp", "--worker", "http://a:1", "--decode", "http://b:2"], "not both"),
+        (["epp", "--worker", "http://a:1", "--grpc-port", "0"], "--grpc-port 0:"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert str(e.value).startswith("tandem epp: ") and said in str(e.value) and "\n" not in str(e.value)
