@@ -42,9 +42,6 @@ class EppConfig(BaseSettings):
     kv_load_tokens: int = _R["kv_load_tokens"]
     kv_host_hit_weight: float = _R["kv_host_hit_weight"]
     kv_store_hit_weight: float = _R["kv_store_hit_weight"]
-    placement_poll_interval_s: float = Field(
-        1.0, gt=0, description="seconds between two scrapes of each worker's /metrics (its running requests: the load)"
-    )
     health_check_interval_s: float = _R["health_check_interval_s"]
     health_check_timeout_s: float = _R["health_check_timeout_s"]
     health_failure_threshold: int = _R["health_failure_threshold"]

@@ -112,30 +112,37 @@ class ExtProc(ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context
     ) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802 (gRPC's name)
+        """The stream lives as long as the request (Envoy closes it when the request ends): the pick's workers
+        count it in flight until then."""
         subset: list[str] | None = None
-        body = b""
-        async for request in request_iterator:
-            phase = request.WhichOneof("request")
-            if phase == "request_headers":
-                subset = subset_of(request.metadata_context)
-                if request.request_headers.end_of_stream:
-                    yield self._answer(b"", subset, phase)
-                else:
-                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-            elif phase == "request_body":
-                body += request.request_body.body
-                if request.request_body.end_of_stream:
-                    yield self._answer(body, subset, phase)
-                else:  # a body sent in parts: the pick waits for the whole
-                    yield pb.ProcessingResponse(request_body=pb.BodyResponse())
-            elif phase in PASS:
-                yield PASS[phase]()
+        body, picks = b"", []
+        try:
+            async for request in request_iterator:
+                phase = request.WhichOneof("request")
+                if phase == "request_headers":
+                    subset = subset_of(request.metadata_context)
+                    if request.request_headers.end_of_stream:
+                        yield self._answer(b"", subset, phase, picks)
+                    else:
+                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                elif phase == "request_body":
+                    body += request.request_body.body
+                    if request.request_body.end_of_stream:
+                        yield self._answer(body, subset, phase, picks)
+                    else:  # a body sent in parts: the pick waits for the whole
+                        yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+                elif phase in PASS:
+                    yield PASS[phase]()
+        finally:
+            for pick in picks:
+                self.picker.release(pick)
 
-    def _answer(self, raw: bytes, subset: list[str] | None, phase: str) -> pb.ProcessingResponse:
+    def _answer(self, raw: bytes, subset: list[str] | None, phase: str, picks: list[Pick]) -> pb.ProcessingResponse:
         try:
             pick = self.picker.pick(parse_body(raw), subset)
         except NoEndpoint as e:
             log.warning("no endpoint: %s", e)
             return refused(e)
+        picks.append(pick)
         log.debug("picked %s (prefill %s)", pick.endpoint, pick.prefill)
         return picked(pick, phase)

@@ -7,16 +7,16 @@ request by the gateway (router/epp/ext_proc.py).
                            the decode side's policy (a decode that computes its own prompt: path local)
       └─▶ Pick             the endpoint the gateway forwards to (HOST:PORT) and, for PD, the prefill it names
 
-The EPP never sees a request end (the gateway forwards it), so a worker's load is what its /metrics said at the last
-scrape (tandem_num_running_reqs) plus the requests picked for it since: `Picker.follow_load`.
+The EPP sees no answer (the gateway forwards it), but Envoy keeps a request's ext_proc stream open until the request
+ends: a worker's requests in flight (`Worker.in_flight`, the load every policy reads, as in the router) are counted from
+`Picker.pick` to `Picker.release` at the stream's end.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -35,7 +35,6 @@ from router.placement.worker_stats import WorkerStats
 from router.request_hints import NONE, RequestHints
 from router.workers import Worker, WorkerRegistry
 
-log = logging.getLogger("tandem.epp")
 MONOLITHIC = RequestHints(bypass_remote_prefill=True)  # one server computes the prompt and decodes
 
 
@@ -43,6 +42,7 @@ MONOLITHIC = RequestHints(bypass_remote_prefill=True)  # one server computes the
 class Pick:
     endpoint: str  # HOST:PORT the gateway sends the request to (a monolithic server, or a decode pod's sidecar)
     prefill: str | None = None  # HOST:PORT of the prefill the decode side reads the prompt's KV from (PD)
+    workers: tuple[Worker, ...] = field(default=(), compare=False, repr=False)  # counted in flight until released
 
 
 class NoEndpoint(Exception):
@@ -83,9 +83,9 @@ class Picker:
             config.kv_host_hit_weight,
             config.kv_store_hit_weight,
         )
-        self.stats = WorkerStats(self.workers, config.placement_poll_interval_s)
         policy = pair_policy(config.policy, config.decode_policy, kv)
-        rule = placement_rule(config.pd_placement, policy, kv, self.stats, config.placement_local_threshold)
+        stats = WorkerStats(self.workers, 1.0)  # never scraped: only --pd-placement cost reads it
+        rule = placement_rule(config.pd_placement, policy, kv, stats, config.placement_local_threshold)
         self.placer = Placer(self.workers, policy, kv, rule, self.metrics)
         self.config = config
         self.pick_seconds = Histogram(
@@ -121,29 +121,19 @@ class Picker:
             where = " of the gateway's subset" if subset is not None else ""
             kind = "decode with a healthy prefill" if self.pd else "server"
             raise NoEndpoint(f"no healthy {kind}{where} is available; retry later")
-        for w in (pair.prefill, pair.decode):
-            if w is not None:
-                w.in_flight += 1  # until the next scrape says what runs there
-        return Pick(host_port(pair.decode), host_port(pair.prefill) if pair.prefill else None)
+        workers = tuple(w for w in (pair.prefill, pair.decode) if w is not None)
+        for w in workers:
+            w.in_flight += 1
+        return Pick(host_port(pair.decode), host_port(pair.prefill) if pair.prefill else None, workers)
+
+    def release(self, pick: Pick) -> None:
+        """The request `pick` placed has ended (its ext_proc stream closed)."""
+        for w in pick.workers:
+            w.in_flight -= 1
 
     def tasks(self, session: aiohttp.ClientSession) -> list[asyncio.Task]:
-        """The background rounds (on the running loop): health, KV events, load, discovery."""
-        interval = self.config.health_check_interval_s
-        tasks = [self.workers.health_loop(session, interval), self.feeds.follow(session), self.follow_load(session)]
+        """The background rounds (on the running loop): health, KV events, discovery."""
+        tasks = [self.workers.health_loop(session, self.config.health_check_interval_s), self.feeds.follow(session)]
         if self.discovery.targets:
             tasks.append(self.discovery.run(session, self.config.discovery_interval_s))
         return [asyncio.create_task(t) for t in tasks]
-
-    async def follow_load(self, session: aiohttp.ClientSession) -> None:
-        """Each scrape of the workers' /metrics sets their load to the requests running there."""
-        while True:
-            try:
-                before = {url: s.at for url, s in self.stats.stats.items()}
-                await self.stats.scrape_all(session)
-                for w in self.workers.workers.values():
-                    stats = self.stats.get(w)
-                    if stats is not None and stats.at != before.get(w.url):  # scraped this round
-                        w.in_flight = stats.running
-            except Exception:  # a bug here must not stop the scraping for good
-                log.exception("scraping the workers' metrics failed")
-            await asyncio.sleep(self.stats.interval_s)

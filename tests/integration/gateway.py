@@ -168,7 +168,7 @@ def start_epp(*pool_flags: str, policy: str = "round_robin", extra: tuple[str, .
     """`tandem epp` over the pool, ready once it can place a request (its /readiness)."""
     grpc, http = free_port(), free_port()
     args = ["epp", "--grpc-port", str(grpc), "--port", str(http), "--host", "127.0.0.1", *pool_flags]
-    args += ["--policy", policy, "--health-check-interval-s", "0.5", "--placement-poll-interval-s", "0.5", *extra]
+    args += ["--policy", policy, "--health-check-interval-s", "0.5", *extra]
     return ServerProcess(args, http, name="epp", health="/readiness").wait_ready(60)
 
 

@@ -54,6 +54,11 @@ def served(server) -> float:
     return metric(server.url, "tandem_requests_total", endpoint="/generate", status="200")
 
 
+def in_flight(epp) -> int:
+    """The requests in flight the picker counts, over its servers."""
+    return sum(w["in_flight"] for w in httpx.get(epp.url + "/workers", timeout=5).json()["workers"])
+
+
 def generate(url: str, ids: list[int], max_new: int = 8, headers: dict | None = None) -> httpx.Response:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
     return httpx.post(url + "/generate", json=body, headers=headers, timeout=120)
@@ -93,13 +98,24 @@ def test_conversation_lands_on_the_server_holding_its_pages(servers, envoy):
     assert answers[-1] == generate(servers[0].url, prompt).json()["output_ids"]
 
 
-def test_stream_through_envoy_ends_with_the_exact_tokens(servers, envoy):
+def test_stream_through_envoy_ends_with_the_exact_tokens(servers, epp, envoy):
     ids = list(range(300, 350))
     want = generate(servers[0].url, ids, 12).json()["output_ids"]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "stream": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
     with httpx.stream("POST", envoy.listener("fail_close") + "/generate", json=body, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        lines = list(r.iter_lines())
+        stream = r.iter_lines()
+        lines = [next(stream)]
+        assert in_flight(epp) == 1  # the ext_proc stream lives as long as the request: the picker counts it
+        lines += list(stream)
+    deadline = time.monotonic() + 5
+    while in_flight(epp) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert in_flight(epp) == 0
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
     assert len(events) > 1 and events[-1]["output_ids"] == want
     assert [line for line in lines if line][-1] == "data: [DONE]"

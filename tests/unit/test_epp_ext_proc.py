@@ -79,6 +79,17 @@ def test_the_pick_is_in_the_header_and_the_metadata_and_the_policy_turns():
         assert second.request_body.response.clear_route_cache
         picks.append(meta)
     assert sorted(picks) == ["10.0.0.1:8000", "10.0.0.2:8000"]  # round robin over both
+    assert [w.in_flight for w in p.workers.workers.values()] == [0, 0]  # each stream's end released its pick
+
+
+def test_a_pick_counts_in_flight_until_released():
+    p = picker(A, B, policy="power_of_two")
+    first = p.pick({})
+    assert [w.in_flight for w in first.workers] == [1]
+    second = p.pick({})  # power_of_two: the idle one
+    assert {first.endpoint, second.endpoint} == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    p.release(first), p.release(second)
+    assert [w.in_flight for w in p.workers.workers.values()] == [0, 0]
 
 
 def test_the_subset_is_honoured_and_an_empty_choice_is_a_503():
