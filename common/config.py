@@ -53,7 +53,8 @@ class ServerConfig(BaseSettings):
     quantization: str | None = Field(
         None,
         description="insist on the checkpoint's weight quantization (SGLang's and vLLM's names; read from "
-        "config.json's quantization_config without it): fp8 (DeepSeek's FP8 blocks), compressed-tensors (FP8)",
+        "config.json's quantization_config without it): fp8 (DeepSeek's FP8 blocks), compressed-tensors (FP8 or "
+        "int4 pack-quantized), awq, gptq (awq_marlin, gptq_marlin: the same)",
     )
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="KV cache storage: the model's dtype, or float8 with per-tensor scales (torch backend)"

@@ -20,6 +20,7 @@ from common.model.registry import model_class
 from common.model.weights import fill_from_shard, plan_shards, read_header
 from common.parallel.group import SINGLE, TensorParallel
 from common.parallel.layers import param_shards
+from common.quant.int4_prepare import finish_int4
 from common.quant.prepare import prepare_quantized, refuse_quantized_tensors
 from common.quant.scheme import detect_scheme
 from common.wire.user_error import UserError
@@ -87,7 +88,7 @@ def load_model(
     header = {n: e for shard in shards for n, e in read_header(shard)[0].items()}
     mine = {model.checkpoint_name(n) for n, _ in model.named_parameters()} if tp.ep else None
     skipped = skipped_names(header, config, mine)
-    report = prepare_quantized(model, scheme, header, skipped, model.checkpoint_name) if scheme else None
+    report = prepare_quantized(model, scheme, header, skipped, model.checkpoint_name, tp.size) if scheme else None
     skipped |= report.activation_scales if report else frozenset()
     if scheme is None:
         refuse_quantized_tensors(header, f"--model {model_dir}")
@@ -100,6 +101,7 @@ def load_model(
     parts = {model.checkpoint_name(n): s for n, s in param_shards(model).items()} if tp.enabled else {}
     for shard, names in plan_shards(shards, params, skipped, parts).items():
         fill_from_shard(shard, names, params, parts)
+    finish_int4(model)
     if report is not None:
         log.info("%s", report.summary(resident_bytes(model), checkpoint_bytes(header, params), device))
     return model.eval()
@@ -146,9 +148,14 @@ def skipped_names(
         layer = extra_layers.match(name)
         if is_kv_scale(name) or (layer and int(layer[1]) >= config.num_hidden_layers):
             names.add(name)
-        elif ep_params is not None and name.removesuffix("_scale_inv") not in ep_params and expert.match(name):
+        elif ep_params is not None and layer_weight(name) not in ep_params and expert.match(name):
             names.add(name)
     return frozenset(names)
+
+
+def layer_weight(name: str) -> str:
+    """The `.weight` of the layer a checkpoint tensor belongs to (its scale's, a 4-bit format's tensors')."""
+    return re.sub(r"\.[^.]+$", ".weight", name)
 
 
 def materialize(model: torch.nn.Module, dtype: torch.dtype, device: str) -> None:

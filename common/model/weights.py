@@ -29,6 +29,8 @@ DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,  # a quantized layer's weight (common.quant), into an FP8 parameter
+    "I32": torch.int32,  # a 4-bit layer's packed weight and zero points, GPTQ's g_idx (common.quant.int4_layouts)
+    "I64": torch.int64,  # compressed-tensors' weight_shape
 }
 
 
@@ -69,7 +71,7 @@ def plan_shards(
         if unexpected or wrong or odd:
             raise UserError(
                 f"{shard}: weights do not fit the model: unexpected {unexpected[:5]}, wrong shape {wrong[:5]}, "
-                f"dtypes {odd} (float32/float16/bfloat16/float64, and float8 in an FP8 block checkpoint)"
+                f"dtypes {odd} (float32/float16/bfloat16/float64, float8 and int32 in a quantized checkpoint)"
             )
         plan[shard] = [n for n in header if n in params]
     missing = set(params) - {n for names in plan.values() for n in names}

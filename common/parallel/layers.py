@@ -49,9 +49,11 @@ class Shard:
 class QuantizableLinear(nn.Module):
     """The product both parallel linears compute: `linear` on a full-precision weight or, once the loader
     set `quant` (common.quant.prepare), the quantized method over the FP8 weight and its scale (the
-    parameter the method names: `weight_scale_inv` for DeepSeek's blocks, `weight_scale` for compressed-tensors')."""
+    parameter the method names: `weight_scale_inv` for DeepSeek's blocks, `weight_scale` for compressed-tensors',
+    `weight_groups` for 4-bit weights)."""
 
     quant = None  # a linear method (common.quant.fp8_block.BlockFP8) for a quantized weight
+    int4_shares: dict[str, Shard] | None = None  # a 4-bit layer's checkpoint tensors' (common.quant.int4_prepare)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is None:
@@ -65,7 +67,9 @@ class QuantizableLinear(nn.Module):
         return self.quant.dequantize(self.weight, getattr(self, self.quant.scale_name), dtype, reuse=False)
 
     def quant_shards(self, out: dict[str, Shard]) -> dict[str, Shard]:
-        """`out` with the scale's shard beside the weight's."""
+        """`out` with the scale's shard beside the weight's (a 4-bit layer: its checkpoint tensors' instead)."""
+        if self.int4_shares is not None:
+            return {name: s for name, s in out.items() if name != "weight"} | self.int4_shares
         scale = self.quant.scale_shard(out["weight"]) if self.quant is not None else None
         if scale is not None:  # None: the scale is whole on every rank
             out[self.quant.scale_name] = scale

@@ -90,7 +90,7 @@ def reserve_buffers(model: torch.nn.Module, dtype: torch.dtype) -> int:
     before = sum(b.nbytes for b in _buffers.values())
     for module in model.modules():
         quant, weight = getattr(module, "quant", None), getattr(module, "weight", None)
-        if quant is None or weight is None or _gemm_takes(quant, weight):
+        if quant is None or weight is None or weight.dtype != FP8 or _gemm_takes(quant, weight):
             continue
         upcast(weight)
         if dtype != torch.float32:

@@ -18,6 +18,7 @@ from common.parallel.layers import ColumnParallelLinear, QuantizableLinear
 from common.quant.fp8_block import FP8, FP8_NAME, BlockFP8, ceil_div, fp8_pair
 from common.quant.fp8_channel import ChannelFP8, check_channel_pair
 from common.quant.fp8_gemm import GROUP, available
+from common.quant.int4_prepare import prepare_int4_layer, refuse_int4_strays
 from common.quant.scheme import ALWAYS_UNQUANTIZED, QuantScheme
 from common.wire.user_error import UserError
 
@@ -46,6 +47,11 @@ class QuantReport:
 def kernel(scheme: QuantScheme, device: str) -> str:
     """Which product the quantized layers run; on CUDA the GEMM's probe runs here, at load, never during a
     CUDA graph's capture."""
+    if scheme.int4 is not None:
+        return (
+            "torch's CPU int4 kernel (bfloat16 activations) where a layer's rows are a multiple of 16, else its "
+            "weight dequantized at its product"
+        )
     if device == "cuda" and scheme.block == (GROUP, GROUP) and available():
         return "torch's block-scaled FP8 GEMM where a layer's blocks are whole"
     activations = (
@@ -55,7 +61,12 @@ def kernel(scheme: QuantScheme, device: str) -> str:
 
 
 def prepare_quantized(
-    model: nn.Module, scheme: QuantScheme, header: dict[str, dict], skipped: frozenset[str], name_of: Callable
+    model: nn.Module,
+    scheme: QuantScheme,
+    header: dict[str, dict],
+    skipped: frozenset[str],
+    name_of: Callable,
+    tp_size: int = 1,
 ) -> QuantReport:
     """Quantize the meta model's layers the checkpoint quantized; `header`: every shard's entries,
     `skipped`: checkpoint tensors no parameter takes, `name_of`: a parameter's checkpoint name."""
@@ -65,6 +76,9 @@ def prepare_quantized(
         if not isinstance(module, QuantizableLinear):
             continue
         prefix = name_of(f"{module_name}.weight").removesuffix(".weight")
+        if scheme.int4 is not None:
+            count(report, done, prefix, prepare_int4_layer(module, prefix, header, scheme.int4, tp_size))
+            continue
         if prefix + ".weight" in skipped or prefix + ".weight" not in header:
             continue
         block = scheme.strategy == "block"
@@ -74,8 +88,25 @@ def prepare_quantized(
             done.add(prefix)
         else:
             report.unquantized.add(re.sub(r"\.\d+\.", ".*.", prefix))
+    if scheme.int4 is not None:
+        refuse_int4_strays(header, done, skipped, scheme.method)
+        if not done:
+            raise UserError(
+                f"quantization_config says {scheme.describe()}, but no linear layer of the checkpoint holds a 4-bit "
+                "weight; give the quantized checkpoint's own safetensors"
+            )
+        return report
     report.activation_scales = refuse_strays(header, done, skipped, scheme)
     return report
+
+
+def count(report: QuantReport, done: set[str], prefix: str, quantized: bool) -> None:
+    """One layer in the summary: quantized, or left in full precision."""
+    if quantized:
+        report.quantized += 1
+        done.add(prefix)
+    else:
+        report.unquantized.add(re.sub(r"\.\d+\.", ".*.", prefix))
 
 
 def refuse_strays(header: dict[str, dict], done: set[str], skipped: frozenset[str], scheme: QuantScheme) -> set[str]:
@@ -97,7 +128,7 @@ def refuse_strays(header: dict[str, dict], done: set[str], skipped: frozenset[st
 def refuse_quantized_tensors(header: dict[str, dict], where: str) -> None:
     """For a checkpoint whose config names no quantization: a float8 weight or a scale is refused."""
     for name, entry in header.items():
-        if entry["dtype"] == FP8_NAME or name.endswith(SCALE):
+        if entry["dtype"] == FP8_NAME or name.endswith((SCALE, ".qweight", ".weight_packed")):
             raise UserError(
                 f"{where}: {name} is quantized ({entry['dtype']}) but config.json has no quantization_config; "
                 "give the checkpoint's own config.json"

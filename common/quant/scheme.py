@@ -3,7 +3,8 @@ as SGLang and vLLM read it) and checked against `--quantization NAME` when the u
 
 Supported: DeepSeek's FP8 blocks (`quant_method: fp8` with `weight_block_size`, e4m3, dynamic activations;
 DeepSeek-V3/R1, Kimi K2) and llm-compressor's FP8 (`compressed-tensors`, `float-quantized`: per-tensor or
-per-channel weight scales, static or dynamic activations). Everything else SGLang or vLLM name is refused
+per-channel weight scales, static or dynamic activations), and 4-bit weight-only checkpoints (AWQ, GPTQ,
+compressed-tensors pack-quantized: common.quant.int4_scheme). Everything else SGLang or vLLM name is refused
 with one line saying so, before any weight is read. A scheme is also part of the KV layout a PD pair must
 share (`describe()`).
 """
@@ -14,13 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.quant.int4_scheme import SUPPORTED_INT4, Int4Format, awq_format, gptq_format, pack_quantized_format
 from common.wire.user_error import UserError
 
 SUPPORTED = (
-    "fp8 with weight_block_size (DeepSeek's FP8 blocks: e4m3 weights, dynamic activations) and compressed-tensors "
-    "float-quantized (FP8 weights, per-tensor or per-channel scales)"
+    "fp8 with weight_block_size (DeepSeek's FP8 blocks: e4m3 weights, dynamic activations), compressed-tensors "
+    f"float-quantized (FP8 weights, per-tensor or per-channel scales), and {SUPPORTED_INT4}"
 )
-# SGLang's and vLLM's --quantization names (what a user may type); only "fp8" loads here
+# SGLang's and vLLM's --quantization names (what a user may type); fp8, compressed-tensors, awq and gptq load
+# here, and the Marlin spellings name the same checkpoints (`ALIASES`: on the CPU, the same product)
 KNOWN = (
     "fp8",
     "compressed-tensors",
@@ -41,6 +44,7 @@ KNOWN = (
     "torchao",
     "quark",
 )
+ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 ALWAYS_UNQUANTIZED = "embed_tokens, lm_head, norms, MoE router gates"
 
 
@@ -48,15 +52,20 @@ ALWAYS_UNQUANTIZED = "embed_tokens, lm_head, norms, MoE router gates"
 class QuantScheme:
     """`block`: (rows, columns) of one weight block sharing a scale (strategy "block"); `strategy`: block,
     channel or tensor; `activations`: the checkpoint's activation quantization (dynamic, static, none);
-    `ignore`: module names the checkpoint leaves unquantized (`modules_to_not_convert` / `ignore`)."""
+    `ignore`: module names the checkpoint leaves unquantized (`modules_to_not_convert` / `ignore`); `int4`:
+    a 4-bit weight-only scheme's layout and groups (strategy "group")."""
 
     method: str
     block: tuple[int, int] | None
     ignore: tuple[str, ...] = ()
     strategy: str = "block"
     activations: str = "dynamic"
+    int4: Int4Format | None = None
 
     def describe(self) -> str:
+        if self.int4 is not None:
+            layout = "" if self.int4.layout == self.method else f" {self.int4.layout}"
+            return f"{self.method}{layout} {self.int4.describe()}"
         if self.strategy == "block":
             return f"{self.method} block {self.block[0]}x{self.block[1]}"
         return f"{self.method} fp8 per-{self.strategy}, {self.activations} activations"
@@ -90,18 +99,26 @@ def detect_scheme(model_dir: Path, hf_config: Any, flag: str | None = None) -> Q
             )
         return None
     method = qc.get("quant_method")
-    if flag is not None and flag != method:
+    if flag is not None and ALIASES.get(flag, flag) != method:
         raise UserError(f"--quantization {flag}: --model {model_dir} is quantized with {method}; drop the flag")
     where = f"--model {model_dir}: quantization_config"
     if method == "compressed-tensors":
         return compressed_tensors_scheme(qc, where)
+    if method in ("awq", "gptq"):
+        ignore = tuple(qc.get("modules_to_not_convert") or ())
+        int4 = awq_format(qc, where) if method == "awq" else gptq_format(qc, where)
+        return QuantScheme(method, None, ignore, "group", "none", int4)
     if method != "fp8":
         raise UserError(f"{where}.quant_method {method} is not supported; Tandem reads {SUPPORTED}")
     return fp8_block_scheme(qc, where)
 
 
 def compressed_tensors_scheme(qc: dict, where: str) -> QuantScheme:
-    """llm-compressor's FP8: every config group 8-bit float weights of one strategy (tensor or channel)."""
+    """llm-compressor's FP8: every config group 8-bit float weights of one strategy (tensor or channel);
+    or its int4 pack-quantized."""
+    if qc.get("format") == "pack-quantized":
+        int4 = pack_quantized_format(qc, where)
+        return QuantScheme("compressed-tensors", None, tuple(qc.get("ignore") or ()), "group", "none", int4)
     if qc.get("format") != "float-quantized":
         raise UserError(f"{where}.format {qc.get('format')} is not supported; Tandem reads {SUPPORTED}")
     strategies, activations = set(), set()

@@ -9,7 +9,8 @@ match; NGRAM keeps no state beyond the tokens and pairs with a prefill that runs
 dp_size: attention DP ranks (each attention group of tp_size / dp_size ranks holds its
 own requests' KV); experts: how MoE layers are laid out ("tp": a slice of every expert per rank, "ep N"
 whole experts over N ranks, "+K" redundant copies; "none" for a dense model); weights: the weights'
-quantization (common.quant.scheme: "none", "fp8 block 128x128"), which both sides must run alike. The TP and DP sizes and the
+quantization (common.quant.scheme: "none", "fp8 block 128x128", "awq int4 group 128, zero points"), which
+both sides must run alike. The TP and DP sizes and the
 expert layout may differ between prefill and decode: the prefill writes each decode rank of the request's
 DP rank its KV heads; only an attention split that cannot hold the KV heads cannot be served."""
 

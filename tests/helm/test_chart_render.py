@@ -4,8 +4,6 @@ commands the Tandem CLI itself accepts, and the facts that make a cluster work."
 from __future__ import annotations
 
 import pytest
-from kubernetes_validate import validate
-from kubernetes_validate.utils import latest_version
 
 from tests.helm.chart import (
     EXAMPLES,
@@ -21,16 +19,13 @@ from tests.helm.chart import (
     secret_value,
     service_host,
 )
-
-CRD_KINDS = {"ServiceMonitor", "PodMonitor"}  # Prometheus Operator's: no schema in kubernetes-validate
+from tests.helm.crd import validate_objects
 
 
 @pytest.mark.parametrize("values_file", EXAMPLES, ids=lambda p: p.name)
 def test_every_object_is_valid_for_a_current_kubernetes(values_file):
     docs = render(example(values_file.name))
-    for doc in docs:
-        if doc["kind"] not in CRD_KINDS:
-            validate(doc, latest_version(), strict=True)  # raises, naming the field, on anything invalid
+    validate_objects(docs)  # raises, naming the field, on anything invalid
     assert {d["kind"] for d in docs} >= {"Deployment", "Service", "Secret", "PodDisruptionBudget"}
 
 

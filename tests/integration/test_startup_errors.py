@@ -167,7 +167,7 @@ def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
     """Checkpoints a loader cannot read, as a user meets them: name -> (`serve` arguments, the last line)."""
     from safetensors.torch import load_file, save_file
 
-    from common.quant.scheme import SUPPORTED
+    from common.quant.int4_scheme import SUPPORTED_INT4
     from tests.integration.fp8_models import to_fp8_block
     from tests.integration.tiny_model import save_tiny_llama
 
@@ -176,7 +176,7 @@ def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
 
     awq = tiny("awq")
     config = json.loads((awq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 3, "group_size": 128}
     (awq / "config.json").write_text(json.dumps(config))
     no_tokenizer = tiny("no-tokenizer")
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -198,8 +198,7 @@ def broken_models(root: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "unsupported-quantization": (
             ["--model", str(awq)],
-            f"tandem serve: --model {awq}: quantization_config.quant_method awq is not supported; Tandem reads "
-            f"{SUPPORTED}",
+            f"tandem serve: --model {awq}: quantization_config.bits 3 is not supported; Tandem reads {SUPPORTED_INT4}",
         ),
         "quantization-flag-on-unquantized": (
             ["--model", str(truncated), "--quantization", "fp8"],

@@ -34,6 +34,7 @@ ALLOWED = {
         "common/attention",
         "common/model",
         "common/parallel",
+        "common/quant",
         "common/wire",
     },
     "transfer": {"common/wire"},

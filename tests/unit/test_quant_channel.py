@@ -45,7 +45,7 @@ def test_the_scheme_comes_from_the_config_groups():
 @pytest.mark.parametrize(
     "config, said",
     [
-        (ct(fmt="pack-quantized"), "quantization_config.format pack-quantized is not supported"),
+        (ct(fmt="marlin-24"), "quantization_config.format marlin-24 is not supported"),
         (ct(WEIGHTS | {"num_bits": 4, "type": "int"}), "quantization_config.config_groups.group_0.weights"),
         (ct(WEIGHTS | {"strategy": "group"}), "quantization_config.config_groups.group_0.weights"),
         (ct(acts=TOKEN | {"type": "int"}), "group_0.input_activations"),

@@ -38,7 +38,11 @@ def test_the_scheme_is_read_from_quantization_config_and_the_flag_may_insist():
 @pytest.mark.parametrize(
     "qc, flag, said",
     [
-        ({"quant_method": "awq", "bits": 4}, None, "--model m: quantization_config.quant_method awq is not supported"),
+        (
+            {"quant_method": "bitsandbytes"},
+            None,
+            "--model m: quantization_config.quant_method bitsandbytes is not supported",
+        ),
         ({"quant_method": "fp8"}, None, "fp8 without weight_block_size (per-tensor scales) is not supported"),
         (FP8 | {"weight_block_size": [128]}, None, "weight_block_size [128]: give two positive block sizes"),
         (FP8 | {"fmt": "e5m2"}, None, "quantization_config.fmt e5m2 is not supported"),

@@ -67,6 +67,7 @@ of a LeaderWorkerSet (the role's nodes > 1: one TP group over `nodes` pods, engi
 - --drain-timeout-s
 - {{ $v.drain.timeoutSeconds | quote }}
 {{- include "tandem.engine.kvStoreArgs" .root }}
+{{- include "tandem.lora.args" .root }}
 {{- include "tandem.tls.args" (dict "root" .root) }}
 {{- range concat $v.engine.extraArgs $role.extraArgs }}
 - {{ . | quote }}
@@ -163,7 +164,8 @@ priorityClassName: {{ . }}
 securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with (include "tandem.model.initContainers" .root | trim) }}
+{{- $sidecar := and .root.Values.gateway.enabled (eq .component "decode") (not (include "tandem.engine.isWorker" .)) }}
+{{- with (printf "%s\n%s" (include "tandem.model.initContainers" .root) (ternary (include "tandem.gateway.sidecar" .root) "" $sidecar) | trim) }}
 initContainers:
   {{- . | nindent 2 }}
 {{- end }}
@@ -210,11 +212,11 @@ containers:
     {{- end }}
     {{- $mounts := concat (list (dict "name" "dshm" "mountPath" "/dev/shm")) (fromYamlArray (include "tandem.tls.mounts" .root)) }}
     volumeMounts:
-      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) (fromYamlArray (include "tandem.engine.kernelCacheMounts" .)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
+      {{- concat $mounts (fromYamlArray (include "tandem.model.mounts" .root)) (fromYamlArray (include "tandem.engine.kernelCacheMounts" .)) (fromYamlArray (include "tandem.lora.mounts" .root)) ($role.extraVolumeMounts | default list) | toYaml | nindent 6 }}
 {{- $shm := dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" $v.shm.sizeLimit) }}
 {{- $volumes := concat (list $shm) (fromYamlArray (include "tandem.tls.volumes" .root)) }}
 volumes:
-  {{- concat $volumes (fromYamlArray (include "tandem.model.volumes" .root)) (fromYamlArray (include "tandem.engine.kernelCacheVolumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
+  {{- concat $volumes (fromYamlArray (include "tandem.model.volumes" .root)) (fromYamlArray (include "tandem.engine.kernelCacheVolumes" .root)) (fromYamlArray (include "tandem.lora.volumes" .root)) ($role.extraVolumes | default list) | toYaml | nindent 2 }}
 {{- with $role.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
