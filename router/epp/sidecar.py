@@ -7,7 +7,8 @@ streamed), the decode reading the prompt's KV from that prefill. Without the hea
 the decode computes the prompt itself (pd_placement local). A prefill is learned on its first request (one /health:
 its bootstrap registry) and health-checked from then on like the router's workers.
 
-Every other GET (/health, /metrics, /get_server_info, /v1/models) is the decode's own answer, so the picker reads the
+With `TANDEM_API_KEY` set, a generation request must carry it (Authorization: Bearer), and the sidecar sends it to the
+prefill and its decode (or `--worker-api-key`'s). Every other GET (/health, /metrics, /get_server_info, /v1/models) is the decode's own answer, so the picker reads the
 decode's health, load and KV events through this port as the pool's endpoint.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from common.wire.auth import bearer_matches, unauthorized
 from common.wire.errors import TandemError
 from router.admission import Admission
 from router.config import RouterConfig
@@ -31,6 +33,7 @@ from router.request_hints import NONE, RequestHints
 from router.workers import Worker, WorkerRegistry
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+SESSION = web.AppKey("session", aiohttp.ClientSession)
 PASSED = ("/health", "/metrics", "/get_server_info", "/v1/models")
 
 
@@ -71,15 +74,17 @@ def create_sidecar_app(config: RouterConfig) -> web.Application:
     app = web.Application()
 
     async def generate(request: web.Request) -> web.StreamResponse:
+        if config.api_key and not bearer_matches(request.headers.get("Authorization", ""), config.api_key):
+            return json_response(unauthorized(), 401)
         try:
             hints = RequestHints.from_headers(request.headers)
         except TandemError as e:
             return json_response(e.to_dict(), e.status, e.headers)
-        await placer.learn(app["session"], hints)
+        await placer.learn(app[SESSION], hints)
         return await dispatcher.handle(request)
 
     async def passed(request: web.Request) -> web.Response:
-        async with app["session"].get(decode.url + request.raw_path) as r:
+        async with app[SESSION].get(decode.url + request.raw_path) as r:
             headers = {
                 k: v
                 for k, v in r.headers.items()
@@ -90,7 +95,7 @@ def create_sidecar_app(config: RouterConfig) -> web.Application:
     async def lifespan(app: web.Application):
         headers = {"Authorization": f"Bearer {config.worker_key}"} if config.worker_key else None
         timeout = aiohttp.ClientTimeout(total=30, sock_connect=5)
-        session = app["session"] = aiohttp.ClientSession(headers=headers, timeout=timeout, auto_decompress=False)
+        session = app[SESSION] = aiohttp.ClientSession(headers=headers, timeout=timeout, auto_decompress=False)
         await workers.check_all(session)
         task = asyncio.create_task(workers.health_loop(session, config.health_check_interval_s))
         yield

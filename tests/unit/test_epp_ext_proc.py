@@ -163,3 +163,20 @@ def test_epp_start_up_mistakes_are_one_line():
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert str(e.value).startswith("tandem epp: ") and said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_sidecar_asks_the_api_key_and_answers_503_without_its_decode():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from router.config import RouterConfig
+    from router.epp.sidecar import create_sidecar_app
+
+    async def run() -> tuple[int, int, str]:
+        app = create_sidecar_app(RouterConfig(decode=["http://127.0.0.1:9"], api_key="k", migration_limit=0))
+        async with TestClient(TestServer(app)) as client:
+            body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+            refused = await client.post("/generate", json=body)
+            down = await client.post("/generate", json=body, headers={"Authorization": "Bearer k"})
+            return refused.status, down.status, (await down.json())["error"]["type"]
+
+    assert asyncio.run(run()) == (401, 503, "overloaded_error")
