@@ -3,6 +3,8 @@
     x-bypass-remote-prefill: true     compute the prompt on the decode (Dynamo's name)
     x-slo-ttft-ms: 500                its time-to-first-token target (llm-d's names)
     x-slo-tpot-ms: 50                 its time-per-output-token target
+    x-prefiller-host-port: HOST:PORT  the prefill a gateway's endpoint picker chose (llm-d's name): the pair
+                                      sidecar (router/epp/sidecar.py) pairs its decode with it
 
 A bad value is a 400 naming the header.
 """
@@ -17,6 +19,7 @@ from common.wire.errors import InvalidRequest
 BYPASS = "x-bypass-remote-prefill"
 TTFT = "x-slo-ttft-ms"
 TPOT = "x-slo-tpot-ms"
+PREFILLER = "x-prefiller-host-port"
 TRUE, FALSE = frozenset({"true", "1", "yes"}), frozenset({"false", "0", "no"})
 
 
@@ -25,6 +28,7 @@ class RequestHints:
     bypass_remote_prefill: bool = False
     ttft_s: float | None = None
     tpot_s: float | None = None
+    prefiller: str | None = None  # HOST:PORT
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> RequestHints:
@@ -35,6 +39,7 @@ class RequestHints:
             bypass is not None and bypass.strip().lower() in TRUE,
             _milliseconds(headers, TTFT),
             _milliseconds(headers, TPOT),
+            _host_port(headers),
         )
 
     def priority(self) -> int | None:
@@ -59,3 +64,13 @@ def _milliseconds(headers: Mapping[str, str], name: str) -> float | None:
     if not 0 < ms < 86_400_000:  # also NaN
         raise InvalidRequest(f"header {name}: {raw!r} is not a number of milliseconds > 0", param=name)
     return ms / 1000
+
+
+def _host_port(headers: Mapping[str, str]) -> str | None:
+    raw = headers.get(PREFILLER)
+    if raw is None:
+        return None
+    host, _, port = raw.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c in host for c in "/@ "):
+        raise InvalidRequest(f"header {PREFILLER}: {raw!r} is not HOST:PORT", param=PREFILLER)
+    return raw.strip()

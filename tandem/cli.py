@@ -1,4 +1,4 @@
-"""`tandem serve | router | planner | bootstrap | kv-store | up | bench` — the composition root.
+"""`tandem serve | router | epp | sidecar | planner | bootstrap | kv-store | up | bench` — the composition root.
 
 A start-up mistake of the user (common.wire.user_error.UserError) ends the command with one line on
 stderr, `tandem <command>: <what is wrong and what to do>`, and exit code 1; a command line argparse
@@ -15,7 +15,7 @@ import traceback
 from common.wire.user_error import UserError
 from tandem.flags import LOG_LEVEL_ENV, FlagParser, add_log_level_flag, take_log_level
 
-COMMANDS = ("serve", "router", "planner", "bootstrap", "kv-store", "up", "bench")
+COMMANDS = ("serve", "router", "epp", "sidecar", "planner", "bootstrap", "kv-store", "up", "bench")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,6 +34,10 @@ def run(argv: list[str]) -> None:
         from tandem.router_cli import run_router_cli
 
         return run_router_cli(argv[1:])
+    if argv[:1] in (["epp"], ["sidecar"]):  # the gateway's endpoint picker, and the pair sidecar of a decode pod
+        from tandem.epp_cli import run_epp_cli, run_sidecar_cli
+
+        return (run_epp_cli if argv[0] == "epp" else run_sidecar_cli)(argv[1:])
     if argv[:1] == ["planner"]:
         from tandem.planner_cli import run_planner_cli
 
