@@ -42,6 +42,7 @@ VALID = {
     "kv_checksum": False,
     "weights": "none",
     "experts": "",
+    "deterministic": False,
 }
 REQUIRED = [f for f in VALID if f not in DEFAULTS]  # what a registration may leave out
 INT_FIELDS = [f for f, v in VALID.items() if isinstance(v, int) and not isinstance(v, bool)]
