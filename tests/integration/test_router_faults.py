@@ -61,13 +61,15 @@ def test_prefill_error_reaches_the_client_at_once_and_the_decode_half_is_aborted
     )
 
 
-def test_an_unknown_model_is_the_clients_error_passed_through_and_no_worker_fault(nodes, routers):
+def test_an_unknown_model_is_the_clients_404_and_no_worker_fault(nodes, routers):
+    """The router knows the workers' models (their /v1/models, router/adapters.py): it answers the 404 itself,
+    before any half is dispatched, and counts no worker's fault."""
     router = routers([nodes.decode])
     r = httpx.post(router.url + "/v1/completions", json={"model": "gpt-x", "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 404, r.text
     error = r.json()["error"]
     assert (error["code"], error["param"], "gpt-x" in error["message"]) == (404, "model", True)
-    assert cancelled(router, "client_error") == 1
+    assert cancelled(router, "client_error") == 0  # nothing was dispatched to cancel
     assert metric(router.url, "tandem_router_upstream_errors_total") == 0
     assert worker(router, nodes.prefill)["failures"] == worker(router, nodes.decode)["failures"] == 0
 
