@@ -53,6 +53,8 @@ def _per_prompt(body: dict[str, Any], name: str, n: int) -> list[Any]:
 
 
 def _counted(prompts: list[Any], key: str) -> list[Any]:
+    if not prompts:
+        raise InvalidRequest(f"{key}: an empty list of prompts; give at least one", param=key)
     if len(prompts) > MAX_PROMPTS:
         raise InvalidRequest(f"{key}: {len(prompts)} prompts; at most {MAX_PROMPTS} in one request", param=key)
     return prompts

@@ -39,6 +39,7 @@ def test_generate_spreads_per_prompt_lists_and_shares_one_value():
         ({"text": ["a", "b"], "rid": "one"}, "rid"),
         ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
         ({"text": ["a"] * (MAX_PROMPTS + 1)}, "text"),
+        ({"text": [], "sampling_params": {"max_new_tokens": 2}}, "text"),  # the fuzz test's find: was a 500
     ],
 )
 def test_a_batch_that_does_not_add_up_is_a_400_naming_the_field(body, param):
