@@ -50,14 +50,27 @@ def check_flags(c: ServerConfig) -> None:
 
 
 def check_deterministic(c: ServerConfig) -> None:
-    """--enable-deterministic-inference holds where its batch-invariant ops were measured: the CPU's products
-    and the torch attention backend's fixed split, within one TP group of at most 2 ranks (a sum of two
-    partials is the same in either order), with no other rank's batch in the forward."""
+    """--enable-deterministic-inference holds where its batch-invariant ops were built: the CPU's products and
+    the torch backend's fixed split; on CUDA tiled products and FlashInfer's unsplit KV (docs/gpu.md), with no
+    prefix cache and no speculation there (a prefix hit or a verify changes FlashInfer's query tile); within one
+    TP group of at most 2 ranks (a sum of two partials is the same in either order), with no other rank's batch
+    in the forward."""
     if not c.enable_deterministic_inference:
         return
+    cuda = c.device == "cuda"
     found = [
-        (c.device == "cuda", "--device cuda (cuBLAS and FlashInfer pick kernels by batch size)", "--device cpu"),
-        (c.attention_backend == "flashinfer", "--attention-backend flashinfer", "--attention-backend torch"),
+        (cuda and c.attention_backend == "torch", "--device cuda --attention-backend torch", "flashinfer on CUDA"),
+        (c.attention_backend == "flashinfer" and not cuda, "--attention-backend flashinfer off CUDA", "torch"),
+        (
+            cuda and not c.disable_radix_cache,
+            "the prefix cache on CUDA (a hit shortens the prefill: FlashInfer picks another query tile)",
+            "--disable-radix-cache",
+        ),
+        (
+            cuda and c.speculative_algorithm is not None,
+            "--speculative-algorithm on CUDA (FlashInfer verifies in another query tile than a decode step)",
+            "no speculation",
+        ),
         (
             c.tp_size > 2,
             f"--tp-size {c.tp_size} (an all-reduce of 3 or more partials in a batch-dependent order)",

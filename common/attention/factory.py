@@ -20,9 +20,12 @@ def make_attention_backend(
     deterministic: bool = False,
 ) -> AttentionBackend:
     """`deterministic` (--enable-deterministic-inference): the torch backend's fixed KV split
-    (common/attention/fixed_split.py); the flag refuses FlashInfer at start-up (common/config_checks.py)."""
+    (common/attention/fixed_split.py) on the CPU, FlashInfer's unsplit KV on CUDA (flashinfer_backend.py); the
+    torch backend on CUDA is refused (its batched products are not tiled there)."""
     plain = kv_pool.kind == "mha" and not kv_pool.quantized
     name = resolved_backend(name, device, kv_pool.kind, kv_pool.quantized)
+    if name == "torch" and deterministic and device == "cuda":
+        raise ValueError(deterministic_torch_on_cuda(kv_pool))
     if name == "torch" and deterministic:
         from common.attention.fixed_split import FixedSplitAttention
 
@@ -40,5 +43,16 @@ def make_attention_backend(
             )
         from common.attention.flashinfer_backend import FlashInferAttention
 
-        return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling, flashinfer_backend)
+        return FlashInferAttention(kv_pool, num_q_heads, head_dim, scaling, flashinfer_backend, deterministic)
     raise ValueError(f"unknown attention_backend {name!r}; choose torch or flashinfer")
+
+
+def deterministic_torch_on_cuda(kv_pool: KVPool) -> str:
+    """The one line refusing --enable-deterministic-inference on the torch backend on CUDA (an explicit flag, or
+    what auto chose for an FP8, MLA or float32 pool)."""
+    pool = f"{kv_pool.kind.upper()} pool of {str(kv_pool.dtype).removeprefix('torch.')}"
+    return (
+        f"--enable-deterministic-inference on CUDA runs on FlashInfer (MHA pools in bfloat16/float16), not the torch "
+        f"backend this {pool} needs: its batched products are not batch-invariant on CUDA; use --device cpu, or drop "
+        "--enable-deterministic-inference"
+    )

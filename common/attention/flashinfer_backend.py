@@ -13,6 +13,16 @@ next plan() on that wrapper rewrites the buffer. Nothing else orders the two on 
 reading its tokens, but consecutive prefill chunks that sample nothing (a prefill server's long prompts) do not.
 So an event is recorded after every plan() and waited on before the same wrapper's next one (`_plan`).
 
+--enable-deterministic-inference (`deterministic`): every plan() passes `disable_split_kv=True` (FlashInfer's own
+batch-invariance switch, the one SGLang passes for its CUDA graphs): a query's keys are reduced by one thread block
+from position 0 on, in the kernel's KV tiles, with no split to merge, so neither the batch nor a graph's padded size
+changes how its sum is cut; the decode runs on the tensor-core (prefill) kernels, the only decode that honours it.
+What is left is the query tile FA2 picks per plan from the batch's mean query rows per request (x query heads per
+KV head): one tile for every decode step of a model (one row each: batch-invariant, graphs and eager alike), 128
+rows for a prefill chunk of more than 64 packed rows, 16 or 64 for a shorter one; so the scheduler gives a prefill forward one request (prefill_queue.py), and the tile,
+hence the bits, follow the chunk alone. A token computed in a prefill chunk and the same token in a decode step
+go through different tiles (different bits): docs/gpu.md says what holds.
+
 The kernel family is pinned (`--flashinfer-backend`, default fa2, as SGLang and mini-sglang pin it):
 FlashInfer's "auto" builds FA3's kernels on Hopper besides FA2's (for the tensor-core decode), several
 ten-file nvcc builds on a first start instead of two.
@@ -59,7 +69,9 @@ class GraphBuffers:
 
 
 class FlashInferAttention(AttentionBackend):
-    def __init__(self, kv_pool, num_q_heads: int, head_dim: int, scaling: float, backend: str = "fa2"):
+    def __init__(
+        self, kv_pool, num_q_heads: int, head_dim: int, scaling: float, backend: str = "fa2", deterministic=False
+    ):
         super().__init__(kv_pool, num_q_heads, head_dim, scaling)
         import flashinfer
 
@@ -67,7 +79,8 @@ class FlashInferAttention(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.backend = backend
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=backend)
-        self.use_tensor_cores = num_q_heads // kv_pool.kv_heads >= 4
+        self.deterministic = deterministic  # --enable-deterministic-inference: no KV split (the module docstring)
+        self.use_tensor_cores = deterministic or num_q_heads // kv_pool.kv_heads >= 4
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "HND", use_tensor_cores=self.use_tensor_cores, backend=backend
         )
@@ -136,14 +149,16 @@ class FlashInferAttention(AttentionBackend):
         done.record()
 
     def _plan_decode(self, wrapper, batch: ForwardBatch) -> None:
-        wrapper.plan(*self._paged(batch), pos_encoding_mode="NONE", **self._dtypes())
+        wrapper.plan(*self._paged(batch), pos_encoding_mode="NONE", **self._dtypes(), **self._split())
 
     def _plan_prefill(self, wrapper, batch: ForwardBatch, graph_tokens: int = 0) -> None:
         """`graph_tokens` > 1: a verify graph's wrapper, every request (padding rows too) `graph_tokens` query rows,
         which FlashInfer's CUDA-graph planner is told (`uniform_q_len`: its query tile for those rows, not for
         the ragged worst case)."""
         uniform = {"uniform_q_len": graph_tokens} if graph_tokens > 1 else {}
-        wrapper.plan(batch.pages.qo_indptr, *self._paged(batch), causal=True, **self._dtypes(), **uniform)
+        wrapper.plan(
+            batch.pages.qo_indptr, *self._paged(batch), causal=True, **self._dtypes(), **uniform, **self._split()
+        )
 
     def _paged(self, batch: ForwardBatch) -> tuple:
         """What both wrappers' plan() take of the batch's pages, in their order: kv_indptr, the page
@@ -152,6 +167,10 @@ class FlashInferAttention(AttentionBackend):
         indices = page_indices(meta, batch.req_pool_indices, batch.req_to_token, self.page_size)
         shape = (self.num_q_heads, self.kv_pool.kv_heads, self.head_dim, self.page_size)
         return (meta.kv_indptr, indices, meta.last_page_len, *shape)
+
+    def _split(self) -> dict:
+        """FlashInfer's split of the KV sequence: its own choice per plan, or none (deterministic)."""
+        return {"disable_split_kv": True} if self.deterministic else {}
 
     def _dtypes(self) -> dict:
         return {"sm_scale": self.scaling, "q_data_type": self.kv_pool.dtype, "kv_data_type": self.kv_pool.dtype}

@@ -21,6 +21,9 @@ class PrefillQueue:
         self.config, self.memory, self.lora = config, memory, lora
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose next chunk runs before anyone else's
+        # --enable-deterministic-inference on CUDA: one request per prefill forward, so FlashInfer's query tile
+        # (picked from the batch's mean rows per request) follows the request's chunk alone (flashinfer_backend.py)
+        self.per_forward = 1 if config.enable_deterministic_inference and config.device == "cuda" else 1 << 30
         self.plan: BatchPlan | None = None  # the plan schedule() is building (read when it raises)
         self.considering: Req | None = None
 
@@ -68,7 +71,7 @@ class PrefillQueue:
                 self.chunked = req  # wait for memory; admit nobody ahead of it
                 return None
             budget -= used
-        while budget > 0 and self.chunked is None and len(plan.reqs) < slots_left:
+        while budget > 0 and self.chunked is None and len(plan.reqs) < min(slots_left, self.per_forward):
             req = self.considering = self._next_ready()
             if req is None:
                 break

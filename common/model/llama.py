@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from common.attention.base import AttentionBackend
 from common.core.forward_batch import ForwardBatch
 from common.model.rotary import RotaryEmbedding, apply_rotary, head_dim_of
+from common.parallel import invariant
 from common.parallel.group import SINGLE, TensorParallel
 from common.parallel.layers import (
     ColumnParallelLinear,
@@ -45,7 +46,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * torch.rsqrt(invariant.rowwise(lambda t: t.pow(2).mean(-1, keepdim=True), x) + self.eps)
         return self.weight * x.to(dtype)
 
 

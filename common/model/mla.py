@@ -30,7 +30,7 @@ from common.core.forward_batch import ForwardBatch
 from common.model.llama import RMSNorm
 from common.model.rotary import apply_rotary, rope_parameters
 from common.parallel.group import SINGLE, TensorParallel
-from common.parallel.invariant import per_row
+from common.parallel.invariant import rows
 from common.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -92,8 +92,8 @@ class MLAttention(nn.Module):
         q_pe, k_pe = rotate(q_pe, *cos_sin), rotate(k_pe[:, None, :], *cos_sin)
         w = self.kv_b_proj.dense_weight(x.dtype).view(self.num_heads, self.nope + self.v_head_dim, r)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_latent = per_row(lambda q: torch.einsum("thn,hnr->thr", q, w_uk), q_nope)
+        q_latent = rows(lambda q: torch.einsum("thn,hnr->thr", q, w_uk), q_nope)
         kv = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, r + rope]: what the pool keeps
         out = attn.forward(torch.cat((q_latent, q_pe), dim=-1), kv, kv[..., :r], self.layer_id, batch)
-        out = per_row(lambda o: torch.einsum("thr,hvr->thv", o, w_uv), out)
+        out = rows(lambda o: torch.einsum("thr,hvr->thv", o, w_uv), out)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))

@@ -12,7 +12,8 @@ With the group of one rank (`SINGLE`) each is the single-device operation, with 
 is oneDNN's, which PyTorch uses for bfloat16 but not for float32 (that goes to MKL, whose float32 GEMV
 and small-batch GEMM take a slow path on AMD CPUs: a decode step of the built-in model up to 1.4x slower,
 docs/performance.md). Elsewhere it is `F.linear`. With --enable-deterministic-inference a one-row product is
-computed as two rows (common/parallel/invariant.py: the same kernel for every batch size).
+computed as two rows on the CPU, and every product in fixed tiles of rows on CUDA (common/parallel/invariant.py:
+the same kernel for every batch size).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldn
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b, as F.linear; on the CPU in float32 through oneDNN (the module docstring says why)."""
-    if invariant.enabled() and len(x) == 1:
-        return invariant.per_row(lambda rows: _linear(rows, weight, bias), x)
+    if invariant.enabled() and (len(x) == 1 or x.device.type != "cpu"):
+        return invariant.rows(lambda rows: _linear(rows, weight, bias), x)
     return _linear(x, weight, bias)
 
 

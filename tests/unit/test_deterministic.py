@@ -195,7 +195,7 @@ def test_a_deterministic_decode_refuses_a_prefill_that_is_not():
 @pytest.mark.parametrize(
     "flags, names",
     [
-        ({"device": "cuda"}, "--device cuda"),
+        ({"device": "cuda", "disable_radix_cache": True, "attention_backend": "torch"}, "--device cuda"),
         ({"tp_size": 4}, "--tp-size 4"),
         ({"enable_lora": True, "lora_paths": ["a=/x"]}, "--enable-lora"),
     ],
