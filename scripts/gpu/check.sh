@@ -21,7 +21,7 @@
 # results.json are rewritten after every step (a run cut at the limit keeps what passed), printed last.
 # Order: unpack, probe, the kernels loaded (or built) in the background, the models generated, the transfer
 # tests; once no nvcc runs, the transfer benchmark (its ratios); the GPU correctness steps (CHECKS, one line
-# each: FlashInfer attention and sampling, CUDA graphs, parity, the FP8 block GEMM), bf16 parity vs transformers (graphs on), the
+# each: FlashInfer attention and sampling, CUDA graphs, parity, the FP8 block GEMM, deterministic inference), bf16 parity vs transformers (graphs on), the
 # decode roofline with and without graphs (and their greedy tokens compared), PD TTFT; each step time-boxed,
 # the whole run stops starting steps at DEADLINE seconds (default 540).
 set -o pipefail
@@ -326,6 +326,8 @@ L.append(f"kernels: {len(unloadable)} carried failed to load; JIT-built {R['kern
 for f in ("parity", "roofline"):  # CUDA graphs: sizes, seconds, memory used against what the pool's sizing set aside
     p = f"{W}/logs/{f}.log"
     L += [f"{f}: " + l.split("CUDA graphs: ", 1)[1].strip() for l in (open(p, errors="replace") if os.path.exists(p) else []) if "CUDA graphs: " in l]
+p = f"{W}/logs/deterministic_tests.log"  # --enable-deterministic-inference: which parts held (one line each)
+L += sorted({l.strip() for l in (open(p, errors="replace") if os.path.exists(p) else []) if l.startswith("deterministic: ")})
 for f in sorted(glob.glob(f"{W}/logs/*tests.log")):
     last = [l for l in open(f, errors="replace").read().splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", l)]
     L.append(f"{os.path.basename(f)}: {last[-1] if last else 'no pytest summary'}")
@@ -356,6 +358,7 @@ EOF
 CHECKS=(
   'gpu_tests 220 tests/gpu/test_flashinfer_attention.py tests/gpu/test_flashinfer_sampling.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_parity.py -k "not (float16 and not bfloat16)"'
   'fp8_gemm 60 tests/gpu/test_fp8_gemm.py'
+  'deterministic_tests 90 tests/gpu/test_deterministic.py'
 )
 step probe 120 python3 "$W/probe.py" "$W/env.json"; cat "$W/logs/probe.log" > "$OUT/env.txt"
 KERNELS=${KERNELS:-.gpu/kernels}; echo "kernels: $(ls "$KERNELS"/*.so.xz 2>/dev/null | wc -l) carried ($KERNELS)" >> "$W/steps.txt"

@@ -60,6 +60,8 @@ def fakes(root: Path, jit_ok: bool = True, probe_seconds: int = 0) -> Path:
         "bench_mooncake/log": "RuntimeError: Mooncake batch write failed\n",
         "bench_mooncake/rc": "1",
         "gpu_tests/log": "1 failed, 14 passed in 120.0s\n",
+        "deterministic_tests/log": "deterministic: batch 8 == alone (graphs): held\n"
+        "deterministic: chunked prefill (64) == one chunk: DIFFERS\n1 failed, 5 passed in 40.0s\n",
         "parity/parity.json": json.dumps(PARITY),
         "parity/log": "01:02:03 INFO common.engine.graph_capture: CUDA graphs: 9 sizes of decode steps captured in 2.1 s, "
         "310 MiB (402 MiB set aside before the KV pool)\n",
@@ -110,11 +112,15 @@ def test_the_check_runs_every_step_in_order_and_summarizes_the_results(tmp_path)
     assert summary[0].startswith("GPU NVIDIA H100 80GB HBM3 torch 2.11.0+cu130 nvcc  13.0, V13.0.88 | d2d 1400.0 GB/s")
     assert summary[1] == "imports: flashinfer=ok, nixl._api=FAIL"
     steps = [line.split()[0] for line in summary if re.match(r"\w+ rc=\d+ ", line)]
-    order = ["probe", "gen_models", "transfer_tests", "bench_nixl", "bench_mooncake", "gpu_tests", "fp8_gemm", "parity"]
+    order = ["probe", "gen_models", "transfer_tests", "bench_nixl", "bench_mooncake", "gpu_tests", "fp8_gemm"]
+    order += ["deterministic_tests", "parity"]
     assert steps == [*order, "roofline", "pd_ttft"]  # the failed bench did not stop the rest
     assert "bench_mooncake rc=1 " in "\n".join(summary) and any(line.startswith("jit=ok") for line in summary)
     assert "gpu_tests.log: 1 failed, 14 passed in 120.0s" in summary
     assert "transfer_tests.log: 3 passed in 41.0s" in summary
+    assert "deterministic_tests.log: 1 failed, 5 passed in 40.0s" in summary  # and which parts held:
+    assert "deterministic: chunked prefill (64) == one chunk: DIFFERS" in summary
+    assert "deterministic: batch 8 == alone (graphs): held" in summary
     assert "kernels: 0 carried (" in "\n".join(summary)
     assert "kernels: 1 carried failed to load; JIT-built ['batch_decode_hd64']" in summary
     assert summary.index(next(s for s in summary if s.startswith("jit=ok"))) < summary.index(
@@ -166,6 +172,7 @@ def test_a_failed_kernel_build_runs_the_rest_on_torch_and_the_deadline_skips_wha
         "bench_mooncake",
         "gpu_tests",
         "fp8_gemm",
+        "deterministic_tests",
         "parity",
         "roofline",
         "pd_ttft",
@@ -195,7 +202,8 @@ def test_a_correctness_step_is_one_more_line_and_runs_after_the_existing_ones(tm
     script.write_text(text.replace("\n)\nstep probe ", "\n" + line + ")\nstep probe ", 1))
     _, out, work = run_check(tmp_path, script=script)
     steps = [line.split()[0] for line in (out / "summary.txt").read_text().splitlines() if re.match(r"\w+ rc=", line)]
-    assert steps[steps.index("gpu_tests") :][:4] == ["gpu_tests", "fp8_gemm", "quant_gemm", "parity"]
+    tail = ["gpu_tests", "fp8_gemm", "deterministic_tests", "quant_gemm", "parity"]
+    assert steps[steps.index("gpu_tests") :][:5] == tail
     assert commands(work)["quant_gemm"].startswith("+ python3 -m pytest tests/gpu/test_quant_gemm.py -q ")
     assert "--timeout 70" in commands(work)["quant_gemm"]
 
@@ -213,7 +221,11 @@ def test_a_run_cut_short_keeps_the_summary_of_what_ran(tmp_path):
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()
     lines = summary.read_text().splitlines()
-    assert [line.split()[0] for line in lines if re.match(r"\w+ rc=", line)][-3:] == ["gpu_tests", "fp8_gemm", "parity"]
+    assert [line.split()[0] for line in lines if re.match(r"\w+ rc=", line)][-3:] == [
+        "fp8_gemm",
+        "deterministic_tests",
+        "parity",
+    ]
     assert "parity flashinfer lp|max| 0.0100 top1 1.000 greedy full 2/2 gaps@diff []" in lines
     assert json.loads((tmp_path / "out" / "results.json").read_text())["parity"] == PARITY
 
