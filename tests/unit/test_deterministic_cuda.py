@@ -123,7 +123,9 @@ def test_on_cuda_a_prefill_forward_holds_one_request(tmp_path):
 def test_the_torch_backend_on_cuda_is_refused_under_the_flag_in_one_line():
     with pytest.raises(ValueError) as e:
         make_attention_backend("torch", "cuda", pool(), 4, 64, 0.125, "fa2", True)
-    assert len(str(e.value).splitlines()) == 1 and "FlashInfer" in str(e.value) and "MHA pool of float32" in str(e.value)
+    assert (
+        len(str(e.value).splitlines()) == 1 and "FlashInfer" in str(e.value) and "MHA pool of float32" in str(e.value)
+    )
 
 
 @pytest.mark.parametrize(
