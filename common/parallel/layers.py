@@ -67,7 +67,10 @@ class QuantizableLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is None:
             return linear(x, self.weight, bias)
-        return self.quant.apply(x, self.weight, getattr(self, self.quant.scale_name), bias)
+        scale = getattr(self, self.quant.scale_name)
+        if invariant.enabled() and x.device.type != "cpu":  # FP8 / 4-bit GEMMs in fixed tiles too (invariant.py)
+            return invariant.tiled(lambda rows: self.quant.apply(rows, self.weight, scale, bias), x)
+        return self.quant.apply(x, self.weight, scale, bias)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` as a tensor of its own (MLA's absorbed products read it whole)."""

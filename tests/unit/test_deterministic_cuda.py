@@ -21,7 +21,7 @@ from common.engine.prefill_queue import PrefillQueue
 from common.memory.kv_pool import KVPool
 from common.model.llama import RMSNorm
 from common.parallel import invariant
-from common.parallel.layers import linear
+from common.parallel.layers import ColumnParallelLinear, linear
 from common.wire.sampling_params import SamplingParams
 from tests.integration.tiny_model import random_prompts, save_tiny_llama
 from tests.unit import fake_flashinfer
@@ -82,8 +82,25 @@ def test_off_the_cpu_every_product_and_norm_goes_through_tiles_and_on_the_cpu_no
     cpu = torch.randn(5, 32)
     want = RMSNorm(32, 1e-6)(cpu)
     assert torch.equal(RMSNorm(32, 1e-6)(cpu), want) and calls == [100, 100]  # the CPU's paths: unchanged
+    quantized = ColumnParallelLinear(32, 16, bias=False).to("meta")
+    quantized.quant = Quantized()
+    assert quantized(x).shape == (100, 16) and calls == [100, 100, 100]  # an FP8 / 4-bit layer's GEMM too
+    assert set(quantized.quant.rows) == {invariant.TILE_ROWS}
     invariant.enable(False)
-    assert linear(x, w).shape == (100, 16) and calls == [100, 100]  # switch off: no tiles
+    assert linear(x, w).shape == (100, 16) and calls == [100, 100, 100]  # switch off: no tiles
+
+
+class Quantized:
+    """A quantized linear method's interface (common.quant.fp8_block.BlockFP8), recording the rows it is given."""
+
+    scale_name = "weight"
+
+    def __init__(self):
+        self.rows = []
+
+    def apply(self, x, weight, scale, bias):
+        self.rows.append(len(x))
+        return x @ weight.T
 
 
 def pool() -> KVPool:
