@@ -21,7 +21,8 @@ from common.wire.user_error import UserError
 
 SUPPORTED = (
     "fp8 with weight_block_size (DeepSeek's FP8 blocks: e4m3 weights, dynamic activations), compressed-tensors "
-    f"float-quantized (FP8 weights, per-tensor or per-channel scales), and {SUPPORTED_INT4}"
+    f"float-quantized (FP8 weights, per-tensor or per-channel scales), {SUPPORTED_INT4}, and gguf on a .gguf "
+    "file (its Q4_0, Q4_1 and Q4_K layers kept in 4 bits)"
 )
 # SGLang's and vLLM's --quantization names (what a user may type); fp8, compressed-tensors, awq and gptq load
 # here, and the Marlin spellings name the same checkpoints (`ALIASES`: on the CPU, the same product)
@@ -95,6 +96,11 @@ def detect_scheme(model_dir: Path, hf_config: Any, flag: str | None = None) -> Q
         raise UserError(f"--quantization {flag}: not a quantization method; Tandem reads {SUPPORTED}")
     qc = quantization_config(hf_config)
     if qc is None:
+        if flag == "gguf":
+            raise UserError(
+                f"--quantization gguf: --model {model_dir} is a checkpoint directory with unquantized weights; "
+                "gguf serves a .gguf file (--model FILE.gguf, or --model builtin): give one or drop the flag"
+            )
         if flag is not None:
             raise UserError(
                 f"--quantization {flag}: --model {model_dir} has unquantized weights (no quantization_config in "

@@ -49,6 +49,11 @@ def test_the_scheme_is_read_from_quantization_config_and_the_flag_may_insist():
         (FP8 | {"activation_scheme": "static"}, None, "activation_scheme static is not supported"),
         (FP8, "gptq", "--quantization gptq: --model m is quantized with fp8; drop the flag"),
         (None, "fp8", "--quantization fp8: --model m has unquantized weights"),
+        (
+            None,
+            "gguf",
+            "--quantization gguf: --model m is a checkpoint directory with unquantized weights; gguf serves",
+        ),
         (None, "int3", "--quantization int3: not a quantization method; Tandem reads fp8 with weight_block_size"),
     ],
 )
